@@ -1,0 +1,1 @@
+"""edgeserve: the composition root (CLI, paths) and the small vocabulary every room shares."""

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its pure-torch reference (`*_ref`)."""

@@ -1,0 +1,1 @@
+"""Model families written plainly in PyTorch; quantization and KV dtype are applied to them."""

@@ -1,0 +1,44 @@
+"""What the engine hands back: one `RequestOutput` per step per request, and its stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The new tokens one request produced in one engine step.
+
+    `text` is the detokenized delta (it may hold back bytes of an unfinished
+    UTF-8 character or a possible stop-string prefix until they resolve).
+    Counts are cumulative. The last output of a request has `finished=True`.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the node's KV pool and queues (the capacity record's source)."""
+
+    model: str
+    kv_dtype: str
+    page_size: int
+    num_pages: int
+    num_free_pages: int
+    num_running: int
+    num_waiting: int
+    max_model_len: int
+    num_preemptions: int = 0
+
+    @property
+    def num_free_tokens(self) -> int:
+        return self.num_free_pages * self.page_size

@@ -1,0 +1,1 @@
+"""Weight quantization as pure functions, and the modules that run quantized weights."""
