@@ -1,0 +1,238 @@
+"""Placement: which node gets a request, with its tokens reserved so gateways don't pile on.
+
+Each gateway sees the same capacity records, refreshed once per heartbeat; if
+every gateway picked "the node with the most free KV" from them, a burst would
+land on one node. So the pick and a reservation of the request's estimated
+tokens happen in one atomic step against a shared reservation table (a Lua
+script in Redis for fleets, a dict for one process), and the reservation is
+released when the request ends.
+
+Score of a candidate node (higher wins, ties go to the lower node id):
+
+    free KV tokens - tokens reserved on it - num_waiting * queue_cost_tokens
+
+A node is a candidate only while `reserved + this request <= total KV tokens *
+overcommit`: the node may queue some work, but past that the fleet is out of
+capacity and the caller answers 429 / 3040. Reservations carry an expiry so a
+gateway that dies holding one cannot leak it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from scheduler.capacity import CapacityRecord, CapacityView
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One live node as the reservation step sees it."""
+
+    node_id: str
+    num_free_tokens: int
+    limit_tokens: int  # most tokens the gateways may hold reserved on it at once
+    queue_cost_tokens: int  # penalty for the requests already waiting there
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes, and the reservation to release when it ends."""
+
+    request_id: str
+    node_id: str
+    address: str
+    num_reserved_tokens: int
+
+
+class Reservations(Protocol):
+    async def reserve_best(
+        self, request_id: str, num_tokens: int, candidates: Sequence[Candidate]
+    ) -> int | None:
+        """Atomically pick the best candidate that can hold `num_tokens` and reserve them; its index, or None."""
+        ...
+
+    async def release(self, node_id: str, request_id: str) -> None: ...
+
+    async def reserved_tokens(self, node_id: str) -> int: ...
+
+
+_RESERVE_BEST = """
+-- KEYS[i]: the reservation hash of candidate i (field request_id -> "tokens:expires_ms")
+-- ARGV: request_id, num_tokens, ttl_ms, then per candidate: free_tokens, limit_tokens, queue_cost
+local need = tonumber(ARGV[2])
+local ttl = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local best, best_score = -1, 0
+for i, key in ipairs(KEYS) do
+  local reserved = 0
+  local entries = redis.call('HGETALL', key)
+  for j = 1, #entries, 2 do
+    local tokens, until_ms = string.match(entries[j + 1], '(%d+):(%d+)')
+    if tonumber(until_ms) <= now then
+      redis.call('HDEL', key, entries[j])
+    else
+      reserved = reserved + tonumber(tokens)
+    end
+  end
+  local base = 3 + (i - 1) * 3
+  local free = tonumber(ARGV[base + 1])
+  local limit = tonumber(ARGV[base + 2])
+  local queue_cost = tonumber(ARGV[base + 3])
+  if reserved + need <= limit then
+    local score = free - reserved - queue_cost
+    if best < 0 or score > best_score then
+      best, best_score = i, score
+    end
+  end
+end
+if best < 0 then
+  return -1
+end
+redis.call('HSET', KEYS[best], ARGV[1], need .. ':' .. (now + ttl))
+redis.call('PEXPIRE', KEYS[best], ttl)
+return best - 1
+"""
+
+_RESERVED_TOKENS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local reserved = 0
+local entries = redis.call('HGETALL', KEYS[1])
+for j = 1, #entries, 2 do
+  local tokens, until_ms = string.match(entries[j + 1], '(%d+):(%d+)')
+  if tonumber(until_ms) > now then reserved = reserved + tonumber(tokens) end
+end
+return reserved
+"""
+
+
+class RedisReservations:
+    """Reservation table in Redis: one hash per node, `{prefix}resv:{node_id}`.
+
+    For Redis Cluster put a hash tag in the prefix (e.g. "{edgeserve}:") so the
+    script's keys share a slot.
+    """
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "edgeserve:", ttl_s: float = 600.0):
+        self._redis = client
+        self._prefix = prefix
+        self._ttl_ms = int(ttl_s * 1000)
+        self._reserve_best = client.register_script(_RESERVE_BEST)
+        self._reserved_tokens = client.register_script(_RESERVED_TOKENS)
+
+    def _key(self, node_id: str) -> str:
+        return f"{self._prefix}resv:{node_id}"
+
+    async def reserve_best(
+        self, request_id: str, num_tokens: int, candidates: Sequence[Candidate]
+    ) -> int | None:
+        if not candidates:
+            return None
+        args: list[str | int] = [request_id, num_tokens, self._ttl_ms]
+        for c in candidates:
+            args += [c.num_free_tokens, c.limit_tokens, c.queue_cost_tokens]
+        index = int(
+            await self._reserve_best(keys=[self._key(c.node_id) for c in candidates], args=args)
+        )
+        return None if index < 0 else index
+
+    async def release(self, node_id: str, request_id: str) -> None:
+        await self._redis.hdel(self._key(node_id), request_id)
+
+    async def reserved_tokens(self, node_id: str) -> int:
+        return int(await self._reserved_tokens(keys=[self._key(node_id)]))
+
+
+class LocalReservations:
+    """The same table in one process; no await between read and write keeps it atomic."""
+
+    def __init__(self, ttl_s: float = 600.0) -> None:
+        self._ttl_s = ttl_s
+        self._table: dict[
+            str, dict[str, tuple[int, float]]
+        ] = {}  # node -> request -> (tokens, expires)
+
+    def _live(self, node_id: str, now: float) -> dict[str, tuple[int, float]]:
+        entries = self._table.setdefault(node_id, {})
+        for request_id in [r for r, (_, until) in entries.items() if until <= now]:
+            del entries[request_id]
+        return entries
+
+    async def reserve_best(
+        self, request_id: str, num_tokens: int, candidates: Sequence[Candidate]
+    ) -> int | None:
+        now = time.monotonic()
+        best, best_score = None, 0
+        for i, c in enumerate(candidates):
+            reserved = sum(tokens for tokens, _ in self._live(c.node_id, now).values())
+            if reserved + num_tokens > c.limit_tokens:
+                continue
+            score = c.num_free_tokens - reserved - c.queue_cost_tokens
+            if best is None or score > best_score:
+                best, best_score = i, score
+        if best is not None:
+            self._table[candidates[best].node_id][request_id] = (num_tokens, now + self._ttl_s)
+        return best
+
+    async def release(self, node_id: str, request_id: str) -> None:
+        self._table.get(node_id, {}).pop(request_id, None)
+
+    async def reserved_tokens(self, node_id: str) -> int:
+        return sum(tokens for tokens, _ in self._live(node_id, time.monotonic()).values())
+
+
+class Placer:
+    """Chooses a node for a request among the live ones serving its model."""
+
+    def __init__(
+        self,
+        view: CapacityView,
+        reservations: Reservations,
+        overcommit: float = 2.0,
+        queue_cost_tokens: int = 256,
+    ) -> None:
+        self._view = view
+        self._reservations = reservations
+        self._overcommit = overcommit
+        self._queue_cost_tokens = queue_cost_tokens
+
+    def _candidate(self, record: CapacityRecord) -> Candidate:
+        return Candidate(
+            node_id=record.node_id,
+            num_free_tokens=record.num_free_tokens,
+            limit_tokens=int(record.num_total_tokens * self._overcommit),
+            queue_cost_tokens=record.num_waiting * self._queue_cost_tokens,
+        )
+
+    async def has_nodes(self, model: str) -> bool:
+        return bool(await self._view.live(model))
+
+    async def place(
+        self,
+        model: str,
+        request_id: str,
+        num_tokens: int,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Placement | None:
+        """Reserve `num_tokens` on the best live node serving `model`; None when none can take it."""
+        records = [
+            r
+            for r in await self._view.live(model)
+            if r.node_id not in exclude and r.role in ("mixed", "prefill")
+        ]
+        index = await self._reservations.reserve_best(
+            request_id, num_tokens, [self._candidate(r) for r in records]
+        )
+        if index is None:
+            return None
+        chosen = records[index]
+        return Placement(request_id, chosen.node_id, chosen.address, num_tokens)
+
+    async def release(self, placement: Placement) -> None:
+        await self._reservations.release(placement.node_id, placement.request_id)

@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+
+from scheduler.capacity import (
+    CapacityRecord,
+    CapacityView,
+    LocalCapacityRegistry,
+    RedisCapacityRegistry,
+    load_estimate,
+)
+
+
+def record(
+    node_id: str, *, ttl_s: float = 5.0, published_at: float | None = None, models=("smollm2",)
+) -> CapacityRecord:
+    return CapacityRecord(
+        node_id=node_id,
+        address=f"http://127.0.0.1:9{node_id[-1]}00",
+        role="mixed",
+        models=models,
+        num_pages=64,
+        num_free_pages=48,
+        page_size=16,
+        kv_dtype="fp8",
+        num_running=2,
+        num_waiting=1,
+        load=0.25,
+        published_at=time.time() if published_at is None else published_at,
+        ttl_s=ttl_s,
+    )
+
+
+def test_record_round_trips_through_json() -> None:
+    r = record("node-1", published_at=1700000000.5)
+    assert CapacityRecord.from_json(r.to_json()) == r
+    assert r.num_free_tokens == 768
+    assert r.num_total_tokens == 1024
+
+
+def test_record_is_live_until_its_ttl_passes() -> None:
+    r = record("node-1", ttl_s=2.0, published_at=100.0)
+    assert r.is_live(101.999)
+    assert not r.is_live(102.0)
+
+
+def test_load_estimate_counts_the_pool_then_the_queue() -> None:
+    assert load_estimate(num_pages=100, num_free_pages=100, num_waiting=0, max_num_seqs=8) == 0.0
+    assert load_estimate(num_pages=100, num_free_pages=25, num_waiting=0, max_num_seqs=8) == 0.75
+    assert load_estimate(num_pages=100, num_free_pages=0, num_waiting=4, max_num_seqs=8) == 1.5
+
+
+async def test_local_registry_lists_live_records_in_node_order() -> None:
+    now = [1000.0]
+    registry = LocalCapacityRegistry(clock=lambda: now[0])
+    await registry.publish(record("node-2", published_at=1000.0, ttl_s=1.0))
+    await registry.publish(record("node-1", published_at=1000.0, ttl_s=3.0))
+    assert [r.node_id for r in await registry.list_live()] == ["node-1", "node-2"]
+    now[0] = 1001.5
+    assert [r.node_id for r in await registry.list_live()] == ["node-1"]
+    await registry.remove("node-1")
+    assert await registry.list_live() == []
+
+
+async def test_redis_registry_expires_a_node_that_stops_publishing(
+    redis_client, redis_prefix
+) -> None:
+    registry = RedisCapacityRegistry(redis_client, prefix=redis_prefix)
+    a, b = record("node-a", ttl_s=0.3), record("node-b", ttl_s=30.0)
+    await registry.publish(a)
+    await registry.publish(b)
+    assert await registry.list_live() == [a, b]
+    assert 0 < await redis_client.pttl(f"{redis_prefix}node:node-a") <= 300
+    await asyncio.sleep(0.4)
+    assert await registry.list_live() == [b]
+    # The dead node's id was pruned from the index as well.
+    assert await redis_client.smembers(f"{redis_prefix}nodes") == {b"node-b"}
+    await registry.remove("node-b")
+    assert await registry.list_live() == []
+    assert await redis_client.exists(f"{redis_prefix}node:node-b") == 0
+
+
+async def test_redis_registry_ignores_a_record_past_its_own_ttl(redis_client, redis_prefix) -> None:
+    # A record whose key still exists but whose published_at + ttl has passed (e.g. a
+    # republished stale snapshot) is not used.
+    registry = RedisCapacityRegistry(redis_client, prefix=redis_prefix)
+    await registry.publish(record("node-a", ttl_s=30.0, published_at=time.time() - 31.0))
+    assert await registry.list_live() == []
+
+
+class CountingRegistry(LocalCapacityRegistry):
+    def __init__(self, clock) -> None:
+        super().__init__(clock=clock)
+        self.num_reads = 0
+
+    async def list_live(self) -> list[CapacityRecord]:
+        self.num_reads += 1
+        await asyncio.sleep(0)
+        return await super().list_live()
+
+
+async def test_view_caches_for_at_most_max_age_and_filters_by_model() -> None:
+    now = [1000.0]
+    registry = CountingRegistry(clock=lambda: now[0])
+    view = CapacityView(registry, max_age_s=1.0, clock=lambda: now[0])
+    await registry.publish(record("node-1", published_at=1000.0, ttl_s=10.0))
+    await registry.publish(record("node-2", published_at=1000.0, ttl_s=10.0, models=("other",)))
+
+    results = await asyncio.gather(*(view.live("smollm2") for _ in range(5)))
+    assert [[r.node_id for r in rs] for rs in results] == [["node-1"]] * 5
+    assert registry.num_reads == 1  # concurrent readers shared one refresh
+
+    await registry.publish(record("node-3", published_at=1000.0, ttl_s=10.0))
+    now[0] = 1000.9
+    assert [r.node_id for r in await view.live()] == ["node-1", "node-2"]
+    now[0] = 1001.0
+    assert [r.node_id for r in await view.live()] == ["node-1", "node-2", "node-3"]
+    assert registry.num_reads == 2
+
+
+async def test_view_never_returns_a_cached_record_past_its_ttl() -> None:
+    now = [1000.0]
+    registry = LocalCapacityRegistry(clock=lambda: now[0])
+    view = CapacityView(registry, max_age_s=60.0, clock=lambda: now[0])
+    await registry.publish(record("node-1", published_at=1000.0, ttl_s=2.0))
+    assert len(await view.live()) == 1
+    now[0] = 1002.0
+    assert await view.live() == []
+
+
+def test_record_is_frozen() -> None:
+    r = record("node-1")
+    with pytest.raises(AttributeError):
+        r.models = ()  # type: ignore[misc]
+    assert replace(r, models=("x",)).models == ("x",)

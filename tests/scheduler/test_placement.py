@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from scheduler.capacity import CapacityRecord, CapacityView, LocalCapacityRegistry
+from scheduler.placement import (
+    Candidate,
+    LocalReservations,
+    Placement,
+    Placer,
+    RedisReservations,
+)
+
+
+def record(
+    node_id: str, *, free_pages: int = 64, waiting: int = 0, models=("smollm2",), role="mixed"
+) -> CapacityRecord:
+    return CapacityRecord(
+        node_id=node_id,
+        address=f"http://{node_id}:8081",
+        role=role,
+        models=models,
+        num_pages=64,
+        num_free_pages=free_pages,
+        page_size=16,  # 1024 tokens in all
+        kv_dtype="fp8",
+        num_running=0,
+        num_waiting=waiting,
+        load=0.0,
+        published_at=time.time(),
+        ttl_s=30.0,
+    )
+
+
+@pytest.fixture(params=["local", "redis"])
+def reservations(request, redis_client, redis_prefix):
+    if request.param == "local":
+        return LocalReservations()
+    return RedisReservations(redis_client, prefix=redis_prefix)
+
+
+async def test_reserve_best_picks_the_highest_score_and_counts_reservations(reservations) -> None:
+    a = Candidate("node-a", num_free_tokens=1000, limit_tokens=2000, queue_cost_tokens=0)
+    b = Candidate("node-b", num_free_tokens=900, limit_tokens=2000, queue_cost_tokens=0)
+    assert await reservations.reserve_best("r1", 300, [a, b]) == 0  # a: 1000 > b: 900
+    assert await reservations.reserve_best("r2", 300, [a, b]) == 1  # a: 700 < b: 900
+    assert await reservations.reserve_best("r3", 300, [a, b]) == 0  # a: 700 > b: 600
+    assert await reservations.reserved_tokens("node-a") == 600
+    assert await reservations.reserved_tokens("node-b") == 300
+    await reservations.release("node-a", "r1")
+    assert await reservations.reserved_tokens("node-a") == 300
+
+
+async def test_reserve_best_skips_nodes_past_their_limit_and_returns_none_when_full(
+    reservations,
+) -> None:
+    a = Candidate("node-a", num_free_tokens=1000, limit_tokens=500, queue_cost_tokens=0)
+    b = Candidate("node-b", num_free_tokens=0, limit_tokens=400, queue_cost_tokens=0)
+    assert await reservations.reserve_best("r1", 400, [a, b]) == 0
+    assert await reservations.reserve_best("r2", 400, [a, b]) == 1  # a would hold 800 > 500
+    assert await reservations.reserve_best("r3", 1, [a, b]) == 0  # 401 <= 500
+    assert await reservations.reserve_best("r4", 100, [a, b]) is None
+    assert await reservations.reserve_best("r5", 1, []) is None
+
+
+async def test_queue_depth_counts_against_a_node(reservations) -> None:
+    busy = Candidate("node-a", num_free_tokens=1000, limit_tokens=2000, queue_cost_tokens=512)
+    idle = Candidate("node-b", num_free_tokens=600, limit_tokens=2000, queue_cost_tokens=0)
+    assert await reservations.reserve_best("r1", 10, [busy, idle]) == 1
+
+
+async def test_concurrent_reservations_never_overbook(reservations) -> None:
+    # 40 gateways' worth of requests at once against a 1000-token limit: exactly 10 fit.
+    nodes = [Candidate("node-a", 1000, 1000, 0)]
+    results = await asyncio.gather(
+        *(reservations.reserve_best(f"r{i}", 100, nodes) for i in range(40))
+    )
+    assert sorted(results, key=lambda r: r is None) == [0] * 10 + [None] * 30
+    assert await reservations.reserved_tokens("node-a") == 1000
+
+
+async def test_expired_reservations_are_dropped(redis_client, redis_prefix) -> None:
+    reservations = RedisReservations(redis_client, prefix=redis_prefix, ttl_s=0.2)
+    node = [Candidate("node-a", 1000, 100, 0)]
+    assert await reservations.reserve_best("r1", 100, node) == 0
+    assert await reservations.reserve_best("r2", 100, node) is None
+    await asyncio.sleep(0.25)
+    assert await reservations.reserve_best("r2", 100, node) == 0
+
+
+async def test_placer_spreads_a_burst_and_filters_model_role_and_exclusions() -> None:
+    registry = LocalCapacityRegistry()
+    for r in [
+        record("node-a"),
+        record("node-b"),
+        record("node-c", models=("other",)),
+        record("node-d", role="decode"),
+    ]:
+        await registry.publish(r)
+    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
+    chosen = [await placer.place("smollm2", f"r{i}", 100) for i in range(4)]
+    assert [p.node_id for p in chosen if p] == ["node-a", "node-b", "node-a", "node-b"]
+    assert chosen[0] == Placement("r0", "node-a", "http://node-a:8081", 100)
+
+    retry = await placer.place("smollm2", "r9", 100, exclude=frozenset({"node-a"}))
+    assert retry is not None and retry.node_id == "node-b"
+    assert await placer.place("missing", "r10", 100) is None
+    assert await placer.has_nodes("smollm2")
+    assert not await placer.has_nodes("missing")
+
+
+async def test_placer_answers_none_when_the_fleet_is_out_of_capacity() -> None:
+    registry = LocalCapacityRegistry()
+    await registry.publish(record("node-a"))  # 1024 tokens, overcommit 1.0
+    reservations = LocalReservations()
+    placer = Placer(CapacityView(registry, max_age_s=1.0), reservations, overcommit=1.0)
+    first = await placer.place("smollm2", "r1", 1000)
+    assert first is not None
+    assert await placer.place("smollm2", "r2", 100) is None
+    await placer.release(first)
+    assert await placer.place("smollm2", "r2", 100) is not None
