@@ -1,0 +1,111 @@
+"""The usage event: one per request, appended by the gateway when the request ends.
+
+It is the only thing that crosses from the request path into billing. Money is
+never in it: billing prices events; the gateway only counts tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal, cast
+
+from billing.errors import InvalidUsageEvent
+
+Status = Literal["ok", "cancelled", "error"]
+STATUSES: frozenset[str] = frozenset({"ok", "cancelled", "error"})
+
+_TEXT_FIELDS = ("request_id", "account_id", "model", "node_id")
+_TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens")
+_TIME_FIELDS = ("started_at", "ended_at")
+
+
+@dataclass(frozen=True, slots=True)
+class UsageEvent:
+    """What one request consumed.
+
+    `request_id` is the idempotency key: the ledger keeps the first event for an
+    id and ignores every replay. `cached_tokens` is the part of `input_tokens`
+    served from the prefix cache (billed at the cached-input price), so it never
+    exceeds `input_tokens`. `output_tokens` counts tokens actually delivered to
+    the client, which is what a cancelled stream is billed for. Times are float
+    epoch seconds; the UTC day of `ended_at` is the day the request is billed on.
+    """
+
+    request_id: str
+    account_id: str
+    model: str
+    node_id: str
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    started_at: float
+    ended_at: float
+    status: Status
+
+    def __post_init__(self) -> None:
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise InvalidUsageEvent(f"{name} must be a string, got {type(value).__name__}")
+        # node_id may be empty: a request that failed before placement ran on no node.
+        for name in ("request_id", "account_id", "model"):
+            if not getattr(self, name):
+                raise InvalidUsageEvent(f"{name} must not be empty")
+        for name in _TOKEN_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidUsageEvent(f"{name} must be a non-negative integer, got {value!r}")
+        if self.cached_tokens > self.input_tokens:
+            raise InvalidUsageEvent(
+                f"cached_tokens ({self.cached_tokens}) exceeds input_tokens ({self.input_tokens})"
+            )
+        for name in _TIME_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidUsageEvent(f"{name} must be epoch seconds, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise InvalidUsageEvent(f"{name} must be finite and non-negative, got {value!r}")
+        if self.ended_at < self.started_at:
+            raise InvalidUsageEvent(
+                f"ended_at ({self.ended_at}) is before started_at ({self.started_at})"
+            )
+        if self.status not in STATUSES:
+            raise InvalidUsageEvent(
+                f"status must be one of {sorted(STATUSES)}, got {self.status!r}"
+            )
+
+    def to_fields(self) -> dict[str, str]:
+        """Flat string fields for XADD (and for one journal line)."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # repr of a float round-trips exactly; str of an int is the int.
+            out[f.name] = repr(float(value)) if f.name in _TIME_FIELDS else str(value)
+        return out
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> UsageEvent:
+        """Parse what `to_fields` wrote (as XRANGE/XREADGROUP return it, bytes or str)."""
+        data: dict[str, str] = {}
+        for key, value in raw.items():
+            k = key.decode() if isinstance(key, bytes) else key
+            data[k] = value.decode() if isinstance(value, bytes) else value
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise InvalidUsageEvent(f"usage event lacks fields: {', '.join(missing)}")
+        try:
+            tokens = {name: int(data[name]) for name in _TOKEN_FIELDS}
+            times = {name: float(data[name]) for name in _TIME_FIELDS}
+        except ValueError as exc:
+            raise InvalidUsageEvent(f"usage event has a non-numeric field: {exc}") from None
+        return cls(
+            request_id=data["request_id"],
+            account_id=data["account_id"],
+            model=data["model"],
+            node_id=data["node_id"],
+            status=cast(Status, data["status"]),
+            **tokens,
+            **times,
+        )

@@ -1,0 +1,85 @@
+"""The local journal: usage events that could not reach Redis, one JSON line each, fsynced.
+
+A gateway owns its journal file alone (one path per gateway process). A line is
+appended with O_APPEND and fsynced before `append` returns, so an event the
+journal accepted survives a crash; a line torn by a crash mid-write fails to
+parse and is set aside in `<journal>.rejected` rather than replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from billing.errors import InvalidUsageEvent
+from billing.events import UsageEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class JournalContents:
+    events: list[UsageEvent]
+    rejected_lines: list[str]
+
+
+class Journal:
+    """Blocking file operations; async callers run them in a thread and serialise them."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.rejected_path = self.path.with_name(self.path.name + ".rejected")
+
+    def append(self, event: UsageEvent) -> None:
+        self._append_lines(self.path, [json.dumps(event.to_fields(), sort_keys=True)])
+
+    def read(self) -> JournalContents:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return JournalContents([], [])
+        events: list[UsageEvent] = []
+        rejected: list[str] = []
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                events.append(UsageEvent.from_fields(json.loads(line)))
+            except (ValueError, TypeError, AttributeError, InvalidUsageEvent):
+                rejected.append(line)
+        return JournalContents(events, rejected)
+
+    def is_empty(self) -> bool:
+        try:
+            return self.path.stat().st_size == 0
+        except FileNotFoundError:
+            return True
+
+    def clear(self, rejected_lines: list[str]) -> None:
+        """Empty the journal after its events reached Redis, keeping unparsable lines aside."""
+        if rejected_lines:
+            log.warning(
+                "billing journal %s: %d unparsable lines set aside", self.path, len(rejected_lines)
+            )
+            self._append_lines(self.rejected_path, rejected_lines)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _append_lines(path: Path, lines: list[str]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = "".join(line + "\n" for line in lines).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)

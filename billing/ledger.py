@@ -1,0 +1,298 @@
+"""The ledger: one row per billed request, keyed by request id, so billing is exactly once.
+
+Two stores behind one interface: `SqliteLedger` (embedded, a file path; what
+`edgeserve up` uses) and `PostgresLedger` (psycopg 3, a URL; for fleets). The
+worker, reports and reconciliation only see `Ledger`.
+
+The interface is synchronous on purpose: both drivers are blocking, so async
+callers hop to a thread (`asyncio.to_thread`); each ledger serialises its one
+connection with a lock, which is all a single worker or report handler needs.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from billing.events import Status, UsageEvent
+
+# The UTC day is stored as 'YYYY-MM-DD' text in both stores: it compares in
+# date order, groups without time-zone functions, and reads the same in SQL.
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage_ledger (
+    request_id    TEXT PRIMARY KEY,
+    account_id    TEXT NOT NULL,
+    model         TEXT NOT NULL,
+    node_id       TEXT NOT NULL,
+    input_tokens  BIGINT NOT NULL,
+    output_tokens BIGINT NOT NULL,
+    cached_tokens BIGINT NOT NULL,
+    started_at    DOUBLE PRECISION NOT NULL,
+    ended_at      DOUBLE PRECISION NOT NULL,
+    status        TEXT NOT NULL,
+    usage_day     TEXT NOT NULL,
+    recorded_at   DOUBLE PRECISION NOT NULL
+)
+"""
+_INDEX = (
+    "CREATE INDEX IF NOT EXISTS usage_ledger_day_account ON usage_ledger (usage_day, account_id)"
+)
+
+_COLUMNS = (
+    "request_id, account_id, model, node_id, input_tokens, output_tokens, cached_tokens, "
+    "started_at, ended_at, status"
+)
+_DAILY = (
+    "SELECT account_id, model, usage_day, COUNT(*), SUM(input_tokens), SUM(cached_tokens), "
+    "SUM(output_tokens) FROM usage_ledger WHERE usage_day >= {p} AND usage_day <= {p} {account} "
+    "GROUP BY account_id, model, usage_day ORDER BY usage_day, account_id, model"
+)
+# How many ids one membership query carries (SQLite's default limit is 32766 variables).
+_ID_CHUNK = 500
+
+
+def usage_day(event: UsageEvent) -> date:
+    """The UTC day a request is billed on: the day it ended."""
+    return datetime.fromtimestamp(event.ended_at, UTC).date()
+
+
+@dataclass(frozen=True, slots=True)
+class DailyUsage:
+    """Ledger totals for one account x model x UTC day."""
+
+    account_id: str
+    model: str
+    day: date
+    requests: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+class Ledger(Protocol):
+    """Where billed requests live. Every method is safe to call from any thread."""
+
+    def insert(self, event: UsageEvent) -> bool:
+        """Record one event; True if it was new, False if its request id was already billed."""
+        ...
+
+    def insert_many(self, events: Sequence[UsageEvent]) -> list[bool]:
+        """Record a batch in one transaction (committed when this returns); per event, was it new."""
+        ...
+
+    def get(self, request_id: str) -> UsageEvent | None: ...
+
+    def daily_usage(
+        self, start: date, end: date, account_id: str | None = None
+    ) -> list[DailyUsage]:
+        """Totals per account x model x day for days start..end inclusive, in day, account, model order."""
+        ...
+
+    def missing(self, request_ids: Iterable[str]) -> set[str]:
+        """Those of `request_ids` that have no ledger row."""
+        ...
+
+    def count(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _SqlLedger:
+    """The SQL both stores share; subclasses supply the connection and placeholder."""
+
+    _placeholder: str
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        marks = ", ".join([self._placeholder] * 12)
+        self._insert_sql = (
+            f"INSERT INTO usage_ledger ({_COLUMNS}, usage_day, recorded_at) VALUES ({marks}) "
+            "ON CONFLICT (request_id) DO NOTHING"
+        )
+
+    # -- what a store provides --------------------------------------------------------
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        raise NotImplementedError
+
+    def _transaction(self) -> Any:
+        raise NotImplementedError
+
+    def _existing(self, request_ids: list[str]) -> Iterable[tuple[str]]:
+        raise NotImplementedError
+
+    # -- the interface ----------------------------------------------------------------
+    def insert(self, event: UsageEvent) -> bool:
+        return self.insert_many([event])[0]
+
+    def insert_many(self, events: Sequence[UsageEvent]) -> list[bool]:
+        now = time.time()
+        is_new: list[bool] = []
+        with self._lock, self._transaction():
+            for e in events:
+                cursor = self._execute(
+                    self._insert_sql,
+                    (
+                        e.request_id,
+                        e.account_id,
+                        e.model,
+                        e.node_id,
+                        e.input_tokens,
+                        e.output_tokens,
+                        e.cached_tokens,
+                        e.started_at,
+                        e.ended_at,
+                        e.status,
+                        usage_day(e).isoformat(),
+                        now,
+                    ),
+                )
+                is_new.append(cursor.rowcount == 1)
+        return is_new
+
+    def get(self, request_id: str) -> UsageEvent | None:
+        p = self._placeholder
+        with self._lock:
+            row = self._execute(
+                f"SELECT {_COLUMNS} FROM usage_ledger WHERE request_id = {p}", (request_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        rid, account, model, node, num_in, num_out, num_cached, started, ended, status = row
+        status_value: Status = status
+        return UsageEvent(
+            request_id=rid,
+            account_id=account,
+            model=model,
+            node_id=node,
+            input_tokens=int(num_in),
+            output_tokens=int(num_out),
+            cached_tokens=int(num_cached),
+            started_at=float(started),
+            ended_at=float(ended),
+            status=status_value,
+        )
+
+    def daily_usage(
+        self, start: date, end: date, account_id: str | None = None
+    ) -> list[DailyUsage]:
+        p = self._placeholder
+        params: list[Any] = [start.isoformat(), end.isoformat()]
+        account = ""
+        if account_id is not None:
+            account = f"AND account_id = {p}"
+            params.append(account_id)
+        with self._lock:
+            rows = self._execute(_DAILY.format(p=p, account=account), params).fetchall()
+        return [
+            DailyUsage(
+                account_id=acct,
+                model=model,
+                day=date.fromisoformat(day),
+                requests=int(n),
+                input_tokens=int(num_in),
+                cached_tokens=int(num_cached),
+                output_tokens=int(num_out),
+            )
+            for acct, model, day, n, num_in, num_cached, num_out in rows
+        ]
+
+    def missing(self, request_ids: Iterable[str]) -> set[str]:
+        wanted = list(dict.fromkeys(request_ids))
+        found: set[str] = set()
+        with self._lock:
+            for i in range(0, len(wanted), _ID_CHUNK):
+                found.update(rid for (rid,) in self._existing(wanted[i : i + _ID_CHUNK]))
+        return set(wanted) - found
+
+    def count(self) -> int:
+        with self._lock:
+            (n,) = self._execute("SELECT COUNT(*) FROM usage_ledger").fetchone()
+        return int(n)
+
+
+class SqliteLedger(_SqlLedger):
+    """The embedded ledger: one SQLite file in WAL mode (a report can read while the worker writes)."""
+
+    _placeholder = "?"
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        # isolation_level=None: we open transactions ourselves, so a commit is explicit.
+        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed row survives power loss, which is what lets the worker ack after commit.
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.execute(_SCHEMA)
+        self._conn.execute(_INDEX)
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        return self._conn.execute(sql, params)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        # IMMEDIATE takes the write lock up front, so two writers queue instead of deadlocking.
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _existing(self, request_ids: list[str]) -> Iterable[tuple[str]]:
+        marks = ", ".join("?" * len(request_ids))
+        return self._conn.execute(
+            f"SELECT request_id FROM usage_ledger WHERE request_id IN ({marks})", request_ids
+        ).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class PostgresLedger(_SqlLedger):
+    """The fleet ledger on PostgreSQL (psycopg 3), given a connection URL."""
+
+    _placeholder = "%s"
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        super().__init__()
+        # autocommit: reads take no transaction; writes open one explicitly in insert_many.
+        self._conn = psycopg.connect(url, autocommit=True)
+        with self._conn.transaction():
+            self._conn.execute(_SCHEMA)
+            self._conn.execute(_INDEX)
+
+    def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self._conn.execute(sql, params)
+
+    def _transaction(self) -> Any:
+        return self._conn.transaction()
+
+    def _existing(self, request_ids: list[str]) -> Iterable[tuple[str]]:
+        return self._conn.execute(
+            "SELECT request_id FROM usage_ledger WHERE request_id = ANY(%s)", (request_ids,)
+        ).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def open_ledger(location: str | Path) -> Ledger:
+    """A PostgresLedger for a postgres:// or postgresql:// URL, else a SqliteLedger at that path."""
+    text = str(location)
+    if text.startswith(("postgres://", "postgresql://")):
+        return PostgresLedger(text)
+    return SqliteLedger(text)

@@ -1,0 +1,185 @@
+"""Where the gateway hands a finished request's usage: one non-blocking append.
+
+    UsageSink (protocol)       record(event): never raises
+    ├── RedisUsageSink         XADD to the usage stream; a local fsynced journal when Redis fails
+    └── LocalUsageSink         no Redis (`edgeserve up`): an in-process queue drained into the ledger
+
+Exactly-once is the ledger's job (unique request id), so a sink may deliver an
+event twice (an XADD that timed out but landed, then replayed from the journal)
+but must never lose one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+from billing.events import UsageEvent
+from billing.journal import Journal
+from billing.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+
+class UsageSink(Protocol):
+    async def record(self, event: UsageEvent) -> None:
+        """Hand over one event. Never raises; returns after one append (stream, journal or queue)."""
+        ...
+
+
+class RedisUsageSink:
+    """Appends events to a Redis stream, falling back to a local journal while Redis is away.
+
+    The journal is replayed (one pipelined XADD per event, then truncated) as soon
+    as an XADD succeeds again, by `replay_journal()`, and once at `start()` for
+    events a previous process left behind. One journal file per gateway process.
+    """
+
+    def __init__(
+        self,
+        redis_client: Any,
+        stream_key: str,
+        journal_path: str | Path,
+        *,
+        timeout_s: float = 0.5,
+    ) -> None:
+        self._redis = redis_client
+        self.stream_key = stream_key
+        self.journal = Journal(journal_path)
+        self._timeout_s = timeout_s
+        # Serialises journal appends with replays, so a replay never truncates a fresh line.
+        self._journal_lock = asyncio.Lock()
+        self._is_journal_pending = not self.journal.is_empty()
+        self._replay_task: asyncio.Task[int] | None = None
+        self.num_streamed = 0
+        self.num_journaled = 0
+        self.num_replayed = 0
+        self.num_lost = 0
+
+    async def start(self) -> None:
+        """Replay what a previous process journaled, if Redis answers."""
+        if self._is_journal_pending:
+            await self.replay_journal()
+
+    async def record(self, event: UsageEvent) -> None:
+        try:
+            await asyncio.wait_for(
+                self._redis.xadd(self.stream_key, event.to_fields()), self._timeout_s
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("usage stream unreachable (%s); journaling %s", exc, event.request_id)
+            await self._journal(event)
+            return
+        self.num_streamed += 1
+        if self._is_journal_pending and self._replay_task is None:
+            # Redis is back: replay in the background so this request's end is not delayed.
+            self._replay_task = asyncio.create_task(self._replay_in_background())
+
+    async def replay_journal(self) -> int:
+        """Move journaled events to the stream; returns how many. Keeps them if Redis fails."""
+        async with self._journal_lock:
+            contents = await asyncio.to_thread(self.journal.read)
+            if contents.events:
+                try:
+                    pipe = self._redis.pipeline(transaction=False)
+                    for event in contents.events:
+                        pipe.xadd(self.stream_key, event.to_fields())
+                    await asyncio.wait_for(pipe.execute(), self._timeout_s * 10)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # Some may have landed: the ledger's unique request id absorbs the repeat.
+                    log.warning(
+                        "journal replay failed (%s); keeping %d events", exc, len(contents.events)
+                    )
+                    return 0
+            await asyncio.to_thread(self.journal.clear, contents.rejected_lines)
+            self._is_journal_pending = False
+            self.num_replayed += len(contents.events)
+            return len(contents.events)
+
+    async def aclose(self) -> None:
+        if self._replay_task is not None:
+            with contextlib.suppress(Exception):
+                await self._replay_task
+
+    async def _replay_in_background(self) -> int:
+        try:
+            return await self.replay_journal()
+        finally:
+            self._replay_task = None
+
+    async def _journal(self, event: UsageEvent) -> None:
+        try:
+            async with self._journal_lock:
+                await asyncio.to_thread(self.journal.append, event)
+                self._is_journal_pending = True
+            self.num_journaled += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.num_lost += 1
+            log.exception(
+                "usage event %s LOST: neither Redis nor the journal took it", event.request_id
+            )
+
+
+class LocalUsageSink:
+    """No Redis: events go to an in-process queue; a task writes them to the ledger in batches.
+
+    Events still queued when the process dies are lost; `aclose()` drains the
+    queue, so a graceful stop loses nothing.
+    """
+
+    def __init__(self, ledger: Ledger, *, batch_size: int = 256, retry_s: float = 1.0) -> None:
+        self._ledger = ledger
+        self._queue: asyncio.Queue[UsageEvent] = asyncio.Queue()
+        self._batch_size = batch_size
+        self._retry_s = retry_s
+        self._task: asyncio.Task[None] | None = None
+        self.num_new = 0
+        self.num_duplicate = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._drain_forever())
+
+    async def record(self, event: UsageEvent) -> None:
+        self.start()
+        self._queue.put_nowait(event)
+
+    async def flush(self) -> None:
+        """Wait until every event recorded so far is committed to the ledger."""
+        await self._queue.join()
+
+    async def aclose(self) -> None:
+        if self._task is None:
+            return
+        await self.flush()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+    async def _drain_forever(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            while True:
+                try:
+                    is_new = await asyncio.to_thread(self._ledger.insert_many, batch)
+                    break
+                except Exception:
+                    # Never drop a batch: a ledger that is briefly locked or down gets retried.
+                    log.exception("ledger write failed; retrying %d events", len(batch))
+                    await asyncio.sleep(self._retry_s)
+            self.num_new += sum(is_new)
+            self.num_duplicate += len(is_new) - sum(is_new)
+            for _ in batch:
+                self._queue.task_done()

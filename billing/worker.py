@@ -1,0 +1,204 @@
+"""The billing worker: moves usage events from the Redis stream into the ledger, exactly once.
+
+    XREADGROUP (new)  ─┐
+    own pending (0)   ─┼─> parse -> ledger.insert_many (one commit) -> [after_commit hook] -> XACK
+    XAUTOCLAIM (idle) ─┘
+
+An entry is acknowledged only after its ledger row is committed. A worker that
+dies between the commit and the ack leaves the entry pending; a live worker
+claims it once it has been idle `claim_idle_ms` and inserts it again, which the
+ledger's unique request id turns into a no-op. So the stream gives
+at-least-once delivery and the ledger makes it exactly-once billing.
+
+An entry that cannot be parsed is copied to `<stream>:dead` and acknowledged,
+so one bad entry cannot wedge the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from billing.errors import InvalidUsageEvent
+from billing.events import UsageEvent
+from billing.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAM = "edgeserve:usage"
+DEFAULT_GROUP = "billing"
+
+AfterCommit = Callable[[list[str]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    stream_key: str = DEFAULT_STREAM
+    group: str = DEFAULT_GROUP
+    consumer: str = ""  # empty: hostname-pid
+    batch_size: int = 100
+    block_ms: int = 500  # how long one read waits; also bounds how late a stop is noticed
+    claim_idle_ms: int = 30_000  # a pending entry idle this long belongs to a dead worker
+    claim_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.stream_key:
+            raise ValueError("stream_key must not be empty")
+        if not self.group:
+            raise ValueError("group must not be empty")
+        for name in ("batch_size", "block_ms", "claim_idle_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.claim_interval_s <= 0:
+            raise ValueError("claim_interval_s must be positive")
+
+    @property
+    def dead_letter_key(self) -> str:
+        return f"{self.stream_key}:dead"
+
+    def consumer_name(self) -> str:
+        return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    num_new: int
+    num_duplicate: int
+    num_dead: int
+
+
+class BillingWorker:
+    """One consumer of the billing group. Run it with `await worker.run()`; stop with `stop()`."""
+
+    def __init__(
+        self,
+        redis_client: Any,
+        ledger: Ledger,
+        config: WorkerConfig | None = None,
+        *,
+        after_commit: AfterCommit | None = None,
+    ) -> None:
+        self._redis = redis_client
+        self._ledger = ledger
+        self.config = config or WorkerConfig()
+        self.consumer = self.config.consumer_name()
+        # A seam for the crash test: runs after the ledger commit and before the XACK.
+        self._after_commit = after_commit
+        self._stop = asyncio.Event()
+        self.num_new = 0
+        self.num_duplicate = 0
+        self.num_dead = 0
+        self.num_claimed = 0
+
+    def stop(self) -> None:
+        """Ask `run` to return after the batch in hand is committed and acknowledged."""
+        self._stop.set()
+
+    async def ensure_group(self) -> None:
+        """Create the stream and the consumer group if missing (from the stream's start)."""
+        try:
+            await self._redis.xgroup_create(
+                self.config.stream_key, self.config.group, id="0", mkstream=True
+            )
+        except Exception as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def run(self) -> None:
+        await self.ensure_group()
+        # Entries this consumer name was given before a restart and never acknowledged.
+        await self._drain_own_pending()
+        next_claim = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_claim:
+                await self.claim_idle()
+                next_claim = time.monotonic() + self.config.claim_interval_s
+            await self.read_once()
+
+    async def read_once(self) -> BatchResult:
+        """Read and bill one batch of new entries (waits up to block_ms for them)."""
+        reply = await self._redis.xreadgroup(
+            self.config.group,
+            self.consumer,
+            {self.config.stream_key: ">"},
+            count=self.config.batch_size,
+            block=self.config.block_ms,
+        )
+        entries = reply[0][1] if reply else []
+        return await self._process(entries)
+
+    async def claim_idle(self) -> int:
+        """Claim and bill entries left pending by dead consumers; returns how many."""
+        start = "0-0"
+        total = 0
+        while True:
+            reply = await self._redis.xautoclaim(
+                self.config.stream_key,
+                self.config.group,
+                self.consumer,
+                min_idle_time=self.config.claim_idle_ms,
+                start_id=start,
+                count=self.config.batch_size,
+            )
+            start, entries = _id(reply[0]), reply[1]
+            # Entries trimmed from the stream while pending: nothing left to bill.
+            deleted = [_id(d) for d in reply[2]] if len(reply) > 2 else []
+            if deleted:
+                await self._redis.xack(self.config.stream_key, self.config.group, *deleted)
+            live = [e for e in entries if e is not None and e[1] is not None]
+            if live:
+                await self._process(live)
+                total += len(live)
+            if start == "0-0" or self._stop.is_set():
+                break
+        self.num_claimed += total
+        return total
+
+    async def _drain_own_pending(self) -> None:
+        while not self._stop.is_set():
+            reply = await self._redis.xreadgroup(
+                self.config.group,
+                self.consumer,
+                {self.config.stream_key: "0"},
+                count=self.config.batch_size,
+            )
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return
+            await self._process(entries)
+
+    async def _process(self, entries: list[Any]) -> BatchResult:
+        if not entries:
+            return BatchResult(0, 0, 0)
+        ids: list[str] = []
+        events: list[UsageEvent] = []
+        dead: list[tuple[str, Any]] = []
+        for entry_id, fields in entries:
+            try:
+                events.append(UsageEvent.from_fields(fields))
+                ids.append(_id(entry_id))
+            except InvalidUsageEvent as exc:
+                log.error("usage entry %s is malformed (%s); dead-lettered", _id(entry_id), exc)
+                dead.append((_id(entry_id), fields))
+        is_new = await asyncio.to_thread(self._ledger.insert_many, events) if events else []
+        for entry_id, fields in dead:
+            await self._redis.xadd(self.config.dead_letter_key, {**fields, "source_id": entry_id})
+        done = ids + [entry_id for entry_id, _ in dead]
+        if self._after_commit is not None:
+            await self._after_commit(done)
+        await self._redis.xack(self.config.stream_key, self.config.group, *done)
+        result = BatchResult(sum(is_new), len(is_new) - sum(is_new), len(dead))
+        self.num_new += result.num_new
+        self.num_duplicate += result.num_duplicate
+        self.num_dead += result.num_dead
+        return result
+
+
+def _id(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from billing.errors import InvalidUsageEvent
+from billing.events import UsageEvent
+from tests.billing.conftest import DAY1, make_event
+
+
+def test_fields_round_trip_exactly() -> None:
+    event = make_event("req-1", cached_tokens=40, started_at=DAY1 + 0.1, ended_at=DAY1 + 0.3)
+    fields = event.to_fields()
+    assert fields == {
+        "request_id": "req-1",
+        "account_id": "acct-a",
+        "model": "@cf/huggingface/smollm2-135m-instruct",
+        "node_id": "node-1",
+        "input_tokens": "100",
+        "output_tokens": "20",
+        "cached_tokens": "40",
+        "started_at": repr(DAY1 + 0.1),
+        "ended_at": repr(DAY1 + 0.3),
+        "status": "ok",
+    }
+    assert UsageEvent.from_fields(fields) == event
+    as_bytes = {k.encode(): v.encode() for k, v in fields.items()}
+    assert UsageEvent.from_fields(as_bytes) == event
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"request_id": ""}, "request_id must not be empty"),
+        ({"account_id": 7}, "account_id must be a string, got int"),
+        ({"input_tokens": -1}, "input_tokens must be a non-negative integer, got -1"),
+        ({"output_tokens": True}, "output_tokens must be a non-negative integer, got True"),
+        ({"cached_tokens": 101}, "cached_tokens (101) exceeds input_tokens (100)"),
+        ({"ended_at": DAY1 - 1}, "is before started_at"),
+        ({"started_at": float("nan")}, "started_at must be finite"),
+        ({"status": "done"}, "status must be one of ['cancelled', 'error', 'ok'], got 'done'"),
+    ],
+)
+def test_bad_events_are_rejected_with_the_field_named(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidUsageEvent) as info:
+        make_event("req-1", **overrides)
+    assert message in str(info.value)
+
+
+def test_from_fields_names_missing_and_non_numeric_fields() -> None:
+    fields = make_event("req-1").to_fields()
+    del fields["status"], fields["node_id"]
+    with pytest.raises(InvalidUsageEvent, match="lacks fields: node_id, status"):
+        UsageEvent.from_fields(fields)
+    fields = make_event("req-1").to_fields() | {"output_tokens": "many"}
+    with pytest.raises(InvalidUsageEvent, match="non-numeric"):
+        UsageEvent.from_fields(fields)
+
+
+def test_empty_node_is_allowed_for_requests_that_never_reached_one() -> None:
+    assert make_event("req-1", node_id="", status="error").node_id == ""

@@ -1,0 +1,96 @@
+"""One ledger suite, run on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from datetime import date
+
+from billing.ledger import DailyUsage, Ledger
+from tests.billing.conftest import DAY1, DAY3, make_event
+
+SMOL = "@cf/huggingface/smollm2-135m-instruct"
+
+
+def test_insert_is_new_once_and_a_replay_changes_nothing(ledger: Ledger) -> None:
+    first = make_event("req-1", input_tokens=100, output_tokens=20)
+    assert ledger.insert(first) is True
+    replay = make_event("req-1", input_tokens=999, output_tokens=999)
+    assert ledger.insert(replay) is False
+    assert ledger.get("req-1") == first
+    assert ledger.count() == 1
+    assert ledger.get("req-404") is None
+
+
+def test_insert_many_reports_newness_per_event_including_repeats_in_one_batch(
+    ledger: Ledger,
+) -> None:
+    ledger.insert(make_event("req-1"))
+    batch = [make_event("req-1"), make_event("req-2"), make_event("req-3"), make_event("req-2")]
+    assert ledger.insert_many(batch) == [False, True, True, False]
+    assert ledger.count() == 3
+    assert ledger.insert_many([]) == []
+
+
+def test_daily_usage_groups_by_account_model_and_utc_day_of_the_end(ledger: Ledger) -> None:
+    ledger.insert_many(
+        [
+            make_event("a1", input_tokens=100, cached_tokens=10, output_tokens=5),
+            make_event("a2", input_tokens=50, cached_tokens=0, output_tokens=7, status="cancelled"),
+            # started on day 1, ended just after midnight UTC: billed on day 2
+            make_event("a3", started_at=DAY1 + 43_000, ended_at=DAY1 + 43_201, output_tokens=1),
+            make_event("a4", model="moe-small", ended_at=DAY1 + 2, input_tokens=3, output_tokens=4),
+            make_event("b1", account_id="acct-b", input_tokens=8, output_tokens=9, status="error"),
+            make_event("a5", started_at=DAY3, ended_at=DAY3 + 1),
+        ]
+    )
+    d1, d2 = date(2026, 11, 2), date(2026, 11, 3)
+    assert ledger.daily_usage(d1, d2) == [
+        DailyUsage("acct-a", SMOL, d1, 2, 150, 10, 12),
+        DailyUsage("acct-a", "moe-small", d1, 1, 3, 0, 4),
+        DailyUsage("acct-b", SMOL, d1, 1, 8, 0, 9),
+        DailyUsage("acct-a", SMOL, d2, 1, 100, 0, 1),
+    ]
+    assert ledger.daily_usage(d1, d1, account_id="acct-b") == [
+        DailyUsage("acct-b", SMOL, d1, 1, 8, 0, 9)
+    ]
+    assert ledger.daily_usage(date(2026, 11, 4), date(2026, 11, 4)) == [
+        DailyUsage("acct-a", SMOL, date(2026, 11, 4), 1, 100, 0, 20)
+    ]
+    assert ledger.daily_usage(d1, d2, account_id="acct-z") == []
+
+
+def test_missing_returns_ids_without_rows_across_chunks(ledger: Ledger) -> None:
+    ledger.insert_many([make_event(f"req-{i}") for i in range(0, 1200, 2)])
+    wanted = [f"req-{i}" for i in range(1200)]
+    assert ledger.missing(wanted) == {f"req-{i}" for i in range(1, 1200, 2)}
+    assert ledger.missing([]) == set()
+
+
+def test_concurrent_inserts_of_the_same_ids_bill_each_once(ledger: Ledger) -> None:
+    events = [make_event(f"req-{i}") for i in range(200)]
+    results: list[list[bool]] = []
+
+    def insert_all() -> None:
+        results.append(ledger.insert_many(events))
+
+    threads = [threading.Thread(target=insert_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(sum(r) for r in results) == 200
+    assert ledger.count() == 200
+
+
+def test_a_reopened_sqlite_ledger_keeps_its_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from billing.ledger import SqliteLedger, open_ledger
+
+    path = tmp_path / "l.sqlite3"
+    first = SqliteLedger(path)
+    first.insert(make_event("req-1"))
+    first.close()
+    again = open_ledger(path)
+    assert isinstance(again, SqliteLedger)
+    assert again.insert(make_event("req-1")) is False
+    assert again.count() == 1
+    again.close()
