@@ -11,7 +11,9 @@ from edgeserve import commands
 
 
 def build_app() -> typer.Typer:
-    app = typer.Typer(no_args_is_help=True, add_completion=False, help="edgeserve: serverless LLM inference")
+    app = typer.Typer(
+        no_args_is_help=True, add_completion=False, help="edgeserve: serverless LLM inference"
+    )
     for module_info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{module_info.name}")
         module.register(app)

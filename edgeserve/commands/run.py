@@ -1,0 +1,63 @@
+"""`edgeserve run MODEL PROMPT`: stream an answer in the terminal, no server."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run")
+    def run(
+        model: str = typer.Argument(..., help="model name (smollm2) or a .gguf path"),
+        prompt: str = typer.Argument(..., help="the user message"),
+        max_tokens: int = typer.Option(256, "--max-tokens", help="most tokens to generate"),
+        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+        top_p: float = typer.Option(1.0, "--top-p"),
+        top_k: int = typer.Option(0, "--top-k"),
+        seed: int | None = typer.Option(None, "--seed"),
+        kv_dtype: str = typer.Option("fp32", "--kv-dtype", help="fp32, bf16 or fp8"),
+        weights: str = typer.Option("fp32", "--weights", help="fp32, bf16 or int4"),
+        system: str | None = typer.Option(None, "--system", help="a system message"),
+        raw: bool = typer.Option(
+            False, "--raw", help="send the prompt as is, without the chat template"
+        ),
+        device: str = typer.Option("cpu", "--device"),
+    ) -> None:
+        """Generate a reply to PROMPT, streamed token by token."""
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from gpu_node.config import EngineConfig
+        from gpu_node.errors import EngineError
+        from gpu_node.llm_engine import LLMEngine
+        from scheduler.sequence import SamplingParams
+
+        err = Console(stderr=True)
+        try:
+            config = EngineConfig(
+                model=model, kv_dtype=kv_dtype, weights=weights, device=device, max_num_seqs=1
+            )
+            with Progress(console=err, transient=True) as bar:
+                task = bar.add_task(f"loading {model}", total=None)
+                engine = LLMEngine.from_config(
+                    config, lambda done, total: bar.update(task, completed=done, total=total)
+                )
+            tok = engine.tokenizer
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            text = prompt if raw else tok.apply_chat_template(messages)
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+            )
+            engine.add_request("cli", tok.encode(text), params)
+        except (EngineError, ValueError) as exc:
+            err.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from exc
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")

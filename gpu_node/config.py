@@ -1,0 +1,59 @@
+"""The node engine's one config object, validated at construction (errors name the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int4")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to serve and how much memory to give it.
+
+    The KV pool is sized from `kv_memory_bytes` unless `num_pages` is given;
+    the number of pages actually allocated is reported by `EngineStats`.
+    """
+
+    model: str = "smollm2"
+    kv_dtype: str = "fp32"
+    weights: str = "fp32"
+    device: str = "cpu"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_bytes: int = 256 * 1024 * 1024
+    max_model_len: int | None = None  # default: the model's context window
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    reserve_pages: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kv_dtype not in KV_DTYPES:
+            problems.append(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
+            )
+        if self.weights not in WEIGHT_FORMATS:
+            problems.append(
+                f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}"
+            )
+        if self.page_size <= 0 or self.page_size % 8:
+            problems.append(f"page_size must be a positive multiple of 8, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages <= 0:
+            problems.append(f"num_pages must be positive, got {self.num_pages}")
+        if self.kv_memory_bytes <= 0:
+            problems.append(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            problems.append(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.max_num_seqs <= 0:
+            problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            problems.append(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.reserve_pages < 0:
+            problems.append(f"reserve_pages must be >= 0, got {self.reserve_pages}")
+        if problems:
+            raise ValueError("invalid EngineConfig: " + "; ".join(problems))

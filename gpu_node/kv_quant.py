@@ -1,0 +1,179 @@
+"""FP8 KV storage: the scale layout, the reference quantize/dequantize, and capacity arithmetic.
+
+Shape letters: P pages, S page size (tokens per page), T tokens, H kv heads, D head dim.
+
+One layer's KV storage (the engine keeps one such set per layer)::
+
+    k_cache, v_cache   [P, S, H, D]   fp32 | bf16 | fp16 | float8_e4m3fn   (contiguous)
+    k_scale, v_scale   [P, S, H]      int8, fp8 only: the power-of-two exponent e
+                                      of each (token, head) row; value = fp8 * 2**e
+
+    slot = page * S + offset   ->   k_cache.view(P * S, H, D)[slot]  is one token's keys
+
+Why one power-of-two scale per token and head (measured in docs/bench/fp8_kv.md):
+
+- A token's K/V are written once, when the token is computed, and never change. A scale
+  per token is fixed at that moment, so decode appends need no re-quantization; a scale
+  per page (or per layer) would have to be known before the page's later tokens exist,
+  and a later outlier either clips or forces the whole page to be rewritten.
+- Its error is the lowest of the granularities compared (per layer, per page and head,
+  per token and head) on K/V with channel and token outliers, because one outlier token
+  only coarsens its own row.
+- A power of two (one int8 exponent, as in the OCP MX formats) costs one byte per row:
+  at SmolLM2's shape (3 kv heads, head dim 64) fp8 + scales is 65 bytes a row against
+  bf16's 128, so a budget holds 1.97x the tokens (the target is 1.9x; an fp32 scale per
+  row would give 1.88x). Multiplying by 2**e is exact, so the Triton kernels, the torch
+  references and the GPU agree bit for bit; only the fp8 rounding itself loses anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_DTYPE = torch.int8  # the stored exponent e of a row's scale 2**e
+# Rows whose |max| is below this are scaled as if their max were this; keeps e >= -72.
+MIN_AMAX = 2.0**-64
+MAX_SCALE_EXPONENT = 126  # 2**e and 2**-e stay normal fp32 numbers
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": FP8_DTYPE,
+}
+
+
+def kv_torch_dtype(kv_dtype: str) -> torch.dtype:
+    """The storage dtype of a KV dtype name ('fp32', 'bf16', 'fp16', 'fp8')."""
+    try:
+        return KV_DTYPES[kv_dtype]
+    except KeyError:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}") from None
+
+
+def is_fp8(kv_dtype: str) -> bool:
+    return kv_torch_dtype(kv_dtype) == FP8_DTYPE
+
+
+def scale_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """Shape of `k_scale` / `v_scale` beside a `[P, S, H, D]` fp8 cache."""
+    return (num_pages, page_size, num_kv_heads)
+
+
+def bytes_per_token(kv_dtype: str, num_kv_heads: int, head_dim: int, page_size: int) -> float:
+    """Bytes one token's K and V take in one layer, scales included.
+
+    `page_size` is part of the signature because a per-page scale would add
+    bytes / page_size; the per-token layout used here adds nothing per page, so the
+    figure is the same for every page size.
+    """
+    _check_positive(num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size)
+    element_bytes = kv_torch_dtype(kv_dtype).itemsize
+    row_bytes = head_dim * element_bytes
+    if is_fp8(kv_dtype):
+        row_bytes += SCALE_DTYPE.itemsize
+    return float(2 * num_kv_heads * row_bytes)  # 2: K and V
+
+
+def pages_for_budget(
+    budget_bytes: int,
+    kv_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> int:
+    """How many whole pages (across all layers) fit in `budget_bytes`."""
+    _check_positive(num_layers=num_layers)
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    page_bytes = bytes_per_token(kv_dtype, num_kv_heads, head_dim, page_size) * page_size
+    return int(budget_bytes // (page_bytes * num_layers))
+
+
+def tokens_for_budget(
+    budget_bytes: int,
+    kv_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> int:
+    """How many tokens the KV pool holds in `budget_bytes`, counted in whole pages."""
+    num_pages = pages_for_budget(
+        budget_bytes, kv_dtype, num_layers, num_kv_heads, head_dim, page_size
+    )
+    return num_pages * page_size
+
+
+def scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest e with amax <= 448 * 2**e, as int8 (any shape -> same shape).
+
+    frexp gives amax = m * 2**x with m in [0.5, 1) and 448 = 0.875 * 2**9, so
+    e = x - 9, plus one when m > 0.875. The Triton kernel computes the same from the
+    float's bits.
+    """
+    mantissa, exponent = torch.frexp(amax.float().clamp_min(MIN_AMAX))
+    e = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
+    return e.clamp(max=MAX_SCALE_EXPONENT).to(SCALE_DTYPE)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows of K or V: `[..., D]` -> (fp8 `[..., D]`, int8 exponent `[...]`).
+
+    Each row (one token's one head) gets its own scale 2**e; x / 2**e is exact in fp32
+    and the cast to fp8 rounds to nearest even.
+    """
+    x32 = x.float()
+    e = scale_exponent(x32.abs().amax(dim=-1))
+    scaled = torch.ldexp(x32, -e.to(torch.int32).unsqueeze(-1))
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), e
+
+
+def dequantize_fp8(q: torch.Tensor, e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: (fp8 `[..., D]`, int8 `[...]`) -> `[..., D]` in `dtype`."""
+    return torch.ldexp(q.float(), e.to(torch.int32).unsqueeze(-1)).to(dtype)
+
+
+def validate_kv_layer(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    """Check one layer's KV tensors against the layout above; return (P, S, H, D)."""
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [P, S, H, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match "
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if k_cache.dtype not in KV_DTYPES.values():
+        raise ValueError(f"KV cache dtype {k_cache.dtype} is not one of {list(KV_DTYPES)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    if k_cache.dtype == FP8_DTYPE:
+        expected = scale_shape(num_pages, page_size, num_kv_heads)
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is None:
+                raise ValueError(f"an fp8 cache needs {name}")
+            if tuple(scale.shape) != expected or scale.dtype != SCALE_DTYPE:
+                raise ValueError(
+                    f"{name} must be {SCALE_DTYPE} {expected}, got {scale.dtype} "
+                    f"{tuple(scale.shape)}"
+                )
+            if not scale.is_contiguous() or scale.device != k_cache.device:
+                raise ValueError(f"{name} must be contiguous and on {k_cache.device}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"scales are for fp8 caches only, the cache is {k_cache.dtype}")
+    return num_pages, page_size, num_kv_heads, head_dim
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")

@@ -1,0 +1,262 @@
+"""The synchronous engine: requests in, one step at a time, outputs out.
+
+`LLMEngine.step()` asks the scheduler for a batch, runs it, samples, applies
+stop conditions and returns what each request produced. It is driven by one
+thread (`AsyncEngine`, the CLI, tests); nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_node.config import EngineConfig
+from gpu_node.errors import InvalidRequestError
+from gpu_node.gguf_loader import GGUFModel
+from gpu_node.kv_cache import KVCache, bytes_per_page
+from gpu_node.model_runner import ModelRunner
+from gpu_node.model_store import resolve_model
+from gpu_node.models.llama import LlamaModel
+from gpu_node.outputs import EngineStats, RequestOutput
+from gpu_node.sampler import apply_penalties, sample
+from gpu_node.tokenizer import ChatTokenizer
+from gpu_node.weights import Progress, load_llama
+from scheduler.block_manager import BlockManager, pages_for
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import FinishReason, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    generator: torch.Generator | None
+    text_sent: int = 0  # characters of decoded text already emitted
+    tokens_sent: int = 0
+    text: str = ""
+    stop_at: int | None = None  # where a stop string begins in `text`
+    events: list[tuple[str, float]] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: ChatTokenizer):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.model_name = config.model
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        page_bytes = bytes_per_page(
+            config.kv_dtype, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim
+        )
+        num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
+        self.kv_cache = KVCache(
+            mc.num_layers,
+            num_pages,
+            config.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.kv_dtype,
+            config.device,
+        )
+        self.block_manager = BlockManager(num_pages, config.page_size, config.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.reserve_pages
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(model, self.kv_cache, config.device)
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_ids = itertools.count(1)
+        self._rng = torch.Generator().manual_seed(config.seed)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:
+        """Loads the model named by `config.model` (raises ModelNotFoundError)."""
+        gguf = GGUFModel(resolve_model(config.model))
+        tokenizer = ChatTokenizer(gguf)
+        model = load_llama(gguf, torch.float32, config.device, progress)
+        return cls(config, model, tokenizer)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+    ) -> None:
+        """Queues a request. Raises InvalidRequestError, changing nothing, on bad input."""
+        self.validate(request_id, prompt_token_ids, params)
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            cache_salt=cache_salt,
+            arrival=time.monotonic(),
+        )
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        )
+        generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
+        self._requests[request_id] = _RequestState(seq, generator)
+        self.scheduler.add(seq)
+
+    def validate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        problems = params.problems()
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
+                f"they exceed the context window of {self.max_model_len} tokens"
+            )
+        needed = pages_for(n + params.max_tokens, self.block_manager.page_size)
+        if needed > self.block_manager.num_pages:
+            raise InvalidRequestError(
+                f"the request needs {needed} KV pages, more than this node's {self.block_manager.num_pages}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancels a request at once, freeing its pages; returns its final output."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        state.seq.finish_reason = FinishReason.CANCELLED
+        self.scheduler.finish(state.seq)
+        return self._output(state, (), "", finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.run(batch.chunks)  # [N, V], one row per completing chunk
+        outputs: list[RequestOutput] = []
+        row = 0
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            completes = chunk.completes_sequence
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if not completes:
+                continue
+            state = self._requests[seq.request_id]
+            token = self._sample(state, logits[row])
+            row += 1
+            seq.output_token_ids.append(token)
+            outputs.append(self._advance(state, token))
+        return outputs
+
+    def _sample(self, state: _RequestState, logits: torch.Tensor) -> int:
+        seq = state.seq
+        logits = apply_penalties(logits, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+        return sample(logits, seq.params, state.generator)
+
+    def _advance(self, state: _RequestState, token: int) -> RequestOutput:
+        """Applies stop conditions after `token`; returns this step's output for the request."""
+        seq, params = state.seq, state.seq.params
+        reason: FinishReason | None = None
+        is_eos = token in self.tokenizer.stop_token_ids and not params.ignore_eos
+        if is_eos:
+            reason = FinishReason.STOP
+        state.text = self.tokenizer.decode(seq.output_token_ids)
+        if params.stop and reason is None:
+            hits = [
+                i
+                for s in params.stop
+                if (i := state.text.find(s, max(0, state.text_sent - len(s)))) >= 0
+            ]
+            if hits:
+                state.stop_at = min(hits)
+                reason = FinishReason.STOP
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        finished = reason is not None
+        end = state.stop_at if state.stop_at is not None else len(state.text)
+        if not finished:
+            # Hold back an unfinished UTF-8 character and anything that may begin a stop string.
+            if state.text.endswith("\ufffd"):
+                end = len(state.text.rstrip("\ufffd"))
+            if params.stop:
+                longest = max(len(s) for s in params.stop)
+                end = min(end, max(state.text_sent, len(state.text) - (longest - 1)))
+        delta = state.text[state.text_sent : max(end, state.text_sent)]
+        state.text_sent = max(end, state.text_sent)
+        new_tokens = tuple(seq.output_token_ids[state.tokens_sent :])
+        state.tokens_sent = seq.num_output_tokens
+        if finished:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        return self._output(state, new_tokens, delta, finished)
+
+    def _output(
+        self, state: _RequestState, tokens: tuple[int, ...], text: str, finished: bool
+    ) -> RequestOutput:
+        seq = state.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            text=text,
+            finished=finished,
+            finish_reason=str(seq.finish_reason) if finished and seq.finish_reason else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            model=self.model_name,
+            kv_dtype=self.config.kv_dtype,
+            page_size=self.block_manager.page_size,
+            num_pages=self.block_manager.num_pages,
+            num_free_pages=self.block_manager.num_free_pages,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            max_model_len=self.max_model_len,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # -- convenience -----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: dict[str, list[int]], params: SamplingParams
+    ) -> dict[str, list[int]]:
+        """Runs requests to completion; returns each one's output token ids."""
+        for request_id, ids in prompts.items():
+            self.add_request(request_id, ids, params)
+        results: dict[str, list[int]] = {rid: [] for rid in prompts}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].extend(out.token_ids)
+        return results

@@ -1,0 +1,177 @@
+"""The llama family (dense, grouped-query attention), written plainly.
+
+The model knows nothing of pages, kernels or quantization: attention goes
+through an `AttentionBackend` the runner passes in (which owns the KV cache),
+and quantized linears are swapped in after the model is built.
+
+Shape legend:
+    T  tokens in the step (all sequences, flattened)
+    D  hidden size          H  query heads      K  kv heads      E  head dim
+    F  MLP hidden size      V  vocabulary
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_node.models.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """Stores this step's K/V in the cache and attends over each sequence's context."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, H, E], k/v [T, K, E] -> [T, H, E]"""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE; `interleaved` rotates adjacent pairs (GGUF's row order), else halves (HF's)."""
+
+    def __init__(self, head_dim: int, theta: float, interleaved: bool):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.interleaved = interleaved
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [T, N, E], positions [T]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, E/2]
+        cos = freqs.cos()[:, None, :]
+        sin = freqs.sin()[:, None, :]
+        x32 = x.float()
+        if self.interleaved:
+            x1, x2 = x32[..., 0::2], x32[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = x32.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        d, e = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(d, config.num_heads * e, bias=False)
+        self.k_proj = nn.Linear(d, config.num_kv_heads * e, bias=False)
+        self.v_proj = nn.Linear(d, config.num_kv_heads * e, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * e, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)  # [T, H, E]
+        k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)  # [T, K, E]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, K, E]
+        out = attention(self.layer, q, k, v)  # [T, H, E]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, D]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Any module mapping [T, D] -> [T, D] may replace this (the MoE family does).
+        self.mlp: nn.Module = LlamaMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, rope, attention):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_interleaved)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [N, V] for the rows in `logits_indices` (all if None)."""
+        x = self.embed_tokens(input_ids)  # [T, D]
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attention)
+        if logits_indices is not None:
+            x = x[
+                logits_indices
+            ]  # only the tokens we sample from: the lm_head is the widest matmul
+        return self.lm_head(self.norm(x)).float()  # [N, V]
+
+
+# GGUF tensor names -> our parameter names, per layer.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_parameter_names(config: ModelConfig) -> dict[str, str]:
+    """Maps each GGUF tensor name to the parameter it fills."""
+    names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
+    if not config.tie_word_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(config.num_layers):
+        for src, dst in _GGUF_LAYER_NAMES.items():
+            names[f"blk.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
+    return names

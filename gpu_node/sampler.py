@@ -1,0 +1,48 @@
+"""Turns one sequence's logits into its next token.
+
+Sampling is per sequence with the sequence's own random generator, so a seeded
+request draws the same numbers whatever else shares its batch: same seed,
+same output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.sequence import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """logits [V] -> penalized copy. Repetition (HF-style, over prompt + output);
+    frequency and presence (OpenAI-style, over the output only)."""
+    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        picked = logits[seen]
+        logits = logits.clone()
+        logits[seen] = torch.where(
+            picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+        )
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
+        logits = logits.clone()
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [V] (already penalized) -> token id."""
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,78 @@
+"""Hands out KV pages. Check-then-act: running out is a return value, not an exception.
+
+Every page carries an owner tag (`page_owner[page]`) kept in step with
+allocation, so attention can verify that a sequence only touches its own
+pages. A tag is `(seq_id << 16) | generation`, where the generation counts the
+sequence's allocations (it changes when a preempted sequence is re-admitted);
+seq ids are never reused, so a freed and reused page never matches a stale tag.
+Tag 0 marks a free page.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from scheduler.sequence import Sequence
+
+FREE = 0
+_GENERATION_BITS = 16
+
+
+def owner_tag(seq_id: int, generation: int) -> int:
+    return (seq_id << _GENERATION_BITS) | (generation & ((1 << _GENERATION_BITS) - 1))
+
+
+def sequence_tag(seq: Sequence) -> int:
+    return owner_tag(seq.seq_id, seq.num_preemptions)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class BlockManager:
+    """Owns the free list and the ownership table of one KV pool."""
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"need num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_pages))
+        # int64 [num_pages], on the KV cache's device so kernels can check it.
+        self.page_owner = torch.zeros(num_pages, dtype=torch.int64, device=device)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def num_missing_pages(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages `seq` still needs to hold `num_tokens` tokens."""
+        return max(0, pages_for(num_tokens, self.page_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        return self.num_missing_pages(seq, num_tokens) + reserve <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> list[int] | None:
+        """Grows `seq.block_table` to cover `num_tokens` tokens.
+
+        Returns the new pages (possibly none), or None, changing nothing, when
+        fewer than the missing pages plus `reserve` are free.
+        """
+        missing = self.num_missing_pages(seq, num_tokens)
+        if missing + reserve > len(self._free):
+            return None
+        new_pages = [self._free.popleft() for _ in range(missing)]
+        if new_pages:
+            self.page_owner[new_pages] = sequence_tag(seq)
+            seq.block_table.extend(new_pages)
+        return new_pages
+
+    def free(self, seq: Sequence) -> None:
+        """Returns all of `seq`'s pages to the free list (most recently used last)."""
+        if seq.block_table:
+            self.page_owner[seq.block_table] = FREE
+            self._free.extend(seq.block_table)
+            seq.block_table = []
