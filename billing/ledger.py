@@ -296,3 +296,10 @@ def open_ledger(location: str | Path) -> Ledger:
     if text.startswith(("postgres://", "postgresql://")):
         return PostgresLedger(text)
     return SqliteLedger(text)
+
+
+def default_sqlite_path() -> Path:
+    """Where the embedded ledger lives when no location is given (per-user data dir)."""
+    import platformdirs
+
+    return platformdirs.user_data_path("edgeserve") / "ledger.sqlite3"

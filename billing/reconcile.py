@@ -1,0 +1,156 @@
+"""Reconciliation: does every usage event that reached the stream or a journal have a ledger row?
+
+A stream entry is in one of three states for the billing group:
+
+    unread     after the group's last-delivered id: no worker has seen it yet
+    pending    delivered, not acknowledged: a worker holds it (or died holding it)
+    acked      acknowledged: its ledger row was committed first, so it MUST be in the ledger
+
+An acknowledged event absent from the ledger is a gap (something lost a row).
+Unread and pending events without a row are in flight, and journaled events
+without a row are waiting for Redis; both are reported, neither is a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from billing.errors import InvalidUsageEvent
+from billing.events import UsageEvent
+from billing.journal import Journal
+from billing.ledger import Ledger
+
+_PAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    num_stream_entries: int
+    num_stream_requests: int  # distinct request ids (a replay adds an entry, not a request)
+    num_pending_entries: int
+    num_unread_entries: int
+    num_journal_events: int
+    num_malformed_entries: int
+    missing_from_ledger: tuple[str, ...]  # acknowledged but no row: the gaps
+    in_flight: tuple[str, ...]  # unread or pending, no row yet
+    journal_unbilled: tuple[str, ...]  # journaled, no row yet
+
+    @property
+    def is_consistent(self) -> bool:
+        return not self.missing_from_ledger
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "is_consistent": self.is_consistent,
+            "num_stream_entries": self.num_stream_entries,
+            "num_stream_requests": self.num_stream_requests,
+            "num_pending_entries": self.num_pending_entries,
+            "num_unread_entries": self.num_unread_entries,
+            "num_journal_events": self.num_journal_events,
+            "num_malformed_entries": self.num_malformed_entries,
+            "missing_from_ledger": list(self.missing_from_ledger),
+            "in_flight": list(self.in_flight),
+            "journal_unbilled": list(self.journal_unbilled),
+        }
+
+
+async def reconcile(
+    redis_client: Any,
+    ledger: Ledger,
+    stream_key: str,
+    group: str,
+    journal_paths: Sequence[str | Path] = (),
+) -> ReconcileReport:
+    last_delivered = await _last_delivered_id(redis_client, stream_key, group)
+    pending = await _pending_ids(redis_client, stream_key, group)
+    acked: dict[str, None] = {}
+    waiting: dict[str, None] = {}
+    num_entries = 0
+    num_unread = 0
+    num_malformed = 0
+    async for entry_id, fields in _entries(redis_client, stream_key):
+        num_entries += 1
+        is_delivered = _id_key(entry_id) <= _id_key(last_delivered)
+        num_unread += not is_delivered
+        try:
+            request_id = UsageEvent.from_fields(fields).request_id
+        except InvalidUsageEvent:
+            num_malformed += 1
+            continue
+        if is_delivered and entry_id not in pending:
+            acked[request_id] = None
+        else:
+            waiting[request_id] = None
+    journal_ids: dict[str, None] = {}
+    for path in journal_paths:
+        contents = await asyncio.to_thread(Journal(path).read)
+        journal_ids.update((e.request_id, None) for e in contents.events)
+
+    all_ids = list(acked) + list(waiting) + list(journal_ids)
+    absent = await asyncio.to_thread(ledger.missing, all_ids)
+    return ReconcileReport(
+        num_stream_entries=num_entries,
+        num_stream_requests=len(acked.keys() | waiting.keys()),
+        num_pending_entries=len(pending),
+        num_unread_entries=num_unread,
+        num_journal_events=len(journal_ids),
+        num_malformed_entries=num_malformed,
+        missing_from_ledger=tuple(sorted(i for i in acked if i in absent)),
+        in_flight=tuple(sorted(i for i in waiting if i in absent and i not in acked)),
+        journal_unbilled=tuple(sorted(i for i in journal_ids if i in absent)),
+    )
+
+
+async def _entries(redis_client: Any, stream_key: str) -> Any:
+    start = "-"
+    while True:
+        page = await redis_client.xrange(stream_key, min=start, max="+", count=_PAGE)
+        for entry_id, fields in page:
+            yield _text(entry_id), fields
+        if len(page) < _PAGE:
+            return
+        start = "(" + _text(page[-1][0])
+
+
+async def _last_delivered_id(redis_client: Any, stream_key: str, group: str) -> str:
+    try:
+        groups = await redis_client.xinfo_groups(stream_key)
+    except Exception as exc:
+        if "no such key" in str(exc).lower():
+            return "0-0"
+        raise
+    for info in groups:
+        if _text(info["name"]) == group:
+            return _text(info["last-delivered-id"])
+    return "0-0"  # no group yet: nothing was ever delivered
+
+
+async def _pending_ids(redis_client: Any, stream_key: str, group: str) -> set[str]:
+    ids: set[str] = set()
+    start = "-"
+    while True:
+        try:
+            page = await redis_client.xpending_range(
+                stream_key, group, min=start, max="+", count=_PAGE
+            )
+        except Exception as exc:
+            if "NOGROUP" in str(exc) or "no such key" in str(exc).lower():
+                return ids
+            raise
+        ids.update(_text(p["message_id"]) for p in page)
+        if len(page) < _PAGE:
+            return ids
+        start = "(" + _text(page[-1]["message_id"])
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

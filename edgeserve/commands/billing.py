@@ -1,0 +1,211 @@
+"""`edgeserve billing worker|report|reconcile`: the usage stream, the ledger and its reports."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from billing.ledger import Ledger
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# A test seam: when set to a file path, the worker writes the entry ids of each
+# committed batch there and then stalls before acknowledging them, so a test can
+# SIGKILL it between its ledger commit and its XACK.
+PAUSE_AFTER_COMMIT_ENV = "EDGESERVE_BILLING_PAUSE_AFTER_COMMIT"
+
+_REDIS = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="REDIS_URL", help="Redis URL")
+_DATABASE = typer.Option(None, "--database-url", help="PostgreSQL URL for the ledger")
+_SQLITE = typer.Option(None, "--sqlite", help="SQLite ledger file (default: per-user data dir)")
+_STREAM = typer.Option("edgeserve:usage", "--stream", help="usage stream key")
+_GROUP = typer.Option("billing", "--group", help="consumer group")
+
+
+def _open_ledger(database_url: str | None, sqlite: Path | None) -> Ledger:
+    from billing.ledger import PostgresLedger, SqliteLedger, default_sqlite_path
+
+    if database_url and sqlite:
+        raise typer.BadParameter("give --database-url or --sqlite, not both")
+    if database_url:
+        return PostgresLedger(database_url)
+    path = sqlite or default_sqlite_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return SqliteLedger(path)
+
+
+def _day(text: str | None, default: date, name: str) -> date:
+    from billing.errors import InvalidReportQuery
+    from billing.reports import parse_day
+
+    if text is None:
+        return default
+    try:
+        return parse_day(text, name)
+    except InvalidReportQuery as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{name}") from None
+
+
+def register(app: typer.Typer) -> None:
+    billing_app = typer.Typer(
+        no_args_is_help=True, help="Usage billing: worker, reports, reconcile."
+    )
+
+    @billing_app.command("worker")
+    def worker(
+        redis_url: str = _REDIS,
+        database_url: str | None = _DATABASE,
+        sqlite: Path | None = _SQLITE,
+        stream: str = _STREAM,
+        group: str = _GROUP,
+        consumer: str = typer.Option("", help="consumer name (default: hostname-pid)"),
+        batch_size: int = typer.Option(100, min=1),
+        claim_idle_ms: int = typer.Option(30_000, min=1, help="claim entries idle this long"),
+        claim_interval_s: float = typer.Option(5.0, min=0.001),
+    ) -> None:
+        """Move usage events from the Redis stream into the ledger, exactly once, until SIGTERM."""
+        import asyncio
+        import signal
+
+        import redis.asyncio
+
+        from billing.worker import BillingWorker, WorkerConfig
+
+        config = WorkerConfig(
+            stream_key=stream,
+            group=group,
+            consumer=consumer,
+            batch_size=batch_size,
+            claim_idle_ms=claim_idle_ms,
+            claim_interval_s=claim_interval_s,
+        )
+        ledger = _open_ledger(database_url, sqlite)
+
+        async def main() -> None:
+            client = redis.asyncio.Redis.from_url(redis_url)
+            pause_path = os.environ.get(PAUSE_AFTER_COMMIT_ENV)
+            hook = _pause_after_commit(Path(pause_path)) if pause_path else None
+            billing_worker = BillingWorker(client, ledger, config, after_commit=hook)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, billing_worker.stop)
+            typer.echo(f"billing worker {billing_worker.consumer} on {stream} ({group})", err=True)
+            try:
+                await billing_worker.run()
+            finally:
+                await client.aclose()
+            typer.echo(
+                f"stopped: {billing_worker.num_new} new, {billing_worker.num_duplicate} duplicate, "
+                f"{billing_worker.num_dead} dead-lettered",
+                err=True,
+            )
+
+        try:
+            asyncio.run(main())
+        finally:
+            ledger.close()
+
+    @billing_app.command("report")
+    def report(
+        account: str | None = typer.Option(None, help="one account (default: all)"),
+        from_: str | None = typer.Option(None, "--from", help="first UTC day, YYYY-MM-DD"),
+        to: str | None = typer.Option(None, "--to", help="last UTC day (default: today)"),
+        group_by: str = typer.Option("account,model,day", help="any of account,model,day"),
+        format: str = typer.Option("table", "--format", help="table | json | csv"),
+        prices: Path | None = typer.Option(None, help="price TOML (default: the shipped one)"),
+        database_url: str | None = _DATABASE,
+        sqlite: Path | None = _SQLITE,
+    ) -> None:
+        """Usage and cost per account x model x UTC day (default: the last 30 days)."""
+        import json
+
+        from rich.console import Console
+
+        from billing.errors import BillingError
+        from billing.prices import PriceTable
+        from billing.reports import build_report, parse_group_by, to_csv, to_json, to_table
+
+        if format not in ("table", "json", "csv"):
+            raise typer.BadParameter("use table, json or csv", param_hint="--format")
+        end = _day(to, datetime.now(UTC).date(), "to")
+        start = _day(from_, end - timedelta(days=29), "from")
+        try:
+            table = PriceTable.load(prices) if prices else PriceTable.default()
+            keys = parse_group_by(group_by)
+            ledger = _open_ledger(database_url, sqlite)
+            try:
+                result = build_report(ledger, table, start, end, account_id=account, group_by=keys)
+            finally:
+                ledger.close()
+        except BillingError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if format == "json":
+            typer.echo(json.dumps(to_json(result), indent=2))
+        elif format == "csv":
+            typer.echo(to_csv(result), nl=False)
+        else:
+            Console().print(to_table(result))
+
+    @billing_app.command("reconcile")
+    def reconcile_command(
+        redis_url: str = _REDIS,
+        database_url: str | None = _DATABASE,
+        sqlite: Path | None = _SQLITE,
+        stream: str = _STREAM,
+        group: str = _GROUP,
+        journal: list[Path] = typer.Option([], help="gateway journal file(s) to include"),
+        as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    ) -> None:
+        """Compare the ledger with the stream and journals; exit 1 if an acknowledged event has no row."""
+        import asyncio
+        import json
+
+        import redis.asyncio
+
+        from billing.reconcile import reconcile
+
+        ledger = _open_ledger(database_url, sqlite)
+
+        async def main() -> Any:
+            client = redis.asyncio.Redis.from_url(redis_url)
+            try:
+                return await reconcile(client, ledger, stream, group, journal)
+            finally:
+                await client.aclose()
+
+        try:
+            result = asyncio.run(main())
+        finally:
+            ledger.close()
+        if as_json:
+            typer.echo(json.dumps(result.to_json(), indent=2))
+        else:
+            typer.echo(
+                f"stream: {result.num_stream_entries} entries, {result.num_stream_requests} requests, "
+                f"{result.num_pending_entries} pending, {result.num_unread_entries} unread, "
+                f"{result.num_malformed_entries} malformed\n"
+                f"journal: {result.num_journal_events} events, "
+                f"{len(result.journal_unbilled)} not yet billed\n"
+                f"in flight (no row yet): {len(result.in_flight)}\n"
+                f"GAPS (acknowledged, no ledger row): {len(result.missing_from_ledger)}"
+            )
+            for request_id in result.missing_from_ledger:
+                typer.echo(f"  {request_id}")
+        if not result.is_consistent:
+            raise typer.Exit(1)
+
+    app.add_typer(billing_app, name="billing")
+
+
+def _pause_after_commit(marker: Path) -> Any:
+    import asyncio
+
+    async def hook(entry_ids: list[str]) -> None:
+        marker.write_text("\n".join(entry_ids) + "\n")
+        await asyncio.Event().wait()  # stall here until killed
+
+    return hook
