@@ -120,7 +120,8 @@ class RedisLimiter:
             except _StoreDown:
                 pass
             else:
-                self._held[request_id] = _Held(bucket, is_local=False)
+                if state.reason is None:
+                    self._held[request_id] = _Held(bucket, is_local=False)
                 return build_admission(limits, state)
         return self._take_local(bucket, request_id, estimated_tokens)
 
