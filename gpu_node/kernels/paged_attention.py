@@ -1,0 +1,451 @@
+"""Paged decode attention over fp8 or 16/32-bit KV pages, with the page-ownership check fused.
+
+Shape letters: B sequences, Q query heads, H kv heads, G = Q // H query heads per kv head,
+D head dim, P pages, S page size, M max pages per sequence, L context length, N splits.
+The cache layout is drawn in `gpu_node/kv_quant.py`.
+
+    q             [B, Q, D]   one new token per sequence
+    block_tables  [B, M] int32   page ids; only the first ceil(L / S) are read
+    context_lens  [B] int32      tokens in the cache, the ones just written included
+    page_owner    [P] int64      tag of the sequence owning each page
+    seq_tags      [B] int64      tag of each sequence (`make_seq_tag`)
+
+Integrity: a sequence must own every page it reads. The kernel compares
+`page_owner[page]` with the sequence's tag for every page it loads, and treats a page
+id outside [0, P) or a context longer than its block table as a violation too (those
+are never loaded). A flagged sequence's output is undefined; the others are exact.
+
+The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs online
+softmax over one slice of the context for the G query heads of one kv head, then a
+second kernel merges the N partial results, so one long sequence still fills the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, validate_kv_layer
+
+FREE_PAGE_TAG = -1  # page_owner of a free page; no sequence tag is negative
+TAG_GENERATION_BITS = 20
+_MAX_SEQ_ID = 2 ** (63 - TAG_GENERATION_BITS) - 1
+
+
+def make_seq_tag(seq_id: int, generation: int) -> int:
+    """The ownership tag of a sequence: (seq_id << 20) | (generation mod 2**20).
+
+    Bump the generation each time a sequence's pages are (re)allocated after a free
+    (preemption), so a stale block-table entry to a page handed out again never matches.
+    """
+    if not 0 <= seq_id <= _MAX_SEQ_ID:
+        raise ValueError(f"seq_id must be in [0, {_MAX_SEQ_ID}], got {seq_id}")
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, got {generation}")
+    return (seq_id << TAG_GENERATION_BITS) | (generation & ((1 << TAG_GENERATION_BITS) - 1))
+
+
+def check_page_ownership(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_size: int,
+    page_owner: torch.Tensor,
+    seq_tags: torch.Tensor,
+) -> torch.Tensor:
+    """Violations of the read-side ownership rule, bool [B] (True = the sequence is bad).
+
+    A sequence is bad if any of its first ceil(L / S) block-table entries is outside
+    [0, P) or owned by another tag, or if L needs more pages than its block table has.
+    The same rule the attention kernel applies, as one vectorised torch expression.
+    """
+    num_pages = page_owner.shape[0]
+    max_pages = block_tables.shape[1]
+    pages_needed = (context_lens.long() + page_size - 1) // page_size  # [B]
+    is_used = torch.arange(max_pages, device=block_tables.device) < pages_needed[:, None]
+    pages = block_tables.long()  # [B, M]
+    is_in_range = (pages >= 0) & (pages < num_pages)
+    owners = page_owner[pages.clamp(0, num_pages - 1)]  # [B, M]
+    is_bad = is_used & (~is_in_range | (owners != seq_tags[:, None]))
+    return is_bad.any(dim=1) | (pages_needed > max_pages)
+
+
+def gather_paged_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    dtype: torch.dtype,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V out of the pages, dequantized: two [L, H, D] in `dtype`.
+
+    For prefill over the paged cache (attention over cached prefix + new chunk). It
+    reads pages as given: run `check_page_ownership` on the step's sequences first.
+    """
+    num_pages, page_size, num_kv_heads, head_dim = validate_kv_layer(
+        k_cache, v_cache, k_scale, v_scale
+    )
+    positions = torch.arange(context_len, device=k_cache.device)
+    pages = block_table[positions // page_size].long()
+    if context_len and not bool(((pages >= 0) & (pages < num_pages)).all()):
+        raise ValueError(f"block_table holds a page id outside [0, {num_pages})")
+    slots = pages * page_size + positions % page_size  # [L]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    if k_cache.dtype == FP8_DTYPE:
+        assert k_scale is not None and v_scale is not None  # validated above
+        k_e = k_scale.view(-1, num_kv_heads)[slots]
+        v_e = v_scale.view(-1, num_kv_heads)[slots]
+        return dequantize_fp8(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
+    return k.to(dtype), v.to(dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_owner: torch.Tensor,
+    seq_tags: torch.Tensor,
+    sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch decode attention: (out [B, Q, D] in q's dtype, violations bool [B]).
+
+    Computes in fp32 over all sequences at once (padded to the longest context).
+    """
+    num_pages, page_size, num_kv_heads, head_dim = _validate(
+        q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
+    )
+    batch, num_heads, _ = q.shape
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    violations = check_page_ownership(block_tables, context_lens, page_size, page_owner, seq_tags)
+    max_len = int(context_lens.max()) if batch else 0
+    positions = torch.arange(max_len, device=q.device)  # [L]
+    columns = (positions // page_size).clamp(max=block_tables.shape[1] - 1)
+    pages = block_tables.long()[:, columns].clamp(0, num_pages - 1)  # [B, L]
+    slots = pages * page_size + positions % page_size
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, H, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    if k_cache.dtype == FP8_DTYPE:
+        assert k_scale is not None and v_scale is not None  # validated above
+        k = dequantize_fp8(k, k_scale.view(-1, num_kv_heads)[slots], torch.float32)
+        v = dequantize_fp8(v, v_scale.view(-1, num_kv_heads)[slots], torch.float32)
+    k, v = k.float(), v.float()
+    q_groups = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, H, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", q_groups, k) * scale  # [B, H, G, L]
+    is_past_end = positions[None, :] >= context_lens.long()[:, None]  # [B, L]
+    scores = scores.masked_fill(is_past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty context gives 0
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)  # [B, H, G, D]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype), violations
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    page_owner_ptr,
+    seq_tags_ptr,
+    part_max_ptr,  # [B, Q, N] fp32 running max (log2 domain)
+    part_sum_ptr,  # [B, Q, N] fp32 softmax denominator
+    part_acc_ptr,  # [B, Q, N, D] fp32 unnormalised output
+    part_bad_ptr,  # [B, N] int8 ownership violation in this split
+    qk_scale,  # sm_scale * log2(e)
+    split_size,  # tokens per split, a multiple of BLOCK_N
+    num_pages,
+    max_pages,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    CHECK_OWNER: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = split * split_size
+    end = tl.minimum(start + split_size, context_len)
+
+    groups = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    heads = kv_head * GROUP + groups  # [BLOCK_G] query heads of this kv head
+    q_mask = (groups < GROUP)[:, None] & dim_mask[None, :]
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
+    ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+    tag = tl.load(seq_tags_ptr + seq)
+
+    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    num_bad = tl.zeros([BLOCK_N], tl.int32)
+    for block_start in range(start, end, BLOCK_N):
+        tokens = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        is_valid = tokens < end
+        columns = tokens // PAGE_SIZE
+        has_column = is_valid & (columns < max_pages)
+        pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
+        pages = pages.to(tl.int64)
+        is_loadable = has_column & (pages >= 0) & (pages < num_pages)
+        if CHECK_OWNER:
+            owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
+            is_loadable = is_loadable & (owners == tag)
+        num_bad += (is_valid & (is_loadable == 0)).to(tl.int32)
+
+        rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
+        kv_mask = is_loadable[:, None] & dim_mask[None, :]
+        kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        if IS_FP8:
+            # Scale 2**e built from the exponent bits: exact, no exp2 call.
+            k_e = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0).to(tl.int32)
+            v_e = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0).to(tl.int32)
+            k = k * ((k_e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+            v = v * ((v_e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(is_valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs, v)  # [BLOCK_G, BLOCK_D]
+        running_max = new_max
+
+    head_mask = groups < GROUP
+    part = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_G]
+    tl.store(part_max_ptr + part, running_max, mask=head_mask)
+    tl.store(part_sum_ptr + part, running_sum, mask=head_mask)
+    tl.store(
+        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        acc,
+        mask=head_mask[:, None] & dim_mask[None, :],
+    )
+    # Every kv head checks the same pages; kv head 0 reports.
+    is_bad = (tl.max(num_bad, axis=0) > 0) | (context_len > max_pages * PAGE_SIZE)
+    tl.store(part_bad_ptr + seq * NUM_SPLITS + split, is_bad.to(tl.int8), mask=kv_head == 0)
+
+
+@triton.jit
+def _paged_decode_merge_kernel(
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    part_bad_ptr,
+    out_ptr,
+    violation_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < NUM_SPLITS
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits  # [BLOCK_S]
+    part_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    part_acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    # Empty splits have max -inf and weigh 0; an empty context would make every weight
+    # NaN, so the global max is floored at 0 there (the sum is 0 and the output 0).
+    global_max = tl.max(part_max, axis=0)
+    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
+    weights = tl.exp2(part_max - global_max)  # [BLOCK_S]
+    total = tl.sum(part_sum * weights, axis=0)
+    out = tl.sum(part_acc * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+    is_bad = tl.max(tl.load(part_bad_ptr + seq * NUM_SPLITS + splits, mask=split_mask, other=0))
+    tl.store(violation_ptr + seq, is_bad, mask=head == 0)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_owner: torch.Tensor,
+    seq_tags: torch.Tensor,
+    sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    check_owner: bool = True,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    target_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over the paged cache: (out [B, Q, D] in q's dtype, violations [B]).
+
+    `max_context_len` (the scheduler knows it) sizes the split grid without reading
+    `context_lens` back from the device; it must be >= every context length. The
+    split count aims at `target_programs` programs (default: 4 per multiprocessor).
+    `check_owner=False` skips the ownership comparison (benchmarks only).
+    """
+    num_pages, page_size, num_kv_heads, head_dim = _validate(
+        q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
+    )
+    batch, num_heads, _ = q.shape
+    out = torch.empty_like(q)
+    violations = torch.zeros(batch, dtype=torch.int8, device=q.device)
+    if batch == 0:
+        return out, violations.bool()
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    if target_programs is None:
+        target_programs = 4 * _num_multiprocessors(q.device)
+    # Enough splits to fill the GPU, each at least one BLOCK_N and a multiple of it.
+    num_blocks = max(1, math.ceil(max_context_len / block_n))
+    num_splits = min(num_blocks, max(1, math.ceil(target_programs / (batch * num_kv_heads))))
+    split_size = math.ceil(num_blocks / num_splits) * block_n
+    num_splits = max(1, math.ceil(max_context_len / split_size))
+
+    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(
+        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
+    part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    group = num_heads // num_kv_heads
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        k_scale if is_fp8 else k_cache,  # never read unless fp8
+        v_scale if is_fp8 else v_cache,
+        block_tables,
+        context_lens,
+        page_owner,
+        seq_tags,
+        part_max,
+        part_sum,
+        part_acc,
+        part_bad,
+        scale * math.log2(math.e),
+        split_size,
+        num_pages,
+        block_tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_N=block_n,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        IS_FP8=is_fp8,
+        CHECK_OWNER=check_owner,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _paged_decode_merge_kernel[(batch, num_heads)](
+        part_max,
+        part_sum,
+        part_acc,
+        part_bad,
+        out,
+        violations,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_splits * head_dim <= 4096 else 4,
+    )
+    return out, violations.bool()
+
+
+def _num_multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one by one: fewer splits, faster tests
+
+
+def _validate(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_owner: torch.Tensor,
+    seq_tags: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    num_pages, page_size, num_kv_heads, head_dim = validate_kv_layer(
+        k_cache, v_cache, k_scale, v_scale
+    )
+    if page_size % 16 != 0:
+        raise ValueError(f"page_size must be a multiple of 16, got {page_size}")
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [B, num_heads, {head_dim}], got {tuple(q.shape)}")
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads {q.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.stride(2) != 1:
+        raise ValueError(f"q must be fp32/bf16/fp16, contiguous in head_dim, got {q.dtype}")
+    batch = q.shape[0]
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be int32 [B, M], got {block_tables.dtype}")
+    if block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must have {batch} rows, contiguous in M")
+    for name, tensor, dtype, shape in (
+        ("context_lens", context_lens, torch.int32, (batch,)),
+        ("seq_tags", seq_tags, torch.int64, (batch,)),
+        ("page_owner", page_owner, torch.int64, (num_pages,)),
+    ):
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous {dtype} {shape}, got {tensor.dtype} "
+                f"{tuple(tensor.shape)}"
+            )
+    devices = {t.device for t in (q, k_cache, block_tables, context_lens, page_owner, seq_tags)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return num_pages, page_size, num_kv_heads, head_dim
