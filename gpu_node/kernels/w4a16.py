@@ -1,0 +1,210 @@
+"""W4A16 GEMM: y = x @ W^T with W in INT4 (gpu_node.quant.int4 layout), x in bf16/fp16.
+
+Letters: M tokens, N out features, K in features, G group size, S split-K ways.
+
+Each program owns a [BLOCK_M, BLOCK_N] tile of y and walks K in steps of
+BLOCK_K (BLOCK_K divides G, so one step lies inside one group). A step loads
+BLOCK_K / 2 packed bytes per output column, splits them into the low-nibble and
+high-nibble codes (two runs of 16 consecutive k per 32-value chunk, see int4.py),
+and multiplies the raw codes (0..15, exact in bf16) with the matching
+activations on the tensor cores, accumulating in fp32. Scale and min are applied
+to the step's [BLOCK_M, BLOCK_N] partial sum, not to each weight:
+
+    sum_k x_k (s q_k + m) = s * sum_k x_k q_k + m * sum_k x_k
+
+so dequantization costs two nibble extracts per byte and one FMA per output per
+group. For decode-sized M there are too few output tiles to fill the GPU, so the
+K loop is split S ways (grid dim 2); each split writes an fp32 partial
+[S, M, N] and the wrapper sums them (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.quant.int4 import Int4Weight, dequantize_int4
+
+
+@triton.jit
+def int4_group_step(
+    x_rows,  # pointers [BLOCK_M, 1] at k = 0 of each activation row
+    mask_m,  # [BLOCK_M, 1]
+    stride_xk,
+    w_cols,  # pointers [1, BLOCK_N] at byte 0 of each packed weight row
+    mask_n,  # [1, BLOCK_N]
+    stride_pk,
+    scale,  # fp32 [1, BLOCK_N] of this step's group
+    min_,  # fp32 [1, BLOCK_N]
+    k0,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One K step: x[:, k0:k0+BLOCK_K] @ dequant(W)[k0:k0+BLOCK_K, :] -> fp32 [BLOCK_M, BLOCK_N]."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_b = tl.arange(0, HALF)  # byte of the step
+    offs_lo = (offs_b // 16) * 32 + (offs_b % 16)  # value k of each byte's low nibble
+    x_lo = tl.load(x_rows + (k0 + offs_lo)[None, :] * stride_xk, mask=mask_m, other=0.0)
+    x_hi = tl.load(x_rows + (k0 + offs_lo + 16)[None, :] * stride_xk, mask=mask_m, other=0.0)
+    packed = tl.load(w_cols + (k0 // 2 + offs_b)[:, None] * stride_pk, mask=mask_n, other=0)
+    q_lo = packed & 0x0F  # [HALF, BLOCK_N]
+    q_hi = packed >> 4
+    if DOT_FP32:
+        # The interpreter's bf16 dot is wrong, and fp32 activations want ieee products.
+        x_lo = x_lo.to(tl.float32)
+        x_hi = x_hi.to(tl.float32)
+        acc = tl.dot(x_lo, q_lo.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(x_hi, q_hi.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x_lo, q_lo.to(x_lo.dtype))
+        acc = tl.dot(x_hi, q_hi.to(x_hi.dtype), acc)
+    x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+    return acc * scale + x_sum[:, None] * min_
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    mins_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_pn,
+    stride_pk,
+    stride_sn,
+    stride_sg,
+    stride_os,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = (offs_m < M)[:, None]
+    mask_n = (offs_n < N)[None, :]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_cols = packed_ptr + offs_n[None, :] * stride_pn
+    num_steps = K // BLOCK_K
+    steps_per_split = tl.cdiv(num_steps, SPLIT_K)
+    step_begin = pid_k * steps_per_split
+    step_end = tl.minimum(step_begin + steps_per_split, num_steps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(step_begin, step_end):
+        k0 = step * BLOCK_K
+        group = k0 // GROUP_SIZE
+        scale = tl.load(scales_ptr + offs_n[None, :] * stride_sn + group * stride_sg, mask=mask_n)
+        min_ = tl.load(mins_ptr + offs_n[None, :] * stride_sn + group * stride_sg, mask=mask_n)
+        acc += int4_group_step(
+            x_rows,
+            mask_m,
+            stride_xk,
+            w_cols,
+            mask_n,
+            stride_pk,
+            scale.to(tl.float32),
+            min_.to(tl.float32),
+            k0,
+            BLOCK_K,
+            DOT_FP32,
+        )
+    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+def is_interpreted(t: torch.Tensor) -> bool:
+    """True when Triton runs in its CPU interpreter (tests), where dots go through fp32."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def w4a16_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
+    """Tile sizes and split-K ways for one problem (a heuristic, not autotuned)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64
+    block_k = min(group_size, 128)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    num_steps = k // block_k
+    split_k = 1
+    # Aim for two waves of programs; each split keeps at least 4 K steps to amortise its tile.
+    while tiles * split_k < 2 * num_sms and split_k * 2 <= max(1, num_steps // 4):
+        split_k *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}
+
+
+def w4a16_matmul(x: torch.Tensor, weight: Int4Weight, split_k: int | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T for W [N, K] INT4 -> [..., N] in x's dtype."""
+    if len(weight.shape) != 2:
+        raise ValueError(f"w4a16_matmul takes a 2-D weight, got shape {weight.shape}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if x.device != weight.packed.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.packed.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    cfg = w4a16_config(m, n, k, weight.group_size, _num_sms(x.device))
+    if split_k is not None:
+        cfg["SPLIT_K"] = split_k
+    splits = cfg["SPLIT_K"]
+    interpreted = is_interpreted(x)
+    # Partials stay fp32; so does the interpreter's output, whose bf16 cast truncates.
+    direct = splits == 1 and not interpreted
+    out_dtype = x.dtype if direct else torch.float32
+    out = torch.empty(splits, m, n, device=x.device, dtype=out_dtype)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    _w4a16_kernel[grid](
+        x2,
+        weight.packed,
+        weight.scales,
+        weight.mins,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        x2.stride(1),
+        weight.packed.stride(0),
+        weight.packed.stride(1),
+        weight.scales.stride(0),
+        weight.scales.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        GROUP_SIZE=weight.group_size,
+        DOT_FP32=interpreted or x.dtype == torch.float32,
+        num_warps=4,
+        num_stages=4,
+        **cfg,
+    )
+    y = out[0] if direct else out.sum(dim=0).to(x.dtype)
+    return y.reshape(*lead, n)
+
+
+def w4a16_matmul_ref(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """Torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
+    w = dequantize_int4(weight)  # [N, K] fp32
+    return (x.float() @ w.T).to(x.dtype)

@@ -1,0 +1,392 @@
+"""The Mixture-of-Experts MLP: a router, top-k routed experts and optional shared experts.
+
+Letters: T tokens, H hidden size, E experts, K top-k, I expert hidden size,
+P padded assignments (a multiple of the kernel's block).
+
+`MoeMLP` maps [T, H] -> [T, H] and drops in for a dense layer's `mlp`. Each
+token picks K of E experts (the router); each routed expert is a SwiGLU MLP
+whose gate and up projections are stored stacked, `w13` [E, 2I, H] (rows 0..I
+gate, I..2I up), and down projection `w2` [E, H, I]; the token's output is the
+routing-weighted sum of its experts' outputs, plus the shared experts' output.
+
+The plain model holds float experts (`MoeExperts`); `quantize_model` turns them
+into `Int4MoeExperts` through `to_int4`, which run the fused Triton kernel on
+CUDA and the torch reference elsewhere. Everything in this module is pure
+torch, so CPU-only hosts need no Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_node.quant.int4 import Int4Weight, dequantize_int4, int4_from_gguf_q4_1, quantize_int4
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Shape and routing rule of one MoE MLP (the same for every MoE layer of a model)."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    expert_hidden_size: int
+    num_shared_experts: int = 0
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    routed_scaling: float = 1.0  # multiplies routed weights after renormalisation (DeepSeek-V3)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_experts", "top_k", "expert_hidden_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MoeConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_shared_experts < 0:
+            raise ValueError(
+                f"MoeConfig.num_shared_experts must be >= 0, got {self.num_shared_experts}"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoeConfig.top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"MoeConfig.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}"
+            )
+
+
+MOE_CONFIGS: Mapping[str, MoeConfig] = MappingProxyType(
+    {
+        # Tiny, for CPU tests and `--model moe-small` (dummy weights).
+        "moe-small": MoeConfig(
+            hidden_size=128, num_experts=8, top_k=2, expert_hidden_size=64, num_shared_experts=1
+        ),
+        # DeepSeek-V2-Lite's layer shape with one shared expert and top-8: the benchmark config.
+        "moe-medium": MoeConfig(
+            hidden_size=2048, num_experts=64, top_k=8, expert_hidden_size=1408, num_shared_experts=1
+        ),
+        # One layer of Kimi-K2 / DeepSeek-V3 (sigmoid routing); used for memory accounting.
+        "moe-large": MoeConfig(
+            hidden_size=7168,
+            num_experts=256,
+            top_k=8,
+            expert_hidden_size=2048,
+            num_shared_experts=1,
+            scoring="sigmoid",
+            routed_scaling=2.5,
+        ),
+    }
+)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which experts each token uses, and with what weight."""
+
+    topk_ids: torch.Tensor  # int64 [T, K], per token in descending score
+    topk_weights: torch.Tensor  # fp32 [T, K]
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    routed_scaling: float = 1.0,
+) -> Routing:
+    """Top-k experts of each token from router logits [T, E].
+
+    Ties break towards the lower expert id (a stable descending sort), so the
+    choice never depends on the device or the sort algorithm.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got shape {tuple(logits.shape)}")
+    if not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"top_k {top_k} not in 1..{logits.shape[1]}")
+    logits = logits.float()
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    weights = sorted_scores[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(topk_ids=order[:, :top_k].contiguous(), topk_weights=weights * routed_scaling)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """Token-expert assignments grouped by expert, each expert's run padded to `block_m`.
+
+    An assignment is `token * K + slot`. `sorted_ids` holds them expert by
+    expert (in token order within an expert); padding and the unused tail hold
+    the sentinel T * K. Block b (rows b*block_m .. b*block_m+block_m-1) belongs
+    to expert `block_experts[b]`; blocks past the last used one say E. Sized by
+    an upper bound so that building it never waits on the GPU.
+    """
+
+    sorted_ids: torch.Tensor  # int32 [P]
+    block_experts: torch.Tensor  # int32 [P // block_m]
+    block_m: int
+    num_assignments: int  # T * K, the sentinel
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Groups [T, K] expert choices by expert, padding each expert's run to `block_m`."""
+    flat = topk_ids.reshape(-1)  # [T*K]
+    num_assignments = flat.numel()
+    device = flat.device
+    # Every used expert wastes < block_m rows, and no more experts than assignments are used.
+    num_padded = min(
+        num_assignments * block_m,
+        num_assignments + min(num_experts, num_assignments) * (block_m - 1),
+    )
+    num_padded = -(-num_padded // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # assignments, expert by expert
+    experts = flat[order]
+    rank = torch.arange(num_assignments, device=device) - starts[experts]
+    sorted_ids = torch.full((num_padded,), num_assignments, dtype=torch.int32, device=device)
+    sorted_ids[padded_starts[experts] + rank] = order.to(torch.int32)
+    block_ends = torch.cumsum(padded_counts // block_m, 0)  # [E]
+    blocks = torch.arange(num_padded // block_m, device=device)
+    block_experts = torch.searchsorted(block_ends, blocks, right=True).to(torch.int32)
+    return ExpertBlocks(
+        sorted_ids=sorted_ids,
+        block_experts=block_experts,
+        block_m=block_m,
+        num_assignments=num_assignments,
+    )
+
+
+def _expert_weight(w: torch.Tensor | Int4Weight, e: int) -> torch.Tensor:
+    """One expert's dense fp32 weight [rows, cols] from a float or INT4 stack."""
+    if isinstance(w, Int4Weight):
+        one = Int4Weight(
+            packed=w.packed[e],
+            scales=w.scales[e],
+            mins=w.mins[e],
+            shape=w.shape[1:],
+            group_size=w.group_size,
+        )
+        return dequantize_int4(one)
+    return w[e].float()
+
+
+def moe_experts_ref(
+    x: torch.Tensor, w13: torch.Tensor | Int4Weight, w2: torch.Tensor | Int4Weight, routing: Routing
+) -> torch.Tensor:
+    """Plain torch reference of the routed experts: x [T, H] -> [T, H] in x's dtype.
+
+    Loops over the experts that received tokens, in fp32; INT4 weights are
+    dequantized one expert at a time.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    ids = routing.topk_ids
+    for e in torch.unique(ids).tolist():
+        tokens, slots = torch.nonzero(ids == e, as_tuple=True)
+        gate_up = x[tokens].float() @ _expert_weight(w13, e).T  # [t, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ _expert_weight(w2, e).T  # [t, H]
+        out.index_add_(0, tokens, y * routing.topk_weights[tokens, slots, None])
+    return out.to(x.dtype)
+
+
+class Router(nn.Module):
+    """Scores experts per token; its weight [E, H] stays in full precision."""
+
+    def __init__(self, config: MoeConfig, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:  # [T, H]
+        c = self.config
+        logits = x.float() @ self.weight.float().T  # [T, E]
+        return route(logits, c.top_k, c.scoring, c.renormalize, c.routed_scaling)
+
+
+class MoeExperts(nn.Module):
+    """The routed experts in full precision: w13 [E, 2I, H], w2 [E, H, I]."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return moe_experts_ref(x, self.w13, self.w2, routing)
+
+    def to_int4(self, group_size: int, symmetric: bool = False) -> Int4MoeExperts:
+        return Int4MoeExperts(
+            quantize_int4(self.w13, group_size, symmetric),
+            quantize_int4(self.w2, group_size, symmetric),
+        )
+
+
+class Int4MoeExperts(nn.Module):
+    """The routed experts in INT4; the fused Triton kernel on CUDA, the reference elsewhere."""
+
+    def __init__(self, w13: Int4Weight, w2: Int4Weight) -> None:
+        super().__init__()
+        if len(w13.shape) != 3 or len(w2.shape) != 3 or w13.group_size != w2.group_size:
+            raise ValueError(
+                f"expert stacks must be 3-D with one group size: {w13.shape}, {w2.shape}"
+            )
+        self.w13_shape, self.w2_shape, self.group_size = w13.shape, w2.shape, w13.group_size
+        for prefix, w in (("w13", w13), ("w2", w2)):
+            self.register_buffer(f"{prefix}_packed", w.packed)
+            self.register_buffer(f"{prefix}_scales", w.scales)
+            self.register_buffer(f"{prefix}_mins", w.mins)
+
+    def weights(self) -> tuple[Int4Weight, Int4Weight]:
+        w13 = Int4Weight(
+            self.w13_packed, self.w13_scales, self.w13_mins, self.w13_shape, self.group_size
+        )
+        w2 = Int4Weight(
+            self.w2_packed, self.w2_scales, self.w2_mins, self.w2_shape, self.group_size
+        )
+        return w13, w2
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        w13, w2 = self.weights()
+        if x.is_cuda:
+            from gpu_node.kernels.moe import fused_moe_int4
+
+            return fused_moe_int4(x, w13, w2, routing)
+        return moe_experts_ref(x, w13, w2, routing)
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts, merged into one SwiGLU MLP of hidden I * num_shared."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        hidden, inner = gate.shape[1], gate.shape[0]
+        self.gate_proj = nn.Linear(hidden, inner, bias=False, device=gate.device, dtype=gate.dtype)
+        self.up_proj = nn.Linear(hidden, inner, bias=False, device=gate.device, dtype=gate.dtype)
+        self.down_proj = nn.Linear(inner, hidden, bias=False, device=gate.device, dtype=gate.dtype)
+        with torch.no_grad():
+            self.gate_proj.weight.copy_(gate)
+            self.up_proj.weight.copy_(up)
+            self.down_proj.weight.copy_(down)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoeMLP(nn.Module):
+    """[T, H] -> [T, H]: routed experts weighted by the router, plus the shared experts."""
+
+    def __init__(
+        self, config: MoeConfig, router: Router, experts: nn.Module, shared: SharedExperts | None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.router = router
+        self.experts = experts
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = self.router(x)
+        y = self.experts(x, routing)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y
+
+    @classmethod
+    def dummy(
+        cls,
+        config: MoeConfig,
+        seed: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> MoeMLP:
+        """Seeded random weights at the config's shape (std 1/sqrt(fan_in), so activations stay O(1))."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        h, e, i = config.hidden_size, config.num_experts, config.expert_hidden_size
+
+        def randn(*shape: int) -> torch.Tensor:
+            w = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+            return (w / shape[-1] ** 0.5).to(dtype)
+
+        router = Router(config, randn(e, h))
+        experts = MoeExperts(randn(e, 2 * i, h), randn(e, h, i))
+        shared = None
+        if config.num_shared_experts:
+            inner = i * config.num_shared_experts
+            shared = SharedExperts(randn(inner, h), randn(inner, h), randn(h, inner))
+        return cls(config, router, experts, shared)
+
+
+def _gguf_tensor(reader: Any, name: str) -> Any:
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise KeyError(f"GGUF has no tensor {name!r}")
+
+
+def _gguf_float(reader: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
+    import gguf
+
+    t = _gguf_tensor(reader, name)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    values = gguf.quants.dequantize(t.data, t.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype)
+
+
+def moe_mlp_from_gguf(
+    path: str | Path, layer: int, config: MoeConfig, dtype: torch.dtype = torch.bfloat16
+) -> MoeMLP:
+    """Loads layer `layer`'s MoE MLP from a GGUF with llama.cpp's tensor names.
+
+    blk.N.ffn_gate_inp.weight [E, H] (router), ffn_{gate,up}_exps [E, I, H],
+    ffn_down_exps [E, H, I], and when the config has shared experts
+    ffn_{gate,up,down}_shexp. Q4_1 expert stacks become Int4MoeExperts without a
+    float copy; any other type is dequantized by the gguf package.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    prefix = f"blk.{layer}."
+    router = Router(config, _gguf_float(reader, prefix + "ffn_gate_inp.weight", torch.float32))
+    names = [prefix + f"ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    tensors = [_gguf_tensor(reader, n) for n in names]
+    experts: nn.Module
+    if all(t.tensor_type == gguf.GGMLQuantizationType.Q4_1 for t in tensors):
+        gate, up, down = (
+            int4_from_gguf_q4_1(t.data, tuple(int(d) for d in reversed(t.shape.tolist())))
+            for t in tensors
+        )
+        w13 = Int4Weight(
+            packed=torch.cat([gate.packed, up.packed], dim=1),
+            scales=torch.cat([gate.scales, up.scales], dim=1),
+            mins=torch.cat([gate.mins, up.mins], dim=1),
+            shape=(gate.shape[0], gate.shape[1] * 2, gate.shape[2]),
+            group_size=32,
+        )
+        experts = Int4MoeExperts(w13, down)
+    else:
+        gate, up, down = (_gguf_float(reader, n, dtype) for n in names)
+        experts = MoeExperts(torch.cat([gate, up], dim=1), down)
+    shared = None
+    if config.num_shared_experts:
+        shared = SharedExperts(
+            *(
+                _gguf_float(reader, prefix + f"ffn_{p}_shexp.weight", dtype)
+                for p in ("gate", "up", "down")
+            )
+        )
+    return MoeMLP(config, router, experts, shared)

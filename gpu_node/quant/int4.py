@@ -1,0 +1,174 @@
+"""INT4 weights with a scale and a minimum per group, as pure functions.
+
+A weight `[..., K]` (the leading dims are output rows, and experts for MoE) is
+cut along K into groups of `group_size` (32, 64 or 128) consecutive values; each
+group keeps an fp16 `scale` and an fp16 `min`, and each value a 4-bit code
+`q` in 0..15:
+
+    w = scale * q + min                                  (in fp32)
+
+This is GGUF Q4_1's arithmetic exactly, so Q4_1 blocks import without loss.
+A zero point z in the usual `scale * (q - z)` form is `min = -z * scale`;
+symmetric quantization is the special case `min = -8 * scale`, so one kernel
+serves both.
+
+Packing (shared by the torch reference and the Triton kernels), per row of K
+values, in chunks of 32 values -> 16 bytes, exactly as Q4_1 lays out its block:
+
+    values   k:  c*32+0  c*32+1 ... c*32+15 | c*32+16 c*32+17 ... c*32+31
+    byte c*16+i:      low nibble = value c*32+i, high nibble = value c*32+16+i
+
+    packed   uint8 [..., K // 2]        byte b of chunk c at column c*16 + b
+    scales   fp16  [..., K // group_size]
+    mins     fp16  [..., K // group_size]
+
+So a 16-byte run of a row unpacks into two runs of 16 consecutive values (the
+low nibbles, then the high ones); the kernels load the activations for each run
+with plain strided offsets and never shuffle nibbles across lanes.
+
+Letters: N rows (out features), K columns (in features), G group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+CHUNK = 32  # values per packing chunk (16 bytes); every group size is a multiple
+GROUP_SIZES = (32, 64, 128)
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A quantized weight of logical shape `shape` (..., N, K); see the module docstring."""
+
+    packed: torch.Tensor  # uint8 [..., K // 2]
+    scales: torch.Tensor  # fp16 [..., K // G]
+    mins: torch.Tensor  # fp16 [..., K // G]
+    shape: tuple[int, ...]
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: packed codes, scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
+
+    def to(self, device: torch.device | str) -> Int4Weight:
+        return Int4Weight(
+            packed=self.packed.to(device),
+            scales=self.scales.to(device),
+            mins=self.mins.to(device),
+            shape=self.shape,
+            group_size=self.group_size,
+        )
+
+
+def _check_shape(shape: tuple[int, ...], group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if len(shape) < 1 or shape[-1] == 0:
+        raise ValueError(f"cannot quantize a weight of shape {shape}")
+    if shape[-1] % group_size:
+        raise ValueError(f"last dim {shape[-1]} is not a multiple of group_size {group_size}")
+
+
+def _fp16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp32 -> fp16 rounding towards +inf (up) or -inf, so stored ranges still cover the data."""
+    h = x.to(torch.float16)
+    toward = torch.full_like(h, float("inf") if up else float("-inf"))
+    off = h.float() < x if up else h.float() > x
+    return torch.where(off, torch.nextafter(h, toward), h)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [..., K] in 0..15 -> packed uint8 [..., K // 2] in the chunk layout."""
+    lead, k = q.shape[:-1], q.shape[-1]
+    chunks = q.reshape(*lead, k // CHUNK, 2, CHUNK // 2)  # [..., C, lo|hi, 16]
+    packed = chunks[..., 0, :] | (chunks[..., 1, :] << 4)
+    return packed.reshape(*lead, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 [..., K // 2] -> codes uint8 [..., K]."""
+    lead, half = packed.shape[:-1], packed.shape[-1]
+    chunks = packed.reshape(*lead, half // (CHUNK // 2), 1, CHUNK // 2)
+    codes = torch.cat([chunks & 0x0F, chunks >> 4], dim=-2)  # [..., C, lo|hi, 16]
+    return codes.reshape(*lead, half * 2)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, symmetric: bool = False) -> Int4Weight:
+    """Round-to-nearest INT4 of `weight` [..., K] with one scale (and min) per group.
+
+    Asymmetric: scale = (max - min) / 15 over the group, codes 0..15.
+    Symmetric: scale = absmax / 7, codes -8..7 stored as 0..15 with min = -8 * scale.
+    The stored fp16 scale is rounded up and the fp16 min down, so every value of
+    the group lies inside the representable range and the rounding error is at
+    most scale / 2 (plus fp32 rounding of the dequantized product).
+    """
+    shape = tuple(weight.shape)
+    _check_shape(shape, group_size)
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    lead, k = shape[:-1], shape[-1]
+    groups = weight.detach().float().reshape(*lead, k // group_size, group_size)  # [..., K/G, G]
+    if not bool(torch.isfinite(groups).all()):
+        raise ValueError("weight holds inf or nan; refusing to quantize")
+    if symmetric:
+        absmax = groups.abs().amax(dim=-1)
+        scales = _fp16_round(absmax / 7, up=True)
+        mins = (scales.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
+    else:
+        mins = _fp16_round(groups.amin(dim=-1), up=False)
+        scales = _fp16_round((groups.amax(dim=-1) - mins.float()) / 15, up=True)
+    scale_f = scales.float().unsqueeze(-1)
+    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    codes = torch.round((groups - mins.float().unsqueeze(-1)) / safe)
+    codes = torch.where(scale_f > 0, codes, torch.zeros_like(codes)).clamp_(0, 15)
+    q = codes.to(torch.uint8).reshape(*lead, k)
+    return Int4Weight(
+        packed=pack_int4(q), scales=scales, mins=mins, shape=shape, group_size=group_size
+    )
+
+
+def dequantize_int4(q: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Int4Weight -> dense [..., K] in `dtype`, computed in fp32 as scale * q + min."""
+    lead, k = q.shape[:-1], q.shape[-1]
+    codes = unpack_int4(q.packed).reshape(*lead, k // q.group_size, q.group_size).float()
+    w = codes * q.scales.float().unsqueeze(-1) + q.mins.float().unsqueeze(-1)
+    return w.reshape(q.shape).to(dtype)
+
+
+def int4_from_gguf_q4_1(raw_blocks: Any, shape: tuple[int, ...]) -> Int4Weight:
+    """GGUF Q4_1 blocks -> Int4Weight (group 32) without loss and without any float weights.
+
+    `raw_blocks`: uint8 numpy array or tensor [..., rows, K // 32 * 20] as `gguf`
+    returns it (`ReaderTensor.data`); `shape`: the logical shape in torch order
+    (..., N, K), i.e. the GGUF shape reversed. The nibble bytes are copied as
+    they are (our packing is Q4_1's), d becomes the scale and m the min.
+    """
+    shape = tuple(int(d) for d in shape)
+    _check_shape(shape, 32)
+    data = raw_blocks.cpu().numpy() if torch.is_tensor(raw_blocks) else np.asarray(raw_blocks)
+    if data.dtype != np.uint8:
+        raise TypeError(f"Q4_1 blocks must be uint8, got {data.dtype}")
+    lead, k = shape[:-1], shape[-1]
+    num_blocks = k // 32
+    expected = int(np.prod(lead, dtype=np.int64)) * num_blocks * Q4_1_BLOCK_BYTES
+    if data.size != expected:
+        raise ValueError(f"Q4_1 data holds {data.size} bytes, shape {shape} needs {expected}")
+    blocks = data.reshape(*lead, num_blocks, Q4_1_BLOCK_BYTES)  # [..., K/32, 20]
+    # Each slice is copied once into its own (writable) array: 4-bit codes stay 4-bit.
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(*lead, num_blocks)
+    mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(*lead, num_blocks)
+    packed = np.ascontiguousarray(blocks[..., 4:]).reshape(*lead, k // 2)
+    return Int4Weight(
+        packed=torch.from_numpy(packed),
+        scales=torch.from_numpy(scales),
+        mins=torch.from_numpy(mins),
+        shape=shape,
+        group_size=32,
+    )

@@ -1,0 +1,141 @@
+"""INT4 modules swapped into a model after it is built, and the bytes a model holds.
+
+The model code stays plain (`nn.Linear(in, out, bias=False)` everywhere);
+`quantize_model` walks it and replaces, in place:
+
+    nn.Linear                     -> Int4Linear
+    any module with `to_int4(group_size, symmetric)` (MoE experts) -> what that returns
+
+Int4Linear runs the Triton W4A16 kernel on CUDA and the torch reference
+anywhere else (dequantize, then an fp32 matmul).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpu_node.quant.int4 import Int4Weight, dequantize_int4, int4_from_gguf_q4_1, quantize_int4
+
+INT4_BUFFERS = ("packed", "scales", "mins")  # buffer-name suffixes that hold INT4 weights
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W [out, in] held as INT4 (packed codes, fp16 scales and mins)."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise ValueError(f"Int4Linear takes a 2-D weight, got shape {weight.shape}")
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int, symmetric: bool = False) -> Int4Linear:
+        weight = quantize_int4(linear.weight.detach(), group_size, symmetric)
+        return cls(weight.to(linear.weight.device), linear.bias)
+
+    @classmethod
+    def from_q4_1(cls, raw_blocks: object, shape: tuple[int, int]) -> Int4Linear:
+        """Straight from GGUF Q4_1 blocks (`shape` in torch order [out, in]); no float copy."""
+        return cls(int4_from_gguf_q4_1(raw_blocks, shape))
+
+    @property
+    def weight_int4(self) -> Int4Weight:
+        return Int4Weight(
+            packed=self.packed,
+            scales=self.scales,
+            mins=self.mins,
+            shape=(self.out_features, self.in_features),
+            group_size=self.group_size,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.is_cuda:
+            from gpu_node.kernels.w4a16 import w4a16_matmul
+
+            y = w4a16_matmul(x, self.weight_int4)
+        else:
+            y = (x.float() @ dequantize_int4(self.weight_int4).T).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def _is_skipped(name: str, skip: Iterable[str]) -> bool:
+    parts = name.split(".")
+    return any(s == name or s in parts for s in skip)
+
+
+def quantize_model(
+    model: nn.Module,
+    group_size: int = 32,
+    symmetric: bool = False,
+    skip: Iterable[str] = ("lm_head",),
+) -> nn.Module:
+    """Swaps every quantizable submodule for its INT4 form, in place; returns `model`.
+
+    `skip`: qualified names or name components left in full precision (the
+    output head by default: it is tied to the embedding in small models).
+    Linears whose in_features is not a multiple of `group_size` stay as they are
+    (model_bytes counts them as unquantized).
+    """
+    skip = tuple(skip)
+    targets: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if _is_skipped(full, skip):
+                continue
+            if hasattr(child, "to_int4"):
+                targets.append((module, child_name, child.to_int4(group_size, symmetric)))
+            elif isinstance(child, nn.Linear) and child.in_features % group_size == 0:
+                targets.append(
+                    (module, child_name, Int4Linear.from_linear(child, group_size, symmetric))
+                )
+    for parent, child_name, replacement in targets:
+        setattr(parent, child_name, replacement)
+    return model
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """Bytes of a model's weights by kind; tied tensors count once."""
+
+    packed: int  # INT4 codes
+    scales: int
+    mins: int
+    unquantized: int  # everything else: embeddings, norms, router, skipped linears
+
+    @property
+    def total(self) -> int:
+        return self.packed + self.scales + self.mins + self.unquantized
+
+
+def model_bytes(model: nn.Module) -> ModelBytes:
+    """Counts the parameters and buffers of `model` by kind."""
+    seen: set[tuple[int, int, torch.device]] = set()
+    sizes = dict.fromkeys((*INT4_BUFFERS, "unquantized"), 0)
+    tensors = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, tensor in tensors:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        last = name.rsplit(".", 1)[-1]
+        kind = next((k for k in INT4_BUFFERS if last == k or last.endswith(f"_{k}")), "unquantized")
+        sizes[kind] += tensor.numel() * tensor.element_size()
+    return ModelBytes(**sizes)
