@@ -21,6 +21,8 @@ import triton.language as tl
 
 from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX, quantize_fp8, validate_kv_layer
 
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 @triton.jit
 def scale_exponent_tl(amax):
@@ -54,7 +56,9 @@ def round_to_e4m3_tl(y):
     normal = (bits & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
     # Subnormal range (|y| < 2**-6): multiples of 2**-9. Adding 1.5 * 2**14 puts y where
     # fp32's spacing is 2**-9, so the add itself rounds to nearest even.
-    subnormal = (y + 24576.0) - 24576.0
+    # The add loses the sign of values that round to zero; torch keeps it (-0.0).
+    subnormal = tl.abs((y + 24576.0) - 24576.0)
+    subnormal = tl.where(y.to(tl.int32, bitcast=True) < 0, -subnormal, subnormal)  # sign bit
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 
@@ -247,8 +251,10 @@ def _validate(
         raise ValueError(f"value {tuple(value.shape)} must match key {tuple(key.shape)}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in head_dim")
-    if not key.is_floating_point() or key.dtype == FP8_DTYPE or value.dtype != key.dtype:
-        raise ValueError(f"key/value must share a 16/32-bit float dtype, got {key.dtype}")
+    if key.dtype not in _INPUT_DTYPES or value.dtype != key.dtype:
+        raise ValueError(
+            f"key and value must share one of fp32/bf16/fp16, got {key.dtype} and {value.dtype}"
+        )
     num_tokens = key.shape[0]
     for name, tensor, shape in (
         ("slot_mapping", slot_mapping, (num_tokens,)),

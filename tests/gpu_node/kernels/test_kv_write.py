@@ -1,0 +1,168 @@
+"""KV write kernel vs `kv_write_ref` under the Triton interpreter: bit-exact, ownership exact."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from gpu_node.kernels.kv_write import kv_write, kv_write_ref
+from gpu_node.kv_quant import FP8_DTYPE, scale_shape
+
+NUM_PAGES, PAGE_SIZE = 6, 16
+# Pages 0, 1, 5 belong to tag 7; 2, 3 to tag 9; 4 is free.
+OWNER = torch.tensor([7, 7, 9, 9, -1, 7])
+
+
+def make_cache(dtype, num_kv_heads, head_dim):
+    """A poisoned cache: any row the write leaves alone keeps a recognisable value."""
+    shape = (NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
+    if dtype == FP8_DTYPE:
+        cache = torch.full(shape, 0x5A, dtype=torch.uint8).view(FP8_DTYPE)
+        scale = torch.full(scale_shape(NUM_PAGES, PAGE_SIZE, num_kv_heads), 99, dtype=torch.int8)
+        return cache, cache.clone(), scale, scale.clone()
+    cache = torch.full(shape, -7.0, dtype=dtype)
+    return cache, cache.clone(), None, None
+
+
+def run_both(key, value, slot_mapping, token_tags, dtype):
+    results = []
+    for write in (kv_write, kv_write_ref):
+        k_cache, v_cache, k_scale, v_scale = make_cache(dtype, key.shape[1], key.shape[2])
+        flags = write(
+            key, value, k_cache, v_cache, slot_mapping, OWNER, token_tags, k_scale, v_scale
+        )
+        results.append((flags, k_cache, v_cache, k_scale, v_scale))
+    return results
+
+
+def as_bits(t):
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def hard_values(num_tokens, num_kv_heads, head_dim, dtype):
+    """K/V rows that stress the fp8 rounding: just below powers of two, subnormal-range
+    elements, an all-zero row, and row maxima from 1e-3 to 1e3."""
+    torch.manual_seed(1)
+    x = torch.randn(num_tokens, num_kv_heads, head_dim)
+    x *= torch.logspace(-3, 3, num_tokens).view(-1, 1, 1)
+    x[0, 0, :8] = torch.tensor([31.88, -7.87, 1.9686, 0.2499, 447.9, 1e-3, -3e-4, 15.99])
+    x[1, -1] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "input_dtype", "num_kv_heads", "head_dim"),
+    [
+        (FP8_DTYPE, torch.bfloat16, 3, 64),
+        (FP8_DTYPE, torch.float32, 2, 48),  # head_dim not a power of two
+        (FP8_DTYPE, torch.float16, 1, 128),
+        (torch.bfloat16, torch.bfloat16, 3, 64),
+        (torch.float16, torch.float32, 4, 32),
+        (torch.float32, torch.float32, 3, 64),
+    ],
+)
+def test_kernel_equals_reference_bit_for_bit(cache_dtype, input_dtype, num_kv_heads, head_dim):
+    num_tokens = 13
+    key = hard_values(num_tokens, num_kv_heads, head_dim, input_dtype)
+    value = -2.0 * key
+    # Owned slots of tag 7 (pages 0, 1, 5), partly filling page 5.
+    slot_mapping = torch.tensor([0, 1, 15, 16, 17, 31, 80, 81, 82, 83, 84, 85, 86])
+    token_tags = torch.full((num_tokens,), 7)
+    (flags, *kernel), (flags_ref, *ref) = run_both(
+        key, value, slot_mapping, token_tags, cache_dtype
+    )
+    assert flags.tolist() == [False] * num_tokens
+    assert torch.equal(flags, flags_ref)
+    for got, want in zip(kernel, ref, strict=True):
+        if want is not None:
+            assert torch.equal(as_bits(got), as_bits(want))
+    # The written rows hold the new data; every other row kept its poison.
+    k_cache = kernel[0]
+    written = torch.zeros(NUM_PAGES * PAGE_SIZE, dtype=torch.bool)
+    written[slot_mapping] = True
+    rows = as_bits(k_cache).view(NUM_PAGES * PAGE_SIZE, -1)
+    poison = 0x5A if cache_dtype == FP8_DTYPE else -7.0
+    assert bool((rows[~written] == poison).all())
+
+
+def test_ownership_violations_are_flagged_and_not_written():
+    num_kv_heads, head_dim = 3, 64
+    key = hard_values(8, num_kv_heads, head_dim, torch.bfloat16)
+    value = key + 1
+    slot_mapping = torch.tensor([0, 40, 70, -1, 96, 1000, 17, 5 * 16 + 3])
+    token_tags = torch.tensor([7, 7, 7, 7, 7, 7, 9, 7])
+    # 0: page 0 owned by 7, ok. 40: page 2 belongs to 9. 70: page 4 is free.
+    # -1: padding, skipped silently. 96 and 1000: past the last slot (95).
+    # 17: page 1 belongs to 7, not 9. 83: page 5, ok.
+    expected = [False, True, True, False, True, True, True, False]
+    for dtype in (FP8_DTYPE, torch.bfloat16):
+        (flags, k_cache, v_cache, *_), (flags_ref, *ref) = run_both(
+            key, value, slot_mapping, token_tags, dtype
+        )
+        assert flags.tolist() == expected
+        assert flags_ref.tolist() == expected
+        assert torch.equal(as_bits(k_cache), as_bits(ref[0]))
+        assert torch.equal(as_bits(v_cache), as_bits(ref[1]))
+        # Exactly slots 0 and 83 changed.
+        poison = 0x5A if dtype == FP8_DTYPE else -7.0
+        rows = as_bits(k_cache).view(NUM_PAGES * PAGE_SIZE, -1)
+        changed = (rows != poison).any(dim=1).nonzero().flatten().tolist()
+        assert changed == [0, 83]
+
+
+def test_ownership_check_off_writes_foreign_pages():
+    key = hard_values(2, 3, 64, torch.bfloat16)
+    k_cache, v_cache, _, _ = make_cache(torch.bfloat16, 3, 64)
+    flags = kv_write(
+        key,
+        key,
+        k_cache,
+        v_cache,
+        torch.tensor([40, 200]),
+        OWNER,
+        torch.tensor([7, 7]),
+        check_owner=False,
+    )
+    assert flags.tolist() == [False, True]  # the range check stays on
+    assert torch.equal(k_cache.view(-1, 3, 64)[40], key[0])
+
+
+def test_no_tokens_is_a_no_op():
+    k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
+    empty = torch.empty(0, 3, 64, dtype=torch.bfloat16)
+    none = torch.empty(0, dtype=torch.int64)
+    flags = kv_write(empty, empty, k_cache, v_cache, none, OWNER, none, k_scale, v_scale)
+    assert flags.shape == (0,) and flags.dtype == torch.bool
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"key": torch.zeros(2, 4, 64)}, r"key must be \[T, 3, 64\]"),
+        ({"slot_mapping": torch.tensor([0, 1], dtype=torch.int32)}, "slot_mapping must be int64"),
+        ({"token_tags": torch.tensor([7])}, "token_tags must be int64"),
+        ({"k_scale": None}, "an fp8 cache needs k_scale"),
+        (
+            {"key": torch.zeros(2, 3, 64, dtype=torch.float64)},
+            "key and value must share one of fp32/bf16/fp16",
+        ),
+    ],
+)
+def test_bad_input_raises_value_error(change, message):
+    k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
+    args = {
+        "key": torch.zeros(2, 3, 64),
+        "value": torch.zeros(2, 3, 64),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "slot_mapping": torch.tensor([0, 1]),
+        "page_owner": OWNER,
+        "token_tags": torch.tensor([7, 7]),
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+    }
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        kv_write(**args)
