@@ -88,8 +88,11 @@ class RedisLimiter:
         self._release = _script(client, "release.lua")
         self._renew = _script(client, "renew.lua")
         self._heartbeat = _script(client, "heartbeat.lua")
+        self._forget = _script(client, "forget.lua")
         self._fallback = LocalWindows()
         self._held: dict[str, _Held] = {}
+        # Acquires whose reply was lost: taken back at the next heartbeat that reaches Redis.
+        self._unanswered: dict[str, Bucket] = {}
         self._overrides: dict[str, tuple[float, AccountLimits]] = {}
         self._num_gateways = 1
         self._down_until = 0.0
@@ -160,6 +163,7 @@ class RedisLimiter:
                     )
                 )
             )
+            await self._forget_unanswered()
             by_bucket: dict[Bucket, list[str]] = {}
             for request_id, held in list(self._held.items()):
                 if not held.is_local:
@@ -176,6 +180,15 @@ class RedisLimiter:
         else:
             self._down_until = 0.0
         return self._num_gateways
+
+    async def _forget_unanswered(self) -> None:
+        by_bucket: dict[Bucket, list[str]] = {}
+        for request_id, bucket in self._unanswered.items():
+            by_bucket.setdefault(bucket, []).append(request_id)
+        for bucket, request_ids in by_bucket.items():
+            await self._call(self._forget(keys=self._keys(bucket), args=request_ids))
+            for request_id in request_ids:
+                del self._unanswered[request_id]
 
     async def start(self) -> None:
         """Heartbeats now and then every `heartbeat_s` in the background."""
@@ -214,26 +227,35 @@ class RedisLimiter:
     async def _take_shared(
         self, bucket: Bucket, limits: Limits, request_id: str, estimated_tokens: int
     ) -> WindowState:
-        reply = await self._call(
-            self._acquire(
-                keys=self._keys(bucket),
-                args=[
-                    self._now_arg(),
-                    WINDOW_MS,
-                    limits.requests_per_minute,
-                    limits.tokens_per_minute,
-                    limits.max_concurrent,
-                    request_id,
-                    estimated_tokens,
-                    self._lease_ms(),
-                    CONCURRENCY_RETRY_MS,
-                ],
+        try:
+            reply = await self._call(
+                self._acquire_script(bucket, limits, request_id, estimated_tokens)
             )
-        )
+        except _StoreDown:
+            self._unanswered[request_id] = bucket
+            raise
         reason, retry, num_requests, num_tokens, reset, num_running = (int(v) for v in reply)
         if reason == _DUPLICATE:
             raise DuplicateRequestId(f"request id {request_id!r} is already admitted")
         return WindowState(REASONS[reason], retry, num_requests, num_tokens, reset, num_running)
+
+    def _acquire_script(
+        self, bucket: Bucket, limits: Limits, request_id: str, estimated_tokens: int
+    ) -> Awaitable[list[int]]:
+        return self._acquire(
+            keys=self._keys(bucket),
+            args=[
+                self._now_arg(),
+                WINDOW_MS,
+                limits.requests_per_minute,
+                limits.tokens_per_minute,
+                limits.max_concurrent,
+                request_id,
+                estimated_tokens,
+                self._lease_ms(),
+                CONCURRENCY_RETRY_MS,
+            ],
+        )
 
     def _take_local(self, bucket: Bucket, request_id: str, estimated_tokens: int) -> Admission:
         if self._settings.on_redis_error == "closed":

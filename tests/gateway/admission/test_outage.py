@@ -1,0 +1,182 @@
+"""Redis trouble: a redis-server this test starts on a free port, then freezes or kills."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio as redis
+
+from gateway.admission import (
+    AdmissionSettings,
+    AdmissionUnavailable,
+    LimitPolicy,
+    Limits,
+    RedisLimiter,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+TIMEOUT_S = 0.2
+RETRY_S = 0.3
+
+
+class RedisServer:
+    """A throwaway redis-server without persistence."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            os.kill(self.process.pid, signal.SIGCONT)  # a frozen server cannot exit
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def freeze(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+def limiter(client: redis.Redis, mode: str, limits: Limits) -> RedisLimiter:
+    settings = AdmissionSettings(
+        policy=LimitPolicy(default=limits),
+        on_redis_error=mode,  # type: ignore[arg-type]
+        redis_timeout_s=TIMEOUT_S,
+        redis_retry_s=RETRY_S,
+    )
+    return RedisLimiter(client, settings)
+
+
+async def timed(call: object) -> tuple[object, float]:
+    start = time.monotonic()
+    try:
+        result = await call  # type: ignore[misc]
+    except AdmissionUnavailable as exc:
+        result = exc
+    return result, time.monotonic() - start
+
+
+async def test_fail_closed_answers_unavailable_within_the_timeout_and_recovers(
+    server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(server.url)
+    gate = limiter(client, "closed", Limits(requests_per_minute=100))
+    assert (await gate.acquire("acct", "m", "before", 1)).admitted
+
+    server.freeze()  # connections stay open but nothing answers: the hanging kind of outage
+    result, elapsed = await timed(gate.acquire("acct", "m", "during-1", 1))
+    assert isinstance(result, AdmissionUnavailable)
+    assert elapsed < TIMEOUT_S + 0.5
+    # While degraded, requests do not wait on Redis at all.
+    result, elapsed = await timed(gate.acquire("acct", "m", "during-2", 1))
+    assert isinstance(result, AdmissionUnavailable)
+    assert elapsed < TIMEOUT_S
+    _, elapsed = await timed(gate.release("acct", "m", "before", 1))  # never raises
+    assert elapsed < TIMEOUT_S + 0.5
+
+    server.thaw()  # the frozen server now runs the acquire whose reply was lost
+    await asyncio.sleep(RETRY_S)
+    after = await gate.acquire("acct", "m", "after", 1)
+    assert after.admitted and not gate.is_degraded
+    await gate.heartbeat()  # takes back what the lost acquire reserved
+    logged = await client.zrange("edgeserve:rl:{acct|m}:log", 0, -1)
+    assert sorted(logged) == [b"after", b"before"]
+    await client.aclose()
+
+
+async def test_fail_open_uses_local_shares_then_shared_limits_again(server: RedisServer) -> None:
+    limits = Limits(requests_per_minute=10, tokens_per_minute=10_000, max_concurrent=100)
+    clients = [redis.Redis.from_url(server.url) for _ in range(2)]
+    a, b = (limiter(c, "open", limits) for c in clients)
+    assert [await a.heartbeat(), await b.heartbeat()] == [1, 2]
+    assert await a.heartbeat() == 2
+
+    server.stop()  # Redis is gone: connections refused
+    answers_a = [await a.acquire("acct", "m", f"a{i}", 1) for i in range(8)]
+    answers_b = [await b.acquire("acct", "m", f"b{i}", 1) for i in range(8)]
+    # Each of the two live gateways enforces half of the limit on its own.
+    assert [x.admitted for x in answers_a] == [True] * 5 + [False] * 3
+    assert [x.admitted for x in answers_b] == [True] * 5 + [False] * 3
+    assert answers_a[5].reason == "requests"
+    assert answers_a[5].headers["x-ratelimit-limit-requests"] == "5"
+    await a.release("acct", "m", "a0", 1)  # released where it was admitted: locally
+
+    server.start()  # back, empty (no persistence)
+    await asyncio.sleep(RETRY_S)
+    burst = await asyncio.gather(
+        *(g.acquire("acct", "m", f"s{i}", 1) for i in range(16) for g in [(a, b)[i % 2]])
+    )
+    assert sum(x.admitted for x in burst) == 10  # one shared limit again
+    assert burst[0].headers["x-ratelimit-limit-requests"] == "10"
+    assert not a.is_degraded and not b.is_degraded
+    for c in clients:
+        await c.aclose()
+
+
+async def test_heartbeat_failure_marks_degraded_and_a_later_one_recovers(
+    server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(server.url)
+    gate = limiter(client, "open", Limits())
+    assert await gate.heartbeat() == 1
+    server.freeze()
+    start = time.monotonic()
+    assert await gate.heartbeat() == 1  # last count kept
+    assert time.monotonic() - start < TIMEOUT_S + 0.5
+    assert gate.is_degraded
+    server.thaw()
+    assert await gate.heartbeat() == 1
+    assert not gate.is_degraded
+    await client.aclose()
