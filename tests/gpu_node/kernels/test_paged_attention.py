@@ -1,0 +1,346 @@
+"""Paged decode attention kernel vs `paged_decode_attention_ref` under the Triton interpreter,
+the ownership checks (kernel and torch), tags, and the prefill gather."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from gpu_node.kernels.kv_write import kv_write_ref
+from gpu_node.kernels.paged_attention import (
+    FREE_PAGE_TAG,
+    check_page_ownership,
+    gather_paged_kv,
+    make_seq_tag,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, quantize_fp8, scale_shape
+
+# Output dtype -> (atol, rtol). Both sides compute in fp32 from the same exactly
+# dequantized K/V; what differs is summation order (~1e-6 relative) and, for 16-bit
+# outputs, the final rounding, which may land one ulp apart (bf16 2**-8, fp16 2**-11).
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-5, 2**-7),
+    torch.float16: (1e-5, 2**-10),
+}
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    page_owner: torch.Tensor
+    seq_tags: torch.Tensor
+    keys: list[torch.Tensor]  # per sequence [L, H, D], as written
+    values: list[torch.Tensor]
+
+    def args(self):
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.context_lens,
+            self.page_owner,
+            self.seq_tags,
+        )
+
+    def scales(self):
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+def build_batch(
+    context_lens, *, cache_dtype, q_dtype, num_heads, num_kv_heads, head_dim, page_size, seed=0
+):
+    """Sequences on shuffled pages, written through `kv_write_ref`, with spare free pages
+    and unused block-table columns full of stale page ids (they must be ignored)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = [(n + page_size - 1) // page_size for n in context_lens]
+    num_pages = sum(pages_needed) + 3
+    max_pages = max(pages_needed) + 1
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=cache_dtype)
+    v_cache = torch.zeros(shape, dtype=cache_dtype)
+    k_scale = v_scale = None
+    if cache_dtype == FP8_DTYPE:
+        k_scale = torch.zeros(scale_shape(num_pages, page_size, num_kv_heads), dtype=torch.int8)
+        v_scale = torch.zeros_like(k_scale)
+    page_owner = torch.full((num_pages,), FREE_PAGE_TAG)
+    seq_tags = torch.tensor([make_seq_tag(100 + i, 3) for i in range(len(context_lens))])
+    block_tables = torch.randint(0, num_pages, (len(context_lens), max_pages), generator=gen)
+    block_tables = block_tables.int()
+    order = torch.randperm(num_pages, generator=gen)
+    keys, values, used = [], [], 0
+    for seq, (length, needed) in enumerate(zip(context_lens, pages_needed, strict=True)):
+        pages = order[used : used + needed]
+        used += needed
+        block_tables[seq, :needed] = pages.int()
+        page_owner[pages] = seq_tags[seq]
+        # Keys with a few loud channels and tokens, as real keys have.
+        key = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        key[:, :, :3] *= 8.0
+        key[::7] *= 5.0
+        value = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+        positions = torch.arange(length)
+        slots = pages[positions // page_size] * page_size + positions % page_size
+        tags = torch.full((length,), int(seq_tags[seq]))
+        flags = kv_write_ref(
+            key, value, k_cache, v_cache, slots, page_owner, tags, k_scale, v_scale
+        )
+        assert not flags.any()
+        keys.append(key)
+        values.append(value)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(q_dtype)
+    return PagedBatch(
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        block_tables,
+        torch.tensor(context_lens, dtype=torch.int32),
+        page_owner,
+        seq_tags,
+        keys,
+        values,
+    )
+
+
+CASES = [
+    # cache dtype, q dtype, context lens, Q, H, D, page size, target programs (splits)
+    (FP8_DTYPE, torch.bfloat16, [1, 17, 100, 33], 9, 3, 64, 16, 24),  # SmolLM2 heads
+    (FP8_DTYPE, torch.float16, [130, 64, 1], 12, 2, 32, 64, 4),
+    (torch.bfloat16, torch.bfloat16, [5, 64, 31], 8, 2, 64, 32, 1),  # one split
+    (torch.float16, torch.float16, [97, 3], 6, 1, 64, 48, 16),  # page size 48, G = 6
+    (torch.float32, torch.float32, [16, 1, 47], 4, 4, 16, 16, 12),  # G = 1
+]
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "q_dtype", "lens", "num_heads", "num_kv_heads", "head_dim", "page", "programs"),
+    CASES,
+)
+def test_kernel_matches_reference(
+    cache_dtype, q_dtype, lens, num_heads, num_kv_heads, head_dim, page, programs
+):
+    batch = build_batch(
+        lens,
+        cache_dtype=cache_dtype,
+        q_dtype=q_dtype,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page,
+    )
+    out, violations = paged_decode_attention(
+        *batch.args(), **batch.scales(), target_programs=programs, block_n=16
+    )
+    ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    assert violations.tolist() == [False] * len(lens)
+    assert ref_violations.tolist() == [False] * len(lens)
+    assert out.dtype == q_dtype and out.shape == (len(lens), num_heads, head_dim)
+    atol, rtol = TOLERANCE[q_dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_reference_is_softmax_attention_over_the_written_tokens():
+    """The reference against plain attention on the K/V as written (not via pages)."""
+    batch = build_batch(
+        [19, 1],
+        cache_dtype=FP8_DTYPE,
+        q_dtype=torch.float32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+    )
+    ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    for seq, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        # What fp8 storage keeps of them: exactly quantize -> dequantize.
+        k = dequantize_fp8(*quantize_fp8(key), torch.float64).repeat_interleave(2, dim=1)
+        v = dequantize_fp8(*quantize_fp8(value), torch.float64).repeat_interleave(2, dim=1)
+        q = batch.q[seq].double()  # [Q, D]
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q, k) / 32**0.5, dim=-1)
+        expected = torch.einsum("hl,lhd->hd", probs, v)
+        torch.testing.assert_close(ref[seq].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def inject(batch, fault):
+    """Corrupt the batch one way; return the indices of the sequences that must be flagged."""
+    if fault == "foreign_page":  # seq 1 reads a page of seq 2
+        batch.block_tables[1, 0] = batch.block_tables[2, 1]
+        return [1]
+    if fault == "freed_page":  # seq 2's last page was freed under it
+        batch.page_owner[batch.block_tables[2, 6]] = FREE_PAGE_TAG
+        return [2]
+    if fault == "stale_generation":  # seq 0 was preempted and re-admitted: new generation
+        batch.seq_tags[0] = make_seq_tag(100, 4)
+        return [0]
+    if fault == "page_out_of_range":
+        batch.block_tables[3, 2] = batch.page_owner.shape[0]
+        return [3]
+    if fault == "negative_page":
+        batch.block_tables[0, 0] = -1
+        return [0]
+    if fault == "context_past_block_table":  # 3 pages needed, block table has 8 columns
+        batch.context_lens[3] = 8 * 16 + 1
+        return [3]
+    if fault == "two_sequences":  # one page handed to two sequences: seq 1, then seq 3
+        batch.block_tables[3, 0] = batch.block_tables[1, 0]
+        batch.page_owner[batch.block_tables[1, 0]] = batch.seq_tags[3]
+        return [1]  # seq 3 owns the page now; it reads seq 1's data, so it is skipped below
+    raise AssertionError(fault)
+
+
+FAULTS = [
+    "foreign_page",
+    "freed_page",
+    "stale_generation",
+    "page_out_of_range",
+    "negative_page",
+    "context_past_block_table",
+    "two_sequences",
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_ownership_violations_flag_exactly_the_bad_sequence(fault):
+    batch = build_batch(
+        [3, 20, 100, 40],
+        cache_dtype=FP8_DTYPE,
+        q_dtype=torch.bfloat16,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        page_size=16,
+    )
+    clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    bad = inject(batch, fault)
+    expected = [i in bad for i in range(4)]
+    checked = check_page_ownership(
+        batch.block_tables, batch.context_lens, 16, batch.page_owner, batch.seq_tags
+    )
+    assert checked.tolist() == expected
+    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), target_programs=24)
+    assert violations.tolist() == expected
+    ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    assert ref_violations.tolist() == expected
+    # The sequences that did nothing wrong get exactly their fault-free answer.
+    good = [i for i in range(4) if i not in bad and not (fault == "two_sequences" and i == 3)]
+    atol, rtol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out[good], clean[good], atol=atol, rtol=rtol)
+    assert torch.equal(ref[good], clean[good])
+
+
+def test_ownership_check_ignores_columns_past_the_context():
+    page_owner = torch.tensor([5, 5, 6, FREE_PAGE_TAG])
+    block_tables = torch.tensor([[0, 1, 3, 2], [2, 3, 3, 0]], dtype=torch.int32)
+    seq_tags = torch.tensor([5, 6])
+    # Seq 0 uses 2 pages (32 tokens): columns 2, 3 (free, foreign) are not read.
+    # Seq 1 uses 1 page at 16 tokens, 2 pages (page 3 is free) at 17.
+    for lens, expected in (([32, 16], [False, False]), ([33, 17], [True, True])):
+        context_lens = torch.tensor(lens, dtype=torch.int32)
+        got = check_page_ownership(block_tables, context_lens, 16, page_owner, seq_tags)
+        assert got.tolist() == expected
+
+
+def test_check_off_skips_only_the_owner_comparison():
+    batch = build_batch(
+        [20, 30],
+        cache_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=16,
+    )
+    batch.seq_tags[0] = make_seq_tag(7, 0)  # every page of seq 0 now looks foreign
+    batch.block_tables[1, 0] = 999  # out of range stays a violation
+    _, violations = paged_decode_attention(*batch.args(), check_owner=False)
+    assert violations.tolist() == [False, True]
+
+
+def test_make_seq_tag_packs_id_and_generation():
+    assert make_seq_tag(0, 0) == 0
+    assert make_seq_tag(3, 5) == 3 * 2**20 + 5
+    assert make_seq_tag(3, 2**20 + 5) == make_seq_tag(3, 5)  # generation wraps at 2**20
+    assert make_seq_tag(3, 6) != make_seq_tag(3, 5) != FREE_PAGE_TAG
+    with pytest.raises(ValueError, match="seq_id must be in"):
+        make_seq_tag(-1, 0)
+    with pytest.raises(ValueError, match="generation must be >= 0"):
+        make_seq_tag(1, -1)
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16])
+def test_gather_paged_kv_returns_the_sequence_in_order(cache_dtype):
+    batch = build_batch(
+        [37, 5],
+        cache_dtype=cache_dtype,
+        q_dtype=torch.bfloat16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+    )
+    k, v = gather_paged_kv(
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables[0],
+        37,
+        torch.float32,
+        batch.k_scale,
+        batch.v_scale,
+    )
+    assert k.shape == v.shape == (37, 2, 32)
+    if cache_dtype == FP8_DTYPE:
+        expected_k = dequantize_fp8(*quantize_fp8(batch.keys[0]), torch.float32)
+        expected_v = dequantize_fp8(*quantize_fp8(batch.values[0]), torch.float32)
+    else:
+        expected_k = batch.keys[0].to(cache_dtype).float()
+        expected_v = batch.values[0].to(cache_dtype).float()
+    assert torch.equal(k, expected_k)
+    assert torch.equal(v, expected_v)
+    batch.block_tables[0, 1] = -3
+    with pytest.raises(ValueError, match=r"page id outside \[0, "):
+        gather_paged_kv(
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables[0],
+            37,
+            torch.float32,
+            batch.k_scale,
+            batch.v_scale,
+        )
+
+
+def test_bad_shapes_raise_value_error():
+    batch = build_batch(
+        [4],
+        cache_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=16,
+    )
+    args = list(batch.args())
+    with pytest.raises(ValueError, match="num_heads 3 must be a multiple of num_kv_heads 2"):
+        paged_decode_attention(batch.q[:, :3].contiguous(), *args[1:])
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        paged_decode_attention(*args[:3], batch.block_tables.long(), *args[4:])
+    with pytest.raises(ValueError, match=r"context_lens must be contiguous torch\.int32"):
+        paged_decode_attention(*args[:4], batch.context_lens.long(), *args[5:])
+    odd_pages = torch.zeros(2, 24, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="page_size must be a multiple of 16, got 24"):
+        paged_decode_attention(batch.q, odd_pages, odd_pages.clone(), *args[3:])
