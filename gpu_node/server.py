@@ -1,6 +1,7 @@
 """The node's internal HTTP API around one engine (versioned under /internal/v1/).
 
-    POST   /internal/v1/generate        JSON in; NDJSON out: {"text", "token_ids"} chunks, then
+    POST   /internal/v1/generate        JSON in; NDJSON out: {"text", "token_ids"} chunks (the first
+                                        also carries prompt_tokens and cached_tokens), then
                                         {"finish_reason", "usage": {prompt_tokens, completion_tokens,
                                         cached_tokens}}; a failure after the first line is one
                                         {"error": {"code", "message"}} line
@@ -134,6 +135,8 @@ class NodeService:
         self.registry = registry
         self.engine = engine
         self._engine_factory = engine_factory
+        # An engine handed in belongs to the caller (tests share one); a loaded one is ours to stop.
+        self._owns_engine = engine is None
         self.is_draining = False
         self.load_error: str | None = None
         self.num_in_flight = 0
@@ -217,7 +220,7 @@ class NodeService:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if self.engine is not None:
+        if self.engine is not None and self._owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
 
     def prompt_token_ids(self, body: GenerateRequest) -> list[int]:
@@ -318,11 +321,18 @@ async def _stream(
     assert service.engine is not None
     engine = service.engine
     finished = False
+    is_first = True
     try:
         out = first
         while True:
-            if out.token_ids or out.text:
-                yield _line({"text": out.text, "token_ids": list(out.token_ids)})
+            if out.token_ids or out.text or is_first:
+                chunk: dict[str, Any] = {"text": out.text, "token_ids": list(out.token_ids)}
+                if is_first:
+                    # What the gateway bills if the stream ends early, before the final usage.
+                    chunk["prompt_tokens"] = out.num_prompt_tokens
+                    chunk["cached_tokens"] = out.num_cached_tokens
+                    is_first = False
+                yield _line(chunk)
             if out.finished:
                 finished = True
                 if out.finish_reason == "error":

@@ -1,0 +1,325 @@
+"""`edgeserve up | node | gateway | keys`: start the service in one process or as a fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:
+    import uvicorn
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_ACCOUNT_ID = "local"
+
+keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed in Redis)")
+
+
+def _server(app: Any, host: str, port: int) -> uvicorn.Server:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        # Signals are handled once for every server in the process (see _run_servers).
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(
+        app, host=host, port=port, loop="uvloop", http="httptools", log_level="warning",
+        timeout_graceful_shutdown=30, access_log=False,
+    )  # fmt: skip
+    return Server(config)
+
+
+async def _run_servers(servers: list[uvicorn.Server], on_signal: Any = None) -> None:
+    """Serve until SIGINT/SIGTERM; `on_signal` runs first (a node deregisters before it drains)."""
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task[None]] = set()
+
+    def stop() -> None:
+        async def shutdown() -> None:
+            if on_signal is not None:
+                await on_signal()
+            for server in servers:
+                server.should_exit = True
+
+        task = loop.create_task(shutdown())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _engine_factory(
+    model: str, kv_dtype: str, weights: str | None, max_model_len: int | None
+) -> Any:
+    def load() -> Any:
+        from gpu_node.async_engine import AsyncEngine
+        from gpu_node.config import EngineConfig
+
+        options: dict[str, Any] = {"model": model, "kv_dtype": kv_dtype}
+        if weights is not None:
+            options["weights"] = weights
+        if max_model_len is not None:
+            options["max_model_len"] = max_model_len
+        return AsyncEngine.from_config(EngineConfig(**options))
+
+    return load
+
+
+def _internal_token(given: str | None) -> str:
+    token = given or os.environ.get("EDGESERVE_INTERNAL_TOKEN")
+    if not token:
+        raise typer.BadParameter(
+            "set --internal-token or EDGESERVE_INTERNAL_TOKEN (shared by gateways and nodes)"
+        )
+    return token
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(up)
+    app.command()(node)
+    app.command()(gateway)
+    app.add_typer(keys_app, name="keys")
+
+
+def up(
+    host: str = typer.Option("127.0.0.1", help="address the gateway listens on"),
+    port: int = typer.Option(8080, help="gateway port"),
+    redis_url: str | None = typer.Option(
+        None, help="share stores through Redis instead of in-process"
+    ),
+    prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
+    model: str = typer.Option("smollm2", help="node model name or GGUF path"),
+    kv_dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16 | fp8"),
+    weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
+    max_model_len: int | None = typer.Option(None, help="context window cap"),
+) -> None:
+    """Gateway + one node in one process: ready in one command, no Redis needed."""
+    from gateway.keys import new_key
+
+    account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
+    api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
+    internal_token = secrets.token_urlsafe(24)
+    node_port = _free_port("127.0.0.1")
+
+    async def main() -> None:
+        from gateway.app import create_app
+        from gateway.settings import GatewaySettings
+        from gpu_node.server import NodeService, NodeSettings, create_node_app
+
+        stores = await _stores(redis_url, prefix, port, local=redis_url is None)
+        await stores.keys.add(api_key, account_id)
+        service = NodeService(
+            NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
+                         internal_token=internal_token),
+            stores.registry,
+            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len),
+        )  # fmt: skip
+        gateway_app = create_app(
+            GatewaySettings(internal_token=internal_token),
+            keys=stores.keys, placer=stores.placer, limiter=stores.limiter, usage_sink=stores.sink,
+            is_ready=lambda: service.is_ready, on_startup=stores.start, on_shutdown=stores.close,
+        )  # fmt: skip
+        servers = [
+            _server(create_node_app(service), "127.0.0.1", node_port),
+            _server(gateway_app, host, port),
+        ]
+        url = f"http://{host}:{port}"
+        typer.echo(
+            f"edgeserve is starting at {url} (the model loads in the background; 503 until then)"
+        )
+        typer.echo(f"  account id: {account_id}")
+        typer.echo(f"  API key:    {api_key}")
+        typer.echo("  try:")
+        typer.echo(
+            f"    curl {url}/client/v4/accounts/{account_id}/ai/run/@cf/huggingface/smollm2-135m-instruct \\\n"
+            f"      -H 'Authorization: Bearer {api_key}' -d '{{\"prompt\": \"Tell me a joke\"}}'"
+        )
+        await _run_servers(servers, on_signal=service.begin_drain)
+
+    asyncio.run(main())
+
+
+def node(
+    host: str = typer.Option("127.0.0.1", help="address the node listens on"),
+    port: int = typer.Option(8081),
+    advertise: str | None = typer.Option(
+        None, help="base URL gateways use (default http://HOST:PORT)"
+    ),
+    node_id: str | None = typer.Option(None, help="default HOSTNAME-PORT"),
+    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
+    prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
+    internal_token: str | None = typer.Option(None, help="or EDGESERVE_INTERNAL_TOKEN"),
+    model: str = typer.Option("smollm2"),
+    kv_dtype: str = typer.Option("fp32"),
+    weights: str | None = typer.Option(None),
+    max_model_len: int | None = typer.Option(None),
+    role: str = typer.Option("mixed", help="mixed | prefill | decode"),
+    heartbeat_s: float = typer.Option(1.0),
+    ttl_s: float = typer.Option(3.0),
+) -> None:
+    """One GPU node: the engine behind the internal API, publishing its capacity to Redis."""
+    token = _internal_token(internal_token)
+
+    async def main() -> None:
+        import redis.asyncio as aioredis
+
+        from gpu_node.server import NodeService, NodeSettings, create_node_app
+        from scheduler.capacity import RedisCapacityRegistry
+
+        client = aioredis.Redis.from_url(redis_url)
+        service = NodeService(
+            NodeSettings(
+                node_id=node_id or f"{socket.gethostname()}-{port}", address=advertise or f"http://{host}:{port}",
+                internal_token=token, role=role, heartbeat_s=heartbeat_s, ttl_s=ttl_s,
+            ),
+            RedisCapacityRegistry(client, prefix),
+            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len),
+        )  # fmt: skip
+        typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
+        try:
+            await _run_servers(
+                [_server(create_node_app(service), host, port)], on_signal=service.begin_drain
+            )
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def gateway(
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8080),
+    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
+    prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
+    internal_token: str | None = typer.Option(None, help="or EDGESERVE_INTERNAL_TOKEN"),
+) -> None:
+    """One stateless gateway reading keys, capacity and limits from Redis."""
+    token = _internal_token(internal_token)
+
+    async def main() -> None:
+        from gateway.app import create_app
+        from gateway.settings import GatewaySettings
+
+        stores = await _stores(redis_url, prefix, port, local=False)
+        app = create_app(
+            GatewaySettings(internal_token=token), keys=stores.keys, placer=stores.placer,
+            limiter=stores.limiter, usage_sink=stores.sink, on_startup=stores.start, on_shutdown=stores.close,
+        )  # fmt: skip
+        typer.echo(f"gateway listening on http://{host}:{port}", err=True)
+        await _run_servers([_server(app, host, port)])
+
+    asyncio.run(main())
+
+
+class _Stores:
+    """The stores a gateway needs, in-process or in Redis, with their start/stop."""
+
+    def __init__(
+        self, keys: Any, registry: Any, placer: Any, limiter: Any, sink: Any, client: Any
+    ) -> None:
+        self.keys, self.registry, self.placer = keys, registry, placer
+        self.limiter, self.sink, self._client = limiter, sink, client
+
+    async def start(self) -> None:
+        result = self.sink.start()
+        if asyncio.iscoroutine(result):
+            await result
+
+    async def close(self) -> None:
+        await self.sink.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+
+
+async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool) -> _Stores:
+    from billing.ledger import default_sqlite_path, open_ledger
+    from billing.sink import LocalUsageSink, RedisUsageSink
+    from gateway.admission import LocalLimiter, RedisLimiter
+    from gateway.keys import MemoryKeyStore, RedisKeyStore
+    from scheduler.capacity import CapacityView, LocalCapacityRegistry, RedisCapacityRegistry
+    from scheduler.placement import LocalReservations, Placer, RedisReservations
+
+    if local:
+        registry = LocalCapacityRegistry()
+        placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
+        sink = LocalUsageSink(open_ledger(default_sqlite_path()))
+        return _Stores(MemoryKeyStore(), registry, placer, LocalLimiter(), sink, None)
+    import redis.asyncio as aioredis
+
+    from edgeserve.settings import journal_path
+
+    client = aioredis.Redis.from_url(redis_url or DEFAULT_REDIS_URL)
+    registry = RedisCapacityRegistry(client, prefix)
+    placer = Placer(CapacityView(registry, max_age_s=1.0), RedisReservations(client, prefix))
+    sink = RedisUsageSink(client, f"{prefix}usage", journal_path(port))
+    return _Stores(
+        RedisKeyStore(client, prefix), registry, placer, RedisLimiter(client), sink, client
+    )
+
+
+def _keys_store(redis_url: str, prefix: str) -> Any:
+    import redis.asyncio as aioredis
+
+    from gateway.keys import RedisKeyStore
+
+    return RedisKeyStore(aioredis.Redis.from_url(redis_url), prefix)
+
+
+@keys_app.command("create")
+def keys_create(
+    account: str = typer.Option(..., help="the account the key acts for"),
+    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
+    prefix: str = typer.Option("edgeserve:"),
+) -> None:
+    """Create a key and print it (once: only its hash is stored)."""
+    from gateway.keys import InvalidAccountIdError, key_id_of
+
+    try:
+        key = asyncio.run(_keys_store(redis_url, prefix).create(account))
+    except InvalidAccountIdError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(key)
+    typer.echo(
+        f"key id {key_id_of(key)} for account {account}; this key is not shown again", err=True
+    )
+
+
+@keys_app.command("list")
+def keys_list(
+    account: str = typer.Option(...),
+    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
+    prefix: str = typer.Option("edgeserve:"),
+) -> None:
+    """The account's key ids (never the keys)."""
+    for info in asyncio.run(_keys_store(redis_url, prefix).list(account)):
+        typer.echo(f"{info.key_id}\t{info.account_id}\t{info.created_at:.0f}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: str,
+    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
+    prefix: str = typer.Option("edgeserve:"),
+) -> None:
+    """Revoke a key by its id; every gateway stops accepting it within a second."""
+    if not asyncio.run(_keys_store(redis_url, prefix).revoke(key_id)):
+        typer.echo(f"no key with id {key_id}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {key_id}")

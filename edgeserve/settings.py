@@ -1,0 +1,24 @@
+"""Settings shared by the `edgeserve` commands: where local state lives."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+
+def state_dir() -> Path:
+    """$EDGESERVE_HOME, else the user's cache dir (the same place models are pulled to)."""
+    configured = os.environ.get("EDGESERVE_HOME")
+    if configured:
+        return Path(configured).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("edgeserve"))
+
+
+def journal_path(port: int) -> Path:
+    """The usage journal of the gateway on this host and port: a restarted gateway replays its own."""
+    path = state_dir() / "journal" / f"usage-{socket.gethostname()}-{port}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

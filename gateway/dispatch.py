@@ -1,0 +1,372 @@
+"""One request's trip through the fleet: admit, place, forward, relay, and account for it.
+
+`Dispatcher.open(job)` returns an `Upstream` whose first node event has already
+arrived, so every failure a client can be told about with a status code
+happens inside `open` (not admitted, no capacity, bad request per the node, a
+node failing before its first token, which is retried once on another node).
+`Upstream.events()` then relays the rest as it comes; `Upstream.close()` always
+runs once: it cancels the request on the node if it did not finish, releases
+the placement and admission reservations and appends the usage event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from billing.events import Status, UsageEvent
+from gateway.admission import AdmissionError, Limiter, RequestTooLarge
+from gateway.catalog import CatalogModel
+from gateway.errors import (
+    GatewayError,
+    InvalidRequestError,
+    NoCapacityError,
+    RateLimitedError,
+    RequestTooLargeError,
+    UpstreamError,
+)
+from scheduler.placement import Placement, Placer
+
+log = logging.getLogger(__name__)
+
+NO_CAPACITY_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    request_id: str
+    account_id: str
+    model: CatalogModel
+    payload: dict[str, Any]  # prompt/messages + sampling, in the node's generate schema
+    estimated_tokens: int  # prompt estimate + max_tokens: what admission and placement reserve
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def estimate_tokens(payload: dict[str, Any]) -> int:
+    """Prompt tokens guessed from characters (about 3.5 per token in English, rounded up) + max_tokens."""
+    chars = len(payload.get("prompt") or "")
+    for message in payload.get("messages") or ():
+        chars += len(message["content"]) + 16  # the template's role markers
+    return chars // 3 + 8 + int(payload["max_tokens"])
+
+
+class UsageSinkLike:
+    """The billing sink protocol, restated so the gateway depends on its shape only."""
+
+    async def record(self, event: UsageEvent) -> None: ...
+
+
+class Upstream:
+    """An open generation on one node."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        job: GenerationJob,
+        placement: Placement,
+        response: httpx.Response,
+        lines: AsyncIterator[str],
+        first: dict[str, Any],
+        started_at: float,
+        headers: dict[str, str],
+    ) -> None:
+        self._dispatcher = dispatcher
+        self.job = job
+        self.placement = placement
+        self.headers = headers  # admission's rate-limit headers for the client
+        self._response = response
+        self._lines = lines
+        self._first: dict[str, Any] | None = first
+        self._started_at = started_at
+        self._finished: Finished | None = None
+        self._failed = False
+        self._closed = False
+        self.num_delivered_tokens = 0
+        self.prompt_tokens = int(first.get("prompt_tokens", 0))
+        self.cached_tokens = int(first.get("cached_tokens", 0))
+
+    @property
+    def node_id(self) -> str:
+        return self.placement.node_id
+
+    async def events(self) -> AsyncIterator[TextChunk | Finished]:
+        """The node's events in order; raises UpstreamError if the node fails mid-stream."""
+        while True:
+            if self._first is not None:
+                event, self._first = self._first, None
+            else:
+                try:
+                    line = await anext(self._lines)
+                except StopAsyncIteration:
+                    self._failed = True
+                    raise UpstreamError("the node closed the stream before the end") from None
+                except httpx.HTTPError as exc:
+                    self._failed = True
+                    raise UpstreamError(
+                        f"the node failed mid-stream: {type(exc).__name__}"
+                    ) from None
+                if not line:
+                    continue
+                event = json.loads(line)
+            if "error" in event:
+                self._failed = True
+                raise UpstreamError(f"the node failed mid-stream: {event['error'].get('message')}")
+            if "finish_reason" in event:
+                usage = event["usage"]
+                self._finished = Finished(
+                    event["finish_reason"],
+                    usage["prompt_tokens"],
+                    usage["completion_tokens"],
+                    usage["cached_tokens"],
+                )
+                yield self._finished
+                return
+            num_tokens = len(event.get("token_ids", ()))
+            self.num_delivered_tokens += num_tokens
+            yield TextChunk(event.get("text", ""), num_tokens)
+
+    async def close(self) -> None:
+        """Cancel on the node if unfinished, release reservations, record usage. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._response.aclose()
+        await self._dispatcher.finish(self)
+
+    def usage_status(self) -> tuple[Status, int, int, int]:
+        """(status, input, output, cached) as billing counts them."""
+        if self._finished is not None:
+            f = self._finished
+            return "ok", f.prompt_tokens, f.completion_tokens, min(f.cached_tokens, f.prompt_tokens)
+        status: Status = "error" if self._failed else "cancelled"
+        cached = min(self.cached_tokens, self.prompt_tokens)
+        return status, self.prompt_tokens, self.num_delivered_tokens, cached
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished is not None
+
+    @property
+    def started_at(self) -> float:
+        return self._started_at
+
+
+async def collect(upstream: Upstream) -> tuple[str, Finished]:
+    """Read a whole generation (non-streaming answers); always closes the upstream."""
+    parts: list[str] = []
+    finished: Finished | None = None
+    try:
+        async for event in upstream.events():
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+            else:
+                finished = event
+    finally:
+        await upstream.close()
+    assert finished is not None  # events() ends with Finished or raises
+    return "".join(parts), finished
+
+
+# Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.
+_CLIENT_ERRORS: dict[str, type[GatewayError]] = {
+    "invalid_request": InvalidRequestError,
+    "request_too_large": RequestTooLargeError,
+}
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        placer: Placer,
+        internal_token: str,
+        limiter: Limiter | None = None,
+        usage_sink: UsageSinkLike | None = None,
+    ) -> None:
+        self._client = client
+        self._placer = placer
+        self._auth = {"authorization": f"Bearer {internal_token}"}
+        self._limiter = limiter
+        self._usage_sink = usage_sink
+
+    async def open(self, job: GenerationJob) -> Upstream:
+        started_at = time.time()
+        headers = await self._admit(job)
+        try:
+            return await self._place_and_connect(job, started_at, headers)
+        except BaseException:
+            if self._limiter is not None:
+                await self._limiter.release(job.account_id, job.model.node_model, job.request_id, 0)
+            raise
+
+    async def _admit(self, job: GenerationJob) -> dict[str, str]:
+        if self._limiter is None:
+            return {}
+        try:
+            admission = await self._limiter.acquire(
+                job.account_id, job.model.node_model, job.request_id, job.estimated_tokens
+            )
+        except RequestTooLarge as exc:
+            raise RequestTooLargeError(str(exc)) from None
+        except AdmissionError as exc:
+            raise NoCapacityError(f"admission unavailable: {exc}", retry_after_s=1.0) from None
+        if not admission.admitted:
+            raise RateLimitedError(
+                f"rate limited: too many {admission.reason} for this account",
+                retry_after_s=admission.retry_after_s,
+                headers=dict(admission.headers),
+            )
+        return dict(admission.headers)
+
+    async def _place_and_connect(
+        self, job: GenerationJob, started_at: float, headers: dict[str, str]
+    ) -> Upstream:
+        body = json.dumps(
+            {
+                "request_id": job.request_id,
+                "account_id": job.account_id,
+                "model": job.model.node_model,
+            }
+            | job.payload,
+            separators=(",", ":"),
+        ).encode()
+        tried: set[str] = set()
+        failure: UpstreamError | None = None
+        for _ in range(2):  # the first node, then one retry elsewhere
+            placement = await self._placer.place(
+                job.model.node_model, job.request_id, job.estimated_tokens, exclude=frozenset(tried)
+            )
+            if placement is None:
+                break
+            tried.add(placement.node_id)
+            try:
+                upstream = await self._connect(job, placement, body, started_at, headers)
+            except UpstreamError as exc:
+                log.warning("node %s failed before the first token: %s", placement.node_id, exc)
+                failure = exc
+                continue
+            except BaseException:
+                await self._placer.release(placement)
+                raise
+            return upstream
+        if failure is not None:
+            raise failure
+        raise NoCapacityError(
+            f"no capacity for {job.model.name} right now; retry shortly",
+            retry_after_s=NO_CAPACITY_RETRY_S,
+        )
+
+    async def _connect(
+        self,
+        job: GenerationJob,
+        placement: Placement,
+        body: bytes,
+        started_at: float,
+        headers: dict[str, str],
+    ) -> Upstream:
+        """POST to the node and wait for its first event; UpstreamError when the node is at fault."""
+        request = self._client.build_request(
+            "POST",
+            f"{placement.address}/internal/v1/generate",
+            content=body,
+            headers=self._auth | {"content-type": "application/json"},
+        )
+        response: httpx.Response | None = None
+        try:
+            response = await self._client.send(request, stream=True)
+            if response.status_code != 200:
+                await response.aread()
+                code, message = _node_error(response)
+                if code in _CLIENT_ERRORS:
+                    await self._placer.release(placement)
+                    raise _CLIENT_ERRORS[code](message)
+                raise UpstreamError(
+                    f"node {placement.node_id} answered {response.status_code}: {message}"
+                )
+            lines = response.aiter_lines()
+            first_line = ""
+            while not first_line:
+                first_line = await anext(lines)
+            first = json.loads(first_line)
+            if "error" in first:
+                raise UpstreamError(
+                    f"node {placement.node_id} failed: {first['error'].get('message')}"
+                )
+            return Upstream(self, job, placement, response, lines, first, started_at, headers)
+        except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError) as exc:
+            await self._drop(response, placement)
+            raise UpstreamError(
+                f"node {placement.node_id} unreachable: {type(exc).__name__}"
+            ) from None
+        except UpstreamError:
+            await self._drop(response, placement)
+            raise
+
+    async def _drop(self, response: httpx.Response | None, placement: Placement) -> None:
+        if response is not None:
+            await response.aclose()
+        await self._placer.release(placement)
+
+    async def finish(self, upstream: Upstream) -> None:
+        job, placement = upstream.job, upstream.placement
+        if not upstream.is_finished:
+            await self._cancel_on_node(placement, job.request_id)
+        await self._placer.release(placement)
+        status, input_tokens, output_tokens, cached_tokens = upstream.usage_status()
+        if self._limiter is not None:
+            await self._limiter.release(
+                job.account_id, job.model.node_model, job.request_id, input_tokens + output_tokens
+            )
+        if self._usage_sink is not None:
+            await self._usage_sink.record(
+                UsageEvent(
+                    request_id=job.request_id,
+                    account_id=job.account_id,
+                    model=job.model.name,
+                    node_id=placement.node_id,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                    cached_tokens=cached_tokens,
+                    started_at=upstream.started_at,
+                    ended_at=max(time.time(), upstream.started_at),
+                    status=status,
+                )
+            )
+
+    async def _cancel_on_node(self, placement: Placement, request_id: str) -> None:
+        try:
+            await self._client.delete(
+                f"{placement.address}/internal/v1/requests/{request_id}",
+                headers=self._auth,
+                timeout=2.0,
+            )
+        except httpx.HTTPError:
+            # The node is gone or busy; closing the stream also aborts the request there.
+            log.warning("could not cancel %s on node %s", request_id, placement.node_id)
+
+
+def _node_error(response: httpx.Response) -> tuple[str, str]:
+    try:
+        error = response.json()["error"]
+        return str(error["code"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return "internal", response.text[:200]

@@ -1,0 +1,165 @@
+"""The gateway's errors and the one table that turns them into responses in either dialect.
+
+    GatewayError
+    ├── AuthenticationError     401  no key, or a key we do not know
+    ├── PermissionDeniedError   403  the key's account is not the account in the path
+    ├── NotFoundError           404  no such route
+    ├── MethodNotAllowedError   405
+    ├── InvalidRequestError     400  malformed JSON, wrong types, bad values
+    │   └── UnsupportedError    400  an option we do not implement (n > 1, tools, logprobs)
+    ├── ModelNotFoundError      400 (Workers AI) / 404 (OpenAI)  no such model
+    ├── RequestTooLargeError    413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the context
+    ├── RateLimitedError        429  admission said no (carries Retry-After and limit headers)
+    ├── NoCapacityError         429  no node can take the request now (Retry-After)
+    ├── NotReadyError           503  the model is still loading
+    └── UpstreamError           502  a node failed
+
+Workers AI bodies are the envelope `{"result": null, "success": false,
+"errors": [{"code", "message"}], "messages": []}`; OpenAI bodies are
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Dialect = Literal["workers_ai", "openai"]
+
+
+class GatewayError(Exception):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+
+
+class AuthenticationError(GatewayError):
+    pass
+
+
+class PermissionDeniedError(GatewayError):
+    pass
+
+
+class NotFoundError(GatewayError):
+    pass
+
+
+class MethodNotAllowedError(GatewayError):
+    pass
+
+
+class InvalidRequestError(GatewayError):
+    pass
+
+
+class UnsupportedError(InvalidRequestError):
+    pass
+
+
+class ModelNotFoundError(GatewayError):
+    pass
+
+
+class RequestTooLargeError(GatewayError):
+    pass
+
+
+class RateLimitedError(GatewayError):
+    pass
+
+
+class NoCapacityError(GatewayError):
+    pass
+
+
+class NotReadyError(GatewayError):
+    pass
+
+
+class UpstreamError(GatewayError):
+    pass
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    workers_ai_status: int
+    workers_ai_code: int
+    openai_status: int
+    openai_type: str
+    openai_code: str | None
+
+
+# Most specific class first: lookup walks the exception's MRO.
+ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
+    AuthenticationError: ErrorShape(401, 10000, 401, "invalid_request_error", "invalid_api_key"),
+    PermissionDeniedError: ErrorShape(403, 10000, 403, "permission_error", "forbidden"),
+    NotFoundError: ErrorShape(404, 7003, 404, "invalid_request_error", "not_found"),
+    MethodNotAllowedError: ErrorShape(
+        405, 7001, 405, "invalid_request_error", "method_not_allowed"
+    ),
+    UnsupportedError: ErrorShape(400, 5004, 400, "invalid_request_error", "unsupported_parameter"),
+    InvalidRequestError: ErrorShape(400, 5004, 400, "invalid_request_error", None),
+    ModelNotFoundError: ErrorShape(400, 5007, 404, "invalid_request_error", "model_not_found"),
+    RequestTooLargeError: ErrorShape(
+        413, 3006, 400, "invalid_request_error", "context_length_exceeded"
+    ),
+    RateLimitedError: ErrorShape(429, 3036, 429, "rate_limit_error", "rate_limit_exceeded"),
+    NoCapacityError: ErrorShape(429, 3040, 429, "server_error", "no_capacity"),
+    NotReadyError: ErrorShape(503, 3040, 503, "server_error", "model_loading"),
+    UpstreamError: ErrorShape(502, 3043, 502, "server_error", "upstream_error"),
+}
+
+
+def shape_of(error: GatewayError) -> ErrorShape:
+    for cls in type(error).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    raise TypeError(f"{type(error).__name__} has no row in ERROR_TABLE")
+
+
+def error_body(error: GatewayError, dialect: Dialect) -> dict[str, Any]:
+    shape = shape_of(error)
+    if dialect == "workers_ai":
+        return {
+            "result": None,
+            "success": False,
+            "errors": [{"code": shape.workers_ai_code, "message": error.message}],
+            "messages": [],
+        }
+    return {
+        "error": {
+            "message": error.message,
+            "type": shape.openai_type,
+            "param": error.param,
+            "code": shape.openai_code,
+        }
+    }
+
+
+def error_status(error: GatewayError, dialect: Dialect) -> int:
+    shape = shape_of(error)
+    return shape.workers_ai_status if dialect == "workers_ai" else shape.openai_status
+
+
+def error_headers(error: GatewayError) -> dict[str, str]:
+    headers = dict(error.headers)
+    if error.retry_after_s is not None:
+        # Retry-After is whole seconds; round up so a client never retries early.
+        headers["retry-after"] = str(max(1, int(-(-error.retry_after_s // 1))))
+    return headers
+
+
+def error_json(error: GatewayError, dialect: Dialect) -> bytes:
+    return json.dumps(error_body(error, dialect), separators=(",", ":")).encode()

@@ -1,0 +1,139 @@
+"""What every public handler shares: the gateway's state, auth, body parsing, and responses."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.catalog import CatalogModel, ModelCatalog
+from gateway.dispatch import Dispatcher
+from gateway.errors import (
+    AuthenticationError,
+    Dialect,
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NotReadyError,
+    PermissionDeniedError,
+    RequestTooLargeError,
+    error_body,
+    error_headers,
+    error_status,
+)
+from gateway.keys import KeyStore
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """Everything a handler needs, built once by `create_app`."""
+
+    settings: GatewaySettings
+    catalog: ModelCatalog
+    keys: KeyStore
+    dispatcher: Dispatcher
+    is_ready: Callable[[], bool]
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+def request_id_of(request: Request) -> str:
+    return request.scope["state"]["request_id"]  # type: ignore[no-any-return]
+
+
+class JSONBytes(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_response(error: GatewayError, dialect: Dialect) -> Response:
+    return JSONBytes(error_body(error, dialect), error_status(error, dialect), error_headers(error))
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def endpoint(dialect: Dialect) -> Callable[[Handler], Handler]:
+    """Turns every GatewayError raised by the handler into a response in its dialect; nothing else leaks."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except GatewayError as exc:
+                return error_response(exc, dialect)
+
+        return run
+
+    return wrap
+
+
+async def authenticate(request: Request) -> str:
+    """The account that owns the request's API key; checks the path account when there is one."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise AuthenticationError("missing API key: send 'Authorization: Bearer <API key>'")
+    account_id = await gateway_of(request).keys.lookup(key.strip())
+    if account_id is None:
+        raise AuthenticationError("invalid API key")
+    path_account = request.path_params.get("account_id")
+    if path_account is not None and path_account != account_id:
+        raise PermissionDeniedError(f"this API key may not act for account {path_account!r}")
+    return account_id
+
+
+def require_ready(request: Request) -> None:
+    if not gateway_of(request).is_ready():
+        raise NotReadyError("the model is still loading; retry shortly", retry_after_s=1.0)
+
+
+def resolve_model(request: Request, name: str) -> CatalogModel:
+    model = gateway_of(request).catalog.resolve(name)
+    if model is None:
+        raise ModelNotFoundError(f"no such model: {name!r}", param="model")
+    return model
+
+
+async def parse_body(request: Request, schema: type[M]) -> M:
+    raw = await request.body()
+    if len(raw) > gateway_of(request).settings.max_body_bytes:
+        raise RequestTooLargeError(
+            f"request body is {len(raw)} bytes; the limit is {gateway_of(request).settings.max_body_bytes}"
+        )
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> InvalidRequestError:
+    problems, param = [], None
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"])
+        param = param or (where or None)
+        problems.append(f"{where}: {err['msg']}" if where else err["msg"])
+    return InvalidRequestError("invalid request: " + "; ".join(problems), param=param)

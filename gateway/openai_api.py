@@ -1,0 +1,177 @@
+"""The OpenAI-compatible dialect: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.dispatch import Finished, GenerationJob, collect, estimate_tokens
+from gateway.errors import GatewayError, error_body
+from gateway.http import (
+    JSONBytes,
+    authenticate,
+    endpoint,
+    gateway_of,
+    parse_body,
+    request_id_of,
+    require_ready,
+    resolve_model,
+)
+from gateway.relay import SSE_DONE, RelayResponse, sse
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+
+def usage(finished: Finished) -> dict[str, Any]:
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
+    }
+
+
+def finish_reason(finished: Finished) -> str:
+    return "length" if finished.finish_reason == "length" else "stop"
+
+
+class _OpenAIStream:
+    """Chunks with one id throughout; a usage chunk with `choices: []` when asked; then [DONE]."""
+
+    object_name = ""
+
+    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+        self._head = {
+            "id": completion_id,
+            "object": self.object_name,
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._include_usage = include_usage
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body = self._head | {"choices": choices}
+        if self._include_usage:
+            body["usage"] = None
+        return sse(body | extra)
+
+    def _choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def start(self) -> bytes:
+        return b""
+
+    def chunk(self, text: str) -> bytes:
+        return self._event([self._choice(text, None)])
+
+    def finish(self, finished: Finished) -> bytes:
+        out = self._event([self._choice("", finish_reason(finished))])
+        if self._include_usage:
+            out += sse(self._head | {"choices": [], "usage": usage(finished)})
+        return out + SSE_DONE
+
+    def error(self, error: GatewayError) -> bytes:
+        return sse(error_body(error, "openai"))
+
+
+class ChatStream(_OpenAIStream):
+    object_name = "chat.completion.chunk"
+
+    def start(self) -> bytes:
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._event([first])
+
+    def _choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if reason is None else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+class CompletionStream(_OpenAIStream):
+    object_name = "text_completion"
+
+    def _choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+@endpoint("openai")
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    account_id = await authenticate(request)
+    require_ready(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    body.check_supported()
+    model = resolve_model(request, body.model)
+    payload = body.node_payload(gateway_of(request).settings.default_chat_max_tokens)
+    request_id = request_id_of(request)
+    job = GenerationJob(request_id, account_id, model, payload, estimate_tokens(payload))
+    upstream = await gateway_of(request).dispatcher.open(job)
+    completion_id = f"chatcmpl-{request_id}"
+    if body.stream:
+        stream = ChatStream(completion_id, body.model, body.include_usage)
+        return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
+    text, finished = await collect(upstream)
+    message = {"role": "assistant", "content": text, "refusal": None}
+    result = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish_reason(finished),
+            }
+        ],
+        "usage": usage(finished),
+    }
+    return JSONBytes(result, headers=upstream.headers)
+
+
+@endpoint("openai")
+async def completions(request: Request) -> Response:
+    """POST /v1/completions (raw prompt, no chat template)."""
+    account_id = await authenticate(request)
+    require_ready(request)
+    body = await parse_body(request, CompletionRequest)
+    body.check_supported()
+    model = resolve_model(request, body.model)
+    payload = body.node_payload(gateway_of(request).settings.default_completion_max_tokens)
+    request_id = request_id_of(request)
+    job = GenerationJob(request_id, account_id, model, payload, estimate_tokens(payload))
+    upstream = await gateway_of(request).dispatcher.open(job)
+    completion_id = f"cmpl-{request_id}"
+    if body.stream:
+        stream = CompletionStream(completion_id, body.model, body.include_usage)
+        return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
+    text, finished = await collect(upstream)
+    result = {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(finished)}
+        ],
+        "usage": usage(finished),
+    }
+    return JSONBytes(result, headers=upstream.headers)
+
+
+@endpoint("openai")
+async def list_models(request: Request) -> Response:
+    """GET /v1/models."""
+    await authenticate(request)
+    data = [
+        {"id": m.name, "object": "model", "created": 0, "owned_by": "edgeserve"}
+        for m in gateway_of(request).catalog.models
+    ]
+    return JSONBytes({"object": "list", "data": data})

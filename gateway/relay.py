@@ -1,0 +1,89 @@
+"""Relaying a node's stream to the client as server-sent events, chunk by chunk.
+
+`RelayResponse` is a pure-ASGI response: it sends each node event as soon as
+it arrives (never buffering the stream), watches for the client leaving at the
+same time, and always closes the upstream afterwards (which cancels the
+request on the node when it did not finish, so its KV pages are freed at once).
+Each dialect supplies a `StreamRenderer` that turns events into SSE bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Protocol
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+from gateway.dispatch import Finished, TextChunk, Upstream
+from gateway.errors import GatewayError, UpstreamError
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class StreamRenderer(Protocol):
+    def start(self) -> bytes: ...
+
+    def chunk(self, text: str) -> bytes: ...
+
+    def finish(self, finished: Finished) -> bytes:
+        """The closing events, `data: [DONE]` included."""
+        ...
+
+    def error(self, error: GatewayError) -> bytes: ...
+
+
+class RelayResponse:
+    def __init__(
+        self, upstream: Upstream, renderer: StreamRenderer, headers: dict[str, str]
+    ) -> None:
+        self.upstream = upstream
+        self.renderer = renderer
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
+            *((k.lower().encode(), v.encode()) for k, v in headers.items()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async with anyio.create_task_group() as group:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch_disconnect)
+                with contextlib.suppress(OSError):  # the client is gone: a send failed
+                    await self._relay(send)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.close()
+
+    async def _relay(self, send: Send) -> None:
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        if head := self.renderer.start():
+            await body(head)
+        try:
+            async for event in self.upstream.events():
+                if isinstance(event, TextChunk):
+                    if event.text:
+                        await body(self.renderer.chunk(event.text))
+                else:
+                    await body(self.renderer.finish(event))
+        except UpstreamError as exc:
+            # After the first byte the status is sent: the failure travels as an event.
+            await body(self.renderer.error(exc))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,210 @@
+"""Request bodies of the public API (pydantic): validated once here, `/openapi.json` is built from them.
+
+Each request turns into `GenerationJob` fields the same way: `node_payload()`
+gives the body of the node's `POST /internal/v1/generate` (minus the ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.errors import UnsupportedError
+
+MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] = Field(
+        description="text, or OpenAI content parts of type text"
+    )
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise UnsupportedError("only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+    def node_message(self) -> dict[str, str]:
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+
+class WorkersAITextRequest(BaseModel):
+    """Workers AI text generation: `prompt` (wrapped in the chat template unless `raw`) or `messages`."""
+
+    model_config = ConfigDict(extra="ignore", title="WorkersAITextGeneration")
+
+    prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    messages: list[Message] | None = Field(None, min_length=1)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.6, ge=0, le=5)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1, le=50)
+    seed: int | None = Field(None, ge=0, le=9_999_999_999)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    stream: bool = False
+    raw: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> WorkersAITextRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+    def node_payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        if self.messages is not None:
+            payload["messages"] = [m.node_message() for m in self.messages]
+        else:
+            payload["prompt"] = self.prompt
+            payload["raw"] = self.raw
+        return payload | _optional(
+            self,
+            (
+                "top_p",
+                "top_k",
+                "seed",
+                "repetition_penalty",
+                "frequency_penalty",
+                "presence_penalty",
+            ),
+        )
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIBase(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    n: int | None = Field(None, ge=1)
+    logprobs: Any = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stop_list(self) -> _OpenAIBase:
+        stops = self.stop_strings()
+        if len(stops) > 4:
+            raise ValueError("'stop' takes at most 4 sequences")
+        if any(not s for s in stops):
+            raise ValueError("'stop' sequences must not be empty")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_supported(self) -> None:
+        if self.n is not None and self.n > 1:
+            raise UnsupportedError("'n' > 1 is not supported", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise UnsupportedError("'logprobs' is not supported", param="logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedError(
+                "'stream_options' requires 'stream': true", param="stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "max_tokens": self.max_tokens or default_max_tokens,
+            # OpenAI's default temperature is 1.
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "stop": self.stop_strings(),
+        }
+        return payload | _optional(self, ("top_p", "seed", "frequency_penalty", "presence_penalty"))
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    """OpenAI `POST /v1/chat/completions`."""
+
+    model_config = ConfigDict(extra="ignore", title="ChatCompletionRequest")
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise UnsupportedError("'tools' is not supported", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise UnsupportedError("'tool_choice' is not supported", param="tool_choice")
+        if self.top_logprobs:
+            raise UnsupportedError("'top_logprobs' is not supported", param="top_logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise UnsupportedError(
+                "only the 'text' response_format is supported", param="response_format"
+            )
+
+    def node_payload(self, default_max_tokens: int) -> dict[str, Any]:
+        payload = self._sampling(default_max_tokens)
+        if self.max_completion_tokens is not None:
+            payload["max_tokens"] = self.max_completion_tokens
+        payload["messages"] = [m.node_message() for m in self.messages]
+        return payload
+
+
+class CompletionRequest(_OpenAIBase):
+    """OpenAI `POST /v1/completions` (the prompt goes to the model as is)."""
+
+    model_config = ConfigDict(extra="ignore", title="CompletionRequest")
+
+    prompt: str | list[str] = Field(max_length=MAX_PROMPT_CHARS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise UnsupportedError(
+                "'prompt' must be one string (batches are not supported)", param="prompt"
+            )
+        if self.echo:
+            raise UnsupportedError("'echo' is not supported", param="echo")
+        if self.suffix:
+            raise UnsupportedError("'suffix' is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise UnsupportedError("'best_of' is not supported", param="best_of")
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def node_payload(self, default_max_tokens: int) -> dict[str, Any]:
+        payload = self._sampling(default_max_tokens)
+        payload["prompt"] = self.prompt_text()
+        payload["raw"] = True
+        return payload
+
+
+def _optional(model: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(model, name) for name in names if getattr(model, name) is not None}

@@ -1,0 +1,111 @@
+"""The Workers AI dialect: `/client/v4/accounts/{account_id}/ai/...` in the Cloudflare envelope."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.dispatch import Finished, GenerationJob, collect, estimate_tokens
+from gateway.errors import GatewayError, InvalidRequestError, error_body
+from gateway.http import (
+    JSONBytes,
+    authenticate,
+    endpoint,
+    gateway_of,
+    parse_body,
+    request_id_of,
+    require_ready,
+    resolve_model,
+)
+from gateway.relay import SSE_DONE, RelayResponse, sse
+from gateway.schemas import WorkersAITextRequest
+
+
+def envelope(result: Any) -> dict[str, Any]:
+    return {"result": result, "success": True, "errors": [], "messages": []}
+
+
+def usage(finished: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+    }
+
+
+class WorkersAIStream:
+    """`data: {"response": "..."}` per chunk, a last chunk with `usage`, then `data: [DONE]`."""
+
+    def start(self) -> bytes:
+        return b""
+
+    def chunk(self, text: str) -> bytes:
+        return sse({"response": text})
+
+    def finish(self, finished: Finished) -> bytes:
+        return sse({"response": "", "usage": usage(finished)}) + SSE_DONE
+
+    def error(self, error: GatewayError) -> bytes:
+        return sse(error_body(error, "workers_ai"))
+
+
+@endpoint("workers_ai")
+async def run_model(request: Request) -> Response:
+    """POST /client/v4/accounts/{account_id}/ai/run/{model_name}: text generation."""
+    account_id = await authenticate(request)
+    require_ready(request)
+    model = resolve_model(request, request.path_params["model_name"])
+    body = await parse_body(request, WorkersAITextRequest)
+    payload = body.node_payload()
+    job = GenerationJob(
+        request_id_of(request), account_id, model, payload, estimate_tokens(payload)
+    )
+    upstream = await gateway_of(request).dispatcher.open(job)
+    if body.stream:
+        return RelayResponse(upstream, WorkersAIStream(), upstream.headers)  # type: ignore[return-value]
+    text, finished = await collect(upstream)
+    return JSONBytes(
+        envelope({"response": text, "usage": usage(finished)}), headers=upstream.headers
+    )
+
+
+def _positive_int(request: Request, name: str, default: int, most: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an integer, got {raw!r}") from None
+    if not 1 <= value <= most:
+        raise InvalidRequestError(f"{name} must be between 1 and {most}, got {value}")
+    return value
+
+
+@endpoint("workers_ai")
+async def search_models(request: Request) -> Response:
+    """GET /client/v4/accounts/{account_id}/ai/models/search: the catalog, paginated as Workers AI does."""
+    await authenticate(request)
+    page = _positive_int(request, "page", 1, 1_000_000)
+    per_page = _positive_int(request, "per_page", 20, 100)
+    catalog = gateway_of(request).catalog
+    models = list(catalog.models)
+    if search := request.query_params.get("search"):
+        models = [m for m in models if search.lower() in (m.name + " " + m.description).lower()]
+    if task := request.query_params.get("task"):
+        models = [m for m in models if m.task.lower() == task.lower()]
+    start = (page - 1) * per_page
+    result = [m.search_entry() for m in models[start : start + per_page]]
+    return JSONBytes(
+        envelope(result)
+        | {
+            "result_info": {
+                "page": page,
+                "per_page": per_page,
+                "count": len(result),
+                "total_count": len(models),
+            }
+        }
+    )
