@@ -344,7 +344,7 @@ def _gguf_float(reader: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
     t = _gguf_tensor(reader, name)
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     values = gguf.quants.dequantize(t.data, t.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype)
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape)).to(dtype)
 
 
 def moe_mlp_from_gguf(
