@@ -13,7 +13,8 @@ The cache layout is drawn in `gpu_node/kv_quant.py`.
 Integrity: a sequence must own every page it reads. The kernel compares
 `page_owner[page]` with the sequence's tag for every page it loads, and treats a page
 id outside [0, P) or a context longer than its block table as a violation too (those
-are never loaded). A flagged sequence's output is undefined; the others are exact.
+are never loaded). A flagged sequence's output is undefined (an in-range page it does not
+own is still read, so the check adds no latency to the loads); the others are exact.
 
 The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs online
 softmax over one slice of the context for the G query heads of one kv head, then a
@@ -209,11 +210,14 @@ def _paged_decode_split_kernel(
         has_column = is_valid & (columns < max_pages)
         pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
         pages = pages.to(tl.int64)
+        # Only the range check guards the K/V loads (memory safety); the owner comparison
+        # runs beside them and only flags, so it adds no latency to the loop.
         is_loadable = has_column & (pages >= 0) & (pages < num_pages)
+        is_owned = is_loadable
         if CHECK_OWNER:
             owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
-            is_loadable = is_loadable & (owners == tag)
-        num_bad += (is_valid & (is_loadable == 0)).to(tl.int32)
+            is_owned = is_loadable & (owners == tag)
+        num_bad += (is_valid & (is_owned == 0)).to(tl.int32)
 
         rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
         kv_mask = is_loadable[:, None] & dim_mask[None, :]
