@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+import uvicorn
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -40,3 +46,181 @@ async def redis_client() -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(REDIS_URL)
     yield client
     await client.aclose()
+
+
+# -- servers on loopback ----------------------------------------------------------------
+
+ACCOUNT_ID = "acct-test"
+OTHER_ACCOUNT_ID = "acct-other"
+INTERNAL_TOKEN = "internal-test-token"
+SMOLLM2 = "@cf/huggingface/smollm2-135m-instruct"
+
+
+class ServerThread:
+    """A real uvicorn server on 127.0.0.1 in a thread of its own (its own event loop)."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Any]:
+    """The real SmolLM2 engine, loaded once per test session (a few seconds)."""
+    from gpu_node.async_engine import AsyncEngine
+    from gpu_node.config import EngineConfig
+    from gpu_node.errors import ModelNotFoundError
+    from gpu_node.model_store import resolve_model
+
+    try:
+        resolve_model("smollm2")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"SmolLM2 weights not pulled (edgeserve model pull smollm2): {exc}")
+    engine = AsyncEngine.from_config(
+        EngineConfig(model="smollm2", max_model_len=1024, kv_memory_bytes=48 * 1024 * 1024)
+    )
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@dataclass(frozen=True)
+class Reference:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+def run_on_engine(engine: Any, prompt_ids: list[int], **params: Any) -> Reference:
+    """The same request straight on the engine (no servers): what every dialect must return."""
+    from scheduler.sequence import SamplingParams
+
+    async def go() -> Reference:
+        parts, last = [], None
+        async for out in engine.generate(
+            f"ref-{uuid.uuid4().hex}", prompt_ids, SamplingParams(**params), "ref"
+        ):
+            parts.append(out.text)
+            last = out
+        assert last is not None
+        return Reference(
+            "".join(parts), last.num_prompt_tokens, last.num_completion_tokens, last.finish_reason
+        )
+
+    return asyncio.run(go())
+
+
+def chat_prompt_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+
+
+@dataclass
+class Stack:
+    """One node and one gateway on loopback sharing an in-process registry (the `edgeserve up` shape)."""
+
+    node: ServerThread
+    gateway: ServerThread
+    service: Any
+    api_key: str
+    other_key: str
+    sink: Any
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def node_capacity(self) -> dict[str, Any]:
+        import httpx
+
+        response = httpx.get(
+            f"{self.node.url}/internal/v1/capacity",
+            headers={"authorization": f"Bearer {INTERNAL_TOKEN}"},
+        )
+        response.raise_for_status()
+        return dict(response.json())
+
+
+class ListSink:
+    """A usage sink that keeps events in a list (the billing sinks are tested in tests/billing)."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    async def record(self, event: Any) -> None:
+        self.events.append(event)
+
+
+def start_stack(engine: Any) -> Stack:
+    from gateway.app import create_app
+    from gateway.keys import MemoryKeyStore, new_key
+    from gateway.settings import GatewaySettings
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import CapacityView, LocalCapacityRegistry
+    from scheduler.placement import LocalReservations, Placer
+
+    registry = LocalCapacityRegistry()
+    node_port = free_port()
+    service = NodeService(
+        NodeSettings(
+            node_id="node-1",
+            address=f"http://127.0.0.1:{node_port}",
+            internal_token=INTERNAL_TOKEN,
+            heartbeat_s=0.2,
+            ttl_s=2.0,
+        ),
+        registry,
+        engine=engine,
+    )
+    node = ServerThread(create_node_app(service), node_port).start()
+    keys = MemoryKeyStore()
+    api_key, other_key = new_key(), new_key()
+    asyncio.run(keys.add(api_key, ACCOUNT_ID))
+    asyncio.run(keys.add(other_key, OTHER_ACCOUNT_ID))
+    sink = ListSink()
+    app = create_app(
+        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
+        keys=keys,
+        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
+        usage_sink=sink,
+    )
+    gateway = ServerThread(app).start()
+    deadline = time.monotonic() + 10
+    while not asyncio.run(registry.list_live()):
+        assert time.monotonic() < deadline, "the node never published its capacity"
+        time.sleep(0.05)
+    return Stack(node, gateway, service, api_key, other_key, sink)
+
+
+@pytest.fixture(scope="module")
+def stack(engine: Any) -> Iterator[Stack]:
+    started = start_stack(engine)
+    yield started
+    started.gateway.stop()
+    started.node.stop()

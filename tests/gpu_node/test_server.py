@@ -1,0 +1,222 @@
+"""The node's internal API on loopback, around the real SmolLM2 engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import INTERNAL_TOKEN, ServerThread, chat_prompt_ids, free_port, run_on_engine
+
+AUTH = {"authorization": f"Bearer {INTERNAL_TOKEN}"}
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def node(engine):
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import LocalCapacityRegistry
+
+    registry = LocalCapacityRegistry()
+    port = free_port()
+    service = NodeService(
+        NodeSettings(
+            "node-t", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.1, ttl_s=1.0
+        ),
+        registry,
+        engine=engine,
+    )
+    server = ServerThread(create_node_app(service), port).start()
+    server.registry = registry  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+def lines(response: httpx.Response) -> list[dict]:
+    return [json.loads(line) for line in response.text.splitlines() if line]
+
+
+def generate(node, **body) -> httpx.Response:
+    payload = {
+        "request_id": f"r-{time.monotonic_ns()}",
+        "account_id": "a",
+        "model": "smollm2",
+    } | body
+    return httpx.post(f"{node.url}/internal/v1/generate", json=payload, headers=AUTH, timeout=60)
+
+
+def wait_all_pages_free(node, timeout_s: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        capacity = httpx.get(f"{node.url}/internal/v1/capacity", headers=AUTH).json()
+        if capacity["num_free_pages"] == capacity["num_pages"] or time.monotonic() > deadline:
+            return capacity
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": INTERNAL_TOKEN}]
+)
+def test_every_internal_call_needs_the_token(node, headers) -> None:
+    for method, path in [
+        ("GET", "/internal/v1/health"),
+        ("GET", "/internal/v1/capacity"),
+        ("POST", "/internal/v1/generate"),
+        ("DELETE", "/internal/v1/requests/x"),
+    ]:
+        response = httpx.request(method, f"{node.url}{path}", headers=headers)
+        assert response.status_code == 401
+        assert response.json() == {
+            "error": {"code": "unauthorized", "message": "missing or wrong internal token"}
+        }
+
+
+def test_health_and_capacity(node, engine) -> None:
+    assert httpx.get(f"{node.url}/internal/v1/health", headers=AUTH).json() == {
+        "status": "ok",
+        "node_id": "node-t",
+        "model": "smollm2",
+    }
+    capacity = wait_all_pages_free(node)
+    stats = engine.stats()
+    assert {
+        k: capacity[k] for k in ("node_id", "address", "role", "models", "num_pages", "page_size")
+    } == {
+        "node_id": "node-t",
+        "address": node.url,
+        "role": "mixed",
+        "models": ["smollm2"],
+        "num_pages": stats.num_pages,
+        "page_size": stats.page_size,
+    }
+    assert capacity["ttl_s"] == 1.0
+    # The heartbeat published the same record to the registry.
+    published = asyncio.run(node.registry.list_live())
+    assert [r.node_id for r in published] == ["node-t"]
+
+
+def test_generate_streams_the_engines_exact_tokens_then_usage(node, engine) -> None:
+    reference = run_on_engine(engine, chat_prompt_ids(engine, MESSAGES), max_tokens=6)
+    response = generate(node, messages=MESSAGES, max_tokens=6)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-ndjson"
+    events = lines(response)
+    chunks, final = events[:-1], events[-1]
+    assert chunks[0]["prompt_tokens"] == reference.prompt_tokens
+    assert "".join(c["text"] for c in chunks) == reference.text
+    assert sum(len(c["token_ids"]) for c in chunks) == 6
+    assert final == {
+        "finish_reason": "length",
+        "usage": {
+            "prompt_tokens": reference.prompt_tokens,
+            "completion_tokens": 6,
+            "cached_tokens": 0,
+        },
+    }
+
+
+def test_raw_prompt_and_token_ids_give_the_same_answer(node, engine) -> None:
+    ids = engine.tokenizer.encode("The capital of France is")
+    reference = run_on_engine(engine, ids, max_tokens=4)
+    by_text = lines(generate(node, prompt="The capital of France is", raw=True, max_tokens=4))
+    by_ids = lines(generate(node, prompt_token_ids=ids, max_tokens=4))
+    for events in (by_text, by_ids):
+        assert "".join(e.get("text", "") for e in events) == reference.text
+        assert events[-1]["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "message"),
+    [
+        (
+            {"prompt": "hi", "max_tokens": -1},
+            400,
+            "invalid_request",
+            "max_tokens must be positive, got -1",
+        ),
+        (
+            {"prompt": "hi", "max_tokens": "x"},
+            400,
+            "invalid_request",
+            "max_tokens: Input should be a valid integer, unable to parse string as an integer",
+        ),
+        (
+            {"prompt": "hi", "messages": MESSAGES},
+            400,
+            "invalid_request",
+            "give exactly one of prompt_token_ids, prompt, messages",
+        ),
+        ({"prompt": "", "raw": True}, 400, "invalid_request", "the prompt is empty"),
+        (
+            {"prompt": "hi", "model": "other"},
+            404,
+            "model_not_found",
+            "this node serves 'smollm2', not 'other'",
+        ),
+        (
+            {"prompt_token_ids": [1] * 1000, "max_tokens": 100},
+            413,
+            "request_too_large",
+            "prompt (1000 tokens) + max_tokens (100) exceeds the context window of 1024 tokens",
+        ),
+    ],
+)
+def test_bad_requests_get_typed_errors(node, body, status, code, message) -> None:
+    response = generate(node, **body)
+    assert response.status_code == status
+    assert response.json() == {"error": {"code": code, "message": message}}
+
+
+def test_malformed_json_is_a_400(node) -> None:
+    response = httpx.post(f"{node.url}/internal/v1/generate", content=b"{nope", headers=AUTH)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_pages(node) -> None:
+    with httpx.Client(timeout=60) as client:
+        body = {
+            "request_id": "leaver",
+            "model": "smollm2",
+            "prompt": "Count to one hundred.",
+            "max_tokens": 400,
+        }
+        with client.stream(
+            "POST", f"{node.url}/internal/v1/generate", json=body, headers=AUTH
+        ) as response:
+            stream = response.iter_lines()
+            next(stream)
+            next(stream)
+            busy = httpx.get(f"{node.url}/internal/v1/capacity", headers=AUTH).json()
+            assert busy["num_running"] == 1
+            assert busy["num_free_pages"] < busy["num_pages"]
+    # Closing the connection mid-stream aborted the request on the engine.
+    capacity = wait_all_pages_free(node)
+    assert (capacity["num_free_pages"], capacity["num_running"]) == (capacity["num_pages"], 0)
+
+
+def test_delete_cancels_a_running_request(node) -> None:
+    with httpx.Client(timeout=60) as client:
+        body = {
+            "request_id": "to-cancel",
+            "model": "smollm2",
+            "prompt": "Write a long story.",
+            "max_tokens": 400,
+        }
+        with client.stream(
+            "POST", f"{node.url}/internal/v1/generate", json=body, headers=AUTH
+        ) as response:
+            stream = response.iter_lines()
+            next(stream)
+            assert (
+                client.delete(
+                    f"{node.url}/internal/v1/requests/to-cancel", headers=AUTH
+                ).status_code
+                == 204
+            )
+            rest = [json.loads(line) for line in stream if line]
+    assert rest[-1]["finish_reason"] == "cancelled"
+    assert wait_all_pages_free(node)["num_running"] == 0
