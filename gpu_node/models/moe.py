@@ -150,7 +150,9 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
         num_assignments + min(num_experts, num_assignments) * (block_m - 1),
     )
     num_padded = -(-num_padded // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # scatter_add, not bincount: bincount sizes its output from the data, a GPU->host sync.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
     starts = torch.cumsum(counts, 0) - counts
@@ -171,7 +173,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 def _expert_weight(w: torch.Tensor | Int4Weight, e: int) -> torch.Tensor:
-    """One expert's dense fp32 weight [rows, cols] from a float or INT4 stack."""
+    """One expert's dense weight [rows, cols]: INT4 dequantized to fp32, float as stored."""
     if isinstance(w, Int4Weight):
         one = Int4Weight(
             packed=w.packed[e],
@@ -181,7 +183,7 @@ def _expert_weight(w: torch.Tensor | Int4Weight, e: int) -> torch.Tensor:
             group_size=w.group_size,
         )
         return dequantize_int4(one)
-    return w[e].float()
+    return w[e]
 
 
 def moe_experts_ref(
@@ -189,17 +191,19 @@ def moe_experts_ref(
 ) -> torch.Tensor:
     """Plain torch reference of the routed experts: x [T, H] -> [T, H] in x's dtype.
 
-    Loops over the experts that received tokens, in fp32; INT4 weights are
-    dequantized one expert at a time.
+    Loops over the experts that received tokens. INT4 weights are dequantized
+    one expert at a time and multiplied in fp32; float weights are multiplied
+    in their own dtype (the bf16 serving path; fp32 accumulation on GPU).
     """
+    dtype = torch.float32 if isinstance(w13, Int4Weight) else w13.dtype
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     ids = routing.topk_ids
     for e in torch.unique(ids).tolist():
         tokens, slots = torch.nonzero(ids == e, as_tuple=True)
-        gate_up = x[tokens].float() @ _expert_weight(w13, e).T  # [t, 2I]
+        gate_up = x[tokens].to(dtype) @ _expert_weight(w13, e).T  # [t, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ _expert_weight(w2, e).T  # [t, H]
-        out.index_add_(0, tokens, y * routing.topk_weights[tokens, slots, None])
+        out.index_add_(0, tokens, y.float() * routing.topk_weights[tokens, slots, None])
     return out.to(x.dtype)
 
 
