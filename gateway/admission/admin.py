@@ -1,0 +1,125 @@
+"""Admin HTTP handlers for account limits, guarded by an admin bearer token.
+
+    GET    {prefix}/accounts/{account_id}/limits[?model=M]   overrides and effective limits
+    PUT    {prefix}/accounts/{account_id}/limits             {"model"?, "requests_per_minute"?,
+                                                              "tokens_per_minute"?, "max_concurrent"?}
+    DELETE {prefix}/accounts/{account_id}/limits[?model=M]   drops one override
+
+Bodies use the Workers AI envelope; errors map through ERRORS below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gateway.admission.errors import InvalidLimits, InvalidRequest
+from gateway.admission.limits import LimitPolicy
+from gateway.admission.manage import describe_limits, update_limits
+from gateway.admission.store import LimitStore
+
+# error kind -> (HTTP status, Workers AI error code); codes as in gateway/errors.py.
+ERRORS: dict[str, tuple[int, int]] = {
+    "unauthorized": (401, 10000),
+    "invalid": (400, 5004),
+    "not_found": (404, 7003),
+    "unavailable": (503, 7010),
+}
+STORE_TIMEOUT_S = 2.0
+
+
+class LimitsUpdate(BaseModel):
+    """PUT body: the fields to change; the rest keep their current value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    requests_per_minute: StrictInt | None = Field(default=None, gt=0)
+    tokens_per_minute: StrictInt | None = Field(default=None, gt=0)
+    max_concurrent: StrictInt | None = Field(default=None, gt=0)
+
+
+def _ok(result: Any) -> JSONResponse:
+    return JSONResponse({"result": result, "success": True, "errors": [], "messages": []})
+
+
+def _error(kind: str, message: str) -> JSONResponse:
+    status, code = ERRORS[kind]
+    body = {"result": None, "success": False, "errors": [{"code": code, "message": message}]}
+    headers = {"www-authenticate": "Bearer"} if kind == "unauthorized" else None
+    return JSONResponse({**body, "messages": []}, status_code=status, headers=headers)
+
+
+class LimitsAdmin:
+    """The handlers; `routes()` mounts them under `prefix`."""
+
+    def __init__(self, store: LimitStore, policy: LimitPolicy, admin_token: str) -> None:
+        if not admin_token:
+            raise ValueError("admin_token must be set; an unguarded admin API is refused")
+        self._store = store
+        self._policy = policy
+        self._token = admin_token.encode()
+
+    def routes(self, prefix: str = "/admin/v1") -> list[Route]:
+        path = f"{prefix}/accounts/{{account_id}}/limits"
+        return [Route(path, self.handle, methods=["GET", "PUT", "DELETE"])]
+
+    async def handle(self, request: Request) -> JSONResponse:
+        if not self._is_authorized(request):
+            return _error("unauthorized", "a valid admin bearer token is required")
+        account_id = request.path_params["account_id"]
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                if request.method == "PUT":
+                    return await self._put(request, account_id)
+                model = request.query_params.get("model")
+                if request.method == "DELETE" and not await self._store.clear(account_id, model):
+                    return _error("not_found", "no such override")
+                return _ok(await describe_limits(self._store, self._policy, account_id, model))
+        except (InvalidLimits, InvalidRequest) as exc:
+            return _error("invalid", str(exc))
+        except (RedisError, OSError, TimeoutError):
+            return _error("unavailable", "the limit store is unreachable; try again shortly")
+
+    async def _put(self, request: Request, account_id: str) -> JSONResponse:
+        try:
+            update = LimitsUpdate.model_validate(json.loads(await request.body()))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            return _error("invalid", f"{where}: {first['msg']}")
+        except ValueError:  # not JSON, or not UTF-8
+            return _error("invalid", "the body is not JSON")
+        if (update.requests_per_minute, update.tokens_per_minute, update.max_concurrent) == (
+            None,
+            None,
+            None,
+        ):
+            return _error(
+                "invalid",
+                "give at least one of requests_per_minute, tokens_per_minute, max_concurrent",
+            )
+        await update_limits(
+            self._store,
+            self._policy,
+            account_id,
+            update.model,
+            requests_per_minute=update.requests_per_minute,
+            tokens_per_minute=update.tokens_per_minute,
+            max_concurrent=update.max_concurrent,
+        )
+        return _ok(await describe_limits(self._store, self._policy, account_id, update.model))
+
+    def _is_authorized(self, request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self._token
+        )
