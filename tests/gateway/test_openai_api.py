@@ -1,0 +1,300 @@
+"""The official `openai` client against the gateway, with a real node behind it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ACCOUNT_ID, SMOLLM2, chat_prompt_ids, run_on_engine
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.api_key, max_retries=0)
+
+
+def test_chat_completion_returns_the_engines_text_and_exact_usage(stack, engine, client) -> None:
+    reference = run_on_engine(engine, chat_prompt_ids(engine, MESSAGES), max_tokens=8)
+    completion = client.chat.completions.create(
+        model=SMOLLM2, messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    assert completion.choices[0].message.content == reference.text
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.model == SMOLLM2
+    assert completion.object == "chat.completion"
+    assert completion.id.startswith("chatcmpl-")
+    assert (
+        completion.usage.prompt_tokens,
+        completion.usage.completion_tokens,
+        completion.usage.total_tokens,
+    ) == (
+        reference.prompt_tokens,
+        8,
+        reference.prompt_tokens + 8,
+    )
+    event = stack.sink.events[-1]
+    assert (event.account_id, event.model, event.node_id, event.status) == (
+        ACCOUNT_ID,
+        SMOLLM2,
+        "node-1",
+        "ok",
+    )
+    assert (event.input_tokens, event.output_tokens) == (reference.prompt_tokens, 8)
+    assert event.request_id == completion.id.removeprefix("chatcmpl-")
+
+
+def test_streaming_chat_with_include_usage(stack, engine, client) -> None:
+    reference = run_on_engine(engine, chat_prompt_ids(engine, MESSAGES), max_tokens=8)
+    stream = client.chat.completions.create(
+        model="smollm2",  # the alias works too
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference.text
+    last_choice, usage_chunk = chunks[-2:]
+    assert last_choice.choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert usage_chunk.choices == []
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (
+        reference.prompt_tokens,
+        8,
+    )
+
+
+def test_stop_strings_end_the_answer(engine, client) -> None:
+    reference = run_on_engine(engine, chat_prompt_ids(engine, MESSAGES), max_tokens=8)
+    stop = reference.text.split()[1]  # a word the greedy answer contains
+    completion = client.chat.completions.create(
+        model=SMOLLM2, messages=MESSAGES, max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    assert stop not in completion.choices[0].message.content
+    assert reference.text.startswith(completion.choices[0].message.content)
+
+
+def test_seeded_sampling_is_reproducible(client) -> None:
+    answers = {
+        client.chat.completions.create(
+            model=SMOLLM2, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=7
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    }
+    assert len(answers) == 1
+
+
+def test_completions_use_the_raw_prompt(engine, client) -> None:
+    prompt = "The capital of France is"
+    reference = run_on_engine(engine, engine.tokenizer.encode(prompt), max_tokens=5)
+    completion = client.completions.create(
+        model=SMOLLM2, prompt=prompt, max_tokens=5, temperature=0
+    )
+    assert completion.choices[0].text == reference.text
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        reference.prompt_tokens,
+        5,
+    )
+    streamed = client.completions.create(
+        model=SMOLLM2, prompt=prompt, max_tokens=5, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == reference.text
+
+
+def test_models_list_and_account_scoped_base_url(stack) -> None:
+    scoped = openai.OpenAI(
+        base_url=f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/v1",
+        api_key=stack.api_key,
+        max_retries=0,
+    )
+    assert [m.id for m in scoped.models.list()] == [SMOLLM2, "@cf/edgeserve/moe-small"]
+    completion = scoped.chat.completions.create(
+        model=SMOLLM2, messages=MESSAGES, max_tokens=2, temperature=0
+    )
+    assert completion.usage.completion_tokens == 2
+
+
+def error_of(response: httpx.Response) -> tuple[int, dict]:
+    assert response.headers["content-type"] == "application/json"
+    assert len(response.headers["x-request-id"]) == 32
+    return response.status_code, response.json()
+
+
+def test_missing_and_wrong_keys_are_401_in_openai_shape(stack) -> None:
+    url = f"{stack.url}/v1/chat/completions"
+    body = {"model": SMOLLM2, "messages": MESSAGES}
+    assert error_of(httpx.post(url, json=body)) == (
+        401,
+        {
+            "error": {
+                "message": "missing API key: send 'Authorization: Bearer <API key>'",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        },
+    )
+    wrong = httpx.post(url, json=body, headers={"authorization": "Bearer es-nope"})
+    assert error_of(wrong) == (
+        401,
+        {
+            "error": {
+                "message": "invalid API key",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        },
+    )
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{stack.url}/v1", api_key="es-nope", max_retries=0).models.list()
+
+
+def test_another_accounts_path_is_403_in_openai_shape(stack) -> None:
+    url = f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/v1/chat/completions"
+    response = httpx.post(
+        url,
+        json={"model": SMOLLM2, "messages": MESSAGES},
+        headers={"authorization": f"Bearer {stack.other_key}"},
+    )
+    assert error_of(response) == (
+        403,
+        {
+            "error": {
+                "message": f"this API key may not act for account '{ACCOUNT_ID}'",
+                "type": "permission_error",
+                "param": None,
+                "code": "forbidden",
+            }
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message", "param", "code"),
+    [
+        (
+            b"{not json",
+            400,
+            "malformed JSON body: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+            None,
+            None,
+        ),
+        (b"[1, 2]", 400, "the body must be a JSON object", None, None),
+        (
+            {"model": SMOLLM2, "messages": "hi"},
+            400,
+            "invalid request: messages: Input should be a valid list",
+            "messages",
+            None,
+        ),
+        (
+            {"model": SMOLLM2, "messages": MESSAGES, "max_tokens": -5},
+            400,
+            "invalid request: max_tokens: Input should be greater than or equal to 1",
+            "max_tokens",
+            None,
+        ),
+        (
+            {"model": SMOLLM2, "messages": MESSAGES, "max_tokens": "many"},
+            400,
+            "invalid request: max_tokens: Input should be a valid integer, unable to parse string as an integer",
+            "max_tokens",
+            None,
+        ),
+        (
+            {"model": "gpt-9", "messages": MESSAGES},
+            404,
+            "no such model: 'gpt-9'",
+            "model",
+            "model_not_found",
+        ),
+        (
+            {"model": SMOLLM2, "messages": MESSAGES, "n": 2},
+            400,
+            "'n' > 1 is not supported",
+            "n",
+            "unsupported_parameter",
+        ),
+        (
+            {"model": SMOLLM2, "messages": MESSAGES, "tools": [{"type": "function"}]},
+            400,
+            "'tools' is not supported",
+            "tools",
+            "unsupported_parameter",
+        ),
+        (
+            {"model": SMOLLM2, "messages": MESSAGES, "logprobs": True},
+            400,
+            "'logprobs' is not supported",
+            "logprobs",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "model": SMOLLM2,
+                "messages": [{"role": "user", "content": "word " * 1200}],
+                "max_tokens": 10,
+            },
+            400,
+            None,
+            None,
+            "context_length_exceeded",
+        ),
+    ],
+)
+def test_bad_requests_are_4xx_with_a_message_and_the_server_keeps_serving(
+    stack, body, status, message, param, code
+) -> None:
+    headers = {"authorization": f"Bearer {stack.api_key}", "content-type": "application/json"}
+    url = f"{stack.url}/v1/chat/completions"
+    response = (
+        httpx.post(url, content=body, headers=headers)
+        if isinstance(body, bytes)
+        else httpx.post(url, json=body, headers=headers)
+    )
+    got_status, got = error_of(response)
+    assert got_status == status
+    error = got["error"]
+    if message is None:  # the node's count of the prompt decides; the message names it
+        assert (
+            error["message"].startswith("prompt (")
+            and "exceeds the context window of 1024 tokens" in error["message"]
+        )
+    else:
+        assert error["message"] == message
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    ok = httpx.post(
+        url,
+        json={"model": SMOLLM2, "messages": MESSAGES, "max_tokens": 1},
+        headers=headers,
+        timeout=30,
+    )
+    assert ok.status_code == 200
+
+
+def test_unknown_route_and_method_in_openai_shape(stack) -> None:
+    assert error_of(httpx.get(f"{stack.url}/v1/nothing")) == (
+        404,
+        {
+            "error": {
+                "message": "no route for GET /v1/nothing",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "not_found",
+            }
+        },
+    )
+    assert error_of(httpx.get(f"{stack.url}/v1/chat/completions"))[0] == 405
