@@ -33,7 +33,6 @@ ERRORS: dict[str, tuple[int, int]] = {
     "not_found": (404, 7003),
     "unavailable": (503, 7010),
 }
-STORE_TIMEOUT_S = 2.0
 
 
 class LimitsUpdate(BaseModel):
@@ -61,12 +60,15 @@ def _error(kind: str, message: str) -> JSONResponse:
 class LimitsAdmin:
     """The handlers; `routes()` mounts them under `prefix`."""
 
-    def __init__(self, store: LimitStore, policy: LimitPolicy, admin_token: str) -> None:
+    def __init__(
+        self, store: LimitStore, policy: LimitPolicy, admin_token: str, timeout_s: float = 2.0
+    ) -> None:
         if not admin_token:
             raise ValueError("admin_token must be set; an unguarded admin API is refused")
         self._store = store
         self._policy = policy
         self._token = admin_token.encode()
+        self._timeout_s = timeout_s  # bound on store calls, so the API answers 503, not hangs
 
     def routes(self, prefix: str = "/admin/v1") -> list[Route]:
         path = f"{prefix}/accounts/{{account_id}}/limits"
@@ -77,7 +79,7 @@ class LimitsAdmin:
             return _error("unauthorized", "a valid admin bearer token is required")
         account_id = request.path_params["account_id"]
         try:
-            async with asyncio.timeout(STORE_TIMEOUT_S):
+            async with asyncio.timeout(self._timeout_s):
                 if request.method == "PUT":
                     return await self._put(request, account_id)
                 model = request.query_params.get("model")

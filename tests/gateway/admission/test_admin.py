@@ -131,7 +131,9 @@ async def test_bad_bodies_get_400_in_the_envelope(
 
 async def test_store_down_is_a_503() -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    app = Starlette(routes=LimitsAdmin(RedisLimitStore(dead, "x"), POLICY, TOKEN).routes())
+    app = Starlette(
+        routes=LimitsAdmin(RedisLimitStore(dead, "x"), POLICY, TOKEN, timeout_s=0.2).routes()
+    )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://admin") as client:
         response = await client.get(URL, headers={"authorization": f"Bearer {TOKEN}"})
