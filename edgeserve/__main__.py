@@ -1,0 +1,3 @@
+from edgeserve.cli import main
+
+main()

@@ -1,0 +1,34 @@
+import subprocess
+import sys
+
+import pytest
+
+
+def edgeserve(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "edgeserve", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.usefixtures("smollm2_cached")
+def test_run_streams_the_answer():
+    result = edgeserve("run", "smollm2", "What is the capital of France?", "--max-tokens", "20")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "The capital of France is Paris.\n"
+
+
+def test_run_rejects_bad_input_with_a_message():
+    result = edgeserve("run", "smollm2", "Hi", "--max-tokens", "0")
+    assert result.returncode == 2
+    assert "max_tokens must be positive, got 0" in result.stderr
+    result = edgeserve("run", "/nonexistent/model.gguf", "Hi")
+    assert result.returncode == 2 and "no GGUF file at /nonexistent/model.gguf" in result.stderr
+
+
+def test_model_pull_is_idempotent(smollm2_cached):
+    before = smollm2_cached.stat().st_mtime_ns
+    result = edgeserve("model", "pull", "smollm2")
+    assert result.returncode == 0 and result.stdout.strip() == f"smollm2: {smollm2_cached}"
+    assert smollm2_cached.stat().st_mtime_ns == before
+    result = edgeserve("model", "pull", "llama-9000")
+    assert result.returncode == 1 and "unknown model 'llama-9000'" in result.stderr

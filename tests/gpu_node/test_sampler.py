@@ -1,0 +1,42 @@
+import torch
+
+from gpu_node.sampler import apply_penalties, sample
+from scheduler.sequence import SamplingParams
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert sample(logits, SamplingParams(), None) == 1
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), None) == 1
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    k2 = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert k2 == {0, 1}
+    # probs ~ [.64, .24, .09, .03, .01]: top_p=0.8 keeps tokens whose mass above them is < 0.8
+    p8 = {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), g) for _ in range(300)}
+    assert p8 == {0, 1}
+
+
+def test_same_seed_same_draws():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0)
+    a = [sample(logits, params, torch.Generator().manual_seed(5)) for _ in range(1)]
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert [sample(logits, params, g1) for _ in range(20)] == [
+        sample(logits, params, g2) for _ in range(20)
+    ]
+    assert len(a) == 1
+
+
+def test_penalties_exact_values():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0], [1])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
+    freq = apply_penalties(
+        logits, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [3], [2, 2, 0]
+    )
+    assert freq.tolist() == [2.0 - 0.75, -2.0, 1.0 - 1.25, 0.5]
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # the input is untouched
