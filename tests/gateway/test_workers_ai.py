@@ -1,0 +1,237 @@
+"""The Workers AI REST dialect on loopback, with a real node behind the gateway."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ACCOUNT_ID, SMOLLM2, chat_prompt_ids, run_on_engine
+
+RUN = f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}"
+
+
+def post(stack, body, path: str = RUN, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key or stack.api_key}"}
+    if isinstance(body, bytes):
+        return httpx.post(stack.url + path, content=body, headers=headers, timeout=60)
+    return httpx.post(stack.url + path, json=body, headers=headers, timeout=60)
+
+
+def sse_events(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+
+
+def failure(code: int, message: str) -> dict:
+    return {
+        "result": None,
+        "success": False,
+        "errors": [{"code": code, "message": message}],
+        "messages": [],
+    }
+
+
+def test_prompt_is_wrapped_in_the_chat_template(stack, engine) -> None:
+    reference = run_on_engine(
+        engine, chat_prompt_ids(engine, [{"role": "user", "content": "Hi!"}]), max_tokens=6
+    )
+    response = post(stack, {"prompt": "Hi!", "max_tokens": 6, "temperature": 0})
+    assert response.status_code == 200
+    assert response.json() == {
+        "result": {
+            "response": reference.text,
+            "usage": {
+                "prompt_tokens": reference.prompt_tokens,
+                "completion_tokens": 6,
+                "total_tokens": reference.prompt_tokens + 6,
+            },
+        },
+        "success": True,
+        "errors": [],
+        "messages": [],
+    }
+
+
+def test_raw_prompt_and_messages(stack, engine) -> None:
+    raw = run_on_engine(engine, engine.tokenizer.encode("Once upon a time"), max_tokens=5)
+    got = post(
+        stack, {"prompt": "Once upon a time", "raw": True, "max_tokens": 5, "temperature": 0}
+    ).json()
+    assert got["result"]["response"] == raw.text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = run_on_engine(engine, chat_prompt_ids(engine, messages), max_tokens=5)
+    got = post(stack, {"messages": messages, "max_tokens": 5, "temperature": 0}).json()
+    assert got["result"]["response"] == chat.text
+    assert got["result"]["usage"]["prompt_tokens"] == chat.prompt_tokens
+
+
+def test_streaming_sends_chunks_then_usage_then_done(stack, engine) -> None:
+    reference = run_on_engine(
+        engine, chat_prompt_ids(engine, [{"role": "user", "content": "Hi!"}]), max_tokens=6
+    )
+    with httpx.stream(
+        "POST",
+        stack.url + RUN,
+        json={"prompt": "Hi!", "max_tokens": 6, "temperature": 0, "stream": True},
+        headers={"authorization": f"Bearer {stack.api_key}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+        events = sse_events(response.read().decode())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["response"] for c in chunks) == reference.text
+    assert chunks[-1] == {
+        "response": "",
+        "usage": {
+            "prompt_tokens": reference.prompt_tokens,
+            "completion_tokens": 6,
+            "total_tokens": reference.prompt_tokens + 6,
+        },
+    }
+    assert all(set(c) == {"response"} for c in chunks[:-1])
+
+
+def test_catalog_search_paginates_like_workers_ai(stack) -> None:
+    def page(query: str) -> dict:
+        response = httpx.get(
+            f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?{query}",
+            headers={"authorization": f"Bearer {stack.api_key}"},
+        )
+        assert response.status_code == 200
+        return response.json()
+
+    first = page("per_page=1")
+    assert [m["name"] for m in first["result"]] == [SMOLLM2]
+    assert first["result_info"] == {"page": 1, "per_page": 1, "count": 1, "total_count": 2}
+    assert first["success"] is True
+    assert [m["name"] for m in page("per_page=1&page=2")["result"]] == ["@cf/edgeserve/moe-small"]
+    past_end = page("per_page=1&page=3")
+    assert past_end["result"] == []
+    assert past_end["result_info"] == {"page": 3, "per_page": 1, "count": 0, "total_count": 2}
+    assert [m["name"] for m in page("search=smollm")["result"]] == [SMOLLM2]
+    bad = httpx.get(
+        f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?page=zero",
+        headers={"authorization": f"Bearer {stack.api_key}"},
+    )
+    assert (bad.status_code, bad.json()) == (
+        400,
+        failure(5004, "page must be an integer, got 'zero'"),
+    )
+
+
+def test_missing_wrong_and_foreign_keys(stack) -> None:
+    missing = httpx.post(stack.url + RUN, json={"prompt": "hi"})
+    assert (missing.status_code, missing.json()) == (
+        401,
+        failure(10000, "missing API key: send 'Authorization: Bearer <API key>'"),
+    )
+    wrong = post(stack, {"prompt": "hi"}, key="es-wrong")
+    assert (wrong.status_code, wrong.json()) == (401, failure(10000, "invalid API key"))
+    foreign = post(stack, {"prompt": "hi"}, key=stack.other_key)
+    assert (foreign.status_code, foreign.json()) == (
+        403,
+        failure(10000, f"this API key may not act for account '{ACCOUNT_ID}'"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "status", "code", "message"),
+    [
+        (
+            b"{",
+            RUN,
+            400,
+            5004,
+            "malformed JSON body: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        ),
+        ({"prompt": 42}, RUN, 400, 5004, "invalid request: prompt: Input should be a valid string"),
+        (
+            {"prompt": "hi", "max_tokens": -1},
+            RUN,
+            400,
+            5004,
+            "invalid request: max_tokens: Input should be greater than or equal to 1",
+        ),
+        (
+            {"prompt": "hi", "temperature": "hot"},
+            RUN,
+            400,
+            5004,
+            "invalid request: temperature: Input should be a valid number, unable to parse string as a number",
+        ),
+        (
+            {},
+            RUN,
+            400,
+            5004,
+            "invalid request: Value error, give exactly one of 'prompt' or 'messages'",
+        ),
+        (
+            {"prompt": "hi"},
+            f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/@cf/meta/nope",
+            400,
+            5007,
+            "no such model: '@cf/meta/nope'",
+        ),
+    ],
+)
+def test_bad_requests_are_4xx_in_the_envelope(stack, body, path, status, code, message) -> None:
+    response = post(stack, body, path=path)
+    assert (response.status_code, response.json()) == (status, failure(code, message))
+    assert post(stack, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_prompt_too_long_is_3006(stack, engine) -> None:
+    num_prompt_tokens = len(engine.tokenizer.encode("word " * 1200))
+    response = post(stack, {"prompt": "word " * 1200, "raw": True, "max_tokens": 10})
+    assert response.status_code == 413
+    error = response.json()["errors"][0]
+    assert error["code"] == 3006
+    assert (
+        error["message"]
+        == f"prompt ({num_prompt_tokens} tokens) + max_tokens (10) exceeds the context window of 1024 tokens"
+    )
+
+
+def wait_node_idle(stack, timeout_s: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        capacity = stack.node_capacity()
+        if capacity["num_free_pages"] == capacity["num_pages"] or time.monotonic() > deadline:
+            return capacity
+        time.sleep(0.05)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_nodes_pages(stack) -> None:
+    with httpx.stream(
+        "POST",
+        stack.url + RUN,
+        json={
+            "prompt": "Write a very long story about the sea.",
+            "max_tokens": 500,
+            "stream": True,
+        },
+        headers={"authorization": f"Bearer {stack.api_key}"},
+        timeout=60,
+    ) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        busy = stack.node_capacity()
+        assert busy["num_running"] == 1
+        assert busy["num_free_pages"] < busy["num_pages"]
+    idle = wait_node_idle(stack)
+    assert (idle["num_free_pages"], idle["num_running"], idle["num_waiting"]) == (
+        idle["num_pages"],
+        0,
+        0,
+    )
+    deadline = time.monotonic() + 5
+    while stack.sink.events[-1].status != "cancelled" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    event = stack.sink.events[-1]
+    assert event.status == "cancelled"
+    assert 1 <= event.output_tokens < 500
