@@ -79,9 +79,17 @@ def _check_shape(shape: tuple[int, ...], group_size: int) -> None:
 def _fp16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
     """fp32 -> fp16 rounding towards +inf (up) or -inf, so stored ranges still cover the data."""
     h = x.to(torch.float16)
-    toward = torch.full_like(h, float("inf") if up else float("-inf"))
     off = h.float() < x if up else h.float() > x
-    return torch.where(off, torch.nextafter(h, toward), h)
+    try:
+        toward = torch.full_like(h, float("inf") if up else float("-inf"))
+        moved = torch.nextafter(h, toward)
+    except (RuntimeError, NotImplementedError):  # no fp16 nextafter on this device
+        # One fp16 ulp of h (at least the smallest subnormal), in fp32 where it is exact.
+        ulp = torch.ldexp(torch.ones_like(x), torch.frexp(h.float()).exponent - 11).clamp_min(
+            2.0**-24
+        )
+        moved = (h.float() + ulp if up else h.float() - ulp).to(torch.float16)
+    return torch.where(off, moved, h)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from gpu_node.kernels.moe import fused_moe_int4, fused_moe_int4_ref
 from gpu_node.models.moe import Routing, route
-from gpu_node.quant.int4 import quantize_int4
+from gpu_node.quant.int4 import Int4Weight, quantize_int4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max |kernel - reference| over max |reference|. The kernel rounds the SwiGLU
@@ -20,7 +20,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _experts(num_experts: int, hidden: int, inner: int, group_size: int, seed: int):
+def _experts(
+    num_experts: int, hidden: int, inner: int, group_size: int, seed: int
+) -> tuple[Int4Weight, Int4Weight]:
     gen = torch.Generator().manual_seed(seed)
     w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5

@@ -1,0 +1,149 @@
+"""W4A16 GEMM on the GPU: our Triton kernel vs torch bf16 matmul vs torch's int4 kernel.
+
+    python benchmarks/bench_w4a16.py [--json out.json]
+
+For each real layer shape (K in -> N out) and M = 1, 4, 16, 64 it times, with
+`triton.testing.do_bench` (median, L2 flushed before every call):
+  bf16        F.linear(x, W) with W bf16 [N, K]            (cuBLAS)
+  torch-int4  torch._weight_int4pack_mm (tinygemm), group 128
+  ours        gpu_node.kernels.w4a16.w4a16_matmul, group 128
+and prints the speedups and each kernel's achieved bandwidth as a fraction of a
+device-to-device copy measured in the same run. Needs only torch, triton, numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
+from gpu_node.quant.int4 import Int4Weight, quantize_int4, unpack_int4
+
+SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> expert
+    (4096, 4096),
+    (4096, 14336),
+    (14336, 4096),
+    (7168, 2048),
+]
+BATCHES = [1, 4, 16, 64]
+GROUP = 128
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds, L2 flushed before each call."""
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
+    src = torch.empty(1 << 30, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def to_tinygemm(q: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our (scale, min) INT4 -> torch's int4pack layout: w = (q - 8) * scale + zero."""
+    codes = unpack_int4(q.packed).to(torch.int32)  # [N, K]
+    as_uint8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)  # [N, K/2]
+    packed = torch._convert_weight_to_int4pack(as_uint8, 8)
+    scales = q.scales.float()
+    zeros = q.mins.float() + 8 * scales
+    scales_and_zeros = (
+        torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    )  # [K/G, N, 2]
+    return packed, scales_and_zeros.to(torch.bfloat16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    print(
+        f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {bw / 1e12:.2f} TB/s"
+    )
+    rows = []
+    for k, n in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        q = quantize_int4(w, GROUP)
+        try:
+            tg_packed, tg_sz = to_tinygemm(q)
+        except (RuntimeError, TypeError) as exc:
+            print(f"torch int4pack unavailable: {exc}")
+            tg_packed = tg_sz = None
+        q_bytes = q.nbytes
+        for m in BATCHES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = w4a16_matmul_ref(x, q).float()
+            ours = w4a16_matmul(x, q).float()
+            err = float((ours - ref).norm() / ref.norm())
+            t_bf16 = bench(lambda x=x, w=w: F.linear(x, w))
+            t_ours = bench(lambda x=x, q=q: w4a16_matmul(x, q))
+            t_tg = tg_err = None
+            if tg_packed is not None:
+                out_tg = torch._weight_int4pack_mm(x, tg_packed, GROUP, tg_sz).float()
+                tg_err = float((out_tg - ref).norm() / ref.norm())
+                t_tg = bench(
+                    lambda x=x, p=tg_packed, sz=tg_sz: torch._weight_int4pack_mm(x, p, GROUP, sz)
+                )
+            io = 2 * m * (k + n)
+            row = {
+                "K": k,
+                "N": n,
+                "M": m,
+                "split_k": w4a16_config(m, n, k, GROUP, props.multi_processor_count)["SPLIT_K"],
+                "bf16_us": t_bf16 * 1e3,
+                "torch_int4_us": None if t_tg is None else t_tg * 1e3,
+                "ours_us": t_ours * 1e3,
+                "speedup_vs_bf16": t_bf16 / t_ours,
+                "speedup_vs_torch_int4": None if t_tg is None else t_tg / t_ours,
+                "ours_bw_frac": (q_bytes + io) / (t_ours * 1e-3) / bw,
+                "bf16_bw_frac": (2 * n * k + io) / (t_bf16 * 1e-3) / bw,
+                "ideal_speedup": (2 * n * k + io) / (q_bytes + io),
+                "rel_err_ours": err,
+                "rel_err_torch_int4": tg_err,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        # Split-K sweep at M = 1: does the heuristic pick well?
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        sweep = {
+            s: bench(lambda s=s, x=x, q=q: w4a16_matmul(x, q, split_k=s)) * 1e3
+            for s in (1, 2, 4, 8, 16)
+        }
+        print(
+            f"split-K sweep M=1 K={k} N={n} (us): "
+            + ", ".join(f"{s}: {t:.1f}" for s, t in sweep.items())
+        )
+    print()
+    print(
+        "| K x N | M | bf16 us | torch int4 us | ours us | vs bf16 | vs torch int4 | ours BW frac | bf16 BW frac | split-K | rel err |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tg = "-" if r["torch_int4_us"] is None else f"{r['torch_int4_us']:.1f}"
+        vs_tg = "-" if r["speedup_vs_torch_int4"] is None else f"{r['speedup_vs_torch_int4']:.2f}x"
+        print(
+            f"| {r['K']}x{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {tg} | {r['ours_us']:.1f} | "
+            f"{r['speedup_vs_bf16']:.2f}x | {vs_tg} | {r['ours_bw_frac']:.2f} | {r['bf16_bw_frac']:.2f} | "
+            f"{r['split_k']} | {r['rel_err_ours']:.1e} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
