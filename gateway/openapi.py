@@ -68,7 +68,7 @@ def build_openapi() -> dict[str, Any]:
         "security": [{"bearer": []}],
         "paths": {
             "/client/v4/accounts/{account_id}/ai/run/{model_name}": _post(
-                "Workers AI text generation", "WorkersAITextGeneration", [_ACCOUNT, _MODEL]
+                "Workers AI text generation", "WorkersAITextRequest", [_ACCOUNT, _MODEL]
             ),
             "/client/v4/accounts/{account_id}/ai/models/search": _get(
                 "Workers AI model catalog", [_ACCOUNT]

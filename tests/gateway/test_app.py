@@ -1,0 +1,150 @@
+"""Gateway behaviour that needs no model: readiness, no capacity, OpenAPI, request ids, no torch."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.keys import MemoryKeyStore
+from gateway.settings import GatewaySettings
+from scheduler.capacity import CapacityView, LocalCapacityRegistry
+from scheduler.placement import LocalReservations, Placer
+from tests.conftest import SMOLLM2, ServerThread
+
+KEY = "es-test-key"
+
+
+def gateway(is_ready=lambda: True) -> ServerThread:
+    keys = MemoryKeyStore()
+    asyncio.run(keys.add(KEY, "acct"))
+    placer = Placer(CapacityView(LocalCapacityRegistry(), max_age_s=1.0), LocalReservations())
+    app = create_app(
+        GatewaySettings(internal_token="t"), keys=keys, placer=placer, is_ready=is_ready
+    )
+    return ServerThread(app).start()
+
+
+@pytest.fixture(scope="module")
+def loading():
+    server = gateway(is_ready=lambda: False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def empty():
+    server = gateway()
+    yield server
+    server.stop()
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def test_a_loading_model_is_503_in_each_dialect(loading) -> None:
+    wai = httpx.post(
+        f"{loading.url}/client/v4/accounts/acct/ai/run/{SMOLLM2}",
+        json={"prompt": "hi"},
+        headers=AUTH,
+    )
+    assert (wai.status_code, wai.headers["retry-after"], wai.json()) == (
+        503,
+        "1",
+        {
+            "result": None,
+            "success": False,
+            "errors": [{"code": 3040, "message": "the model is still loading; retry shortly"}],
+            "messages": [],
+        },
+    )
+    oai = httpx.post(
+        f"{loading.url}/v1/chat/completions",
+        json={"model": SMOLLM2, "messages": [{"role": "user", "content": "hi"}]},
+        headers=AUTH,
+    )
+    assert (oai.status_code, oai.json()) == (
+        503,
+        {
+            "error": {
+                "message": "the model is still loading; retry shortly",
+                "type": "server_error",
+                "param": None,
+                "code": "model_loading",
+            }
+        },
+    )
+    assert httpx.get(f"{loading.url}/healthz").status_code == 503
+
+
+def test_no_node_for_the_model_is_3040_or_429_with_retry_after(empty) -> None:
+    wai = httpx.post(
+        f"{empty.url}/client/v4/accounts/acct/ai/run/smollm2", json={"prompt": "hi"}, headers=AUTH
+    )
+    message = f"no capacity for {SMOLLM2} right now; retry shortly"
+    assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == (
+        429,
+        "1",
+        [{"code": 3040, "message": message}],
+    )
+    oai = httpx.post(
+        f"{empty.url}/v1/completions", json={"model": "smollm2", "prompt": "hi"}, headers=AUTH
+    )
+    assert (oai.status_code, oai.headers["retry-after"], oai.json()) == (
+        429,
+        "1",
+        {
+            "error": {
+                "message": message,
+                "type": "server_error",
+                "param": None,
+                "code": "no_capacity",
+            }
+        },
+    )
+
+
+def test_every_response_carries_its_own_request_id(empty) -> None:
+    ids = {
+        httpx.get(f"{empty.url}/v1/models", headers=AUTH).headers["x-request-id"] for _ in range(3)
+    }
+    ids.add(httpx.get(f"{empty.url}/nowhere").headers["x-request-id"])
+    assert len(ids) == 4
+    assert all(len(i) == 32 for i in ids)
+
+
+def test_openapi_is_generated_from_the_request_models(empty) -> None:
+    spec = httpx.get(f"{empty.url}/openapi.json").json()
+    assert spec["openapi"] == "3.1.0"
+    assert set(spec["paths"]) == {
+        "/client/v4/accounts/{account_id}/ai/run/{model_name}",
+        "/client/v4/accounts/{account_id}/ai/models/search",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/client/v4/accounts/{account_id}/ai/v1/chat/completions",
+        "/client/v4/accounts/{account_id}/ai/v1/completions",
+        "/client/v4/accounts/{account_id}/ai/v1/models",
+    }
+    schemas = spec["components"]["schemas"]
+    for path in spec["paths"].values():  # every $ref resolves
+        for operation in path.values():
+            if "requestBody" in operation:
+                ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.removeprefix("#/components/schemas/") in schemas
+    wai = spec["components"]["schemas"]["WorkersAITextRequest"]["properties"]
+    assert wai["max_tokens"]["default"] == 256
+    assert wai["temperature"]["default"] == 0.6
+    assert "stream_options" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
+def test_the_gateway_never_imports_torch() -> None:
+    code = "import sys, gateway.app, edgeserve.commands.serve; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

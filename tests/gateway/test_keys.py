@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.keys import (
+    KEY_PREFIX,
+    InvalidAccountIdError,
+    MemoryKeyStore,
+    RedisKeyStore,
+    hash_key,
+    key_id_of,
+)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request, redis_client, redis_prefix):
+    if request.param == "memory":
+        return MemoryKeyStore()
+    return RedisKeyStore(redis_client, prefix=redis_prefix, cache_s=0.3)
+
+
+async def test_create_lookup_list_revoke(store) -> None:
+    key = await store.create("acct-1")
+    assert key.startswith(KEY_PREFIX) and len(key) > 40
+    assert await store.lookup(key) == "acct-1"
+    assert await store.lookup(key + "x") is None
+    other = await store.create("acct-1")
+    await store.create("acct-2")
+    listed = await store.list("acct-1")
+    assert sorted(i.key_id for i in listed) == sorted([key_id_of(key), key_id_of(other)])
+    assert {i.account_id for i in listed} == {"acct-1"}
+    assert await store.revoke(key_id_of(key))
+    assert not await store.revoke(key_id_of(key))
+    assert [i.key_id for i in await store.list("acct-1")] == [key_id_of(other)]
+
+
+async def test_only_hashes_are_stored(redis_client, redis_prefix) -> None:
+    store = RedisKeyStore(redis_client, prefix=redis_prefix)
+    key = await store.create("acct-1")
+    stored = [k.decode() async for k in redis_client.scan_iter(match=f"{redis_prefix}*")]
+    dumped = b"".join([await redis_client.dump(k) or b"" for k in stored])
+    assert key.encode() not in dumped
+    assert f"{redis_prefix}apikey:{hash_key(key)}" in stored
+
+
+async def test_a_revoked_key_stops_working_within_the_cache_time(
+    redis_client, redis_prefix
+) -> None:
+    gateway_a = RedisKeyStore(redis_client, prefix=redis_prefix, cache_s=0.3)
+    gateway_b = RedisKeyStore(redis_client, prefix=redis_prefix, cache_s=0.3)
+    key = await gateway_a.create("acct-1")
+    assert await gateway_b.lookup(key) == "acct-1"  # now cached on b
+    await gateway_a.revoke(key_id_of(key))
+    assert await gateway_b.lookup(key) == "acct-1"  # b's cache still answers for up to 0.3 s
+    await asyncio.sleep(0.35)
+    assert await gateway_b.lookup(key) is None
+
+
+@pytest.mark.parametrize("account_id", ["", "a b", "x" * 65, "acct/1"])
+async def test_bad_account_ids_are_refused(store, account_id) -> None:
+    with pytest.raises(InvalidAccountIdError):
+        await store.create(account_id)
