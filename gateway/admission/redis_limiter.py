@@ -289,7 +289,7 @@ class RedisLimiter:
                 return await call
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down()
-            log.warning("redis call failed (%s); admission degrades to %s", exc, self._mode())
+            log.warning("redis call failed (%r); admission degrades to %s", exc, self._mode())
             raise _StoreDown from exc
 
     def _mark_down(self) -> None:

@@ -67,7 +67,9 @@ class LimiterFactory:
     def __call__(self, policy: LimitPolicy, clock: FakeClock) -> LocalLimiter | RedisLimiter:
         if self.kind == "local":
             return LocalLimiter(policy, self.store, clock=clock)
-        settings = AdmissionSettings(policy=policy, key_prefix=self.prefix, limits_cache_s=0)
+        settings = AdmissionSettings(
+            policy=policy, key_prefix=self.prefix, limits_cache_s=0, redis_timeout_s=10.0
+        )
         return RedisLimiter(self.client, settings, self.store, clock=clock)
 
 

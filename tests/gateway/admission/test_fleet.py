@@ -60,7 +60,11 @@ async def test_concurrency_cap_holds_across_gateway_processes(
 
 def gateway(client: redis.Redis, prefix: str, limits: Limits, clock: FakeClock) -> RedisLimiter:
     settings = AdmissionSettings(
-        policy=LimitPolicy(default=limits), key_prefix=prefix, lease_s=30, heartbeat_s=5
+        policy=LimitPolicy(default=limits),
+        key_prefix=prefix,
+        lease_s=30,
+        heartbeat_s=5,
+        redis_timeout_s=10.0,
     )
     return RedisLimiter(client, settings, clock=clock)
 

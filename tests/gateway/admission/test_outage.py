@@ -24,7 +24,7 @@ from gateway.admission import (
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
-TIMEOUT_S = 0.2
+TIMEOUT_S = 0.5
 RETRY_S = 0.3
 
 

@@ -121,7 +121,7 @@ async def _run_on_redis(limits: Limits, ops: list[tuple[int, bool, int, int]]) -
     clock = FakeClock(1_000.0)
     # Leases outlast the whole run: a live gateway renews them (lapsing is test_fleet's job).
     settings_ = AdmissionSettings(
-        policy=LimitPolicy(default=limits), key_prefix=prefix, lease_s=3_600
+        policy=LimitPolicy(default=limits), key_prefix=prefix, lease_s=3_600, redis_timeout_s=10.0
     )
     try:
         limiter = RedisLimiter(client, settings_, clock=clock)
