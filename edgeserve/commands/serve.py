@@ -66,7 +66,11 @@ def _free_port(host: str) -> int:
 
 
 def _engine_factory(
-    model: str, kv_dtype: str, weights: str | None, max_model_len: int | None
+    model: str,
+    kv_dtype: str,
+    weights: str | None,
+    max_model_len: int | None,
+    kv_memory_mb: int | None,
 ) -> Any:
     def load() -> Any:
         from gpu_node.async_engine import AsyncEngine
@@ -77,6 +81,8 @@ def _engine_factory(
             options["weights"] = weights
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
+        if kv_memory_mb is not None:
+            options["kv_memory_bytes"] = kv_memory_mb * 1024 * 1024
         return AsyncEngine.from_config(EngineConfig(**options))
 
     return load
@@ -109,6 +115,7 @@ def up(
     kv_dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16 | fp8"),
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     max_model_len: int | None = typer.Option(None, help="context window cap"),
+    kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed."""
     from gateway.keys import new_key
@@ -129,7 +136,7 @@ def up(
             NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
                          internal_token=internal_token),
             stores.registry,
-            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len),
+            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len, kv_memory_mb),
         )  # fmt: skip
         gateway_app = create_app(
             GatewaySettings(internal_token=internal_token),
@@ -170,6 +177,7 @@ def node(
     kv_dtype: str = typer.Option("fp32"),
     weights: str | None = typer.Option(None),
     max_model_len: int | None = typer.Option(None),
+    kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
@@ -190,7 +198,7 @@ def node(
                 internal_token=token, role=role, heartbeat_s=heartbeat_s, ttl_s=ttl_s,
             ),
             RedisCapacityRegistry(client, prefix),
-            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len),
+            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len, kv_memory_mb),
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
         try:
