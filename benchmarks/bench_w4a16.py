@@ -65,6 +65,27 @@ def to_tinygemm(q: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros.to(torch.bfloat16)
 
 
+def sweep_configs() -> None:
+    """Tile/split/warp sweep on two shapes, to check the heuristic against the best found."""
+    print("config sweep (us): K x N, M, BLOCK_N, SPLIT_K, num_warps")
+    for k, n in SHAPES[:2]:
+        q = quantize_int4(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), GROUP)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            results = []
+            for block_n in (32, 64, 128):
+                for split in (1, 4, 8, 16):
+                    for warps in (2, 4):
+                        cfg = {"BLOCK_N": block_n, "SPLIT_K": split, "num_warps": warps}
+                        us = bench(lambda x=x, q=q, c=cfg: w4a16_matmul(x, q, config=c)) * 1e3
+                        results.append((us, block_n, split, warps))
+            results.sort()
+            best = ", ".join(
+                f"{us:.1f} (BN {bn}, S {sp}, w {wp})" for us, bn, sp, wp in results[:4]
+            )
+            print(f"  {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path)
@@ -128,6 +149,7 @@ def main() -> None:
             f"split-K sweep M=1 K={k} N={n} (us): "
             + ", ".join(f"{s}: {t:.1f}" for s, t in sweep.items())
         )
+    sweep_configs()
     print()
     print(
         "| K x N | M | bf16 us | torch int4 us | ours us | vs bf16 | vs torch int4 | ours BW frac | bf16 BW frac | split-K | rel err |"

@@ -21,6 +21,7 @@ K loop is split S ways (grid dim 2); each split writes an fp32 partial
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -152,8 +153,17 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}
 
 
-def w4a16_matmul(x: torch.Tensor, weight: Int4Weight, split_k: int | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ W^T for W [N, K] INT4 -> [..., N] in x's dtype."""
+def w4a16_matmul(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    split_k: int | None = None,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T for W [N, K] INT4 -> [..., N] in x's dtype.
+
+    `split_k` / `config` (BLOCK_N, SPLIT_K, num_warps, num_stages, ...) override
+    the heuristic; benchmarks use them to sweep.
+    """
     if len(weight.shape) != 2:
         raise ValueError(f"w4a16_matmul takes a 2-D weight, got shape {weight.shape}")
     n, k = weight.shape
@@ -167,6 +177,9 @@ def w4a16_matmul(x: torch.Tensor, weight: Int4Weight, split_k: int | None = None
     if m == 0:
         return x.new_empty(*lead, n)
     cfg = w4a16_config(m, n, k, weight.group_size, _num_sms(x.device))
+    launch = {"num_warps": 4, "num_stages": 4}
+    for key, value in (config or {}).items():
+        (launch if key in launch else cfg)[key] = value
     if split_k is not None:
         cfg["SPLIT_K"] = split_k
     splits = cfg["SPLIT_K"]
@@ -196,8 +209,7 @@ def w4a16_matmul(x: torch.Tensor, weight: Int4Weight, split_k: int | None = None
         out.stride(2),
         GROUP_SIZE=weight.group_size,
         DOT_FP32=interpreted or x.dtype == torch.float32,
-        num_warps=4,
-        num_stages=4,
+        **launch,
         **cfg,
     )
     y = out[0] if direct else out.sum(dim=0).to(x.dtype)
