@@ -5,25 +5,29 @@ Shape letters: P pages, S page size (tokens per page), T tokens, H kv heads, D h
 One layer's KV storage (the engine keeps one such set per layer)::
 
     k_cache, v_cache   [P, S, H, D]   fp32 | bf16 | fp16 | float8_e4m3fn   (contiguous)
-    k_scale, v_scale   [P, S, H]      int8, fp8 only: the power-of-two exponent e
-                                      of each (token, head) row; value = fp8 * 2**e
+    k_scale, v_scale   [P, S, H]      bf16, fp8 only: the scale of each (token, head) row;
+                                      value = fp8 * scale, scale = bf16(max|row| / 448)
 
     slot = page * S + offset   ->   k_cache.view(P * S, H, D)[slot]  is one token's keys
 
-Why one power-of-two scale per token and head (measured in docs/bench/fp8_kv.md):
+Why one bf16 scale per token and head (figures in docs/bench/fp8_kv.md):
 
 - A token's K/V are written once, when the token is computed, and never change. A scale
-  per token is fixed at that moment, so decode appends need no re-quantization; a scale
-  per page (or per layer) would have to be known before the page's later tokens exist,
-  and a later outlier either clips or forces the whole page to be rewritten.
-- Its error is the lowest of the granularities compared (per layer, per page and head,
-  per token and head) on K/V with channel and token outliers, because one outlier token
-  only coarsens its own row.
-- A power of two (one int8 exponent, as in the OCP MX formats) costs one byte per row:
-  at SmolLM2's shape (3 kv heads, head dim 64) fp8 + scales is 65 bytes a row against
-  bf16's 128, so a budget holds 1.97x the tokens (the target is 1.9x; an fp32 scale per
-  row would give 1.88x). Multiplying by 2**e is exact, so the Triton kernels, the torch
-  references and the GPU agree bit for bit; only the fp8 rounding itself loses anything.
+  per token is fixed at that moment, so decode appends need no re-quantization. A scale
+  per page (or per layer) must be chosen before the page's later tokens exist: fixed at
+  a page's first token it clipped later tokens (attention-output error 0.99 on K/V with
+  outliers), and only re-quantizing whole pages on every append would avoid that.
+- It had the lowest error of the granularities compared (per layer; per page and head;
+  per token and head with fp32, bf16 or power-of-two scales): the row max maps onto
+  448, so the loud channels that dominate K keep full precision. A power-of-two scale
+  (1 byte) left the max anywhere in (224, 448] and gave 1.5x the attention error.
+- Bytes: at SmolLM2's shape (3 kv heads, head dim 64) fp8 + a bf16 scale is 66 bytes a
+  row against bf16's 128, so a budget holds 1.94x the tokens (the target is 1.9x; an fp32
+  scale would give 1.88x).
+
+Arithmetic, shared bit for bit by the torch reference and the Triton kernels:
+scale = bf16_rne(max(amax / 448, 2**-126)); q = fp8_rne(clamp(x / scale, +-448)) with
+IEEE division; dequantized value = fp32(q) * fp32(scale), which is exact.
 """
 
 from __future__ import annotations
@@ -32,10 +36,8 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_DTYPE = torch.int8  # the stored exponent e of a row's scale 2**e
-# Rows whose |max| is below this are scaled as if their max were this; keeps e >= -72.
-MIN_AMAX = 2.0**-64
-MAX_SCALE_EXPONENT = 126  # 2**e and 2**-e stay normal fp32 numbers
+SCALE_DTYPE = torch.bfloat16  # one scale per (token, head) row
+MIN_SCALE = 2.0**-126  # an all-zero row still gets a finite, non-zero scale
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -108,33 +110,26 @@ def tokens_for_budget(
     return num_pages * page_size
 
 
-def scale_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest e with amax <= 448 * 2**e, as int8 (any shape -> same shape).
-
-    frexp gives amax = m * 2**x with m in [0.5, 1) and 448 = 0.875 * 2**9, so
-    e = x - 9, plus one when m > 0.875. The Triton kernel computes the same from the
-    float's bits.
-    """
-    mantissa, exponent = torch.frexp(amax.float().clamp_min(MIN_AMAX))
-    e = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
-    return e.clamp(max=MAX_SCALE_EXPONENT).to(SCALE_DTYPE)
+def row_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The bf16 scale of rows whose absolute max is `amax` (any shape -> same shape)."""
+    return (amax.float() / FP8_MAX).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows of K or V: `[..., D]` -> (fp8 `[..., D]`, int8 exponent `[...]`).
+    """Quantize rows of K or V: `[..., D]` -> (fp8 `[..., D]`, bf16 scale `[...]`).
 
-    Each row (one token's one head) gets its own scale 2**e; x / 2**e is exact in fp32
-    and the cast to fp8 rounds to nearest even.
+    A bf16 scale may round below amax / 448; the clamp then saturates the row max at
+    448 (an error of at most 2**-8 of it) instead of overflowing.
     """
     x32 = x.float()
-    e = scale_exponent(x32.abs().amax(dim=-1))
-    scaled = torch.ldexp(x32, -e.to(torch.int32).unsqueeze(-1))
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), e
+    scale = row_scale(x32.abs().amax(dim=-1))
+    scaled = x32 / scale.float().unsqueeze(-1)
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def dequantize_fp8(q: torch.Tensor, e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_fp8`: (fp8 `[..., D]`, int8 `[...]`) -> `[..., D]` in `dtype`."""
-    return torch.ldexp(q.float(), e.to(torch.int32).unsqueeze(-1)).to(dtype)
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: (fp8 `[..., D]`, scale `[...]`) -> `[..., D]` in `dtype`."""
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
 def validate_kv_layer(

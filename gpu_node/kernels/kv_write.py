@@ -25,21 +25,22 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def scale_exponent_tl(amax):
-    """Triton twin of `kv_quant.scale_exponent`: smallest e with amax <= 448 * 2**e."""
-    amax = tl.maximum(amax, 5.421010862427522e-20)  # MIN_AMAX = 2**-64
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    # frexp exponent is biased - 126; mantissa field > 0x600000 means m > 0.875.
-    e = biased - 126 - 9 + (mantissa > 0x600000).to(tl.int32)
-    return tl.minimum(e, 126)
+def round_to_bf16_tl(x):
+    """Round fp32 to the nearest bf16 value (ties to even), kept in fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates; rounding the bits here makes the
+    kernel agree with torch on every backend (the later cast is then exact).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits & -65536).to(tl.float32, bitcast=True)  # -65536 = ~0xFFFF
 
 
 @triton.jit
-def exp2_int_tl(e):
-    """2**e as fp32, exactly, for int32 e in [-126, 127]."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+def row_scale_tl(amax):
+    """Triton twin of `kv_quant.row_scale`, as fp32: bf16(max(amax / 448, 2**-126))."""
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2**-126
+    return round_to_bf16_tl(scale)
 
 
 @triton.jit
@@ -63,11 +64,13 @@ def round_to_e4m3_tl(y):
 
 
 @triton.jit
-def _quantize_rows_tl(x, e):
-    # x [BLOCK_H, BLOCK_D] fp32, e [BLOCK_H] int32 -> fp8 [BLOCK_H, BLOCK_D]
-    scaled = x * exp2_int_tl(-e)[:, None]
+def _quantize_rows_tl(x):
+    # x [BLOCK_H, BLOCK_D] fp32 -> (fp8 [BLOCK_H, BLOCK_D], fp32 scale [BLOCK_H])
+    scale = row_scale_tl(tl.max(tl.abs(x), axis=1))
+    # IEEE division, as torch does: `/` is an approximate divide on NVIDIA GPUs.
+    scaled = tl.math.div_rn(x, scale[:, None])
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    return round_to_e4m3_tl(scaled).to(tl.float8e4nv)
+    return round_to_e4m3_tl(scaled).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -122,14 +125,12 @@ def _kv_write_kernel(
     row = slot * NUM_KV_HEADS + heads  # [BLOCK_H] row index into the [P*S*H, D] view
     cache_offsets = row[:, None] * HEAD_DIM + dims[None, :]
     if IS_FP8:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        k_e = scale_exponent_tl(tl.max(tl.abs(k), axis=1))
-        v_e = scale_exponent_tl(tl.max(tl.abs(v), axis=1))
-        tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_e), mask=mask)
-        tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_e), mask=mask)
-        tl.store(k_scale_ptr + row, k_e.to(tl.int8), mask=head_mask)
-        tl.store(v_scale_ptr + row, v_e.to(tl.int8), mask=head_mask)
+        k_q, k_scale = _quantize_rows_tl(k.to(tl.float32))
+        v_q, v_scale = _quantize_rows_tl(v.to(tl.float32))
+        tl.store(k_cache_ptr + cache_offsets, k_q, mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, v_q, mask=mask)
+        tl.store(k_scale_ptr + row, k_scale.to(tl.bfloat16), mask=head_mask)
+        tl.store(v_scale_ptr + row, v_scale.to(tl.bfloat16), mask=head_mask)
     else:
         tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -149,8 +150,8 @@ def kv_write(
 ) -> torch.Tensor:
     """Write `key`/`value` [T, H, D] into the cache in place; return violations, bool [T].
 
-    For an fp8 cache each (token, head) row is quantized with its own power-of-two scale
-    (`k_scale`/`v_scale` get the exponents). A flagged token was not written.
+    For an fp8 cache each (token, head) row is quantized with its own bf16 scale
+    (written to `k_scale`/`v_scale`). A flagged token was not written.
     `check_owner=False` skips the ownership check (benchmarks only); range checks stay.
     """
     num_pages, page_size, num_kv_heads, head_dim = _validate(

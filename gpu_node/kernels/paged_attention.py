@@ -225,11 +225,11 @@ def _paged_decode_split_kernel(
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
         if IS_FP8:
-            # Scale 2**e built from the exponent bits: exact, no exp2 call.
-            k_e = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0).to(tl.int32)
-            v_e = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0).to(tl.int32)
-            k = k * ((k_e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
-            v = v * ((v_e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+            # fp8 * bf16 scale is exact in fp32: dequantizing adds no rounding.
+            k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
+            k = k * k_scale[:, None]
+            v = v * v_scale[:, None]
 
         scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(is_valid[None, :], scores, float("-inf"))

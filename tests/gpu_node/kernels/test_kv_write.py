@@ -20,7 +20,9 @@ def make_cache(dtype, num_kv_heads, head_dim):
     shape = (NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
     if dtype == FP8_DTYPE:
         cache = torch.full(shape, 0x5A, dtype=torch.uint8).view(FP8_DTYPE)
-        scale = torch.full(scale_shape(NUM_PAGES, PAGE_SIZE, num_kv_heads), 99, dtype=torch.int8)
+        scale = torch.full(
+            scale_shape(NUM_PAGES, PAGE_SIZE, num_kv_heads), 99, dtype=torch.bfloat16
+        )
         return cache, cache.clone(), scale, scale.clone()
     cache = torch.full(shape, -7.0, dtype=dtype)
     return cache, cache.clone(), None, None

@@ -74,7 +74,7 @@ def build_batch(
     v_cache = torch.zeros(shape, dtype=cache_dtype)
     k_scale = v_scale = None
     if cache_dtype == FP8_DTYPE:
-        k_scale = torch.zeros(scale_shape(num_pages, page_size, num_kv_heads), dtype=torch.int8)
+        k_scale = torch.zeros(scale_shape(num_pages, page_size, num_kv_heads), dtype=torch.bfloat16)
         v_scale = torch.zeros_like(k_scale)
     page_owner = torch.full((num_pages,), FREE_PAGE_TAG)
     seq_tags = torch.tensor([make_seq_tag(100 + i, 3) for i in range(len(context_lens))])

@@ -1,0 +1,590 @@
+"""FP8 paged KV: scale-granularity error, GPU correctness, decode attention speed.
+
+Run from the repository root (needs only torch, triton and numpy):
+
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py scales   # any machine
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py check    # GPU: kernels vs refs
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py decode   # GPU: timing tables
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
+
+`decode` times one layer's decode attention (both kernels) per call with CUDA-graph
+replay, rotating over enough independent KV pools that no point is served from L2,
+and reports bytes moved (K, V, scales, q, out) per second against a device-to-device
+copy measured in the same run (bytes read + written), fp8 vs bf16 pages, and the
+ownership check on vs off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from gpu_node.kernels.kv_write import kv_write, kv_write_ref
+from gpu_node.kernels.paged_attention import (
+    FREE_PAGE_TAG,
+    make_seq_tag,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from gpu_node.kv_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_DTYPE,
+    bytes_per_token,
+    dequantize_fp8,
+    quantize_fp8,
+    scale_shape,
+)
+
+SHAPES = {  # name -> (query heads, kv heads, head dim)
+    "smollm2": (9, 3, 64),
+    "llama8b": (32, 8, 128),
+}
+PAGE_SIZE = 16
+ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+
+
+def log(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+# --------------------------------------------------------------------------- scales
+
+
+def realistic_kv(num_tokens: int, num_kv_heads: int, head_dim: int, seed: int = 0):
+    """K with a few loud channels (as LLM keys have) and rare loud tokens (attention
+    sinks); V with per-token magnitudes spread over ~2 decades and rare loud tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    channel_gain = torch.ones(head_dim)
+    loud = torch.randperm(head_dim, generator=gen)[:4]
+    channel_gain[loud] = torch.tensor([3.0, 4.0, 6.0, 8.0])
+    k *= channel_gain
+    sinks = torch.rand(num_tokens, generator=gen) < 0.01
+    k[sinks] *= 4.0
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v *= torch.exp(torch.randn(num_tokens, num_kv_heads, 1, generator=gen))
+    v[torch.rand(num_tokens, generator=gen) < 0.01] *= 10.0
+    return k, v
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize to fp8 with `scale` (broadcast against x) and back, in fp32."""
+    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.float() * scale
+
+
+def granularities(x: torch.Tensor, page_size: int) -> dict[str, torch.Tensor]:
+    """x [L, H, D] -> what each scale granularity gives back after fp8 storage."""
+    length, heads, dim = x.shape
+    pages = x.view(length // page_size, page_size, heads, dim)
+    page_amax = pages.abs().amax(dim=(1, 3), keepdim=True)  # [P, 1, H, 1]
+    # Decode appends: a page's scale is fixed when its first token is written.
+    first_amax = pages[:, :1].abs().amax(dim=3, keepdim=True)  # [P, 1, H, 1]
+    token_amax = x.abs().amax(dim=-1, keepdim=True)
+    power_of_two = torch.exp2(torch.ceil(torch.log2(token_amax / FP8_MAX)))
+    q, scale = quantize_fp8(x)
+    return {
+        "per layer (amax of the whole tensor, fp32)": fake_quant(x, x.abs().amax() / FP8_MAX),
+        "per page and head (amax of the full page, fp32)": fake_quant(
+            pages, page_amax / FP8_MAX
+        ).view_as(x),
+        "per page and head, fixed at the page's first token": fake_quant(
+            pages, first_amax / FP8_MAX
+        ).view_as(x),
+        "per token and head (amax, fp32 scale)": fake_quant(x, token_amax / FP8_MAX),
+        "per token and head (power of two, int8 exponent)": fake_quant(x, power_of_two),
+        "per token and head (amax, bf16 scale) [chosen]": dequantize_fp8(q, scale, torch.float32),
+    }
+
+
+SCALE_BYTES = {  # extra bytes per (token, head) row at page size 16, for the table
+    "per layer (amax of the whole tensor, fp32)": 0.0,
+    "per page and head (amax of the full page, fp32)": 4 / PAGE_SIZE,
+    "per page and head, fixed at the page's first token": 4 / PAGE_SIZE,
+    "per token and head (amax, fp32 scale)": 4.0,
+    "per token and head (power of two, int8 exponent)": 1.0,
+    "per token and head (amax, bf16 scale) [chosen]": 2.0,
+}
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q [N, Q, D], k/v [L, H, D] -> [N, Q, D]; causal over the last N positions.
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("nqd,lqd->qnl", q, k) / q.shape[-1] ** 0.5
+    length, n = k.shape[0], q.shape[0]
+    is_future = torch.arange(length)[None, :] > (length - n + torch.arange(n))[:, None]
+    probs = torch.softmax(scores.masked_fill(is_future, float("-inf")), dim=-1)
+    return torch.einsum("qnl,lqd->nqd", probs, v)
+
+
+def part_scales(results: dict) -> None:
+    num_heads, num_kv_heads, head_dim = SHAPES["smollm2"]
+    length = 4096
+    k, v = realistic_kv(length, num_kv_heads, head_dim)
+    q = torch.randn(256, num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    exact = attention(q, k, v)
+    ks, vs = granularities(k, PAGE_SIZE), granularities(v, PAGE_SIZE)
+    bf16_row = head_dim * 2
+    rows = []
+    log("\n## fp8 scale granularity (SmolLM2 kv shape, 4096 tokens, page 16)\n")
+    log(
+        "| granularity | K rel. err | V rel. err | attention out rel. err | bytes/row | tokens vs bf16 |"
+    )
+    log("|---|---|---|---|---|---|")
+    for name in ks:
+        k_err = float((ks[name] - k).norm() / k.norm())
+        v_err = float((vs[name] - v).norm() / v.norm())
+        out = attention(q, ks[name], vs[name])
+        out_err = float((out - exact).norm() / exact.norm())
+        row_bytes = head_dim + SCALE_BYTES[name]
+        rows.append(
+            {
+                "granularity": name,
+                "k_rel_err": k_err,
+                "v_rel_err": v_err,
+                "out_rel_err": out_err,
+                "bytes_per_row": row_bytes,
+                "capacity_vs_bf16": bf16_row / row_bytes,
+            }
+        )
+        log(
+            f"| {name} | {k_err:.4f} | {v_err:.4f} | {out_err:.4f} | {row_bytes:.2f} | "
+            f"{bf16_row / row_bytes:.3f}x |"
+        )
+    bf16_err = float(
+        (attention(q, k.bfloat16().float(), v.bfloat16().float()) - exact).norm() / exact.norm()
+    )
+    log(f"| bf16 pages, for scale | - | - | {bf16_err:.4f} | {bf16_row} | 1.000x |")
+    results["scales"] = [*rows, {"granularity": "bf16", "out_rel_err": bf16_err}]
+
+
+# --------------------------------------------------------------------------- check
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def random_batch(lens, shape, cache_dtype, device, seed, spare_pages=4):
+    """Sequences on shuffled pages of a random pool (one KV layer), written with kv_write_ref."""
+    num_heads, num_kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(n / PAGE_SIZE) for n in lens]
+    num_pages = sum(needed) + spare_pages
+    cache_shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = v_scale = None
+    if cache_dtype == FP8_DTYPE:
+        k_scale = torch.zeros(
+            scale_shape(num_pages, PAGE_SIZE, num_kv_heads), dtype=SCALE_DTYPE, device=device
+        )
+        v_scale = torch.zeros_like(k_scale)
+    owner = torch.full((num_pages,), FREE_PAGE_TAG, device=device)
+    tags = torch.tensor([make_seq_tag(i, 1) for i in range(len(lens))], device=device)
+    tables = torch.zeros(len(lens), max(needed) + 1, dtype=torch.int32, device=device)
+    order = torch.randperm(num_pages, generator=gen).to(device)
+    used = 0
+    for seq, (length, count) in enumerate(zip(lens, needed, strict=True)):
+        pages = order[used : used + count]
+        used += count
+        tables[seq, :count] = pages.int()
+        owner[pages] = tags[seq]
+        k, v = realistic_kv(length, num_kv_heads, head_dim, seed=seed * 1000 + seq)
+        pos = torch.arange(length, device=device)
+        slots = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        kv_write_ref(
+            k.to(device),
+            v.to(device),
+            k_cache,
+            v_cache,
+            slots,
+            owner,
+            tags[seq].expand(length).contiguous(),
+            k_scale,
+            v_scale,
+        )
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(device, torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables,
+        "context_lens": lens_t,
+        "page_owner": owner,
+        "seq_tags": tags,
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+    }
+
+
+CHECK_TOLERANCE = 8e-3
+
+
+def part_check(results: dict, device: str, trials: int) -> bool:
+    ok = True
+    rows = []
+    log("\n## GPU correctness: kernels vs torch references\n")
+    # KV write: bit-exact, including ownership flags.
+    gen = torch.Generator().manual_seed(5)
+    for cache_dtype in (FP8_DTYPE, torch.bfloat16):
+        num_pages, heads, dim, tokens = 512, 3, 64, 4000
+        x = torch.randn(tokens, heads, dim, generator=gen)
+        x *= torch.exp(2 * torch.randn(tokens, heads, 1, generator=gen))
+        x[:5, 0, :8] = torch.tensor([31.88, -7.87, 1.9686, 0.2499, 447.9, 1e-3, -3e-4, 15.99])
+        x = x.to(device, torch.bfloat16)
+        slots = torch.randperm(num_pages * PAGE_SIZE, generator=gen)[:tokens].to(device)
+        owner = torch.randint(0, 4, (num_pages,), generator=gen).to(device)
+        tags = owner[slots // PAGE_SIZE].clone()
+        tags[::10] = 7  # every 10th token writes a page it does not own
+        outs = []
+        for write in (kv_write, kv_write_ref):
+            kc = torch.full((num_pages, PAGE_SIZE, heads, dim), 0.5, device=device).to(cache_dtype)
+            vc = kc.clone()
+            ks = vs = None
+            if cache_dtype == FP8_DTYPE:
+                ks = torch.zeros(
+                    scale_shape(num_pages, PAGE_SIZE, heads), dtype=SCALE_DTYPE, device=device
+                )
+                vs = ks.clone()
+            flags = write(x, -x, kc, vc, slots, owner, tags, ks, vs)
+            outs.append([flags, kc, vc, ks, vs])
+        same = all(
+            a is None
+            or torch.equal(
+                a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
+                b.view(torch.uint8) if b.dtype == FP8_DTYPE else b,
+            )
+            for a, b in zip(outs[0], outs[1], strict=True)
+        )
+        flagged = int(outs[0][0].sum())
+        passed = same and flagged == tokens // 10
+        ok &= passed
+        rows.append(
+            {"kernel": "kv_write", "cache": str(cache_dtype), "bit_exact": same, "flagged": flagged}
+        )
+        log(
+            f"kv_write {cache_dtype}: bit-exact={same} flagged={flagged}/{tokens // 10} "
+            f"{'PASS' if passed else 'FAIL'}"
+        )
+    # Decode attention: relative error against the fp32 reference. The outputs are bf16
+    # (2**-8 relative rounding) and the kernel's dots run in TF32 on the GPU.
+    cases = [
+        ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16]),
+        ("smollm2", torch.bfloat16, [1, 17, 100, 4097, 33, 2000, 15, 16]),
+        ("smollm2", torch.float32, [300, 1, 5000]),
+        ("llama8b", FP8_DTYPE, [700, 1, 9000, 64]),
+        ("llama8b", torch.bfloat16, [700, 1, 9000, 64]),
+    ]
+    for seed, (shape_name, cache_dtype, lens) in enumerate(cases):
+        batch = random_batch(lens, SHAPES[shape_name], cache_dtype, device, seed)
+        out, flags = paged_decode_attention(**batch, max_context_len=max(lens))
+        ref, ref_flags = paged_decode_attention_ref(**batch)
+        err = rel_err(out, ref)
+        passed = err < CHECK_TOLERANCE and not flags.any() and not ref_flags.any()
+        passed &= bool(torch.isfinite(out).all())
+        ok &= passed
+        rows.append(
+            {
+                "kernel": "paged_decode_attention",
+                "shape": shape_name,
+                "cache": str(cache_dtype),
+                "rel_err": err,
+            }
+        )
+        log(
+            f"decode attention {shape_name} {cache_dtype} lens={lens}: rel err {err:.2e} "
+            f"{'PASS' if passed else 'FAIL'}"
+        )
+    # Injected faults: 100 randomized trials each, the bad sequence and only it flagged.
+    detected = {"foreign page": 0, "freed page": 0, "page given to two sequences": 0}
+    for trial in range(trials):
+        gen = torch.Generator().manual_seed(10_000 + trial)
+        lens = torch.randint(1, 3000, (6,), generator=gen).tolist()
+        batch = random_batch(lens, SHAPES["smollm2"], FP8_DTYPE, device, seed=trial)
+        needed = [math.ceil(n / PAGE_SIZE) for n in lens]
+        for fault in detected:
+            b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            victim, other = torch.randperm(6, generator=gen)[:2].tolist()
+            column = int(torch.randint(0, needed[victim], (1,), generator=gen))
+            other_page = b["block_tables"][
+                other, int(torch.randint(0, needed[other], (1,), generator=gen))
+            ]
+            if fault == "foreign page":
+                b["block_tables"][victim, column] = other_page
+            elif fault == "freed page":
+                b["page_owner"][b["block_tables"][victim, column]] = FREE_PAGE_TAG
+            else:  # the allocator hands victim's page to `other` as well
+                b["page_owner"][b["block_tables"][victim, column]] = b["seq_tags"][other]
+            _, flags = paged_decode_attention(**b, max_context_len=max(lens))
+            expected = [i == victim for i in range(6)]
+            detected[fault] += flags.tolist() == expected
+    for fault, count in detected.items():
+        ok &= count == trials
+        log(f"fault '{fault}': detected exactly in {count}/{trials} randomized trials")
+    results["check"] = {"rows": rows, "faults": detected, "passed": ok}
+    return ok
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * (4 << 30) / (ms * 1e-3)  # bytes read + written per second
+
+
+def timing_pool(batch: int, length: int, shape, cache_dtype):
+    """Enough independent copies of one decode batch that their KV exceeds ROTATE_BYTES."""
+    num_heads, num_kv_heads, head_dim = shape
+    kv_bytes = (
+        batch
+        * length
+        * bytes_per_token(
+            "fp8" if cache_dtype == FP8_DTYPE else "bf16", num_kv_heads, head_dim, PAGE_SIZE
+        )
+    )
+    copies = max(1, min(512, math.ceil(ROTATE_BYTES / kv_bytes)))
+    pages_per_seq = math.ceil(length / PAGE_SIZE)
+    num_pages = copies * batch * pages_per_seq
+    cache_shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    k_scale = v_scale = None
+    if cache_dtype == FP8_DTYPE:
+        sshape = scale_shape(num_pages, PAGE_SIZE, num_kv_heads)
+        k_scale = torch.rand(sshape, device="cuda").add(0.01).to(SCALE_DTYPE)
+        v_scale = torch.rand(sshape, device="cuda").add(0.01).to(SCALE_DTYPE)
+    order = torch.randperm(num_pages, device="cuda").int()
+    tables = order.view(copies, batch, pages_per_seq)
+    tags = torch.arange(copies * batch, device="cuda").view(copies, batch) << 20
+    owner = torch.empty(num_pages, dtype=torch.int64, device="cuda")
+    owner[order.long()] = tags.view(-1, 1).expand(-1, pages_per_seq).reshape(-1)
+    q = torch.randn(copies, batch, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    calls = [
+        {
+            "q": q[c],
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_tables": tables[c],
+            "context_lens": lens,
+            "page_owner": owner,
+            "seq_tags": tags[c].contiguous(),
+            "k_scale": k_scale,
+            "v_scale": v_scale,
+            "max_context_len": length,
+        }
+        for c in range(copies)
+    ]
+    moved = kv_bytes + 2 * batch * num_heads * head_dim * 2  # + q and out in bf16
+    return calls, moved
+
+
+def time_calls(calls, **options) -> float:
+    """Mean µs per call under CUDA-graph replay (launch overhead out, as in a real step)."""
+
+    def run() -> None:
+        for call in calls:
+            paged_decode_attention(**call, **options)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
+    return ms * 1e3 / len(calls)
+
+
+CONFIGS = [  # block_n, num_warps, num_stages
+    (64, 4, 2),
+    (64, 4, 3),
+    (128, 4, 2),
+    (128, 8, 3),
+]
+
+
+def tune(shape, cache_dtype) -> dict:
+    """Pick the tile config with the least total time at 32K context, batch 1 and 64."""
+    best, best_total = None, float("inf")
+    points = [timing_pool(b, 32768, shape, cache_dtype) for b in (1, 64)]
+    for block_n, warps, stages in CONFIGS:
+        for programs in (2, 4, 8):
+            options = {
+                "block_n": block_n,
+                "num_warps": warps,
+                "num_stages": stages,
+                "target_programs": programs
+                * torch.cuda.get_device_properties(0).multi_processor_count,
+            }
+            if programs != 4 and (block_n, warps, stages) != CONFIGS[0]:
+                continue  # the split count is swept on the first config only
+            try:
+                total = sum(time_calls(calls, **options) for calls, _ in points)
+            except Exception as error:  # a config the compiler rejects (registers, smem)
+                log(f"  config {options} failed: {type(error).__name__}: {error}")
+                continue
+            log(f"  {cache_dtype} {options}: {total:.1f} µs (B=1 + B=64 at 32K)")
+            if total < best_total:
+                best, best_total = options, total
+    del points
+    torch.cuda.empty_cache()
+    assert best is not None
+    return best
+
+
+def part_decode(results: dict, shapes: list[str], quick: bool, save) -> None:
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s")
+    results["copy_bandwidth_Bps"] = copy_bw
+    batches = (1, 8, 64)
+    lengths = (1024, 8192, 32768)
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        tuned = {}
+        for cache_dtype in (torch.bfloat16, FP8_DTYPE):
+            tuned[cache_dtype] = tune(shape, cache_dtype) if not quick else {}
+            log(f"{shape_name} {cache_dtype}: tuned {tuned[cache_dtype]}")
+        rows = []
+        log(f"\n## decode attention, {shape_name} (Q, H, D = {shape}), page {PAGE_SIZE}\n")
+        log(
+            "| B | L | pages | µs check on | µs check off | check cost | TB/s | % of copy | fp8 speedup |"
+        )
+        log("|---|---|---|---|---|---|---|---|---|")
+        for batch in batches:
+            for length in lengths:
+                times = {}
+                for cache_dtype in (torch.bfloat16, FP8_DTYPE):
+                    calls, moved = timing_pool(batch, length, shape, cache_dtype)
+                    on, off = [], []
+                    for _ in range(3):  # interleaved, medians: the difference is small
+                        on.append(time_calls(calls, check_owner=True, **tuned[cache_dtype]))
+                        off.append(time_calls(calls, check_owner=False, **tuned[cache_dtype]))
+                    t_on, t_off = statistics.median(on), statistics.median(off)
+                    times[cache_dtype] = t_on
+                    bw = moved / (t_on * 1e-6)
+                    name = "fp8" if cache_dtype == FP8_DTYPE else "bf16"
+                    speedup = times[torch.bfloat16] / t_on if cache_dtype == FP8_DTYPE else 1.0
+                    row = {
+                        "shape": shape_name,
+                        "batch": batch,
+                        "length": length,
+                        "kv": name,
+                        "us_check_on": t_on,
+                        "us_check_off": t_off,
+                        "check_cost": t_on / t_off - 1,
+                        "bytes": moved,
+                        "Bps": bw,
+                        "frac_copy": bw / copy_bw,
+                        "fp8_speedup": speedup,
+                        "on_runs": on,
+                        "off_runs": off,
+                    }
+                    rows.append(row)
+                    save()
+                    log(
+                        f"| {batch} | {length} | {name} | {t_on:.1f} | {t_off:.1f} | "
+                        f"{100 * (t_on / t_off - 1):+.2f}% | {bw / 1e12:.2f} | "
+                        f"{100 * bw / copy_bw:.0f}% | {speedup:.2f}x |"
+                    )
+                    del calls
+                    torch.cuda.empty_cache()
+        results.setdefault("decode", {})[shape_name] = {
+            "tuned": {str(k): v for k, v in tuned.items()},
+            "rows": rows,
+        }
+
+
+def part_kv_write(results: dict) -> None:
+    """KV write throughput: a decode step (64 tokens) and a prefill chunk (8192 tokens)."""
+    log("\n## KV write (SmolLM2 kv shape), fp8 vs bf16\n")
+    log("| tokens | cache | µs | GB/s (in + out) |")
+    log("|---|---|---|---|")
+    rows = []
+    heads, dim = 3, 64
+    for tokens in (64, 8192):
+        for cache_dtype in (torch.bfloat16, FP8_DTYPE):
+            num_pages = 4 * math.ceil(tokens / PAGE_SIZE)
+            kc = torch.zeros((num_pages, PAGE_SIZE, heads, dim), device="cuda").to(cache_dtype)
+            vc = kc.clone()
+            ks = vs = None
+            if cache_dtype == FP8_DTYPE:
+                ks = torch.zeros(
+                    scale_shape(num_pages, PAGE_SIZE, heads), dtype=SCALE_DTYPE, device="cuda"
+                )
+                vs = ks.clone()
+            x = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+            slots = torch.randperm(num_pages * PAGE_SIZE, device="cuda")[:tokens]
+            owner = torch.zeros(num_pages, dtype=torch.int64, device="cuda")
+            tags = torch.zeros(tokens, dtype=torch.int64, device="cuda")
+            args = (x, x, kc, vc, slots, owner, tags, ks, vs)
+            kv_write(*args)
+            us = 1e3 * triton.testing.do_bench_cudagraph(
+                lambda args=args: kv_write(*args), rep=50, return_mode="median"
+            )
+            out_bytes = (
+                2 * tokens * heads * (dim * kc.element_size() + (1 if ks is not None else 0))
+            )
+            moved = 2 * x.numel() * 2 + out_bytes
+            rows.append({"tokens": tokens, "cache": str(cache_dtype), "us": us})
+            log(f"| {tokens} | {cache_dtype} | {us:.1f} | {moved / us / 1e3:.0f} |")
+    results["kv_write"] = rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["scales", "check", "decode", "all"])
+    parser.add_argument("--out", type=Path, default=None, help="write results.json here")
+    parser.add_argument("--shapes", default="smollm2,llama8b")
+    parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
+    parser.add_argument(
+        "--device", default="cuda", help="for `check`: cpu needs TRITON_INTERPRET=1"
+    )
+    parser.add_argument("--trials", type=int, default=100, help="randomized fault trials")
+    args = parser.parse_args()
+
+    def save() -> None:  # after every row: a run cut short still leaves its figures
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    if torch.cuda.is_available():
+        results["device"] = torch.cuda.get_device_name(0)
+        log(f"device: {results['device']}, torch {torch.__version__}, triton {triton.__version__}")
+    ok = True
+    try:
+        if args.part in ("scales", "all"):
+            part_scales(results)
+        save()
+        if args.part in ("check", "all"):
+            ok = part_check(results, args.device, args.trials)
+            save()
+        if args.part in ("decode", "all"):
+            part_kv_write(results)
+            save()
+            part_decode(results, args.shapes.split(","), args.quick, save)
+    finally:
+        save()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
