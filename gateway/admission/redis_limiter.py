@@ -38,6 +38,8 @@ T = TypeVar("T")
 Bucket = tuple[str, str]  # (account id, model)
 
 _DUPLICATE = 4  # acquire.lua's reason code for a request id already admitted
+# Accounts whose overrides are cached (also the limits fail-open falls back to).
+MAX_CACHED_ACCOUNTS = 100_000
 
 
 class _StoreDown(Exception):
@@ -137,6 +139,10 @@ class RedisLimiter:
             return
         if held.is_local:
             self._fallback.release(held.bucket, request_id, actual_tokens)
+            return
+        if self.is_degraded:
+            # Do not make a finishing response wait on a store known to be down: the lease
+            # lapses by itself and the reservation stays as reserved (the conservative side).
             return
         try:
             await self._call(
@@ -280,6 +286,10 @@ class RedisLimiter:
         if cached is not None and now - cached[0] < self._settings.limits_cache_s:
             return cached[1]
         overrides = await self._call(self._store.load(account_id))
+        if len(self._overrides) >= MAX_CACHED_ACCOUNTS and account_id not in self._overrides:
+            # Oldest-inserted first; an evicted account is simply loaded again.
+            del self._overrides[next(iter(self._overrides))]
+        self._overrides.pop(account_id, None)
         self._overrides[account_id] = (now, overrides)
         return overrides
 

@@ -20,6 +20,7 @@ from gateway.admission import (
     LimitPolicy,
     Limits,
     RedisLimiter,
+    RedisLimitStore,
 )
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
@@ -139,9 +140,15 @@ async def test_fail_closed_answers_unavailable_within_the_timeout_and_recovers(
 async def test_fail_open_uses_local_shares_then_shared_limits_again(server: RedisServer) -> None:
     limits = Limits(requests_per_minute=10, tokens_per_minute=10_000, max_concurrent=100)
     clients = [redis.Redis.from_url(server.url) for _ in range(2)]
-    a, b = (limiter(c, "open", limits) for c in clients)
+    store = RedisLimitStore(clients[0])
+    await store.save("acct", limits)  # the account's override; the default is 300/min
+    a, b = (limiter(c, "open", Limits()) for c in clients)
     assert [await a.heartbeat(), await b.heartbeat()] == [1, 2]
     assert await a.heartbeat() == 2
+    # Each gateway has seen the account's override before Redis goes away.
+    assert (await a.acquire("other", "m", "seen-a0", 1)).admitted
+    assert (await a.acquire("acct", "m2", "seen-a", 1)).admitted
+    assert (await b.acquire("acct", "m2", "seen-b", 1)).admitted
 
     server.stop()  # Redis is gone: connections refused
     answers_a = [await a.acquire("acct", "m", f"a{i}", 1) for i in range(8)]
@@ -153,8 +160,9 @@ async def test_fail_open_uses_local_shares_then_shared_limits_again(server: Redi
     assert answers_a[5].headers["x-ratelimit-limit-requests"] == "5"
     await a.release("acct", "m", "a0", 1)  # released where it was admitted: locally
 
-    server.start()  # back, empty (no persistence)
-    await asyncio.sleep(RETRY_S)
+    server.start()  # back, empty (no persistence): the operator sets the override again
+    await store.save("acct", limits)
+    await asyncio.sleep(max(RETRY_S, 1.0))  # past the 1 s override cache
     burst = await asyncio.gather(
         *(g.acquire("acct", "m", f"s{i}", 1) for i in range(16) for g in [(a, b)[i % 2]])
     )
