@@ -126,3 +126,24 @@ async def test_gateways_count_the_live_ones(redis_client: redis.Redis, prefix: s
     clock.advance(15)  # b missed three heartbeats (ttl 3 x 5 s)
     assert await a.heartbeat() == 1
     assert a.num_gateways == 1
+
+
+async def test_background_heartbeat_keeps_a_long_request_slot(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    settings = AdmissionSettings(
+        policy=LimitPolicy(default=Limits(max_concurrent=1)),
+        key_prefix=prefix,
+        lease_s=0.3,
+        heartbeat_s=0.05,
+        redis_timeout_s=10.0,
+    )
+    other = RedisLimiter(redis_client, settings)
+    async with RedisLimiter(redis_client, settings) as serving:
+        assert (await serving.acquire("acct", "m", "long", 1)).admitted
+        await asyncio.sleep(1.0)  # three leases long: only renewal keeps the slot
+        assert (await other.acquire("acct", "m", "x1", 1)).reason == "concurrency"
+        assert await other.heartbeat() == 2
+    assert await other.heartbeat() == 1  # the closed gateway deregistered
+    await asyncio.sleep(0.35)  # its unreleased slot is no longer renewed
+    assert (await other.acquire("acct", "m", "x2", 1)).admitted
