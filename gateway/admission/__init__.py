@@ -16,6 +16,7 @@ from gateway.admission.errors import (
 from gateway.admission.limiter import Limiter
 from gateway.admission.limits import AccountLimits, LimitPolicy, Limits
 from gateway.admission.local import LocalLimiter
+from gateway.admission.queue import CapacityQueue, Placed, Rejected
 from gateway.admission.redis_limiter import RedisLimiter
 from gateway.admission.result import Admission, Reason
 from gateway.admission.settings import AdmissionSettings
@@ -27,6 +28,7 @@ __all__ = [
     "AdmissionError",
     "AdmissionSettings",
     "AdmissionUnavailable",
+    "CapacityQueue",
     "DuplicateRequestId",
     "InvalidLimits",
     "InvalidRequest",
@@ -36,8 +38,10 @@ __all__ = [
     "Limits",
     "LocalLimiter",
     "MemoryLimitStore",
+    "Placed",
     "Reason",
     "RedisLimitStore",
     "RedisLimiter",
+    "Rejected",
     "RequestTooLarge",
 ]
