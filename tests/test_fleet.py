@@ -1,0 +1,264 @@
+"""Two gateways and two nodes sharing Redis: spread, a node killed mid-run, retry, TTL expiry.
+
+node-a is a real `edgeserve node` process (so it can be killed with SIGKILL);
+node-b and both gateways are uvicorn servers in threads of this process. Every
+server has its own Redis client; all share one key prefix of this test's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import create_app
+from gateway.keys import RedisKeyStore
+from gateway.settings import GatewaySettings
+from gpu_node.server import NodeService, NodeSettings, create_node_app
+from scheduler.capacity import CapacityRecord, CapacityView, RedisCapacityRegistry
+from scheduler.placement import Placement, Placer, RedisReservations
+from tests.conftest import (
+    INTERNAL_TOKEN,
+    REDIS_URL,
+    SMOLLM2,
+    ListSink,
+    ServerThread,
+    free_port,
+)
+
+TTL_S = 1.0
+HEARTBEAT_S = 0.2
+KV_MEMORY_MB = 48  # the shared test engine's size, so both nodes start with equal free KV
+MESSAGES = [{"role": "user", "content": "Say something."}]
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+
+
+class RecordingPlacer(Placer):
+    """A real placer that also keeps every placement it made (to show where requests went)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.placements: list[tuple[float, Placement]] = []
+
+    async def place(self, *args: Any, **kwargs: Any) -> Placement | None:
+        placement = await super().place(*args, **kwargs)
+        if placement is not None:
+            self.placements.append((time.monotonic(), placement))
+        return placement
+
+
+@dataclass
+class Fleet:
+    node_a: subprocess.Popen[bytes]
+    node_a_url: str
+    node_b: ServerThread
+    gateways: list[ServerThread]
+    placers: list[RecordingPlacer]
+    sinks: list[ListSink]
+    api_key: str
+    prefix: str
+
+    def events(self) -> list[Any]:
+        return [e for sink in self.sinks for e in sink.events]
+
+    def placements(self, since: float = 0.0) -> list[str]:
+        return [p.node_id for placer in self.placers for t, p in placer.placements if t >= since]
+
+    def live_nodes(self) -> list[str]:
+        async def read() -> list[str]:
+            client = aioredis.Redis.from_url(REDIS_URL)
+            try:
+                return [
+                    r.node_id for r in await RedisCapacityRegistry(client, self.prefix).list_live()
+                ]
+            finally:
+                await client.aclose()
+
+        return asyncio.run(read())
+
+
+def start_gateway(prefix: str) -> tuple[ServerThread, RecordingPlacer, ListSink]:
+    client = aioredis.Redis.from_url(REDIS_URL)  # used only by this gateway's event loop
+    placer = RecordingPlacer(
+        CapacityView(RedisCapacityRegistry(client, prefix), max_age_s=HEARTBEAT_S),
+        RedisReservations(client, prefix),
+    )
+    sink = ListSink()
+    app = create_app(
+        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=HEARTBEAT_S),
+        keys=RedisKeyStore(client, prefix),
+        placer=placer,
+        usage_sink=sink,
+        on_shutdown=client.aclose,
+    )
+    return ServerThread(app).start(), placer, sink
+
+
+@pytest.fixture(scope="module")
+def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
+    prefix = f"test:fleet-{os.getpid()}-{time.monotonic_ns()}:"
+    port_a = free_port()
+    log = Path(tmp_path_factory.mktemp("fleet")) / "node-a.log"
+    node_a = subprocess.Popen(
+        [sys.executable, "-c", "from edgeserve.cli import main; main()", "node",
+         "--port", str(port_a), "--node-id", "node-a", "--redis-url", REDIS_URL, "--prefix", prefix,
+         "--internal-token", INTERNAL_TOKEN, "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(TTL_S),
+         "--max-model-len", "1024", "--kv-memory-mb", str(KV_MEMORY_MB)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    port_b = free_port()
+    service_b = NodeService(
+        NodeSettings(
+            "node-b",
+            f"http://127.0.0.1:{port_b}",
+            INTERNAL_TOKEN,
+            heartbeat_s=HEARTBEAT_S,
+            ttl_s=TTL_S,
+        ),
+        RedisCapacityRegistry(aioredis.Redis.from_url(REDIS_URL), prefix),
+        engine=engine,
+    )
+    node_b = ServerThread(create_node_app(service_b), port_b).start()
+    started = [start_gateway(prefix) for _ in range(2)]
+
+    async def add_key() -> str:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            return await RedisKeyStore(client, prefix).create("acct-fleet")
+        finally:
+            await client.aclose()
+
+    fleet = Fleet(
+        node_a, f"http://127.0.0.1:{port_a}", node_b,
+        [g for g, _, _ in started], [p for _, p, _ in started], [s for _, _, s in started],
+        asyncio.run(add_key()), prefix,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while fleet.live_nodes() != ["node-a", "node-b"]:
+        if node_a.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"node-a did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    yield fleet
+    if node_a.poll() is None:
+        node_a.send_signal(signal.SIGTERM)
+        node_a.wait(timeout=30)
+    for gateway in fleet.gateways:
+        gateway.stop()
+    node_b.stop()
+    # Leave nothing behind under the prefix.
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+async def chat(
+    client: httpx.AsyncClient, fleet: Fleet, gateway: int, max_tokens: int = 4
+) -> httpx.Response:
+    return await client.post(
+        f"{fleet.gateways[gateway].url}/v1/chat/completions",
+        json={"model": SMOLLM2, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0},
+        headers={"authorization": f"Bearer {fleet.api_key}"},
+    )
+
+
+async def burst(fleet: Fleet, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await asyncio.gather(*(chat(client, fleet, i % 2) for i in range(n)))
+
+
+def test_concurrent_requests_spread_over_both_nodes(fleet) -> None:
+    responses = asyncio.run(burst(fleet, 6))
+    assert [r.status_code for r in responses] == [200] * 6
+    texts = {r.json()["choices"][0]["message"]["content"] for r in responses}
+    assert len(texts) == 1  # same greedy answer, whichever node served it
+    served = [e.node_id for e in fleet.events()]
+    assert sorted(set(served)) == ["node-a", "node-b"]
+    assert set(fleet.placements()) == {"node-a", "node-b"}
+
+
+def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
+    # Both nodes idle with equal free KV: the tie goes to node-a, so the stream lands there.
+    with httpx.stream(
+        "POST",
+        f"{fleet.gateways[0].url}/v1/completions",
+        # Counting goes on far past what runs before the kill: the stream is cut mid-run.
+        json={
+            "model": SMOLLM2,
+            "prompt": COUNTING,
+            "max_tokens": 400,
+            "stream": True,
+            "temperature": 0,
+        },
+        headers={"authorization": f"Bearer {fleet.api_key}"},
+        timeout=60,
+    ) as response:
+        lines = (line for line in response.iter_lines() if line)
+        first = next(lines)
+        assert first.startswith("data: ")
+        assert fleet.placements()[-1] == "node-a"
+        fleet.node_a.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest = list(lines)
+    # The stream ends with an error event in the OpenAI dialect, no [DONE].
+    assert json.loads(rest[-1].removeprefix("data: "))["error"]["code"] == "upstream_error"
+    fleet.node_a.wait(timeout=10)
+
+    # Before the TTL passes node-a may still be chosen; a failed connect retries on node-b.
+    early = asyncio.run(burst(fleet, 2))
+    assert [r.status_code for r in early] == [200, 200]
+
+    while "node-a" in fleet.live_nodes():
+        assert time.monotonic() - killed_at < TTL_S + 1.0, "node-a outlived its TTL"
+        time.sleep(0.05)
+    time.sleep(HEARTBEAT_S)  # the gateways' capacity caches turn over
+    after, after_wall = time.monotonic(), time.time()
+    responses = asyncio.run(burst(fleet, 4))
+    assert [r.status_code for r in responses] == [200] * 4
+    assert fleet.placements(since=after) == ["node-b"] * 4
+    assert [e.node_id for e in fleet.events() if e.started_at >= after_wall] == ["node-b"] * 4
+    assert fleet.live_nodes() == ["node-b"]
+
+
+def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(fleet) -> None:
+    # A record that looks best (all free, huge pool) but whose address refuses connections.
+    async def publish_dead() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            record = CapacityRecord(
+                "node-0-dead", f"http://127.0.0.1:{free_port()}", "mixed", ("smollm2",), 100_000, 100_000,
+                16, "fp32", 0, 0, 0.0, time.time(), 30.0,
+            )  # fmt: skip
+            await RedisCapacityRegistry(client, fleet.prefix).publish(record)
+        finally:
+            await client.aclose()
+
+    asyncio.run(publish_dead())
+    time.sleep(HEARTBEAT_S)
+    after, after_wall = time.monotonic(), time.time()
+
+    async def one() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await chat(client, fleet, 0)
+
+    response = asyncio.run(one())
+    assert response.status_code == 200
+    assert fleet.placements(since=after) == ["node-0-dead", fleet.live_nodes()[-1]]
+    assert [e.node_id for e in fleet.events() if e.started_at >= after_wall] == [
+        fleet.live_nodes()[-1]
+    ]
