@@ -11,6 +11,7 @@ the placement and admission reservations and appends the usage event.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -138,6 +139,10 @@ class Upstream:
                     usage["completion_tokens"],
                     usage["cached_tokens"],
                 )
+                # Read to the end of the body so the connection goes back to the pool.
+                with contextlib.suppress(httpx.HTTPError):
+                    async for _ in self._lines:
+                        pass
                 yield self._finished
                 return
             num_tokens = len(event.get("token_ids", ()))
