@@ -122,8 +122,11 @@ class RedisServer:
                 str(self.port),
                 "--save",
                 "",
+                # Persist every write, so a stop/restart loses nothing but the outage itself.
                 "--appendonly",
-                "no",
+                "yes",
+                "--appendfsync",
+                "always",
                 "--dir",
                 str(self.directory),
             ],

@@ -1,0 +1,145 @@
+"""The sinks against real Redis: a Redis server of the test's own is stopped mid-traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import date
+from pathlib import Path
+
+import redis.asyncio
+
+from billing.events import UsageEvent
+from billing.ledger import Ledger, SqliteLedger
+from billing.sink import LocalUsageSink, RedisUsageSink
+from billing.worker import BillingWorker, WorkerConfig
+from tests.billing.conftest import RedisServer, make_event
+
+STREAM = "usage"
+DAYS = (date(2026, 11, 1), date(2026, 11, 30))
+
+
+def client_for(server: RedisServer) -> redis.asyncio.Redis:
+    # Short timeouts: a dead Redis must fail an append fast, not hold a request's end.
+    return redis.asyncio.Redis.from_url(server.url, socket_connect_timeout=0.2, socket_timeout=0.5)
+
+
+async def stream_request_ids(client: redis.asyncio.Redis) -> list[str]:
+    entries = await client.xrange(STREAM)
+    return [UsageEvent.from_fields(fields).request_id for _, fields in entries]
+
+
+async def bill_everything(client: redis.asyncio.Redis, ledger: Ledger) -> BillingWorker:
+    worker = BillingWorker(client, ledger, WorkerConfig(stream_key=STREAM, block_ms=10))
+    await worker.ensure_group()
+    while True:
+        batch = await worker.read_once()
+        if batch.num_new + batch.num_duplicate + batch.num_dead == 0:
+            return worker
+
+
+async def test_events_are_journaled_while_redis_is_down_and_replayed_when_it_returns(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = client_for(redis_server)
+    journal = tmp_path / "gateway.journal"
+    sink = RedisUsageSink(client, STREAM, journal, timeout_s=1.0)
+    await asyncio.gather(*(sink.record(make_event(f"up-{i}")) for i in range(40)))
+    assert (sink.num_streamed, sink.num_journaled) == (40, 0)
+
+    redis_server.stop()
+    await asyncio.gather(*(sink.record(make_event(f"down-{i}")) for i in range(25)))
+    assert (sink.num_streamed, sink.num_journaled) == (40, 25)
+    lines = journal.read_text().splitlines()
+    assert sorted(json.loads(line)["request_id"] for line in lines) == sorted(
+        f"down-{i}" for i in range(25)
+    )
+
+    redis_server.start()
+    for i in range(35):
+        await sink.record(make_event(f"back-{i}"))
+    await sink.aclose()  # waits for the background replay the first success started
+    assert (sink.num_streamed, sink.num_journaled, sink.num_replayed, sink.num_lost) == (
+        75,
+        25,
+        25,
+        0,
+    )
+    assert journal.read_text() == ""
+    ids = await stream_request_ids(client)
+    assert len(ids) == 100
+    assert set(ids) == (
+        {f"up-{i}" for i in range(40)}
+        | {f"down-{i}" for i in range(25)}
+        | {f"back-{i}" for i in range(35)}
+    )
+    await client.aclose()
+
+
+async def test_redis_stopped_during_traffic_loses_no_event_and_bills_each_once(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = client_for(redis_server)
+    sink = RedisUsageSink(client, STREAM, tmp_path / "gateway.journal", timeout_s=1.0)
+    num_requests = 300
+    recorded = asyncio.Event()
+    outage = asyncio.Event()
+
+    async def traffic() -> None:
+        for i in range(num_requests):
+            await sink.record(make_event(f"req-{i}", output_tokens=i))
+            if i == 100:
+                recorded.set()
+                await outage.wait()  # keep serving through the stop, not around it
+            await asyncio.sleep(0.002)
+
+    async def blink() -> None:
+        await recorded.wait()
+        outage.set()
+        await asyncio.to_thread(redis_server.stop)
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(redis_server.start)
+
+    await asyncio.gather(traffic(), blink())
+    await sink.replay_journal()  # whatever the background replay has not moved yet
+    await sink.aclose()
+    assert sink.num_journaled > 0
+    assert sink.num_lost == 0
+    assert sink.num_streamed + sink.num_journaled == num_requests
+
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    await bill_everything(client, ledger)
+    assert ledger.count() == num_requests
+    usage = ledger.daily_usage(*DAYS)
+    assert sum(u.requests for u in usage) == num_requests
+    assert sum(u.output_tokens for u in usage) == sum(range(num_requests))
+    ledger.close()
+    await client.aclose()
+
+
+async def test_a_journal_left_by_a_dead_gateway_is_replayed_at_start(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = client_for(redis_server)
+    journal = tmp_path / "gateway.journal"
+    lines = [json.dumps(make_event(f"old-{i}").to_fields()) for i in range(3)]
+    # The last line was torn by the crash: set aside, not replayed, not fatal.
+    journal.write_text("\n".join(lines) + '\n{"request_id": "torn')
+    sink = RedisUsageSink(client, STREAM, journal)
+    await sink.start()
+    assert await stream_request_ids(client) == ["old-0", "old-1", "old-2"]
+    assert journal.read_text() == ""
+    assert (tmp_path / "gateway.journal.rejected").read_text() == '{"request_id": "torn\n'
+    await client.aclose()
+
+
+async def test_local_sink_writes_the_ledger_in_process(tmp_path: Path) -> None:
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    sink = LocalUsageSink(ledger, batch_size=16)
+    for i in range(100):
+        await sink.record(make_event(f"req-{i % 90}", output_tokens=i % 90))
+    await sink.aclose()
+    assert (sink.num_new, sink.num_duplicate) == (90, 10)
+    assert ledger.count() == 90
+    assert sum(u.output_tokens for u in ledger.daily_usage(*DAYS)) == sum(range(90))
+    ledger.close()

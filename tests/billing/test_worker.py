@@ -1,0 +1,174 @@
+"""The stream worker against real Redis: exactly-once into the ledger, crash between commit and ack."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+
+from billing.ledger import Ledger, PostgresLedger, SqliteLedger
+from billing.worker import BillingWorker, WorkerConfig
+from edgeserve.commands.billing import PAUSE_AFTER_COMMIT_ENV
+from tests.billing.conftest import REDIS_URL, make_event
+
+
+def config(key_prefix: str, consumer: str, **overrides: object) -> WorkerConfig:
+    values: dict[str, object] = {
+        "stream_key": key_prefix + "usage",
+        "group": "billing",
+        "consumer": consumer,
+        "block_ms": 50,
+        "batch_size": 64,
+    }
+    values.update(overrides)
+    return WorkerConfig(**values)  # type: ignore[arg-type]
+
+
+async def wait_for(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_worker_bills_each_request_once_and_acknowledges_everything(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    cfg = config(key_prefix, "w1")
+    for i in range(240):
+        await redis_client.xadd(cfg.stream_key, make_event(f"req-{i}", output_tokens=i).to_fields())
+    for i in range(0, 240, 24):  # ten replays (say, from a gateway journal)
+        await redis_client.xadd(cfg.stream_key, make_event(f"req-{i}", output_tokens=i).to_fields())
+    worker = BillingWorker(redis_client, ledger, cfg)
+    task = asyncio.create_task(worker.run())
+
+    async def is_drained() -> bool:
+        return worker.num_new + worker.num_duplicate == 250
+
+    await wait_for(is_drained)
+    worker.stop()
+    await asyncio.wait_for(task, 5)
+    assert (worker.num_new, worker.num_duplicate, worker.num_dead) == (240, 10, 0)
+    assert ledger.count() == 240
+    assert sum(u.output_tokens for u in ledger.daily_usage(*_days())) == sum(range(240))
+    pending = await redis_client.xpending(cfg.stream_key, cfg.group)
+    assert pending["pending"] == 0
+
+
+async def test_a_malformed_entry_is_dead_lettered_and_acknowledged(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    cfg = config(key_prefix, "w1")
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    bad_id = (await redis_client.xadd(cfg.stream_key, {"request_id": "x"})).decode()
+    await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
+    result = await worker.read_once()
+    assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 1)
+    dead = await redis_client.xrange(cfg.dead_letter_key)
+    assert [fields for _, fields in dead] == [{b"request_id": b"x", b"source_id": bad_id.encode()}]
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert ledger.count() == 1
+
+
+async def test_a_restarted_consumer_first_bills_what_it_held_when_it_stopped(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    cfg = config(key_prefix, "w1")
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
+    # Delivered to w1 but never processed (w1 crashed before inserting).
+    await redis_client.xreadgroup(cfg.group, "w1", {cfg.stream_key: ">"})
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 1
+    restarted = BillingWorker(redis_client, ledger, cfg)  # same consumer name, new process
+    task = asyncio.create_task(restarted.run())
+
+    async def is_billed() -> bool:
+        return restarted.num_new == 1
+
+    await wait_for(is_billed)
+    restarted.stop()
+    await asyncio.wait_for(task, 5)
+    # Billed from its own pending list, not claimed: the entry was far from idle enough.
+    assert restarted.num_claimed == 0
+    assert ledger.count() == 1
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+async def test_a_worker_killed_between_commit_and_ack_bills_nothing_twice(
+    redis_client: redis.asyncio.Redis,
+    key_prefix: str,
+    tmp_path: Path,
+    store: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    if store == "sqlite":
+        location = ["--sqlite", str(tmp_path / "ledger.sqlite3")]
+    else:
+        url = request.getfixturevalue("postgres_url")
+        PostgresLedger(url).close()  # make sure the table exists
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("DELETE FROM usage_ledger")
+        location = ["--database-url", url]
+    cfg = config(key_prefix, "survivor", claim_idle_ms=200)
+    events = [make_event(f"req-{i}", input_tokens=10 + i, output_tokens=i) for i in range(5)]
+    entry_ids = [(await redis_client.xadd(cfg.stream_key, e.to_fields())).decode() for e in events]
+    marker = tmp_path / "committed"
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", "from edgeserve.cli import main; main()", "billing", "worker",
+         "--redis-url", REDIS_URL, *location, "--stream", cfg.stream_key, "--group", cfg.group,
+         "--consumer", "doomed", "--claim-idle-ms", "600000"],
+        env=os.environ | {PAUSE_AFTER_COMMIT_ENV: str(marker)},
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+
+        async def has_committed() -> bool:
+            assert doomed.poll() is None, doomed.stderr.read() if doomed.stderr else ""
+            return marker.exists() and marker.read_text().endswith("\n")
+
+        await wait_for(has_committed)
+        assert marker.read_text().split() == entry_ids
+        # The rows are committed, the entries are still pending: now the worker dies.
+        ledger: Ledger = (
+            SqliteLedger(tmp_path / "ledger.sqlite3")
+            if store == "sqlite"
+            else PostgresLedger(location[1])
+        )
+        assert ledger.count() == 5
+        pending = await redis_client.xpending(cfg.stream_key, cfg.group)
+        assert pending["pending"] == 5
+        assert pending["consumers"] == [{"name": b"doomed", "pending": 5}]
+        doomed.send_signal(signal.SIGKILL)
+        assert doomed.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait()
+
+    survivor = BillingWorker(redis_client, ledger, cfg)
+    assert await survivor.claim_idle() == 0  # not idle long enough yet: a live worker may hold it
+    await asyncio.sleep(0.25)
+    assert await survivor.claim_idle() == 5
+    assert (survivor.num_new, survivor.num_duplicate) == (0, 5)
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert ledger.count() == 5
+    assert [ledger.get(e.request_id) for e in events] == events
+    ledger.close()
+
+
+def _days():  # type: ignore[no-untyped-def]
+    from datetime import date
+
+    return date(2026, 11, 1), date(2026, 11, 30)
