@@ -8,6 +8,7 @@ server has its own Redis client; all share one key prefix of this test's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -192,25 +193,35 @@ def test_concurrent_requests_spread_over_both_nodes(fleet) -> None:
     assert set(fleet.placements()) == {"node-a", "node-b"}
 
 
+def open_counting_stream(fleet: Fleet, stack: contextlib.ExitStack) -> Iterator[str]:
+    response = stack.enter_context(
+        httpx.stream(
+            "POST",
+            f"{fleet.gateways[0].url}/v1/completions",
+            # Counting goes on far past what runs before the kill: the stream is cut mid-run.
+            json={
+                "model": SMOLLM2,
+                "prompt": COUNTING,
+                "max_tokens": 400,
+                "stream": True,
+                "temperature": 0,
+            },
+            headers={"authorization": f"Bearer {fleet.api_key}"},
+            timeout=60,
+        )
+    )
+    lines = (line for line in response.iter_lines() if line)
+    assert next(lines).startswith("data: ")
+    return lines
+
+
 def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
-    # Both nodes idle with equal free KV: the tie goes to node-a, so the stream lands there.
-    with httpx.stream(
-        "POST",
-        f"{fleet.gateways[0].url}/v1/completions",
-        # Counting goes on far past what runs before the kill: the stream is cut mid-run.
-        json={
-            "model": SMOLLM2,
-            "prompt": COUNTING,
-            "max_tokens": 400,
-            "stream": True,
-            "temperature": 0,
-        },
-        headers={"authorization": f"Bearer {fleet.api_key}"},
-        timeout=60,
-    ) as response:
-        lines = (line for line in response.iter_lines() if line)
-        first = next(lines)
-        assert first.startswith("data: ")
+    with contextlib.ExitStack() as stack:
+        # Open streams until one runs on node-a (a stream's reservation pushes the next one over).
+        for _ in range(3):
+            lines = open_counting_stream(fleet, stack)
+            if fleet.placements()[-1] == "node-a":
+                break
         assert fleet.placements()[-1] == "node-a"
         fleet.node_a.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
