@@ -17,6 +17,7 @@ so one bad entry cannot wedge the group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ class WorkerConfig:
     block_ms: int = 500  # how long one read waits; also bounds how late a stop is noticed
     claim_idle_ms: int = 30_000  # a pending entry idle this long belongs to a dead worker
     claim_interval_s: float = 5.0
+    retry_s: float = 1.0  # pause after Redis or the ledger failed
 
     def __post_init__(self) -> None:
         if not self.stream_key:
@@ -55,8 +57,8 @@ class WorkerConfig:
         for name in ("batch_size", "block_ms", "claim_idle_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.claim_interval_s <= 0:
-            raise ValueError("claim_interval_s must be positive")
+        if self.claim_interval_s <= 0 or self.retry_s <= 0:
+            raise ValueError("claim_interval_s and retry_s must be positive")
 
     @property
     def dead_letter_key(self) -> str:
@@ -111,15 +113,32 @@ class BillingWorker:
                 raise
 
     async def run(self) -> None:
-        await self.ensure_group()
-        # Entries this consumer name was given before a restart and never acknowledged.
-        await self._drain_own_pending()
+        """Bill until `stop()`. Redis or ledger trouble is logged and retried, never fatal:
+        a batch that failed stays pending for this consumer and is billed again on recovery."""
+        is_recovering = True  # at start: entries this consumer name held before a restart
         next_claim = 0.0
         while not self._stop.is_set():
-            if time.monotonic() >= next_claim:
-                await self.claim_idle()
-                next_claim = time.monotonic() + self.config.claim_interval_s
-            await self.read_once()
+            try:
+                if is_recovering:
+                    await self.ensure_group()
+                    await self._drain_own_pending()
+                    is_recovering = False
+                if time.monotonic() >= next_claim:
+                    await self.claim_idle()
+                    next_claim = time.monotonic() + self.config.claim_interval_s
+                await self.read_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "billing worker %s: %s; retrying in %.1fs",
+                    self.consumer,
+                    exc,
+                    self.config.retry_s,
+                )
+                is_recovering = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.config.retry_s)
 
     async def read_once(self) -> BatchResult:
         """Read and bill one batch of new entries (waits up to block_ms for them)."""

@@ -172,3 +172,36 @@ def _days():  # type: ignore[no-untyped-def]
     from datetime import date
 
     return date(2026, 11, 1), date(2026, 11, 30)
+
+
+async def test_the_worker_rides_out_a_redis_restart(redis_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    client = redis.asyncio.Redis.from_url(
+        redis_server.url, socket_connect_timeout=0.2, socket_timeout=1.0
+    )
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    cfg = WorkerConfig(stream_key="usage", consumer="w1", block_ms=50, retry_s=0.05)
+    worker = BillingWorker(client, ledger, cfg)
+    task = asyncio.create_task(worker.run())
+    for i in range(10):
+        await client.xadd("usage", make_event(f"before-{i}").to_fields())
+
+    async def billed(n: int):  # type: ignore[no-untyped-def]
+        async def check() -> bool:
+            assert not task.done(), task
+            return worker.num_new == n
+
+        return check
+
+    await wait_for(await billed(10))
+    await asyncio.to_thread(redis_server.stop)
+    await asyncio.sleep(0.3)  # the worker fails, logs and retries meanwhile
+    await asyncio.to_thread(redis_server.start)
+    for i in range(10):
+        await client.xadd("usage", make_event(f"after-{i}").to_fields())
+    await wait_for(await billed(20))
+    worker.stop()
+    await asyncio.wait_for(task, 5)
+    assert ledger.count() == 20
+    assert (await client.xpending("usage", "billing"))["pending"] == 0
+    ledger.close()
+    await client.aclose()
