@@ -69,33 +69,33 @@ def _fused_moe_int4_kernel(
         ids = tl.load(sorted_ids_ptr + offs_m)  # assignments of the block; sentinel = padding
         valid = ids < num_assignments
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = valid[:, None]
-        mask_n = (offs_n < N)[None, :]
-        a_rows = a_ptr + (ids // A_ROW_DIV)[:, None].to(tl.int64) * stride_am
-        w_cols = packed_ptr + expert.to(tl.int64) * stride_pe + offs_n[None, :] * stride_pn
-        s_cols = expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            group = k0 // GROUP_SIZE
-            scale = tl.load(scales_ptr + s_cols + group * stride_sg, mask=mask_n)
-            min_ = tl.load(mins_ptr + s_cols + group * stride_sg, mask=mask_n)
+        mask_m = valid[None, :]
+        mask_n = (offs_n < N)[:, None]
+        a_cols = a_ptr + (ids // A_ROW_DIV)[None, :].to(tl.int64) * stride_am
+        w_rows = packed_ptr + expert.to(tl.int64) * stride_pe + offs_n[:, None] * stride_pn
+        s_rows = expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
+        for step in range(0, K // BLOCK_K):
+            group = step // (GROUP_SIZE // BLOCK_K)
+            scale = tl.load(scales_ptr + s_rows + group * stride_sg, mask=mask_n)
+            min_ = tl.load(mins_ptr + s_rows + group * stride_sg, mask=mask_n)
             acc += int4_group_step(
-                a_rows,
+                a_cols,
                 mask_m,
                 stride_ak,
-                w_cols,
+                w_rows,
                 mask_n,
                 stride_pk,
                 scale.to(tl.float32),
                 min_.to(tl.float32),
-                k0,
+                step,
                 BLOCK_K,
                 DOT_FP32,
             )
         if MUL_ROUTED_WEIGHT:
             weight = tl.load(topk_weights_ptr + ids, mask=valid, other=0.0)
-            acc = acc * weight[:, None]
-        out = out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+            acc = acc * weight[None, :]
+        out = out_ptr + ids[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 

@@ -32,38 +32,45 @@ from gpu_node.quant.int4 import Int4Weight, dequantize_int4
 
 @triton.jit
 def int4_group_step(
-    x_rows,  # pointers [BLOCK_M, 1] at k = 0 of each activation row
-    mask_m,  # [BLOCK_M, 1]
+    x_cols,  # pointers [1, BLOCK_M] at k = 0 of each activation row
+    mask_m,  # [1, BLOCK_M]
     stride_xk,
-    w_cols,  # pointers [1, BLOCK_N] at byte 0 of each packed weight row
-    mask_n,  # [1, BLOCK_N]
+    w_rows,  # pointers [BLOCK_N, 1] at byte 0 of each packed weight row
+    mask_n,  # [BLOCK_N, 1]
     stride_pk,
-    scale,  # fp32 [1, BLOCK_N] of this step's group
-    min_,  # fp32 [1, BLOCK_N]
-    k0,
+    scale,  # fp32 [BLOCK_N, 1] of this step's group
+    min_,  # fp32 [BLOCK_N, 1]
+    step,  # K step index: values step*BLOCK_K.., bytes step*BLOCK_K/2..
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One K step: x[:, k0:k0+BLOCK_K] @ dequant(W)[k0:k0+BLOCK_K, :] -> fp32 [BLOCK_M, BLOCK_N]."""
+    """One K step, transposed: dequant(W)[:, k0:k0+BLOCK_K] @ x^T -> fp32 [BLOCK_N, BLOCK_M].
+
+    W is the dot's left operand so that decode-sized M sits on the MMA's narrow
+    side, and each weight row's bytes are loaded along their contiguous axis.
+    """
     HALF: tl.constexpr = BLOCK_K // 2
+    # Offsets as step * constant keep their divisibility visible, so loads vectorize.
+    k0 = step * BLOCK_K
+    b0 = step * HALF
     offs_b = tl.arange(0, HALF)  # byte of the step
     offs_lo = (offs_b // 16) * 32 + (offs_b % 16)  # value k of each byte's low nibble
-    x_lo = tl.load(x_rows + (k0 + offs_lo)[None, :] * stride_xk, mask=mask_m, other=0.0)
-    x_hi = tl.load(x_rows + (k0 + offs_lo + 16)[None, :] * stride_xk, mask=mask_m, other=0.0)
-    packed = tl.load(w_cols + (k0 // 2 + offs_b)[:, None] * stride_pk, mask=mask_n, other=0)
-    q_lo = packed & 0x0F  # [HALF, BLOCK_N]
+    x_lo = tl.load(x_cols + (k0 + offs_lo)[:, None] * stride_xk, mask=mask_m, other=0.0)
+    x_hi = tl.load(x_cols + (k0 + offs_lo + 16)[:, None] * stride_xk, mask=mask_m, other=0.0)
+    packed = tl.load(w_rows + (b0 + offs_b)[None, :] * stride_pk, mask=mask_n, other=0)
+    q_lo = packed & 0x0F  # [BLOCK_N, HALF]
     q_hi = packed >> 4
     if DOT_FP32:
         # The interpreter's bf16 dot is wrong, and fp32 activations want ieee products.
         x_lo = x_lo.to(tl.float32)
         x_hi = x_hi.to(tl.float32)
-        acc = tl.dot(x_lo, q_lo.to(tl.float32), input_precision="ieee")
-        acc = tl.dot(x_hi, q_hi.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(q_lo.to(tl.float32), x_lo, input_precision="ieee")
+        acc = tl.dot(q_hi.to(tl.float32), x_hi, acc, input_precision="ieee")
     else:
-        acc = tl.dot(x_lo, q_lo.to(x_lo.dtype))
-        acc = tl.dot(x_hi, q_hi.to(x_hi.dtype), acc)
-    x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-    return acc * scale + x_sum[:, None] * min_
+        acc = tl.dot(q_lo.to(x_lo.dtype), x_lo)
+        acc = tl.dot(q_hi.to(x_hi.dtype), x_hi, acc)
+    x_sum = tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0)
+    return acc * scale + x_sum[None, :] * min_
 
 
 @triton.jit
@@ -97,34 +104,33 @@ def _w4a16_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = (offs_m < M)[:, None]
-    mask_n = (offs_n < N)[None, :]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_cols = packed_ptr + offs_n[None, :] * stride_pn
+    mask_m = (offs_m < M)[None, :]
+    mask_n = (offs_n < N)[:, None]
+    x_cols = x_ptr + offs_m[None, :] * stride_xm
+    w_rows = packed_ptr + offs_n[:, None] * stride_pn
     num_steps = K // BLOCK_K
     steps_per_split = tl.cdiv(num_steps, SPLIT_K)
     step_begin = pid_k * steps_per_split
     step_end = tl.minimum(step_begin + steps_per_split, num_steps)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T
     for step in range(step_begin, step_end):
-        k0 = step * BLOCK_K
-        group = k0 // GROUP_SIZE
-        scale = tl.load(scales_ptr + offs_n[None, :] * stride_sn + group * stride_sg, mask=mask_n)
-        min_ = tl.load(mins_ptr + offs_n[None, :] * stride_sn + group * stride_sg, mask=mask_n)
+        group = step // (GROUP_SIZE // BLOCK_K)
+        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + group * stride_sg, mask=mask_n)
+        min_ = tl.load(mins_ptr + offs_n[:, None] * stride_sn + group * stride_sg, mask=mask_n)
         acc += int4_group_step(
-            x_rows,
+            x_cols,
             mask_m,
             stride_xk,
-            w_cols,
+            w_rows,
             mask_n,
             stride_pk,
             scale.to(tl.float32),
             min_.to(tl.float32),
-            k0,
+            step,
             BLOCK_K,
             DOT_FP32,
         )
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
