@@ -24,6 +24,22 @@ from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX, quantize_fp8, validate_kv_laye
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# Reductions go through tl.reduce with combine functions of this module rather than
+# tl.max / tl.sum / tl.zeros, which are @jit functions of Triton's own library: those are
+# compiled-mode if Triton was imported before TRITON_INTERPRET was set (the engine's test
+# conftest does that), and the interpreter cannot call them. Same code on the GPU.
+
+
+@triton.jit
+def _maximum_tl(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_tl(a, b):
+    return a + b
+
+
 @triton.jit
 def round_to_bf16_tl(x):
     """Round fp32 to the nearest bf16 value (ties to even), kept in fp32.
@@ -64,13 +80,12 @@ def round_to_e4m3_tl(y):
 
 
 @triton.jit
-def _quantize_rows_tl(x):
-    # x [BLOCK_H, BLOCK_D] fp32 -> (fp8 [BLOCK_H, BLOCK_D], fp32 scale [BLOCK_H])
-    scale = row_scale_tl(tl.max(tl.abs(x), axis=1))
+def _quantize_rows_tl(x, scale):
+    # x [BLOCK_H, BLOCK_D] fp32, scale [BLOCK_H] fp32 -> fp8 [BLOCK_H, BLOCK_D]
     # IEEE division, as torch does: `/` is an approximate divide on NVIDIA GPUs.
     scaled = tl.math.div_rn(x, scale[:, None])
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    return round_to_e4m3_tl(scaled).to(tl.float8e4nv), scale
+    return round_to_e4m3_tl(scaled).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -125,10 +140,12 @@ def _kv_write_kernel(
     row = slot * NUM_KV_HEADS + heads  # [BLOCK_H] row index into the [P*S*H, D] view
     cache_offsets = row[:, None] * HEAD_DIM + dims[None, :]
     if IS_FP8:
-        k_q, k_scale = _quantize_rows_tl(k.to(tl.float32))
-        v_q, v_scale = _quantize_rows_tl(v.to(tl.float32))
-        tl.store(k_cache_ptr + cache_offsets, k_q, mask=mask)
-        tl.store(v_cache_ptr + cache_offsets, v_q, mask=mask)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = row_scale_tl(tl.reduce(tl.abs(k), 1, _maximum_tl))
+        v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, _maximum_tl))
+        tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_scale), mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
         tl.store(k_scale_ptr + row, k_scale.to(tl.bfloat16), mask=head_mask)
         tl.store(v_scale_ptr + row, v_scale.to(tl.bfloat16), mask=head_mask)
     else:

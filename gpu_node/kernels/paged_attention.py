@@ -149,6 +149,34 @@ def paged_decode_attention_ref(
     return out.reshape(batch, num_heads, head_dim).to(q.dtype), violations
 
 
+# Reductions go through tl.reduce with combine functions of this module rather than
+# tl.max / tl.sum / tl.zeros, which are @jit functions of Triton's own library: those are
+# compiled-mode if Triton was imported before TRITON_INTERPRET was set (the engine's test
+# conftest does that), and the interpreter cannot call them. Same code on the GPU.
+
+
+@triton.jit
+def _maximum_tl(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_tl(a, b):
+    return a + b
+
+
+@triton.jit
+def _to_dot_tl(x, DOT_KIND: tl.constexpr):
+    # The dtype is passed as a code: a tl.dtype argument trips the interpreter.
+    if DOT_KIND == 1:
+        y = x.to(tl.bfloat16)
+    elif DOT_KIND == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr,
@@ -181,6 +209,7 @@ def _paged_decode_split_kernel(
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
     CHECK_OWNER: tl.constexpr,
+    DOT_KIND: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -196,13 +225,14 @@ def _paged_decode_split_kernel(
     q_mask = (groups < GROUP)[:, None] & dim_mask[None, :]
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
-    ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+    )
+    q = _to_dot_tl(q, DOT_KIND)  # [BLOCK_G, BLOCK_D]
     tag = tl.load(seq_tags_ptr + seq)
 
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    num_bad = tl.zeros([BLOCK_N], tl.int32)
+    running_sum = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    num_bad = tl.full([BLOCK_N], 0, tl.int32)
     for block_start in range(start, end, BLOCK_N):
         tokens = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         is_valid = tokens < end
@@ -222,22 +252,23 @@ def _paged_decode_split_kernel(
         rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
         kv_mask = is_loadable[:, None] & dim_mask[None, :]
         kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        # fp8 converts exactly to every dot dtype; the row scales are applied to the
+        # score columns and to the probabilities instead of to every K/V element.
+        k = _to_dot_tl(tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0), DOT_KIND)
+        v = _to_dot_tl(tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0), DOT_KIND)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
         if IS_FP8:
-            # fp8 * bf16 scale is exact in fp32: dequantizing adds no rounding.
             k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-            k = k * k_scale[:, None]
-            v = v * v_scale[:, None]
-
-        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
+            scores = scores * k_scale[None, :]
         scores = tl.where(is_valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        new_max = tl.maximum(running_max, tl.reduce(scores, 1, _maximum_tl))
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs, v)  # [BLOCK_G, BLOCK_D]
+        running_sum = running_sum * correction + tl.reduce(probs, 1, _add_tl)
+        if IS_FP8:
+            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
+            probs = probs * v_scale[None, :]
+        acc = acc * correction[:, None] + tl.dot(_to_dot_tl(probs, DOT_KIND), v)  # [G, D]
         running_max = new_max
 
     head_mask = groups < GROUP
@@ -250,7 +281,7 @@ def _paged_decode_split_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
     )
     # Every kv head checks the same pages; kv head 0 reports.
-    is_bad = (tl.max(num_bad, axis=0) > 0) | (context_len > max_pages * PAGE_SIZE)
+    is_bad = (tl.reduce(num_bad, 0, _maximum_tl) > 0) | (context_len > max_pages * PAGE_SIZE)
     tl.store(part_bad_ptr + seq * NUM_SPLITS + split, is_bad.to(tl.int8), mask=kv_head == 0)
 
 
@@ -285,17 +316,19 @@ def _paged_decode_merge_kernel(
     )  # [BLOCK_S, BLOCK_D]
     # Empty splits have max -inf and weigh 0; an empty context would make every weight
     # NaN, so the global max is floored at 0 there (the sum is 0 and the output 0).
-    global_max = tl.max(part_max, axis=0)
+    global_max = tl.reduce(part_max, 0, _maximum_tl)
     global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
     weights = tl.exp2(part_max - global_max)  # [BLOCK_S]
-    total = tl.sum(part_sum * weights, axis=0)
-    out = tl.sum(part_acc * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    total = tl.reduce(part_sum * weights, 0, _add_tl)
+    out = tl.reduce(part_acc * weights[:, None], 0, _add_tl) / tl.where(total == 0.0, 1.0, total)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
         mask=dims < HEAD_DIM,
     )
-    is_bad = tl.max(tl.load(part_bad_ptr + seq * NUM_SPLITS + splits, mask=split_mask, other=0))
+    is_bad = tl.reduce(
+        tl.load(part_bad_ptr + seq * NUM_SPLITS + splits, mask=split_mask, other=0), 0, _maximum_tl
+    )
     tl.store(violation_ptr + seq, is_bad, mask=head == 0)
 
 
@@ -312,6 +345,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     max_context_len: int | None = None,
     check_owner: bool = True,
+    dot_dtype: torch.dtype | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -322,7 +356,8 @@ def paged_decode_attention(
     `max_context_len` (the scheduler knows it) sizes the split grid without reading
     `context_lens` back from the device; it must be >= every context length. The
     split count aims at `target_programs` programs (default: 4 per multiprocessor).
-    `check_owner=False` skips the ownership comparison (benchmarks only).
+    `check_owner=False` skips the ownership comparison (benchmarks only). `dot_dtype`
+    is the operand dtype of the two matrix products (default: `default_dot_dtype`).
     """
     num_pages, page_size, num_kv_heads, head_dim = _validate(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -349,6 +384,8 @@ def paged_decode_attention(
     )
     part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
     is_fp8 = k_cache.dtype == FP8_DTYPE
+    if dot_dtype is None:
+        dot_dtype = default_dot_dtype(q, k_cache)
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -382,6 +419,7 @@ def paged_decode_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         IS_FP8=is_fp8,
         CHECK_OWNER=check_owner,
+        DOT_KIND=_DOT_KINDS[dot_dtype],
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -402,6 +440,20 @@ def paged_decode_attention(
         num_warps=1 if num_splits * head_dim <= 4096 else 4,
     )
     return out, violations.bool()
+
+
+_DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl
+
+
+def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """q's dtype when q and the pages convert to it exactly (fp8 pages always do; 16-bit
+    pages of q's dtype do), else fp32. Always fp32 off the GPU: the Triton interpreter's
+    16-bit dot is wrong. Probabilities are rounded to it too, as flash attention does.
+    """
+    exact = k_cache.dtype in (FP8_DTYPE, q.dtype)
+    if q.device.type != "cuda" or q.dtype == torch.float32 or not exact:
+        return torch.float32
+    return q.dtype
 
 
 def _num_multiprocessors(device: torch.device) -> int:

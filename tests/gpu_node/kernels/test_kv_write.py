@@ -4,11 +4,19 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib
+
 import pytest
 import torch
 
-from gpu_node.kernels.kv_write import kv_write, kv_write_ref
+import gpu_node.kernels.kv_write as kv_write_module
 from gpu_node.kv_quant import FP8_DTYPE, scale_shape
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
+# conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
+kv_write_module = importlib.reload(kv_write_module)
+kv_write = kv_write_module.kv_write
+kv_write_ref = kv_write_module.kv_write_ref
 
 NUM_PAGES, PAGE_SIZE = 6, 16
 # Pages 0, 1, 5 belong to tag 7; 2, 3 to tag 9; 4 is free.

@@ -5,21 +5,25 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+import gpu_node.kernels.paged_attention as paged_attention_module
 from gpu_node.kernels.kv_write import kv_write_ref
-from gpu_node.kernels.paged_attention import (
-    FREE_PAGE_TAG,
-    check_page_ownership,
-    gather_paged_kv,
-    make_seq_tag,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-)
 from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, quantize_fp8, scale_shape
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
+# conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
+paged_attention_module = importlib.reload(paged_attention_module)
+FREE_PAGE_TAG = paged_attention_module.FREE_PAGE_TAG
+check_page_ownership = paged_attention_module.check_page_ownership
+gather_paged_kv = paged_attention_module.gather_paged_kv
+make_seq_tag = paged_attention_module.make_seq_tag
+paged_decode_attention = paged_attention_module.paged_decode_attention
+paged_decode_attention_ref = paged_attention_module.paged_decode_attention_ref
 
 # Output dtype -> (atol, rtol). Both sides compute in fp32 from the same exactly
 # dequantized K/V; what differs is summation order (~1e-6 relative) and, for 16-bit
