@@ -281,32 +281,40 @@ def part_check(results: dict, device: str, trials: int) -> bool:
         )
     # Decode attention: relative error against the fp32 reference. The outputs are bf16
     # (2**-8 relative rounding) and the kernel's dots run in TF32 on the GPU.
-    cases = [
-        ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16]),
-        ("smollm2", torch.bfloat16, [1, 17, 100, 4097, 33, 2000, 15, 16]),
-        ("smollm2", torch.float32, [300, 1, 5000]),
-        ("llama8b", FP8_DTYPE, [700, 1, 9000, 64]),
-        ("llama8b", torch.bfloat16, [700, 1, 9000, 64]),
+    cases = [  # shape, cache dtype, context lengths, dot dtype (None: the default)
+        ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], None),
+        ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], torch.float32),
+        ("smollm2", torch.bfloat16, [1, 17, 100, 4097, 33, 2000, 15, 16], None),
+        ("smollm2", torch.float32, [300, 1, 5000], None),
+        ("llama8b", FP8_DTYPE, [700, 1, 9000, 64], None),
+        ("llama8b", torch.bfloat16, [700, 1, 9000, 64], None),
     ]
-    for seed, (shape_name, cache_dtype, lens) in enumerate(cases):
-        batch = random_batch(lens, SHAPES[shape_name], cache_dtype, device, seed)
-        out, flags = paged_decode_attention(**batch, max_context_len=max(lens))
-        ref, ref_flags = paged_decode_attention_ref(**batch)
-        err = rel_err(out, ref)
-        passed = err < CHECK_TOLERANCE and not flags.any() and not ref_flags.any()
-        passed &= bool(torch.isfinite(out).all())
+    for seed, (shape_name, cache_dtype, lens, dot_dtype) in enumerate(cases):
+        try:
+            batch = random_batch(lens, SHAPES[shape_name], cache_dtype, device, seed)
+            out, flags = paged_decode_attention(
+                **batch, max_context_len=max(lens), dot_dtype=dot_dtype
+            )
+            ref, ref_flags = paged_decode_attention_ref(**batch)
+            err = rel_err(out, ref)
+            passed = err < CHECK_TOLERANCE and not flags.any() and not ref_flags.any()
+            passed &= bool(torch.isfinite(out).all())
+        except Exception as error:
+            log(f"decode attention {shape_name} {cache_dtype}: {type(error).__name__}: {error}")
+            err, passed = float("nan"), False
         ok &= passed
         rows.append(
             {
                 "kernel": "paged_decode_attention",
                 "shape": shape_name,
                 "cache": str(cache_dtype),
+                "dot": str(dot_dtype),
                 "rel_err": err,
             }
         )
         log(
-            f"decode attention {shape_name} {cache_dtype} lens={lens}: rel err {err:.2e} "
-            f"{'PASS' if passed else 'FAIL'}"
+            f"decode attention {shape_name} {cache_dtype} dot={dot_dtype} lens={lens}: "
+            f"rel err {err:.2e} {'PASS' if passed else 'FAIL'}"
         )
     # Injected faults: 100 randomized trials each, the bad sequence and only it flagged.
     detected = {"foreign page": 0, "freed page": 0, "page given to two sequences": 0}
@@ -420,25 +428,23 @@ def tune(shape, cache_dtype) -> dict:
     """Pick the tile config with the least total time at 32K context, batch 1 and 64."""
     best, best_total = None, float("inf")
     points = [timing_pool(b, 32768, shape, cache_dtype) for b in (1, 64)]
-    for block_n, warps, stages in CONFIGS:
-        for programs in (2, 4, 8):
-            options = {
-                "block_n": block_n,
-                "num_warps": warps,
-                "num_stages": stages,
-                "target_programs": programs
-                * torch.cuda.get_device_properties(0).multi_processor_count,
-            }
-            if programs != 4 and (block_n, warps, stages) != CONFIGS[0]:
-                continue  # the split count is swept on the first config only
-            try:
-                total = sum(time_calls(calls, **options) for calls, _ in points)
-            except Exception as error:  # a config the compiler rejects (registers, smem)
-                log(f"  config {options} failed: {type(error).__name__}: {error}")
-                continue
-            log(f"  {cache_dtype} {options}: {total:.1f} µs (B=1 + B=64 at 32K)")
-            if total < best_total:
-                best, best_total = options, total
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    candidates = [
+        {"block_n": n, "num_warps": w, "num_stages": st, "target_programs": 4 * num_sms}
+        for n, w, st in CONFIGS
+    ]
+    # On the first config only: the split count, and fp32 (TF32) dots.
+    candidates += [{**candidates[0], "target_programs": p * num_sms} for p in (2, 8)]
+    candidates += [{**candidates[0], "dot_dtype": torch.float32}]
+    for options in candidates:
+        try:
+            total = sum(time_calls(calls, **options) for calls, _ in points)
+        except Exception as error:  # a config the compiler rejects (registers, smem)
+            log(f"  config {options} failed: {type(error).__name__}: {error}")
+            continue
+        log(f"  {cache_dtype} {options}: {total:.1f} µs (B=1 + B=64 at 32K)")
+        if total < best_total:
+            best, best_total = options, total
     del points
     torch.cuda.empty_cache()
     assert best is not None
@@ -470,9 +476,16 @@ def part_decode(results: dict, shapes: list[str], quick: bool, save) -> None:
                 for cache_dtype in (torch.bfloat16, FP8_DTYPE):
                     calls, moved = timing_pool(batch, length, shape, cache_dtype)
                     on, off = [], []
-                    for _ in range(3):  # interleaved, medians: the difference is small
-                        on.append(time_calls(calls, check_owner=True, **tuned[cache_dtype]))
-                        off.append(time_calls(calls, check_owner=False, **tuned[cache_dtype]))
+                    try:
+                        for _ in range(3):  # interleaved, medians: the difference is small
+                            on.append(time_calls(calls, check_owner=True, **tuned[cache_dtype]))
+                            off.append(time_calls(calls, check_owner=False, **tuned[cache_dtype]))
+                    except Exception as error:
+                        log(
+                            f"| {batch} | {length} | {cache_dtype} | {type(error).__name__}: {error}"
+                        )
+                        times[cache_dtype] = float("nan")
+                        continue
                     t_on, t_off = statistics.median(on), statistics.median(off)
                     times[cache_dtype] = t_on
                     bw = moved / (t_on * 1e-6)
