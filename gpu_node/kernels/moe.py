@@ -79,7 +79,8 @@ def _fused_moe_int4_kernel(
             group = step // (GROUP_SIZE // BLOCK_K)
             scale = tl.load(scales_ptr + s_rows + group * stride_sg, mask=mask_n)
             min_ = tl.load(mins_ptr + s_rows + group * stride_sg, mask=mask_n)
-            acc += int4_group_step(
+            acc = int4_group_step(
+                acc,
                 a_cols,
                 mask_m,
                 stride_ak,

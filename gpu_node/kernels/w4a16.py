@@ -2,20 +2,17 @@
 
 Letters: M tokens, N out features, K in features, G group size, S split-K ways.
 
-Each program owns a [BLOCK_M, BLOCK_N] tile of y and walks K in steps of
-BLOCK_K (BLOCK_K divides G, so one step lies inside one group). A step loads
-BLOCK_K / 2 packed bytes per output column, splits them into the low-nibble and
-high-nibble codes (two runs of 16 consecutive k per 32-value chunk, see int4.py),
-and multiplies the raw codes (0..15, exact in bf16) with the matching
-activations on the tensor cores, accumulating in fp32. Scale and min are applied
-to the step's [BLOCK_M, BLOCK_N] partial sum, not to each weight:
+Each program owns a [BLOCK_N, BLOCK_M] tile of y^T (weights on the MMA's wide
+side, so decode-sized M costs little) and walks K in steps of BLOCK_K (BLOCK_K
+divides G, so one step lies inside one group). A step loads BLOCK_K / 2 packed
+bytes per weight row along their contiguous axis, splits them into low- and
+high-nibble codes (two runs of 16 consecutive k per 32-value chunk, see
+int4.py), dequantizes in registers (w = scale * q + min in fp32, rounded to the
+activation dtype) and feeds the tensor cores, accumulating in fp32.
 
-    sum_k x_k (s q_k + m) = s * sum_k x_k q_k + m * sum_k x_k
-
-so dequantization costs two nibble extracts per byte and one FMA per output per
-group. For decode-sized M there are too few output tiles to fill the GPU, so the
-K loop is split S ways (grid dim 2); each split writes an fp32 partial
-[S, M, N] and the wrapper sums them (deterministic, no atomics).
+For decode-sized M there are too few output tiles to fill the GPU, so the K
+loop is split S ways (grid dim 2); each split writes an fp32 partial [S, M, N]
+and the wrapper sums them (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from gpu_node.quant.int4 import Int4Weight, dequantize_int4
 
 @triton.jit
 def int4_group_step(
+    acc,  # fp32 [BLOCK_N, BLOCK_M], y^T so far
     x_cols,  # pointers [1, BLOCK_M] at k = 0 of each activation row
     mask_m,  # [1, BLOCK_M]
     stride_xk,
@@ -44,7 +42,7 @@ def int4_group_step(
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One K step, transposed: dequant(W)[:, k0:k0+BLOCK_K] @ x^T -> fp32 [BLOCK_N, BLOCK_M].
+    """One K step, transposed: acc + dequant(W)[:, k0:k0+BLOCK_K] @ x^T -> fp32 [BLOCK_N, BLOCK_M].
 
     W is the dot's left operand so that decode-sized M sits on the MMA's narrow
     side, and each weight row's bytes are loaded along their contiguous axis.
@@ -58,19 +56,16 @@ def int4_group_step(
     x_lo = tl.load(x_cols + (k0 + offs_lo)[:, None] * stride_xk, mask=mask_m, other=0.0)
     x_hi = tl.load(x_cols + (k0 + offs_lo + 16)[:, None] * stride_xk, mask=mask_m, other=0.0)
     packed = tl.load(w_rows + (b0 + offs_b)[None, :] * stride_pk, mask=mask_n, other=0)
-    q_lo = packed & 0x0F  # [BLOCK_N, HALF]
-    q_hi = packed >> 4
+    w_lo = (packed & 0x0F).to(tl.float32) * scale + min_  # [BLOCK_N, HALF]
+    w_hi = (packed >> 4).to(tl.float32) * scale + min_
     if DOT_FP32:
         # The interpreter's bf16 dot is wrong, and fp32 activations want ieee products.
-        x_lo = x_lo.to(tl.float32)
-        x_hi = x_hi.to(tl.float32)
-        acc = tl.dot(q_lo.to(tl.float32), x_lo, input_precision="ieee")
-        acc = tl.dot(q_hi.to(tl.float32), x_hi, acc, input_precision="ieee")
+        acc = tl.dot(w_lo, x_lo.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(w_hi, x_hi.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc = tl.dot(q_lo.to(x_lo.dtype), x_lo)
-        acc = tl.dot(q_hi.to(x_hi.dtype), x_hi, acc)
-    x_sum = tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0)
-    return acc * scale + x_sum[None, :] * min_
+        acc = tl.dot(w_lo.to(x_lo.dtype), x_lo, acc)
+        acc = tl.dot(w_hi.to(x_hi.dtype), x_hi, acc)
+    return acc
 
 
 @triton.jit
@@ -117,7 +112,8 @@ def _w4a16_kernel(
         group = step // (GROUP_SIZE // BLOCK_K)
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + group * stride_sg, mask=mask_n)
         min_ = tl.load(mins_ptr + offs_n[:, None] * stride_sn + group * stride_sg, mask=mask_n)
-        acc += int4_group_step(
+        acc = int4_group_step(
+            acc,
             x_cols,
             mask_m,
             stride_xk,
