@@ -75,19 +75,21 @@ class Fleet:
         return [e for sink in self.sinks for e in sink.events]
 
     def placements(self, since: float = 0.0) -> list[str]:
-        return [p.node_id for placer in self.placers for t, p in placer.placements if t >= since]
+        made = sorted((t, p.node_id) for placer in self.placers for t, p in placer.placements)
+        return [node_id for t, node_id in made if t >= since]
 
-    def live_nodes(self) -> list[str]:
-        async def read() -> list[str]:
+    def records(self) -> list[CapacityRecord]:
+        async def read() -> list[CapacityRecord]:
             client = aioredis.Redis.from_url(REDIS_URL)
             try:
-                return [
-                    r.node_id for r in await RedisCapacityRegistry(client, self.prefix).list_live()
-                ]
+                return await RedisCapacityRegistry(client, self.prefix).list_live()
             finally:
                 await client.aclose()
 
         return asyncio.run(read())
+
+    def live_nodes(self) -> list[str]:
+        return [r.node_id for r in self.records()]
 
 
 def start_gateway(prefix: str) -> tuple[ServerThread, RecordingPlacer, ListSink]:
@@ -218,7 +220,7 @@ def open_counting_stream(fleet: Fleet, stack: contextlib.ExitStack) -> Iterator[
 def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
     with contextlib.ExitStack() as stack:
         # Open streams until one runs on node-a (a stream's reservation pushes the next one over).
-        for _ in range(3):
+        for _ in range(5):
             lines = open_counting_stream(fleet, stack)
             if fleet.placements()[-1] == "node-a":
                 break
@@ -269,7 +271,7 @@ def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(flee
 
     response = asyncio.run(one())
     assert response.status_code == 200
-    assert fleet.placements(since=after) == ["node-0-dead", fleet.live_nodes()[-1]]
-    assert [e.node_id for e in fleet.events() if e.started_at >= after_wall] == [
-        fleet.live_nodes()[-1]
-    ]
+    first, retry = fleet.placements(since=after)
+    assert first == "node-0-dead"
+    assert retry in ("node-a", "node-b")
+    assert [e.node_id for e in fleet.events() if e.started_at >= after_wall] == [retry]
