@@ -91,17 +91,23 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def engine() -> Iterator[Any]:
-    """The real SmolLM2 engine, loaded once per test session (a few seconds)."""
-    from gpu_node.async_engine import AsyncEngine
-    from gpu_node.config import EngineConfig
+def smollm2_path() -> Any:
+    """Where the SmolLM2 GGUF lies; skips when it was never pulled."""
     from gpu_node.errors import ModelNotFoundError
     from gpu_node.model_store import resolve_model
 
     try:
-        resolve_model("smollm2")
+        return resolve_model("smollm2")
     except ModelNotFoundError as exc:
         pytest.skip(f"SmolLM2 weights not pulled (edgeserve model pull smollm2): {exc}")
+
+
+@pytest.fixture(scope="session")
+def engine(smollm2_path: Any) -> Iterator[Any]:
+    """The real SmolLM2 engine, loaded once per test session (a few seconds)."""
+    from gpu_node.async_engine import AsyncEngine
+    from gpu_node.config import EngineConfig
+
     engine = AsyncEngine.from_config(
         EngineConfig(model="smollm2", max_model_len=1024, kv_memory_bytes=48 * 1024 * 1024)
     )

@@ -267,7 +267,9 @@ async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool)
     if local:
         registry = LocalCapacityRegistry()
         placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
-        sink = LocalUsageSink(open_ledger(default_sqlite_path()))
+        ledger_path = default_sqlite_path()
+        ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        sink = LocalUsageSink(open_ledger(ledger_path))
         return _Stores(MemoryKeyStore(), registry, placer, LocalLimiter(), sink, None)
     import redis.asyncio as aioredis
 

@@ -1,0 +1,58 @@
+"""`edgeserve up` as a newcomer runs it: one command, 503 while loading, then answers; SIGTERM stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.conftest import free_port
+
+
+def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(smollm2_path) -> None:
+    port = free_port()
+    env = os.environ | {"EDGESERVE_API_KEY": "es-up-test", "EDGESERVE_ACCOUNT_ID": "acct-up"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from edgeserve.cli import main; main()", "up", "--port", str(port),
+         "--max-model-len", "1024", "--kv-memory-mb", "32"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/client/v4/accounts/acct-up/ai/run/smollm2"
+    headers = {"authorization": "Bearer es-up-test"}
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    try:
+        statuses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                response = httpx.post(url, json=body, headers=headers, timeout=30)
+            except httpx.TransportError:
+                time.sleep(0.05)  # not listening yet
+                continue
+            statuses.append(response.status_code)
+            if response.status_code == 200:
+                break
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["errors"] == [
+                {"code": 3040, "message": "the model is still loading; retry shortly"}
+            ]
+            time.sleep(0.2)
+        assert statuses[0] == 503  # it listened before the model was loaded
+        assert statuses[-1] == 200
+        assert response.json()["result"]["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read() if proc.stdout else ""
+        assert f"edgeserve is starting at http://127.0.0.1:{port}" in out
+        assert "account id: acct-up" in out
+        assert "API key:    es-up-test" in out
+        assert "curl http://127.0.0.1:" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
