@@ -1,9 +1,11 @@
-"""Paged attention for one engine step (the torch path; kernels plug in on a GPU).
+"""Paged attention for one engine step.
 
 Each step's tokens are flattened across sequences; `StepMetadata` says which
-rows belong to which sequence and where their K/V go. Attention is computed
-per sequence over exactly its own context, so a sequence's numbers do not
-depend on what else is in the batch (batch invariance).
+rows belong to which sequence, where their K/V go and which owner tag each
+sequence carries. On a GPU, an all-decode step runs the Triton paged decode
+kernel (ownership check fused); otherwise attention is computed per sequence
+over exactly its own context, so a sequence's numbers do not depend on what
+else is in the batch (batch invariance).
 """
 
 from __future__ import annotations
@@ -20,31 +22,67 @@ from gpu_node.kv_cache import KVCache
 class StepMetadata:
     query_lens: list[int]  # new tokens per sequence, in row order
     context_lens: list[int]  # tokens in cache per sequence after this step's writes
-    block_tables: list[torch.Tensor]  # int64 page ids per sequence (covering its context)
+    block_tables: torch.Tensor  # int32 [B, M] page ids, padded with 0 past each sequence's pages
     slot_mapping: torch.Tensor  # int64 [T]
+    seq_tags: torch.Tensor  # int64 [B] owner tag of each sequence
+    token_seq: torch.Tensor  # int64 [T] row -> sequence index
+    page_owner: torch.Tensor  # int64 [num_pages], the block manager's ownership table
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @property
+    def token_tags(self) -> torch.Tensor:
+        return self.seq_tags[self.token_seq]
 
 
 class PagedAttention:
-    """The `AttentionBackend` the model calls: write this step's K/V, then attend."""
+    """The `AttentionBackend` the model calls: write this step's K/V, then attend.
+
+    `violations` counts, per sequence, refused writes and foreign pages seen by the
+    kernels during the step (the engine aborts any sequence with a count > 0).
+    """
 
     def __init__(self, kv_cache: KVCache, metadata: StepMetadata, scale: float):
         self.kv_cache = kv_cache
         self.metadata = metadata
         self.scale = scale
+        self.violations = torch.zeros(
+            len(metadata.query_lens), dtype=torch.int32, device=kv_cache.device
+        )
+        self._token_tags = metadata.token_tags
+        self._context_lens = torch.tensor(
+            metadata.context_lens, dtype=torch.int32, device=kv_cache.device
+        )
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # q [T, H, E], k/v [T, K, E]
-        md = self.metadata
-        self.kv_cache.write(layer, k, v, md.slot_mapping)
+        md, kv = self.metadata, self.kv_cache
+        refused = kv.write(layer, k, v, md.slot_mapping, md.page_owner, self._token_tags)  # [T]
+        self.violations.index_add_(0, md.token_seq, refused.int())
+        if kv.uses_kernels and md.is_decode:
+            from gpu_node.kernels.paged_attention import paged_decode_attention
+
+            out, foreign = paged_decode_attention(
+                q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
+                md.page_owner, md.seq_tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],
+                max_context_len=max(md.context_lens),
+            )  # fmt: skip
+            self.violations += foreign.int()
+            return out
         out = torch.empty_like(q)
         start = 0
-        for query_len, context_len, pages in zip(
-            md.query_lens, md.context_lens, md.block_tables, strict=True
+        for i, (query_len, context_len) in enumerate(
+            zip(md.query_lens, md.context_lens, strict=True)
         ):
             end = start + query_len
-            keys, values = self.kv_cache.gather(layer, pages, context_len, q.dtype)  # [L, K, E]
+            num_pages = -(-context_len // kv.page_size)
+            keys, values = kv.gather(
+                layer, md.block_tables[i, :num_pages], context_len, q.dtype
+            )  # [L, K, E]
             out[start:end] = attend_ref(q[start:end], keys, values, self.scale)
             start = end
         return out

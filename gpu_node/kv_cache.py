@@ -7,32 +7,32 @@ Layout (one layer; the same for K and V):
                       │          │          └ grouped-query heads of one token
                       │          └ token offset inside the page
                       └ page id (what block tables hold)
+    k_scale[layer] : [num_pages, page_size, num_kv_heads]   bf16, fp8 pools only:
+                      one scale per (token, head) row (see gpu_node.kv_quant for why)
 
     slot = page * page_size + offset          (what slot_mapping holds, one per new token)
     sequence s, token i  ->  page block_table[s][i // page_size], offset i % page_size
 
-A 16-bit or fp32 pool stores values as they are; `fp8` stores
-`float8_e4m3fn` values with scales (see `gpu_node.kv_quant`).
+Writes go through `kv_write` (the Triton kernel on a GPU, its torch reference
+elsewhere), which quantizes fp8 rows and refuses to write into a page the
+writing sequence does not own.
 """
 
 from __future__ import annotations
 
 import torch
 
-TORCH_KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from gpu_node.kernels.paged_attention import gather_paged_kv
+from gpu_node.kv_quant import FP8_DTYPE, SCALE_DTYPE, bytes_per_token, kv_torch_dtype, scale_shape
 
 
 def bytes_per_page(
     kv_dtype: str, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
 ) -> int:
     """Bytes one page costs across all layers, K and V, scales included."""
-    if kv_dtype == "fp8":
-        from gpu_node.kv_quant import bytes_per_token
-
-        per_token = bytes_per_token("fp8", num_kv_heads, head_dim, page_size)
-        return num_layers * page_size * per_token
-    element = torch.tensor([], dtype=TORCH_KV_DTYPES[kv_dtype]).element_size()
-    return num_layers * 2 * page_size * num_kv_heads * head_dim * element
+    return int(
+        num_layers * page_size * bytes_per_token(kv_dtype, num_kv_heads, head_dim, page_size)
+    )
 
 
 class KVCache:
@@ -48,29 +48,58 @@ class KVCache:
         kv_dtype: str,
         device: torch.device | str = "cpu",
     ):
-        if kv_dtype not in TORCH_KV_DTYPES:
-            raise ValueError(f"kv_dtype {kv_dtype!r} is not supported by this pool")
         self.kv_dtype = kv_dtype
         self.num_pages = num_pages
         self.page_size = page_size
+        self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        dtype = TORCH_KV_DTYPES[kv_dtype]
+        dtype = kv_torch_dtype(kv_dtype)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor | None] = [None] * num_layers
+        self.v_scale: list[torch.Tensor | None] = [None] * num_layers
+        if dtype == FP8_DTYPE:
+            sshape = scale_shape(num_pages, page_size, num_kv_heads)
+            self.k_scale = [
+                torch.ones(sshape, dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)
+            ]
+            self.v_scale = [
+                torch.ones(sshape, dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)
+            ]
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.device.type == "cuda"
 
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """k, v [T, K, E] into slots [T]."""
-        kf = self.k_cache[layer].view(-1, *self.k_cache[layer].shape[2:])  # [slots, K, E]
-        vf = self.v_cache[layer].view(-1, *self.v_cache[layer].shape[2:])
-        kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
-        vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        page_owner: torch.Tensor,
+        token_tags: torch.Tensor,
+    ) -> torch.Tensor:
+        """k, v [T, K, E] into slots [T]; returns bool [T], True where the write was refused."""
+        if self.uses_kernels:
+            from gpu_node.kernels.kv_write import kv_write
+        else:
+            from gpu_node.kernels.kv_write import kv_write_ref as kv_write
+        return kv_write(
+            k, v, self.k_cache[layer], self.v_cache[layer], slot_mapping, page_owner, token_tags,
+            self.k_scale[layer], self.v_scale[layer],
+        )  # fmt: skip
 
     def gather(
         self, layer: int, pages: torch.Tensor, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` tokens of the sequence whose pages are `pages` -> k, v [L, K, E]."""
-        k = self.k_cache[layer].index_select(0, pages).flatten(0, 1)[:length]
-        v = self.v_cache[layer].index_select(0, pages).flatten(0, 1)[:length]
-        return k.to(dtype), v.to(dtype)
+        return gather_paged_kv(
+            self.k_cache[layer],
+            self.v_cache[layer],
+            pages,
+            length,
+            dtype,
+            self.k_scale[layer],
+            self.v_scale[layer],
+        )

@@ -25,7 +25,7 @@ from gpu_node.outputs import EngineStats, RequestOutput
 from gpu_node.sampler import apply_penalties, sample
 from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import Progress, load_llama
-from scheduler.block_manager import BlockManager, pages_for
+from scheduler.block_manager import BlockManager, pages_for, sequence_tag
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SamplingParams, Sequence
 
@@ -73,7 +73,8 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.device)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager.page_owner)
+        self.num_integrity_violations = 0
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -157,21 +158,52 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits = self.runner.run(batch.chunks)  # [N, V], one row per completing chunk
         outputs: list[RequestOutput] = []
+        chunks = batch.chunks
+        # Integrity: a sequence whose block table reaches a page it does not own is
+        # aborted before the step runs, so none of this step's tokens is sent.
+        bad = self.runner.find_violations(chunks)
+        if any(bad):
+            outputs.extend(
+                self._fail_integrity(c.seq) for c, is_bad in zip(chunks, bad, strict=True) if is_bad
+            )
+            chunks = [c for c, is_bad in zip(chunks, bad, strict=True) if not is_bad]
+            if not chunks:
+                return outputs
+        result = self.runner.run(chunks)
         row = 0
-        for chunk in batch.chunks:
+        for chunk, flagged in zip(chunks, result.violations, strict=True):
             seq = chunk.seq
             completes = chunk.completes_sequence
+            if flagged:  # the kernels refused a write or saw a foreign page
+                outputs.append(self._fail_integrity(seq))
+                row += completes
+                continue
             seq.num_computed_tokens += chunk.num_new_tokens
             if not completes:
                 continue
             state = self._requests[seq.request_id]
-            token = self._sample(state, logits[row])
+            token = self._sample(state, result.logits[row])
             row += 1
             seq.output_token_ids.append(token)
             outputs.append(self._advance(state, token))
         return outputs
+
+    def _fail_integrity(self, seq: Sequence) -> RequestOutput:
+        tag = sequence_tag(seq)
+        owners = self.block_manager.page_owner
+        foreign = [(p, int(owners[p])) for p in seq.block_table if int(owners[p]) != tag]
+        page, owner = foreign[0] if foreign else (-1, -1)
+        self.num_integrity_violations += 1
+        log.error(
+            "kv integrity violation: request %s (tag %#x) touched page %d owned by tag %#x; aborting it",
+            seq.request_id, tag, page, owner,
+        )  # fmt: skip
+        seq.error = f"KV page ownership violation on page {page}: the request was aborted"
+        seq.finish_reason = FinishReason.ERROR
+        state = self._requests.pop(seq.request_id)
+        self.scheduler.finish(seq)
+        return self._output(state, (), "", finished=True)
 
     def _sample(self, state: _RequestState, logits: torch.Tensor) -> int:
         seq = state.seq
@@ -245,6 +277,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             max_model_len=self.max_model_len,
             num_preemptions=self.scheduler.num_preemptions,
+            num_integrity_violations=self.num_integrity_violations,
         )
 
     # -- convenience -----------------------------------------------------------------------

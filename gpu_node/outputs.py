@@ -38,6 +38,7 @@ class EngineStats:
     num_waiting: int
     max_model_len: int
     num_preemptions: int = 0
+    num_integrity_violations: int = 0
 
     @property
     def num_free_tokens(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_node.gguf_loader import GGUFModel
+from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import LlamaModel, RotaryEmbedding, gguf_parameter_names
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors total)
@@ -43,3 +44,18 @@ def load_llama(
         device
     )
     return model.eval()
+
+
+def seeded_llama(
+    config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"
+) -> LlamaModel:
+    """A model of `config`'s shape with seeded random weights (for tests and benchmarks)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+    return model.to(device).eval()

@@ -71,8 +71,17 @@ class BlockManager:
         return new_pages
 
     def free(self, seq: Sequence) -> None:
-        """Returns all of `seq`'s pages to the free list (most recently used last)."""
-        if seq.block_table:
-            self.page_owner[seq.block_table] = FREE
-            self._free.extend(seq.block_table)
-            seq.block_table = []
+        """Returns the pages `seq` owns to the free list, in block-table order.
+
+        Ownership, not the block table, decides: a page the table points to but
+        another sequence owns is left alone (no double free), and a page the
+        sequence owns but lost from its table is still returned (no leak).
+        """
+        tag = sequence_tag(seq)
+        owned = set((self.page_owner == tag).nonzero().flatten().tolist())
+        in_table = [p for p in dict.fromkeys(seq.block_table) if p in owned]
+        released = in_table + sorted(owned.difference(in_table))
+        if released:
+            self.page_owner[released] = FREE
+            self._free.extend(released)
+        seq.block_table = []

@@ -1,0 +1,122 @@
+"""Page-ownership integrity: injected faults are caught, the faulty request ends in an
+error before any token of its step is sent, and every other request is untouched."""
+
+import random
+
+import pytest
+
+from gpu_node.config import EngineConfig
+from gpu_node.faults import FaultInjector
+from gpu_node.llm_engine import LLMEngine
+from gpu_node.models.config import ModelConfig
+from gpu_node.weights import seeded_llama
+from scheduler.sequence import SamplingParams
+
+TINY = ModelConfig(
+    architecture="llama", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+    num_kv_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=512,
+    rope_theta=10000.0, rms_norm_eps=1e-5,
+)  # fmt: skip
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+PROMPTS = {f"r{i}": [(37 * i + 11 * j) % 4000 + 50 for j in range(5 + 7 * i)] for i in range(5)}
+TRIALS = 100
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(smollm2_parts):
+    _, tokenizer = smollm2_parts
+    return seeded_llama(TINY, seed=1), tokenizer
+
+
+def new_engine(parts, kv_dtype="fp32"):
+    model, tokenizer = parts
+    return LLMEngine(
+        EngineConfig(model="tiny", kv_dtype=kv_dtype, page_size=8, num_pages=64), model, tokenizer
+    )
+
+
+def run(engine, inject=None, inject_at=-1):
+    """Requests join one per step; `inject(engine)` runs before step `inject_at`."""
+    tokens = {rid: [] for rid in PROMPTS}
+    finals = {}
+    pending = list(PROMPTS.items())
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending:
+            rid, ids = pending.pop(0)
+            engine.add_request(rid, ids, PARAMS)
+        if step == inject_at:
+            inject(engine)
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+    return tokens, finals
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_parts):
+    tokens, finals = run(new_engine(tiny_parts))
+    assert all(f.finish_reason == "length" for f in finals.values())
+    return tokens
+
+
+def running_with_pages(engine):
+    return [s.request_id for s in engine.scheduler.running if s.block_table]
+
+
+FAULTS = {
+    "foreign_page": lambda inj, a, b: inj.point_at_foreign_page(a, b),
+    "freed_under": lambda inj, a, b: inj.free_page_under(a),
+    "double_handout": lambda inj, a, b: inj.hand_page_twice(a, b),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_detected_in_every_randomized_trial(tiny_parts, baseline, fault):
+    detected = 0
+    for trial in range(TRIALS):
+        rng = random.Random(f"{fault}-{trial}")
+        engine = new_engine(tiny_parts)
+        chosen = {}
+
+        def inject(engine, rng=rng, chosen=chosen):
+            faulty, other = rng.sample(running_with_pages(engine), 2)
+            chosen["faulty"] = faulty
+            FAULTS[fault](FaultInjector(engine, rng), faulty, other)
+            chosen["sent"] = len(engine._requests[faulty].seq.output_token_ids)
+
+        tokens, finals = run(engine, inject, inject_at=rng.randrange(4, 12))
+        faulty = chosen["faulty"]
+        assert finals[faulty].finish_reason == "error"
+        assert "KV page ownership violation" in finals[faulty].error
+        assert finals[faulty].token_ids == ()  # nothing of the faulty step was sent
+        assert len(tokens[faulty]) == chosen["sent"]
+        assert tokens[faulty] == baseline[faulty][: chosen["sent"]]
+        for rid in PROMPTS:
+            if rid != faulty:
+                assert tokens[rid] == baseline[rid], (fault, trial, rid)
+        stats = engine.stats()
+        assert stats.num_integrity_violations == 1
+        assert stats.num_free_pages == stats.num_pages
+        detected += 1
+    assert detected == TRIALS
+
+
+def test_fault_free_run_reports_no_violation(tiny_parts, baseline):
+    engine = new_engine(tiny_parts)
+    tokens, _ = run(engine)
+    assert tokens == baseline and engine.stats().num_integrity_violations == 0
+
+
+def test_a_page_named_twice_in_one_table_is_a_violation(tiny_parts):
+    engine = new_engine(tiny_parts)
+    engine.add_request("a", PROMPTS["r3"], PARAMS)  # 26 tokens: 4 pages of 8
+    engine.step()
+    seq = engine._requests["a"].seq
+    from scheduler.scheduler import ScheduledChunk
+
+    assert engine.runner.find_violations([ScheduledChunk(seq, 1)]) == [False]
+    seq.block_table[2] = seq.block_table[0]  # its own page, twice
+    assert engine.runner.find_violations([ScheduledChunk(seq, 1)]) == [True]
