@@ -268,20 +268,32 @@ class PostgresLedger(_SqlLedger):
         import psycopg
 
         super().__init__()
+        self._url = url
+        self._connect = psycopg.connect
+        self._conn = self._open()
+
+    def _open(self) -> Any:
         # autocommit: reads take no transaction; writes open one explicitly in insert_many.
-        self._conn = psycopg.connect(url, autocommit=True)
-        with self._conn.transaction():
-            self._conn.execute(_SCHEMA)
-            self._conn.execute(_INDEX)
+        conn = self._connect(self._url, autocommit=True)
+        with conn.transaction():
+            conn.execute(_SCHEMA)
+            conn.execute(_INDEX)
+        return conn
+
+    def _live(self) -> Any:
+        # A server restart breaks the connection; the next call reconnects instead of failing forever.
+        if self._conn.broken:
+            self._conn = self._open()
+        return self._conn
 
     def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        return self._conn.execute(sql, params)
+        return self._live().execute(sql, params)
 
     def _transaction(self) -> Any:
-        return self._conn.transaction()
+        return self._live().transaction()
 
     def _existing(self, request_ids: list[str]) -> Iterable[tuple[str]]:
-        return self._conn.execute(
+        return self._execute(
             "SELECT request_id FROM usage_ledger WHERE request_id = ANY(%s)", (request_ids,)
         ).fetchall()
 

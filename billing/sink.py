@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,8 +35,10 @@ class RedisUsageSink:
     """Appends events to a Redis stream, falling back to a local journal while Redis is away.
 
     The journal is replayed (one pipelined XADD per event, then truncated) as soon
-    as an XADD succeeds again, by `replay_journal()`, and once at `start()` for
-    events a previous process left behind. One journal file per gateway process.
+    as an XADD succeeds again, every `replay_interval_s` once `start()`ed (which
+    also replays what a previous process left behind), or by `replay_journal()`.
+    After a failed XADD the sink journals directly for `skip_redis_s`. One journal
+    file per gateway process.
     """
 
     def __init__(
@@ -45,11 +48,19 @@ class RedisUsageSink:
         journal_path: str | Path,
         *,
         timeout_s: float = 0.5,
+        skip_redis_s: float = 1.0,
+        replay_interval_s: float = 2.0,
     ) -> None:
         self._redis = redis_client
         self.stream_key = stream_key
         self.journal = Journal(journal_path)
         self._timeout_s = timeout_s
+        # After a failed XADD, journal directly for this long: a Redis that hangs would
+        # otherwise cost every ending request a full timeout.
+        self._skip_redis_s = skip_redis_s
+        self._replay_interval_s = replay_interval_s
+        self._skip_redis_until = 0.0
+        self._replay_loop: asyncio.Task[None] | None = None
         # Serialises journal appends with replays, so a replay never truncates a fresh line.
         self._journal_lock = asyncio.Lock()
         self._is_journal_pending = not self.journal.is_empty()
@@ -60,11 +71,17 @@ class RedisUsageSink:
         self.num_lost = 0
 
     async def start(self) -> None:
-        """Replay what a previous process journaled, if Redis answers."""
+        """Replay what a previous process journaled, then keep replaying while Redis is away,
+        so the journal empties when Redis returns even if no request ends meanwhile."""
         if self._is_journal_pending:
             await self.replay_journal()
+        if self._replay_loop is None:
+            self._replay_loop = asyncio.create_task(self._replay_periodically())
 
     async def record(self, event: UsageEvent) -> None:
+        if time.monotonic() < self._skip_redis_until:
+            await self._journal(event)
+            return
         try:
             await asyncio.wait_for(
                 self._redis.xadd(self.stream_key, event.to_fields()), self._timeout_s
@@ -73,6 +90,7 @@ class RedisUsageSink:
             raise
         except Exception as exc:
             log.warning("usage stream unreachable (%s); journaling %s", exc, event.request_id)
+            self._skip_redis_until = time.monotonic() + self._skip_redis_s
             await self._journal(event)
             return
         self.num_streamed += 1
@@ -100,13 +118,26 @@ class RedisUsageSink:
                     return 0
             await asyncio.to_thread(self.journal.clear, contents.rejected_lines)
             self._is_journal_pending = False
+            self._skip_redis_until = 0.0
             self.num_replayed += len(contents.events)
             return len(contents.events)
 
     async def aclose(self) -> None:
+        if self._replay_loop is not None:
+            self._replay_loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_loop
+            self._replay_loop = None
         if self._replay_task is not None:
             with contextlib.suppress(Exception):
                 await self._replay_task
+
+    async def _replay_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._replay_interval_s)
+            if self._is_journal_pending and self._replay_task is None:
+                with contextlib.suppress(Exception):
+                    await self.replay_journal()
 
     async def _replay_in_background(self) -> int:
         try:

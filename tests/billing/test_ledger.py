@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from datetime import date
 
+import pytest
+
 from billing.ledger import DailyUsage, Ledger
 from tests.billing.conftest import DAY1, DAY3, make_event
 
@@ -94,3 +96,24 @@ def test_a_reopened_sqlite_ledger_keeps_its_rows(tmp_path) -> None:  # type: ign
     assert again.insert(make_event("req-1")) is False
     assert again.count() == 1
     again.close()
+
+
+def test_postgres_ledger_reconnects_after_its_connection_is_killed(postgres_url: str) -> None:
+    import psycopg
+
+    from billing.ledger import PostgresLedger
+
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS usage_ledger")
+    ledger = PostgresLedger(postgres_url)
+    assert ledger.insert(make_event("req-1")) is True
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    with pytest.raises(psycopg.OperationalError):
+        ledger.insert(make_event("req-2"))  # the worker retries a failed batch
+    assert ledger.insert(make_event("req-2")) is True
+    assert ledger.count() == 2
+    ledger.close()

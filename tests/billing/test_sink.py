@@ -43,7 +43,7 @@ async def test_events_are_journaled_while_redis_is_down_and_replayed_when_it_ret
 ) -> None:
     client = client_for(redis_server)
     journal = tmp_path / "gateway.journal"
-    sink = RedisUsageSink(client, STREAM, journal, timeout_s=1.0)
+    sink = RedisUsageSink(client, STREAM, journal, timeout_s=1.0, skip_redis_s=0)
     await asyncio.gather(*(sink.record(make_event(f"up-{i}")) for i in range(40)))
     assert (sink.num_streamed, sink.num_journaled) == (40, 0)
 
@@ -114,6 +114,33 @@ async def test_redis_stopped_during_traffic_loses_no_event_and_bills_each_once(
     assert sum(u.requests for u in usage) == num_requests
     assert sum(u.output_tokens for u in usage) == sum(range(num_requests))
     ledger.close()
+    await client.aclose()
+
+
+async def test_after_a_failure_the_sink_journals_without_waiting_on_redis_then_replays_alone(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = client_for(redis_server)
+    journal = tmp_path / "gateway.journal"
+    sink = RedisUsageSink(client, STREAM, journal, skip_redis_s=60, replay_interval_s=0.05)
+    await sink.start()
+    redis_server.stop()
+    await sink.record(make_event("first"))  # fails against Redis, opens the skip window
+    redis_server.start()
+    for i in range(5):
+        await sink.record(make_event(f"skipped-{i}"))  # journaled without trying Redis
+    assert (sink.num_streamed, sink.num_journaled) == (0, 6)
+    # No request ends from here on: the replay loop alone empties the journal.
+    for _ in range(200):
+        if sink.num_replayed == 6:
+            break
+        await asyncio.sleep(0.02)
+    assert sink.num_replayed == 6
+    assert journal.read_text() == ""
+    assert await stream_request_ids(client) == ["first"] + [f"skipped-{i}" for i in range(5)]
+    await sink.record(make_event("after"))  # the replay closed the skip window
+    assert sink.num_streamed == 1
+    await sink.aclose()
     await client.aclose()
 
 
