@@ -9,11 +9,10 @@ Each dialect supplies a `StreamRenderer` that turns events into SSE bytes.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 from typing import Any, Protocol
 
-import anyio
 from starlette.types import Receive, Scope, Send
 
 from gateway.dispatch import Finished, TextChunk, Upstream
@@ -25,6 +24,11 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class StreamRenderer(Protocol):
@@ -53,24 +57,26 @@ class RelayResponse:
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = asyncio.ensure_future(self._relay(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            async with anyio.create_task_group() as group:
-
-                async def watch_disconnect() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch_disconnect)
-                with contextlib.suppress(OSError):  # the client is gone: a send failed
-                    await self._relay(send)
-                group.cancel_scope.cancel()
+            # Whichever ends first ends the other: a finished stream, or a client gone.
+            await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.close()
+            for task in (relay, watch):
+                task.cancel()
+            results = await asyncio.gather(relay, watch, return_exceptions=True)
+            # Cleanup must run even if this task is being cancelled (server shutdown).
+            await asyncio.shield(self.upstream.close())
+        if isinstance(results[0], BaseException) and not isinstance(
+            results[0],
+            asyncio.CancelledError | OSError,  # OSError: a send to a gone client
+        ):
+            raise results[0]
 
     async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+
         async def body(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
