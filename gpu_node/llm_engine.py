@@ -16,15 +16,13 @@ import torch
 
 from gpu_node.config import EngineConfig
 from gpu_node.errors import InvalidRequestError
-from gpu_node.gguf_loader import GGUFModel
 from gpu_node.kv_cache import KVCache, bytes_per_page
 from gpu_node.model_runner import ModelRunner
-from gpu_node.model_store import resolve_model
 from gpu_node.models.llama import LlamaModel
 from gpu_node.outputs import EngineStats, RequestOutput
 from gpu_node.sampler import apply_penalties, sample
 from gpu_node.tokenizer import ChatTokenizer
-from gpu_node.weights import Progress, load_llama
+from gpu_node.weights import Progress, build_model
 from scheduler.block_manager import BlockManager, pages_for, sequence_tag
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SamplingParams, Sequence
@@ -82,9 +80,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:
         """Loads the model named by `config.model` (raises ModelNotFoundError)."""
-        gguf = GGUFModel(resolve_model(config.model))
-        tokenizer = ChatTokenizer(gguf)
-        model = load_llama(gguf, torch.float32, config.device, progress)
+        model, tokenizer = build_model(config.model, config.weights, config.device, progress)
         return cls(config, model, tokenizer)
 
     # -- requests --------------------------------------------------------------------------

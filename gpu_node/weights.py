@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
+from gpu_node.errors import ModelNotFoundError
 from gpu_node.gguf_loader import GGUFModel
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import LlamaModel, RotaryEmbedding, gguf_parameter_names
+from gpu_node.quant.linear import Int4Linear
+from gpu_node.tokenizer import ChatTokenizer
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors total)
 
@@ -18,32 +23,99 @@ def load_llama(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
+    int4: bool = False,
 ) -> LlamaModel:
-    """Dequantizes each GGUF tensor into its parameter; the model code stays plain."""
+    """Fills a plain llama from a GGUF; the model code stays plain.
+
+    With `int4`, every linear stored as Q4_1 becomes an `Int4Linear` straight from
+    its blocks (never held in full precision); other 2-D weights are quantized
+    from their dequantized values; embeddings and norms stay in `dtype`.
+    """
     config = gguf.config()
     with torch.device("meta"):
         model = LlamaModel(config)
     names = gguf_parameter_names(config)
     missing = [name for name in names if not gguf.has(name)]
     if missing:
-        from gpu_node.errors import ModelNotFoundError
-
         raise ModelNotFoundError(f"{gguf.path} lacks tensors: {', '.join(missing[:5])}")
     state = {}
     for i, (src, dst) in enumerate(names.items()):
-        state[dst] = gguf.tensor(src, dtype).to(device)
+        module_name = dst.removesuffix(".weight")
+        if int4 and _is_projection(module_name):
+            raw = gguf.raw(src)
+            if raw.ggml_type == "Q4_1":
+                linear = Int4Linear.from_q4_1(raw.data, raw.shape)
+            else:
+                dense = nn.Linear(raw.shape[1], raw.shape[0], bias=False)
+                dense.weight.data = gguf.tensor(src)
+                linear = Int4Linear.from_linear(dense, group_size=32)
+            model.set_submodule(module_name, linear.to(device))
+        else:
+            state[dst] = gguf.tensor(src, dtype).to(device)
         if progress:
             progress(i + 1, len(names))
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, assign=True, strict=True)
+    model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # Buffers are not in the state dict: rebuild the (non-persistent) RoPE table for real.
     model.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_interleaved).to(
         device
     )
+    _assert_materialized(model)
     return model.eval()
+
+
+def _is_projection(module_name: str) -> bool:
+    return module_name.rsplit(".", 1)[-1].endswith("_proj")
+
+
+def _assert_materialized(model: nn.Module) -> None:
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelNotFoundError(f"weights missing for {', '.join(left[:5])}")
+
+
+# The small MoE model served with dummy weights: llama attention, MoE MLPs.
+MOE_SMALL = ModelConfig(
+    architecture="moe", num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4,
+    num_kv_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=4096,
+    rope_theta=10000.0, rms_norm_eps=1e-5,
+)  # fmt: skip
+
+
+def moe_model(name: str, seed: int = 0, device: torch.device | str = "cpu") -> LlamaModel:
+    """A llama whose MLPs are seeded dummy MoE blocks of `MOE_CONFIGS[name]`."""
+    from gpu_node.models.moe import MOE_CONFIGS, MoeMLP
+
+    moe = MOE_CONFIGS[name]
+    config = dataclasses.replace(MOE_SMALL, hidden_size=moe.hidden_size)
+    model = seeded_llama(config, seed, device)
+    for i, layer in enumerate(model.layers):
+        layer.mlp = MoeMLP.dummy(moe, seed=seed * 1000 + i, dtype=torch.float32, device=device)
+    return model
+
+
+def build_model(
+    model: str, weights: str, device: torch.device | str = "cpu", progress: Progress | None = None
+) -> tuple[LlamaModel, ChatTokenizer]:
+    """The model and tokenizer a node serves, in the weight format asked for.
+
+    `moe-small` borrows SmolLM2's tokenizer (its own weights are dummies).
+    """
+    from gpu_node.model_store import SYNTHETIC_MODELS, resolve_model
+    from gpu_node.quant.linear import quantize_model
+
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    if model in SYNTHETIC_MODELS:
+        tokenizer = ChatTokenizer(GGUFModel(resolve_model("smollm2")))
+        built = moe_model(model, device=device)
+        if weights == "int4":
+            quantize_model(built, group_size=32, skip=("lm_head", "embed_tokens", "router"))
+        return built.to(dtype) if weights == "bf16" else built, tokenizer
+    gguf = GGUFModel(resolve_model(model))
+    return load_llama(gguf, dtype, device, progress, int4=weights == "int4"), ChatTokenizer(gguf)
 
 
 def seeded_llama(

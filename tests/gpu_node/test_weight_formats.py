@@ -1,0 +1,66 @@
+"""--weights int4|bf16|fp32 and the moe-small model through the engine."""
+
+import pytest
+import torch
+
+from gpu_node.config import EngineConfig
+from gpu_node.gguf_loader import GGUFModel
+from gpu_node.llm_engine import LLMEngine
+from gpu_node.quant.linear import Int4Linear, model_bytes
+from gpu_node.weights import build_model, load_llama
+from scheduler.sequence import SamplingParams
+
+from .test_parity import prompt_logits
+
+
+@pytest.fixture(scope="module")
+def int4_parts(smollm2_path):
+    return build_model(str(smollm2_path), "int4")
+
+
+def test_int4_model_holds_q4_1_blocks_not_floats(int4_parts):
+    model, _ = int4_parts
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(linears) == 30 * 7  # q, k, v, o, gate, up, down in every layer
+    assert not any(
+        isinstance(m, torch.nn.Linear) and m is not model.lm_head for m in model.modules()
+    )
+    sizes = model_bytes(model)
+    # 106,168,320 weights in 210 Q4_1 matrices: 4 bits each + an fp16 scale and min per 32
+    assert (sizes.packed, sizes.scales, sizes.mins) == (53_084_160, 6_635_520, 6_635_520)
+
+
+def test_int4_answers_paris_and_tracks_the_dequantized_model(int4_parts, smollm2_parts, chat_ids):
+    model, tokenizer = int4_parts
+    engine = LLMEngine(
+        EngineConfig(model="smollm2", weights="int4", num_pages=64), model, tokenizer
+    )
+    ids = chat_ids("What is the capital of France?")
+    out = engine.generate({"q": ids}, SamplingParams(max_tokens=10))
+    assert tokenizer.decode(out["q"]) == "The capital of France is Paris."
+    reference = LLMEngine(EngineConfig(model="smollm2", num_pages=64), smollm2_parts[0], tokenizer)
+    diff = (prompt_logits(engine, ids) - prompt_logits(reference, ids)).abs().max().item()
+    # Q4_1 imports exactly: the INT4 model is the fp32-dequantized one up to summation order.
+    assert diff < 1e-3
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp32"])
+def test_moe_small_runs_through_the_engine(weights):
+    engine = LLMEngine.from_config(EngineConfig(model="moe-small", weights=weights, num_pages=32))
+    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=9, ignore_eos=True))
+    engine.add_request("b", list(range(200, 205)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert engine.stats().num_free_pages == 32 - 3 - 1  # 40 tokens -> 3 pages, 5 tokens -> 1
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert (finals["a"].num_prompt_tokens, finals["a"].num_completion_tokens) == (40, 9)
+    assert (finals["b"].num_prompt_tokens, finals["b"].num_completion_tokens) == (5, 3)
+    assert engine.stats().num_free_pages == 32
+
+
+def test_bf16_weights_load_in_bf16(smollm2_path):
+    model = load_llama(GGUFModel(smollm2_path), torch.bfloat16)
+    assert model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
