@@ -17,21 +17,21 @@ python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
-pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+pip_install=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # Local wheel mirrors, when the machine has them (a CPU torch build lies there).
-[ -d /opt/wheels ] && pip+=(--find-links /opt/wheels)
+if [ -d /opt/wheels ]; then pip_install+=(--find-links /opt/wheels); fi
 
 torch_spec=${EDGESERVE_TORCH:-torch==2.13.0}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if [ -n "${EDGESERVE_TORCH_INDEX:-}" ]; then
-        "${pip[@]}" install --index-url "$EDGESERVE_TORCH_INDEX" "$torch_spec"
+        "${pip_install[@]}" --index-url "$EDGESERVE_TORCH_INDEX" "$torch_spec"
     elif ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
-        "${pip[@]}" install "$torch_spec"
+        "${pip_install[@]}" "$torch_spec"
     else
         # No local CPU wheel: ask PyTorch's CPU index so a CPU-only host stays small.
-        "${pip[@]}" install "$torch_spec" --index-url https://download.pytorch.org/whl/cpu \
-            || "${pip[@]}" install "$torch_spec"
+        "${pip_install[@]}" "$torch_spec" --index-url https://download.pytorch.org/whl/cpu \
+            || "${pip_install[@]}" "$torch_spec"
     fi
 fi
-"${pip[@]}" install -e ".[${extras}]"
+"${pip_install[@]}" -e ".[${extras}]"
 .venv/bin/edgeserve model pull smollm2
