@@ -44,8 +44,11 @@ class PagedAttention:
     kernels during the step (the engine aborts any sequence with a count > 0).
     """
 
-    def __init__(self, kv_cache: KVCache, metadata: StepMetadata, scale: float):
+    def __init__(
+        self, kv_cache: KVCache, metadata: StepMetadata, scale: float, check_owner: bool = True
+    ):
         self.kv_cache = kv_cache
+        self.check_owner = check_owner
         self.metadata = metadata
         self.scale = scale
         self.violations = torch.zeros(
@@ -61,7 +64,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         # q [T, H, E], k/v [T, K, E]
         md, kv = self.metadata, self.kv_cache
-        refused = kv.write(layer, k, v, md.slot_mapping, md.page_owner, self._token_tags)  # [T]
+        refused = kv.write(
+            layer, k, v, md.slot_mapping, md.page_owner, self._token_tags, self.check_owner
+        )  # [T]
         self.violations.index_add_(0, md.token_seq, refused.int())
         if kv.uses_kernels and md.is_decode:
             from gpu_node.kernels.paged_attention import paged_decode_attention
@@ -69,7 +74,7 @@ class PagedAttention:
             out, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
                 md.page_owner, md.seq_tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],
-                max_context_len=max(md.context_lens),
+                max_context_len=max(md.context_lens), check_owner=self.check_owner,
             )  # fmt: skip
             self.violations += foreign.int()
             return out

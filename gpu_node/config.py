@@ -28,6 +28,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     reserve_pages: int = 0
     seed: int = 0
+    # Page-ownership checks before each step and inside the kernels. Off only to
+    # measure what they cost (benchmarks/bench_engine_gpu.py).
+    check_integrity: bool = True
 
     def __post_init__(self) -> None:
         problems = []

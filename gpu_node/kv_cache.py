@@ -79,6 +79,7 @@ class KVCache:
         slot_mapping: torch.Tensor,
         page_owner: torch.Tensor,
         token_tags: torch.Tensor,
+        check_owner: bool = True,
     ) -> torch.Tensor:
         """k, v [T, K, E] into slots [T]; returns bool [T], True where the write was refused."""
         if self.uses_kernels:
@@ -87,7 +88,7 @@ class KVCache:
             from gpu_node.kernels.kv_write import kv_write_ref as kv_write
         return kv_write(
             k, v, self.k_cache[layer], self.v_cache[layer], slot_mapping, page_owner, token_tags,
-            self.k_scale[layer], self.v_scale[layer],
+            self.k_scale[layer], self.v_scale[layer], check_owner,
         )  # fmt: skip
 
     def gather(

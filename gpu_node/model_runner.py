@@ -38,8 +38,15 @@ def repeated_pages(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, page_owner: torch.Tensor):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        page_owner: torch.Tensor,
+        check_owner: bool = True,
+    ):
         self.model = model
+        self.check_owner = check_owner
         self.kv_cache = kv_cache
         self.page_owner = page_owner
         self.device = kv_cache.device
@@ -101,6 +108,6 @@ class ModelRunner:
         ids, pos, metadata = self.prepare(chunks)
         ends = torch.tensor(metadata.query_lens, device=self.device).cumsum(0) - 1
         completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
-        attention = PagedAttention(self.kv_cache, metadata, self.scale)
+        attention = PagedAttention(self.kv_cache, metadata, self.scale, self.check_owner)
         logits = self.model(ids, pos, attention, logits_indices=ends[completing])
         return StepResult(logits, (attention.violations > 0).tolist())
