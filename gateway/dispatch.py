@@ -219,9 +219,19 @@ class Dispatcher:
         try:
             return await self._place_and_connect(job, started_at, headers)
         except BaseException:
-            if self._limiter is not None:
-                await self._limiter.release(job.account_id, job.model.node_model, job.request_id, 0)
+            await self._release_admission(job, 0)
             raise
+
+    async def _release_admission(self, job: GenerationJob, num_tokens: int) -> None:
+        if self._limiter is None:
+            return
+        try:
+            await self._limiter.release(
+                job.account_id, job.model.node_model, job.request_id, num_tokens
+            )
+        except AdmissionError:
+            # The limit store is away: its own expiry frees the slot; the answer to the client stands.
+            log.warning("could not release admission for %s", job.request_id, exc_info=True)
 
     async def _admit(self, job: GenerationJob) -> dict[str, str]:
         if self._limiter is None:
@@ -337,10 +347,7 @@ class Dispatcher:
             await self._cancel_on_node(placement, job.request_id)
         await self._placer.release(placement)
         status, input_tokens, output_tokens, cached_tokens = upstream.usage_status()
-        if self._limiter is not None:
-            await self._limiter.release(
-                job.account_id, job.model.node_model, job.request_id, input_tokens + output_tokens
-            )
+        await self._release_admission(job, input_tokens + output_tokens)
         if self._usage_sink is not None:
             await self._usage_sink.record(
                 UsageEvent(

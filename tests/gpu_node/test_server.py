@@ -220,3 +220,40 @@ def test_delete_cancels_a_running_request(node) -> None:
             rest = [json.loads(line) for line in stream if line]
     assert rest[-1]["finish_reason"] == "cancelled"
     assert wait_all_pages_free(node)["num_running"] == 0
+
+
+def test_a_draining_node_leaves_the_registry_and_refuses_new_work(engine) -> None:
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import LocalCapacityRegistry
+
+    registry = LocalCapacityRegistry()
+    port = free_port()
+    service = NodeService(
+        NodeSettings("node-d", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.05),
+        registry,
+        engine=engine,
+    )
+    server = ServerThread(create_node_app(service), port).start()
+    try:
+        deadline = time.monotonic() + 5
+        while not asyncio.run(registry.list_live()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        asyncio.run(service.begin_drain())
+        assert asyncio.run(registry.list_live()) == []
+        time.sleep(0.15)  # a heartbeat that was due does not bring it back
+        assert asyncio.run(registry.list_live()) == []
+        health = httpx.get(f"{server.url}/internal/v1/health", headers=AUTH)
+        assert (health.status_code, health.json()) == (503, {"status": "draining"})
+        refused = generate(server, prompt="hi", max_tokens=1)
+        assert (refused.status_code, refused.json()) == (
+            503,
+            {
+                "error": {
+                    "code": "over_capacity",
+                    "message": "node not accepting requests: draining",
+                }
+            },
+        )
+    finally:
+        server.stop()
