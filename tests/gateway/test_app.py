@@ -148,3 +148,42 @@ def test_the_gateway_never_imports_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_admission_refusals_are_429_in_each_dialect_with_the_limiters_headers() -> None:
+    from gateway.admission import LimitPolicy, Limits, LocalLimiter
+
+    keys = MemoryKeyStore()
+    asyncio.run(keys.add(KEY, "acct"))
+    placer = Placer(CapacityView(LocalCapacityRegistry(), max_age_s=1.0), LocalReservations())
+    limiter = LocalLimiter(
+        LimitPolicy(default=Limits(requests_per_minute=1, tokens_per_minute=1000))
+    )
+    app = create_app(GatewaySettings(internal_token="t"), keys=keys, placer=placer, limiter=limiter)
+    server = ServerThread(app).start()
+    try:
+        url = f"{server.url}/client/v4/accounts/acct/ai/run/smollm2"
+        # Admitted, then no node: 3040 (the request still counts against the minute).
+        first = httpx.post(url, json={"prompt": "hi", "max_tokens": 10}, headers=AUTH)
+        assert (first.status_code, first.json()["errors"][0]["code"]) == (429, 3040)
+        second = httpx.post(url, json={"prompt": "hi", "max_tokens": 10}, headers=AUTH)
+        assert second.status_code == 429
+        assert second.json()["errors"] == [
+            {"code": 3036, "message": "rate limited: too many requests for this account"}
+        ]
+        assert second.headers["x-ratelimit-limit-requests"] == "1"
+        assert second.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 1 <= int(second.headers["retry-after"]) <= 60
+        oai = httpx.post(
+            f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": "hi"}, headers=AUTH
+        )
+        assert (oai.status_code, oai.json()["error"]["type"], oai.json()["error"]["code"]) == (
+            429,
+            "rate_limit_error",
+            "rate_limit_exceeded",
+        )
+        # More tokens than a whole minute allows can never be admitted: 413 / 3006.
+        huge = httpx.post(url, json={"prompt": "hi", "max_tokens": 5000}, headers=AUTH)
+        assert (huge.status_code, huge.json()["errors"][0]["code"]) == (413, 3006)
+    finally:
+        server.stop()
