@@ -19,17 +19,14 @@ drain (SIGTERM) deregisters it first, refuses new work, and lets what runs finis
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -37,11 +34,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpu_node.errors import EngineStoppedError, InvalidRequestError
-from scheduler.capacity import CapacityRecord, CapacityRegistry, load_estimate
-from scheduler.sequence import SamplingParams
+from gpu_node.node_app.schemas import GenerateRequest
+from gpu_node.node_app.service import NodeService, NodeSettings
 
-if TYPE_CHECKING:
-    from gpu_node.async_engine import AsyncEngine
+__all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
 log = logging.getLogger(__name__)
 
@@ -65,176 +61,6 @@ _STATUS: dict[str, int] = {
 
 def error_response(code: NodeErrorCode, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=_STATUS[code])
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    node_id: str
-    address: str  # the base URL gateways use to reach this node
-    internal_token: str
-    role: str = "mixed"
-    heartbeat_s: float = 1.0
-    ttl_s: float = 3.0  # a few heartbeats, so one late beat does not drop the node
-    drain_timeout_s: float = 30.0
-    max_num_seqs: int = 16  # for the load estimate: how many requests make one batch
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-
-class GenerateRequest(BaseModel):
-    """One generation, as the gateway sends it. Exactly one of the three prompt forms."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    request_id: str = Field(min_length=1, max_length=200)
-    account_id: str = ""
-    model: str
-    prompt_token_ids: list[int] | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    raw: bool = False  # prompt as is; otherwise wrapped in the chat template as a user turn
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-        )
-
-
-class NodeService:
-    """The node's state: the engine once loaded, draining, the heartbeat and in-flight requests."""
-
-    def __init__(
-        self,
-        settings: NodeSettings,
-        registry: CapacityRegistry | None,
-        engine: AsyncEngine | None = None,
-        engine_factory: Callable[[], AsyncEngine] | None = None,
-    ) -> None:
-        self.settings = settings
-        self.registry = registry
-        self.engine = engine
-        self._engine_factory = engine_factory
-        # An engine handed in belongs to the caller (tests share one); a loaded one is ours to stop.
-        self._owns_engine = engine is None
-        self.is_draining = False
-        self.load_error: str | None = None
-        self.num_in_flight = 0
-        self._tasks: list[asyncio.Task[None]] = []
-
-    @property
-    def is_ready(self) -> bool:
-        return self.engine is not None and not self.is_draining
-
-    @property
-    def model_name(self) -> str:
-        assert self.engine is not None
-        return self.engine.model_name
-
-    async def start(self) -> None:
-        if self.engine is None and self._engine_factory is not None:
-            self._tasks.append(asyncio.create_task(self._load()))
-        if self.registry is not None:
-            self._tasks.append(asyncio.create_task(self._heartbeat()))
-
-    async def _load(self) -> None:
-        assert self._engine_factory is not None
-        try:
-            engine = await asyncio.to_thread(self._engine_factory)
-            engine.start()
-            self.engine = engine
-            await self.publish()
-        except Exception as exc:  # the node stays up and says why on /health
-            log.exception("engine failed to load")
-            self.load_error = f"{type(exc).__name__}: {exc}"
-
-    def capacity_record(self) -> CapacityRecord | None:
-        if self.engine is None:
-            return None
-        stats = self.engine.stats()
-        return CapacityRecord(
-            node_id=self.settings.node_id,
-            address=self.settings.address,
-            role=self.settings.role,
-            models=(self.engine.model_name,),
-            num_pages=stats.num_pages,
-            num_free_pages=stats.num_free_pages,
-            page_size=stats.page_size,
-            kv_dtype=stats.kv_dtype,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            load=load_estimate(
-                stats.num_pages, stats.num_free_pages, stats.num_waiting, self.settings.max_num_seqs
-            ),
-            published_at=time.time(),
-            ttl_s=self.settings.ttl_s,
-        )
-
-    async def publish(self) -> None:
-        record = self.capacity_record()
-        if self.registry is not None and record is not None and not self.is_draining:
-            await self.registry.publish(record)
-
-    async def _heartbeat(self) -> None:
-        while not self.is_draining:
-            try:
-                await self.publish()
-            except Exception:  # Redis away for a beat: the TTL decides, keep beating
-                log.warning("capacity heartbeat failed", exc_info=True)
-            await asyncio.sleep(self.settings.heartbeat_s)
-
-    async def begin_drain(self) -> None:
-        """Stop taking work and leave the registry so no gateway places here any more."""
-        self.is_draining = True
-        if self.registry is not None:
-            with contextlib.suppress(Exception):
-                await self.registry.remove(self.settings.node_id)
-
-    async def stop(self) -> None:
-        await self.begin_drain()
-        deadline = time.monotonic() + self.settings.drain_timeout_s
-        while self.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        if self.engine is not None and self._owns_engine:
-            await asyncio.to_thread(self.engine.shutdown)
-
-    def prompt_token_ids(self, body: GenerateRequest) -> list[int]:
-        assert self.engine is not None
-        tokenizer = self.engine.tokenizer
-        if body.prompt_token_ids is not None:
-            return body.prompt_token_ids
-        if body.messages is not None:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        elif body.raw:
-            text = body.prompt or ""
-        else:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": body.prompt or ""}])
-        return tokenizer.encode(text)
 
 
 class InternalTokenAuth:

@@ -1,0 +1,147 @@
+"""The node's state behind its HTTP API: the engine once loaded, the heartbeat, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpu_node.node_app.schemas import GenerateRequest
+from scheduler.capacity import CapacityRecord, CapacityRegistry, load_estimate
+
+if TYPE_CHECKING:
+    from gpu_node.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node_id: str
+    address: str  # the base URL gateways use to reach this node
+    internal_token: str
+    role: str = "mixed"
+    heartbeat_s: float = 1.0
+    ttl_s: float = 3.0  # a few heartbeats, so one late beat does not drop the node
+    drain_timeout_s: float = 30.0
+    max_num_seqs: int = 16  # for the load estimate: how many requests make one batch
+
+
+class NodeService:
+    """The node's state: the engine once loaded, draining, the heartbeat and in-flight requests."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        registry: CapacityRegistry | None,
+        engine: AsyncEngine | None = None,
+        engine_factory: Callable[[], AsyncEngine] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.engine = engine
+        self._engine_factory = engine_factory
+        # An engine handed in belongs to the caller (tests share one); a loaded one is ours to stop.
+        self._owns_engine = engine is None
+        self.is_draining = False
+        self.load_error: str | None = None
+        self.num_in_flight = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and not self.is_draining
+
+    @property
+    def model_name(self) -> str:
+        assert self.engine is not None
+        return self.engine.model_name
+
+    async def start(self) -> None:
+        if self.engine is None and self._engine_factory is not None:
+            self._tasks.append(asyncio.create_task(self._load()))
+        if self.registry is not None:
+            self._tasks.append(asyncio.create_task(self._heartbeat()))
+
+    async def _load(self) -> None:
+        assert self._engine_factory is not None
+        try:
+            engine = await asyncio.to_thread(self._engine_factory)
+            engine.start()
+            self.engine = engine
+            await self.publish()
+        except Exception as exc:  # the node stays up and says why on /health
+            log.exception("engine failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def capacity_record(self) -> CapacityRecord | None:
+        if self.engine is None:
+            return None
+        stats = self.engine.stats()
+        return CapacityRecord(
+            node_id=self.settings.node_id,
+            address=self.settings.address,
+            role=self.settings.role,
+            models=(self.engine.model_name,),
+            num_pages=stats.num_pages,
+            num_free_pages=stats.num_free_pages,
+            page_size=stats.page_size,
+            kv_dtype=stats.kv_dtype,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            load=load_estimate(
+                stats.num_pages, stats.num_free_pages, stats.num_waiting, self.settings.max_num_seqs
+            ),
+            published_at=time.time(),
+            ttl_s=self.settings.ttl_s,
+        )
+
+    async def publish(self) -> None:
+        record = self.capacity_record()
+        if self.registry is not None and record is not None and not self.is_draining:
+            await self.registry.publish(record)
+
+    async def _heartbeat(self) -> None:
+        while not self.is_draining:
+            try:
+                await self.publish()
+            except Exception:  # Redis away for a beat: the TTL decides, keep beating
+                log.warning("capacity heartbeat failed", exc_info=True)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def begin_drain(self) -> None:
+        """Stop taking work and leave the registry so no gateway places here any more."""
+        self.is_draining = True
+        if self.registry is not None:
+            with contextlib.suppress(Exception):
+                await self.registry.remove(self.settings.node_id)
+
+    async def stop(self) -> None:
+        await self.begin_drain()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self.engine is not None and self._owns_engine:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def prompt_token_ids(self, body: GenerateRequest) -> list[int]:
+        assert self.engine is not None
+        tokenizer = self.engine.tokenizer
+        if body.prompt_token_ids is not None:
+            return body.prompt_token_ids
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        elif body.raw:
+            text = body.prompt or ""
+        else:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": body.prompt or ""}])
+        return tokenizer.encode(text)
