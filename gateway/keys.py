@@ -173,7 +173,7 @@ class RedisKeyStore:
         raw = await self._redis.hget(f"{self._prefix}apikey:{digest}", "account_id")
         if raw is None:
             return None
-        account_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+        account_id = _text(raw)
         self._cache.put(digest, account_id)
         return account_id
 
@@ -182,27 +182,30 @@ class RedisKeyStore:
         digest = await self._redis.get(f"{p}apikey_id:{key_id}")
         if digest is None:
             return False
-        digest = digest.decode() if isinstance(digest, bytes) else digest
+        digest = _text(digest)
         account_id = await self._redis.hget(f"{p}apikey:{digest}", "account_id")
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(f"{p}apikey:{digest}", f"{p}apikey_id:{key_id}")
             if account_id is not None:
-                account = account_id.decode() if isinstance(account_id, bytes) else account_id
-                pipe.srem(f"{p}account_keys:{account}", key_id)
+                pipe.srem(f"{p}account_keys:{_text(account_id)}", key_id)
             await pipe.execute()
         return True
 
     async def list(self, account_id: str) -> list[ApiKeyInfo]:
         p = self._prefix
         key_ids = sorted(
-            k.decode() for k in await self._redis.smembers(f"{p}account_keys:{account_id}")
+            _text(k) for k in await self._redis.smembers(f"{p}account_keys:{account_id}")
         )
         infos = []
         for key_id in key_ids:
             digest = await self._redis.get(f"{p}apikey_id:{key_id}")
             if digest is None:
                 continue
-            fields = await self._redis.hgetall(f"{p}apikey:{digest.decode()}")
+            fields = await self._redis.hgetall(f"{p}apikey:{_text(digest)}")
             if fields:
                 infos.append(ApiKeyInfo(key_id, account_id, float(fields[b"created_at"])))
         return sorted(infos, key=lambda i: (i.created_at, i.key_id))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -276,11 +276,18 @@ async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool)
     from edgeserve.settings import journal_path
 
     client = aioredis.Redis.from_url(redis_url or DEFAULT_REDIS_URL)
-    registry = RedisCapacityRegistry(client, prefix)
-    placer = Placer(CapacityView(registry, max_age_s=1.0), RedisReservations(client, prefix))
-    sink = RedisUsageSink(client, f"{prefix}usage", journal_path(port))
+    shared_registry = RedisCapacityRegistry(client, prefix)
+    shared_placer = Placer(
+        CapacityView(shared_registry, max_age_s=1.0), RedisReservations(client, prefix)
+    )
+    stream_sink = RedisUsageSink(client, f"{prefix}usage", journal_path(port))
     return _Stores(
-        RedisKeyStore(client, prefix), registry, placer, RedisLimiter(client), sink, client
+        RedisKeyStore(client, prefix),
+        shared_registry,
+        shared_placer,
+        RedisLimiter(client),
+        stream_sink,
+        client,
     )
 
 

@@ -62,3 +62,25 @@ async def test_a_revoked_key_stops_working_within_the_cache_time(
 async def test_bad_account_ids_are_refused(store, account_id) -> None:
     with pytest.raises(InvalidAccountIdError):
         await store.create(account_id)
+
+
+def test_keys_commands_create_list_and_revoke(redis_prefix) -> None:
+    from typer.testing import CliRunner
+
+    from edgeserve.cli import build_app
+    from tests.conftest import REDIS_URL
+
+    app, runner = build_app(), CliRunner()
+    common = ["--redis-url", REDIS_URL, "--prefix", redis_prefix]
+    created = runner.invoke(app, ["keys", "create", "--account", "acct-cli", *common])
+    assert created.exit_code == 0, created.output
+    key = created.stdout.strip().splitlines()[0]
+    assert key.startswith(KEY_PREFIX)
+    listed = runner.invoke(app, ["keys", "list", "--account", "acct-cli", *common])
+    assert listed.stdout.split("\t")[:2] == [key_id_of(key), "acct-cli"]
+    revoked = runner.invoke(app, ["keys", "revoke", key_id_of(key), *common])
+    assert (revoked.exit_code, revoked.stdout.strip()) == (0, f"revoked {key_id_of(key)}")
+    again = runner.invoke(app, ["keys", "revoke", key_id_of(key), *common])
+    assert again.exit_code == 1
+    bad = runner.invoke(app, ["keys", "create", "--account", "no spaces", *common])
+    assert bad.exit_code == 2
