@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -70,8 +70,8 @@ def estimate_tokens(payload: dict[str, Any]) -> int:
     return chars // 3 + 8 + int(payload["max_tokens"])
 
 
-class UsageSinkLike:
-    """The billing sink protocol, restated so the gateway depends on its shape only."""
+class UsageSinkLike(Protocol):
+    """billing.sink.UsageSink's shape: the gateway needs only `record` (never raises)."""
 
     async def record(self, event: UsageEvent) -> None: ...
 
