@@ -112,7 +112,10 @@ def tokens_for_budget(
 
 def row_scale(amax: torch.Tensor) -> torch.Tensor:
     """The bf16 scale of rows whose absolute max is `amax` (any shape -> same shape)."""
-    return (amax.float() / FP8_MAX).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    amax = amax.float()
+    # Divide by a tensor: CUDA torch turns division by a Python scalar into a multiply by
+    # its reciprocal, which is not the IEEE quotient the kernels compute.
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

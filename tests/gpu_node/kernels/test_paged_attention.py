@@ -131,12 +131,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize(
     ("cache_dtype", "q_dtype", "lens", "num_heads", "num_kv_heads", "head_dim", "page", "programs"),
     CASES,
 )
 def test_kernel_matches_reference(
-    cache_dtype, q_dtype, lens, num_heads, num_kv_heads, head_dim, page, programs
+    cache_dtype, q_dtype, lens, num_heads, num_kv_heads, head_dim, page, programs, prefetch
 ):
     batch = build_batch(
         lens,
@@ -148,7 +149,7 @@ def test_kernel_matches_reference(
         page_size=page,
     )
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=programs, block_n=16
+        *batch.args(), **batch.scales(), target_programs=programs, block_n=16, prefetch=prefetch
     )
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False] * len(lens)
@@ -218,8 +219,9 @@ FAULTS = [
 ]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_ownership_violations_flag_exactly_the_bad_sequence(fault):
+def test_ownership_violations_flag_exactly_the_bad_sequence(fault, prefetch):
     batch = build_batch(
         [3, 20, 100, 40],
         cache_dtype=FP8_DTYPE,
@@ -236,7 +238,9 @@ def test_ownership_violations_flag_exactly_the_bad_sequence(fault):
         batch.block_tables, batch.context_lens, 16, batch.page_owner, batch.seq_tags
     )
     assert checked.tolist() == expected
-    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), target_programs=24)
+    out, violations = paged_decode_attention(
+        *batch.args(), **batch.scales(), target_programs=24, prefetch=prefetch
+    )
     assert violations.tolist() == expected
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert ref_violations.tolist() == expected
