@@ -74,7 +74,7 @@ def _fused_moe_int4_kernel(
         a_cols = a_ptr + (ids // A_ROW_DIV)[None, :].to(tl.int64) * stride_am
         w_rows = packed_ptr + expert.to(tl.int64) * stride_pe + offs_n[:, None] * stride_pn
         s_rows = expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)  # out^T
         for step in range(0, K // BLOCK_K):
             group = step // (GROUP_SIZE // BLOCK_K)
             scale = tl.load(scales_ptr + s_rows + group * stride_sg, mask=mask_n)

@@ -26,6 +26,10 @@ import triton.language as tl
 
 from gpu_node.quant.int4 import Int4Weight, dequantize_int4
 
+# Only core builtins inside the kernels (tl.full, not tl.zeros; no tl.cdiv / tl.sum):
+# the standard library's @jit helpers stay compiled-mode when Triton was imported
+# before TRITON_INTERPRET was set, and the interpreter cannot call them.
+
 
 @triton.jit
 def int4_group_step(
@@ -104,10 +108,10 @@ def _w4a16_kernel(
     x_cols = x_ptr + offs_m[None, :] * stride_xm
     w_rows = packed_ptr + offs_n[:, None] * stride_pn
     num_steps = K // BLOCK_K
-    steps_per_split = tl.cdiv(num_steps, SPLIT_K)
+    steps_per_split = (num_steps + SPLIT_K - 1) // SPLIT_K
     step_begin = pid_k * steps_per_split
     step_end = tl.minimum(step_begin + steps_per_split, num_steps)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)  # y^T
     for step in range(step_begin, step_end):
         group = step // (GROUP_SIZE // BLOCK_K)
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + group * stride_sg, mask=mask_n)

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from gpu_node.kernels.moe import fused_moe_int4, fused_moe_int4_ref
+import gpu_node.kernels.moe as moe_module
+import gpu_node.kernels.w4a16 as w4a16_module
 from gpu_node.models.moe import Routing, route
 from gpu_node.quant.int4 import Int4Weight, quantize_int4
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
+# conftest may import the kernels before TRITON_INTERPRET is set: decorate them again
+# (w4a16 first: the MoE kernel inlines its step function).
+importlib.reload(w4a16_module)
+moe_module = importlib.reload(moe_module)
+fused_moe_int4 = moe_module.fused_moe_int4
+fused_moe_int4_ref = moe_module.fused_moe_int4_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max |kernel - reference| over max |reference|. The kernel rounds the SwiGLU

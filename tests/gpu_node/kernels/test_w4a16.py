@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
+import gpu_node.kernels.w4a16 as w4a16_module
 from gpu_node.quant.int4 import quantize_int4
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
+# conftest may import the kernels before TRITON_INTERPRET is set: decorate them again.
+w4a16_module = importlib.reload(w4a16_module)
+w4a16_config = w4a16_module.w4a16_config
+w4a16_matmul = w4a16_module.w4a16_matmul
+w4a16_matmul_ref = w4a16_module.w4a16_matmul_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max |kernel - reference| over max |reference|: both accumulate in fp32, so what is
