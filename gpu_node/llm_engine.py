@@ -19,7 +19,7 @@ from gpu_node.errors import InvalidRequestError
 from gpu_node.kv_cache import KVCache, bytes_per_page
 from gpu_node.model_runner import ModelRunner
 from gpu_node.models.llama import LlamaModel
-from gpu_node.outputs import EngineStats, RequestOutput
+from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
 from gpu_node.sampler import apply_penalties, sample
 from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import Progress, build_model
@@ -38,7 +38,10 @@ class _RequestState:
     tokens_sent: int = 0
     text: str = ""
     stop_at: int | None = None  # where a stop string begins in `text`
-    events: list[tuple[str, float]] = field(default_factory=list)
+    events: list[EngineEvent] = field(default_factory=list)
+
+    def record(self, name: str) -> None:
+        self.events.append(EngineEvent(name, time.time_ns(), len(self.seq.block_table)))
 
 
 class LLMEngine:
@@ -110,7 +113,9 @@ class LLMEngine:
             else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         )
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        self._requests[request_id] = _RequestState(seq, generator)
+        state = _RequestState(seq, generator)
+        state.record("queued")
+        self._requests[request_id] = state
         self.scheduler.add(seq)
 
     def validate(
@@ -144,6 +149,7 @@ class LLMEngine:
         if state is None:
             return None
         state.seq.finish_reason = FinishReason.CANCELLED
+        state.record("finished")
         self.scheduler.finish(state.seq)
         return self._output(state, (), "", finished=True)
 
@@ -156,6 +162,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        for seq in batch.preempted:
+            self._requests[seq.request_id].record("preempted")
+        for seq in batch.admitted:
+            self._requests[seq.request_id].record("admitted")
         outputs: list[RequestOutput] = []
         chunks = batch.chunks
         # Integrity: a sequence whose block table reaches a page it does not own is
@@ -184,6 +194,8 @@ class LLMEngine:
             token = self._sample(state, result.logits[row])
             row += 1
             seq.output_token_ids.append(token)
+            if seq.num_output_tokens == 1:
+                state.record("first_token")
             outputs.append(self._advance(state, token))
         return outputs
 
@@ -200,6 +212,7 @@ class LLMEngine:
         seq.error = f"KV page ownership violation on page {page}: the request was aborted"
         seq.finish_reason = FinishReason.ERROR
         state = self._requests.pop(seq.request_id)
+        state.record("finished")
         self.scheduler.finish(seq)
         return self._output(state, (), "", finished=True)
 
@@ -244,6 +257,7 @@ class LLMEngine:
         state.tokens_sent = seq.num_output_tokens
         if finished:
             seq.finish_reason = reason
+            state.record("finished")
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
         return self._output(state, new_tokens, delta, finished)
@@ -262,6 +276,7 @@ class LLMEngine:
             num_completion_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,
+            events=tuple(state.events) if finished else (),
         )
 
     def stats(self) -> EngineStats:

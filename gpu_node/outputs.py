@@ -6,6 +6,15 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class EngineEvent:
+    """Something that happened to a request inside the engine (for the node's trace span)."""
+
+    name: str  # queued | admitted | preempted | first_token | finished
+    time_ns: int  # wall clock, time.time_ns()
+    num_pages: int  # KV pages the request held right after the event
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The new tokens one request produced in one engine step.
 
@@ -23,6 +32,7 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    events: tuple[EngineEvent, ...] = ()  # the request's whole history, on the final output only
 
 
 @dataclass(frozen=True)

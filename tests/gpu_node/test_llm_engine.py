@@ -178,3 +178,22 @@ def test_unknown_model_and_bad_gguf(tmp_path):
 def test_engine_config_names_the_bad_field():
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         EngineConfig(kv_dtype="int3")
+
+
+def test_final_output_carries_the_engine_events(make_engine, chat_ids):
+    engine = make_engine(num_pages=8)
+    ids = chat_ids("Hi")
+    assert len(ids) == 31  # 2 pages of 16; with 2 output tokens in cache, 33 tokens: 3 pages
+    engine.add_request("a", ids, SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert all(o.events == () for o in outs[:-1])
+    events = outs[-1].events
+    assert [(e.name, e.num_pages) for e in events] == [
+        ("queued", 0),
+        ("admitted", 2),
+        ("first_token", 2),
+        ("finished", 3),
+    ]
+    assert [e.time_ns for e in events] == sorted(e.time_ns for e in events)

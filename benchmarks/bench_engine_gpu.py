@@ -1,0 +1,146 @@
+"""Engine-level GPU figures, side by side in one run (seeded weights at real shapes).
+
+    python benchmarks/bench_engine_gpu.py            # on a CUDA machine
+    python benchmarks/bench_engine_gpu.py --tiny     # smoke run on CPU
+
+1. Decode step time with fp8 vs bf16 KV pages (batch x context), and KV tokens per GiB.
+2. Integrity checks on vs off: decode step time, same engine shape, alternated runs.
+3. Single-stream decode tok/s with INT4 vs bf16 weights (dense llama shape, and MoE).
+
+Weights are seeded (the real GGUF is not on the GPU machine); the work per step
+is the same as with real weights. Imports only torch, triton, numpy and our code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from gpu_node.config import EngineConfig
+from gpu_node.kv_cache import bytes_per_page
+from gpu_node.llm_engine import LLMEngine
+from gpu_node.models.config import ModelConfig
+from gpu_node.quant.linear import quantize_model
+from gpu_node.weights import moe_model, seeded_llama
+from scheduler.sequence import SamplingParams
+
+
+class NullTokenizer:
+    """The engine needs a tokenizer only to detokenize and stop; a benchmark needs neither."""
+
+    stop_token_ids = frozenset()
+    eos_token_id = -1
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+LLAMA_1B = ModelConfig(
+    architecture="llama", num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32,
+    num_kv_heads=8, head_dim=64, vocab_size=32768, max_position_embeddings=40960,
+    rope_theta=500000.0, rms_norm_eps=1e-5,
+)  # fmt: skip
+TINY = dataclasses.replace(LLAMA_1B, num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_step_ms(engine, batch, context, steps, device):
+    """Prefill `batch` sequences of `context` tokens, then time `steps` decode steps."""
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"s{i}", [(i * 31 + j) % 30000 + 1 for j in range(context)], params)
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    engine.step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    for i in range(batch):
+        engine.abort(f"s{i}")
+    return statistics.median(times) * 1e3
+
+
+def make_engine(model, device, **overrides):
+    config = EngineConfig(**{"model": "bench", "device": device, "page_size": 16, "max_num_seqs": 256,
+                             "max_num_batched_tokens": 16384, **overrides})  # fmt: skip
+    return LLMEngine(config, model, NullTokenizer())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    shape = TINY if args.tiny else LLAMA_1B
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device: {name}  torch {torch.__version__}  model shape: {shape.num_layers} layers x {shape.hidden_size}")
+    model = seeded_llama(shape, seed=0, device=device).to(dtype)
+
+    print("\n1. decode step, fp8 vs bf16 KV pages (median ms/step)")
+    grid = [(1, 256), (8, 256)] if args.tiny else [(1, 4096), (16, 4096), (64, 2048), (32, 8192)]
+    steps = 4 if args.tiny else 20
+    kv16 = "fp32" if args.tiny else "bf16"
+    for batch, context in grid:
+        pages = batch * (context // 16 + 4) + 8
+        row = {}
+        for kv in (kv16, "fp8"):
+            engine = make_engine(model, device, kv_dtype=kv, num_pages=pages)
+            row[kv] = decode_step_ms(engine, batch, context, steps, device)
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        print(f"  batch {batch:3d} ctx {context:5d}: {kv16} {row[kv16]:7.2f}  fp8 {row['fp8']:7.2f}  "
+              f"{kv16}/fp8 {row[kv16] / row['fp8']:.2f}x")  # fmt: skip
+    gib = 1 << 30
+    for kv in ("bf16", "fp8"):
+        per_page = bytes_per_page(kv, shape.num_layers, 16, shape.num_kv_heads, shape.head_dim)
+        print(f"  KV tokens per GiB, {kv}: {gib // per_page * 16}")
+
+    print("\n2. integrity checks on vs off (median ms/step, alternated 3 times)")
+    batch, context = (8, 256) if args.tiny else (32, 4096)
+    pages = batch * (context // 16 + 4) + 8
+    results = {True: [], False: []}
+    for _ in range(3):
+        for check in (True, False):
+            engine = make_engine(model, device, kv_dtype="fp8", num_pages=pages, check_integrity=check)
+            results[check].append(decode_step_ms(engine, batch, context, steps, device))
+            del engine
+    on, off = statistics.median(results[True]), statistics.median(results[False])
+    print(f"  batch {batch} ctx {context} fp8: on {on:.3f} ms  off {off:.3f} ms  cost {100 * (on - off) / off:+.2f}%")
+
+    print("\n3. single-stream decode tok/s, INT4 vs bf16 weights")
+    for label, build in (
+        ("dense", lambda: seeded_llama(shape, seed=0, device=device).to(dtype)),
+        ("moe-medium", lambda: moe_model("moe-small" if args.tiny else "moe-medium", device=device).to(dtype)),
+    ):
+        row = {}
+        for weights in ("bf16", "int4"):
+            m = build()
+            if weights == "int4":
+                quantize_model(m, group_size=32 if args.tiny else 128, skip=("lm_head", "embed_tokens", "router"))
+            engine = make_engine(m, device, kv_dtype=kv16, num_pages=64)
+            ms = decode_step_ms(engine, 1, 128, steps, device)
+            row[weights] = 1e3 / ms
+            del engine, m
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        print(f"  {label:10s}: bf16 {row['bf16']:7.1f} tok/s  int4 {row['int4']:7.1f} tok/s  "
+              f"int4/bf16 {row['int4'] / row['bf16']:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
