@@ -246,12 +246,18 @@ class _Stores:
         self.limiter, self.sink, self._client = limiter, sink, client
 
     async def start(self) -> None:
-        result = self.sink.start()
-        if asyncio.iscoroutine(result):
-            await result
+        for part in (self.sink, self.limiter):
+            start = getattr(
+                part, "start", None
+            )  # the Redis ones heartbeat / replay in the background
+            if start is not None and asyncio.iscoroutine(result := start()):
+                await result
 
     async def close(self) -> None:
-        await self.sink.aclose()
+        for part in (self.limiter, self.sink):
+            close = getattr(part, "aclose", None)
+            if close is not None:
+                await close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -259,7 +265,7 @@ class _Stores:
 async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool) -> _Stores:
     from billing.ledger import default_sqlite_path, open_ledger
     from billing.sink import LocalUsageSink, RedisUsageSink
-    from gateway.admission import LocalLimiter, RedisLimiter
+    from gateway.admission import AdmissionSettings, LocalLimiter, RedisLimiter
     from gateway.keys import MemoryKeyStore, RedisKeyStore
     from scheduler.capacity import CapacityView, LocalCapacityRegistry, RedisCapacityRegistry
     from scheduler.placement import LocalReservations, Placer, RedisReservations
@@ -285,7 +291,7 @@ async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool)
         RedisKeyStore(client, prefix),
         shared_registry,
         shared_placer,
-        RedisLimiter(client),
+        RedisLimiter(client, AdmissionSettings(key_prefix=prefix.rstrip(":"))),
         stream_sink,
         client,
     )
