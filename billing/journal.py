@@ -32,9 +32,15 @@ class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.rejected_path = self.path.with_name(self.path.name + ".rejected")
+        self.num_writes = 0  # write+fsync rounds of append_many
 
     def append(self, event: UsageEvent) -> None:
-        self._append_lines(self.path, [json.dumps(event.to_fields(), sort_keys=True)])
+        self.append_many([event])
+
+    def append_many(self, events: list[UsageEvent]) -> None:
+        """One write and one fsync for all of them."""
+        self.num_writes += 1
+        self._append_lines(self.path, [json.dumps(e.to_fields(), sort_keys=True) for e in events])
 
     def read(self) -> JournalContents:
         try:

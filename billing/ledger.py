@@ -133,28 +133,31 @@ class _SqlLedger:
 
     def insert_many(self, events: Sequence[UsageEvent]) -> list[bool]:
         now = time.time()
-        is_new: list[bool] = []
+        rows = [
+            (
+                e.request_id,
+                e.account_id,
+                e.model,
+                e.node_id,
+                e.input_tokens,
+                e.output_tokens,
+                e.cached_tokens,
+                e.started_at,
+                e.ended_at,
+                e.status,
+                usage_day(e).isoformat(),
+                now,
+            )
+            for e in events
+        ]
+        if not rows:
+            return []
         with self._lock, self._transaction():
-            for e in events:
-                cursor = self._execute(
-                    self._insert_sql,
-                    (
-                        e.request_id,
-                        e.account_id,
-                        e.model,
-                        e.node_id,
-                        e.input_tokens,
-                        e.output_tokens,
-                        e.cached_tokens,
-                        e.started_at,
-                        e.ended_at,
-                        e.status,
-                        usage_day(e).isoformat(),
-                        now,
-                    ),
-                )
-                is_new.append(cursor.rowcount == 1)
-        return is_new
+            return self._insert_rows(rows)
+
+    def _insert_rows(self, rows: list[tuple[Any, ...]]) -> list[bool]:
+        """Inside the transaction: insert each row, was it new (a conflict inserts nothing)."""
+        return [self._execute(self._insert_sql, row).rowcount == 1 for row in rows]
 
     def get(self, request_id: str) -> UsageEvent | None:
         p = self._placeholder
@@ -296,6 +299,17 @@ class PostgresLedger(_SqlLedger):
         return self._execute(
             "SELECT request_id FROM usage_ledger WHERE request_id = ANY(%s)", (request_ids,)
         ).fetchall()
+
+    def _insert_rows(self, rows: list[tuple[Any, ...]]) -> list[bool]:
+        # executemany pipelines the batch: one round trip instead of one per row. RETURNING
+        # yields a row only for an insert, so each statement's result says if it was new.
+        cursor = self._conn.cursor()
+        cursor.executemany(self._insert_sql + " RETURNING 1", rows, returning=True)
+        is_new = []
+        while True:
+            is_new.append(cursor.fetchone() is not None)
+            if not cursor.nextset():
+                return is_new
 
     def close(self) -> None:
         with self._lock:

@@ -61,6 +61,8 @@ class RedisUsageSink:
         self._replay_interval_s = replay_interval_s
         self._skip_redis_until = 0.0
         self._replay_loop: asyncio.Task[None] | None = None
+        self._journal_waiting: list[tuple[UsageEvent, asyncio.Future[None]]] = []
+        self._journal_writer: asyncio.Task[None] | None = None
         # Serialises journal appends with replays, so a replay never truncates a fresh line.
         self._journal_lock = asyncio.Lock()
         self._is_journal_pending = not self.journal.is_empty()
@@ -146,10 +148,15 @@ class RedisUsageSink:
             self._replay_task = None
 
     async def _journal(self, event: UsageEvent) -> None:
+        # Group commit: events that arrive while a write+fsync is under way share the next
+        # one, so N requests ending together while Redis is down cost ~2 fsyncs, not N.
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._journal_waiting.append((event, done))
+        if self._journal_writer is None:
+            self._journal_writer = asyncio.create_task(self._write_journal())
         try:
-            async with self._journal_lock:
-                await asyncio.to_thread(self.journal.append, event)
-                self._is_journal_pending = True
+            # shield: a request cancelled here still gets its event written by the writer.
+            await asyncio.shield(done)
             self.num_journaled += 1
         except asyncio.CancelledError:
             raise
@@ -158,6 +165,23 @@ class RedisUsageSink:
             log.exception(
                 "usage event %s LOST: neither Redis nor the journal took it", event.request_id
             )
+
+    async def _write_journal(self) -> None:
+        try:
+            while self._journal_waiting:
+                batch, self._journal_waiting = self._journal_waiting, []
+                try:
+                    async with self._journal_lock:
+                        await asyncio.to_thread(self.journal.append_many, [e for e, _ in batch])
+                        self._is_journal_pending = True
+                except Exception as exc:
+                    for _, done in batch:
+                        done.set_exception(exc)
+                else:
+                    for _, done in batch:
+                        done.set_result(None)
+        finally:
+            self._journal_writer = None
 
 
 class LocalUsageSink:

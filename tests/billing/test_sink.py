@@ -144,6 +144,19 @@ async def test_after_a_failure_the_sink_journals_without_waiting_on_redis_then_r
     await client.aclose()
 
 
+async def test_events_ending_together_share_one_journal_fsync(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = client_for(redis_server)
+    redis_server.stop()
+    sink = RedisUsageSink(client, STREAM, tmp_path / "gateway.journal", skip_redis_s=60)
+    await sink.record(make_event("first"))  # Redis fails: one write, and the skip window opens
+    await asyncio.gather(*(sink.record(make_event(f"req-{i}")) for i in range(100)))
+    assert (sink.num_journaled, sink.num_lost, sink.journal.num_writes) == (101, 0, 2)
+    assert len(sink.journal.read().events) == 101
+    await client.aclose()
+
+
 async def test_a_journal_left_by_a_dead_gateway_is_replayed_at_start(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

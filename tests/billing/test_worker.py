@@ -196,8 +196,10 @@ async def test_the_worker_rides_out_a_redis_restart(redis_server, tmp_path: Path
     await asyncio.to_thread(redis_server.stop)
     await asyncio.sleep(0.3)  # the worker fails, logs and retries meanwhile
     await asyncio.to_thread(redis_server.start)
+    producer = redis.asyncio.Redis.from_url(redis_server.url)  # no stale pooled connections
     for i in range(10):
-        await client.xadd("usage", make_event(f"after-{i}").to_fields())
+        await producer.xadd("usage", make_event(f"after-{i}").to_fields())
+    await producer.aclose()
     await wait_for(await billed(20))
     worker.stop()
     await asyncio.wait_for(task, 5)
