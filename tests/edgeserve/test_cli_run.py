@@ -10,7 +10,7 @@ def edgeserve(*args, timeout=120):
     )
 
 
-@pytest.mark.usefixtures("smollm2_cached")
+@pytest.mark.usefixtures("smollm2_path")
 def test_run_streams_the_answer():
     result = edgeserve("run", "smollm2", "What is the capital of France?", "--max-tokens", "20")
     assert result.returncode == 0, result.stderr
@@ -25,10 +25,10 @@ def test_run_rejects_bad_input_with_a_message():
     assert result.returncode == 2 and "no GGUF file at /nonexistent/model.gguf" in result.stderr
 
 
-def test_model_pull_is_idempotent(smollm2_cached):
-    before = smollm2_cached.stat().st_mtime_ns
+def test_model_pull_is_idempotent(smollm2_path):
+    before = smollm2_path.stat().st_mtime_ns
     result = edgeserve("model", "pull", "smollm2")
-    assert result.returncode == 0 and result.stdout.strip() == f"smollm2: {smollm2_cached}"
-    assert smollm2_cached.stat().st_mtime_ns == before
+    assert result.returncode == 0 and result.stdout.strip() == f"smollm2: {smollm2_path}"
+    assert smollm2_path.stat().st_mtime_ns == before
     result = edgeserve("model", "pull", "llama-9000")
     assert result.returncode == 1 and "unknown model 'llama-9000'" in result.stderr

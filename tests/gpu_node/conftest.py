@@ -5,17 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_node import model_store
 from gpu_node.config import EngineConfig
 from gpu_node.gguf_loader import GGUFModel
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import load_llama
-
-
-@pytest.fixture(scope="session")
-def smollm2_path():
-    return model_store.pull("smollm2", quiet=True)
 
 
 @pytest.fixture(scope="session")

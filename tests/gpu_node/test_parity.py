@@ -10,9 +10,8 @@ from scheduler.sequence import SamplingParams, Sequence
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path):
-    transformers = pytest.importorskip(
-        "transformers"
-    )  # a test extra: its absence is an install bug
+    import transformers  # a test extra: its absence is an install bug, never a skip
+
     return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
     ).eval()
