@@ -96,16 +96,17 @@ class UsageEvent:
         if missing:
             raise InvalidUsageEvent(f"usage event lacks fields: {', '.join(missing)}")
         try:
-            tokens = {name: int(data[name]) for name in _TOKEN_FIELDS}
-            times = {name: float(data[name]) for name in _TIME_FIELDS}
+            return cls(
+                request_id=data["request_id"],
+                account_id=data["account_id"],
+                model=data["model"],
+                node_id=data["node_id"],
+                input_tokens=int(data["input_tokens"]),
+                output_tokens=int(data["output_tokens"]),
+                cached_tokens=int(data["cached_tokens"]),
+                started_at=float(data["started_at"]),
+                ended_at=float(data["ended_at"]),
+                status=cast(Status, data["status"]),
+            )
         except ValueError as exc:
             raise InvalidUsageEvent(f"usage event has a non-numeric field: {exc}") from None
-        return cls(
-            request_id=data["request_id"],
-            account_id=data["account_id"],
-            model=data["model"],
-            node_id=data["node_id"],
-            status=cast(Status, data["status"]),
-            **tokens,
-            **times,
-        )

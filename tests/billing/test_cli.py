@@ -93,3 +93,42 @@ def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_pr
     assert fixed.exit_code == 0, fixed.output
     assert "GAPS (acknowledged, no ledger row): 0" in fixed.output
     client.close()
+
+
+def test_the_worker_command_bills_then_stops_gracefully_on_sigterm(
+    tmp_path: Path, key_prefix: str
+) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    stream = key_prefix + "usage"
+    client = redis.Redis.from_url(REDIS_URL)
+    for i in range(3):
+        client.xadd(stream, make_event(f"req-{i}").to_fields())
+    path = tmp_path / "ledger.sqlite3"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "from edgeserve.cli import main; main()", "billing", "worker",
+         "--redis-url", REDIS_URL, "--sqlite", str(path), "--stream", stream, "--consumer", "w"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        ledger = None
+        deadline = time.monotonic() + 20
+        while ledger is None or ledger.count() < 3:
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.05)
+            if ledger is None and path.exists():
+                ledger = SqliteLedger(path)
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=10)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 0
+    assert stderr.splitlines()[-1] == "stopped: 3 new, 0 duplicate, 0 dead-lettered"
+    assert client.xpending(stream, "billing")["pending"] == 0
+    ledger.close()
+    client.close()
