@@ -47,6 +47,9 @@ class WorkerConfig:
     block_ms: int = 500  # how long one read waits; also bounds how late a stop is noticed
     claim_idle_ms: int = 30_000  # a pending entry idle this long belongs to a dead worker
     claim_interval_s: float = 5.0
+    # Acknowledged entries older than this are trimmed (each claim round); reconciliation
+    # can look back this far. 0 keeps the stream whole.
+    retain_s: float = 7 * 86_400
     retry_s: float = 1.0  # pause after Redis or the ledger failed
 
     def __post_init__(self) -> None:
@@ -59,6 +62,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive")
         if self.claim_interval_s <= 0 or self.retry_s <= 0:
             raise ValueError("claim_interval_s and retry_s must be positive")
+        if self.retain_s < 0:
+            raise ValueError("retain_s must be >= 0")
 
     @property
     def dead_letter_key(self) -> str:
@@ -125,6 +130,7 @@ class BillingWorker:
                     is_recovering = False
                 if time.monotonic() >= next_claim:
                     await self.claim_idle()
+                    await self.trim()
                     next_claim = time.monotonic() + self.config.claim_interval_s
                 await self.read_once()
             except asyncio.CancelledError:
@@ -179,6 +185,25 @@ class BillingWorker:
         self.num_claimed += total
         return total
 
+    async def trim(self, now: float | None = None) -> int:
+        """Drop entries older than retain_s, but never one that is pending or not yet read:
+        the cut stops at the oldest pending entry and at the group's last-delivered id."""
+        if self.config.retain_s == 0:
+            return 0
+        cutoff_ms = int(((now if now is not None else time.time()) - self.config.retain_s) * 1000)
+        summary = await self._redis.xpending(self.config.stream_key, self.config.group)
+        if summary["pending"]:
+            cutoff_ms = min(cutoff_ms, _ms(summary["min"]))
+        for info in await self._redis.xinfo_groups(self.config.stream_key):
+            cutoff_ms = min(cutoff_ms, _ms(info["last-delivered-id"]))
+        if cutoff_ms <= 0:
+            return 0
+        # Exact (not "~") so the cut is where computed; one trim every claim round is cheap.
+        trimmed = await self._redis.xtrim(
+            self.config.stream_key, minid=f"{cutoff_ms}-0", approximate=False
+        )
+        return int(trimmed)
+
     async def _drain_own_pending(self) -> None:
         while not self._stop.is_set():
             reply = await self._redis.xreadgroup(
@@ -217,6 +242,10 @@ class BillingWorker:
         self.num_duplicate += result.num_duplicate
         self.num_dead += result.num_dead
         return result
+
+
+def _ms(entry_id: bytes | str) -> int:
+    return int(_id(entry_id).partition("-")[0])
 
 
 def _id(value: bytes | str) -> str:

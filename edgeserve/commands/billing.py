@@ -65,6 +65,9 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(100, min=1),
         claim_idle_ms: int = typer.Option(30_000, min=1, help="claim entries idle this long"),
         claim_interval_s: float = typer.Option(5.0, min=0.001),
+        retain_days: float = typer.Option(
+            7.0, min=0, help="trim acknowledged entries older than this (0: keep all)"
+        ),
     ) -> None:
         """Move usage events from the Redis stream into the ledger, exactly once, until SIGTERM."""
         import asyncio
@@ -81,6 +84,7 @@ def register(app: typer.Typer) -> None:
             batch_size=batch_size,
             claim_idle_ms=claim_idle_ms,
             claim_interval_s=claim_interval_s,
+            retain_s=retain_days * 86_400,
         )
         ledger = _open_ledger(database_url, sqlite)
 

@@ -207,3 +207,21 @@ async def test_the_worker_rides_out_a_redis_restart(redis_server, tmp_path: Path
     assert (await client.xpending("usage", "billing"))["pending"] == 0
     ledger.close()
     await client.aclose()
+
+
+async def test_trimming_keeps_pending_and_unread_entries(
+    redis_client: redis.asyncio.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    cfg = config(key_prefix, "w1", batch_size=2, retain_s=86_400)
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    for i in range(1, 6):  # ids 1000-0 .. 5000-0: ancient, all past the retention
+        await redis_client.xadd(cfg.stream_key, make_event(f"req-{i}").to_fields(), id=f"{i}000-0")
+    assert (await worker.read_once()).num_new == 2  # 1000-0, 2000-0 billed and acknowledged
+    await redis_client.xreadgroup(cfg.group, "ghost", {cfg.stream_key: ">"}, count=1)  # 3000-0
+    assert await worker.trim() == 2  # stops at the pending 3000-0; 4000-0, 5000-0 unread
+    remaining = [entry_id for entry_id, _ in await redis_client.xrange(cfg.stream_key)]
+    assert remaining == [b"3000-0", b"4000-0", b"5000-0"]
+    assert await worker.trim(now=0.0) == 0  # nothing is older than the retention at epoch 0
+    ledger.close()
