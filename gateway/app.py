@@ -7,6 +7,7 @@ for `edgeserve up`), so the same app runs in both shapes and in tests.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -18,8 +19,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from billing.http import ADMIN, Principal, usage_endpoint
+from billing.ledger import Ledger
+from billing.prices import PriceTable
 from gateway import openai_api, workers_ai
-from gateway.admission import Limiter
+from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
+from gateway.admission.admin import LimitsAdmin
 from gateway.catalog import ModelCatalog
 from gateway.dispatch import Dispatcher, UsageSinkLike
 from gateway.errors import (
@@ -34,7 +39,7 @@ from gateway.keys import KeyStore
 from gateway.middleware import RequestIdMiddleware
 from gateway.openapi import build_openapi
 from gateway.settings import GatewaySettings
-from scheduler.placement import Placer
+from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,40 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(UpstreamError("internal error"), dialect_of_path(request.url.path))
 
 
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _usage_authorizer(
+    keys: KeyStore, admin_token: str | None
+) -> Callable[[Request], Awaitable[Principal | None]]:
+    """Who reads a usage report: the admin token -> every account, an API key -> its account."""
+
+    async def authorize(request: Request) -> Principal | None:
+        token = _bearer(request)
+        if not token:
+            return None
+        if admin_token is not None and hmac.compare_digest(token.encode(), admin_token.encode()):
+            return ADMIN
+        return await keys.lookup(token)
+
+    return authorize
+
+
+async def _start_limiter(limiter: Limiter | None) -> None:
+    # RedisLimiter heartbeats (live-gateway count) and renews its leases; LocalLimiter has no task.
+    start = getattr(limiter, "start", None)
+    if start is not None:
+        await start()
+
+
+async def _close_limiter(limiter: Limiter | None) -> None:
+    close = getattr(limiter, "aclose", None)
+    if close is not None:
+        await close()
+
+
 def create_app(
     settings: GatewaySettings,
     *,
@@ -67,13 +106,21 @@ def create_app(
     placer: Placer,
     catalog: ModelCatalog | None = None,
     limiter: Limiter | None = None,
+    limit_store: LimitStore | None = None,
+    limit_policy: LimitPolicy | None = None,
     usage_sink: UsageSinkLike | None = None,
+    ledger: Ledger | None = None,
+    prices: PriceTable | None = None,
     is_ready: Callable[[], bool] = lambda: True,
     on_startup: Callable[[], Awaitable[object]] | None = None,
     on_shutdown: Callable[[], Awaitable[object]] | None = None,
 ) -> ASGIApp:
     """The public gateway. `is_ready` gates requests (503 until it says yes: `edgeserve up` loading);
-    `on_startup` / `on_shutdown` start and stop what the caller wired in (sinks, clients)."""
+    `on_startup` / `on_shutdown` start and stop what the caller wired in (sinks, clients).
+
+    The app starts and stops the limiter itself. `limit_store` (with `settings.admin_token`)
+    mounts the limits admin API under /admin/v1; `ledger` mounts the usage report route.
+    """
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(
             settings.node_read_timeout_s, connect=settings.node_connect_timeout_s
@@ -83,11 +130,23 @@ def create_app(
             max_keepalive_connections=settings.max_node_connections,
         ),
     )
+    queue: CapacityQueue[Placement] = CapacityQueue(
+        max_waiting=settings.max_queued, max_waiting_per_account=settings.max_queued_per_account
+    )
+    dispatcher = Dispatcher(
+        client,
+        placer,
+        settings.internal_token,
+        limiter,
+        usage_sink,
+        queue=queue,
+        queue_deadline_s=settings.queue_deadline_s,
+    )
     gateway = Gateway(
         settings=settings,
         catalog=catalog or ModelCatalog(),
         keys=keys,
-        dispatcher=Dispatcher(client, placer, settings.internal_token, limiter, usage_sink),
+        dispatcher=dispatcher,
         is_ready=is_ready,
     )
 
@@ -104,10 +163,13 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_startup is not None:
             await on_startup()
+        await _start_limiter(limiter)
         try:
             yield
         finally:
+            await queue.aclose()
             await client.aclose()
+            await _close_limiter(limiter)
             if on_shutdown is not None:
                 await on_shutdown()
 
@@ -117,6 +179,13 @@ def create_app(
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
+    if ledger is not None:
+        authorize = _usage_authorizer(keys, settings.admin_token)
+        usage = usage_endpoint(ledger, prices or PriceTable.default(), authorize)
+        routes.append(Route(f"{ACCOUNT_AI}/usage", usage, methods=["GET"]))
+    if limit_store is not None and settings.admin_token is not None:
+        admin = LimitsAdmin(limit_store, limit_policy or LimitPolicy(), settings.admin_token)
+        routes += admin.routes("/admin/v1")
     for base in ("/v1", f"{ACCOUNT_AI}/v1"):
         routes += [
             Route(f"{base}/chat/completions", openai_api.chat_completions, methods=["POST"]),

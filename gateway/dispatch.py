@@ -22,14 +22,26 @@ from typing import Any, Protocol
 import httpx
 
 from billing.events import Status, UsageEvent
-from gateway.admission import AdmissionError, Limiter, RequestTooLarge
+from gateway.admission import (
+    AdmissionError,
+    AdmissionUnavailable,
+    CapacityQueue,
+    DuplicateRequestId,
+    InvalidLimits,
+    InvalidRequest,
+    Limiter,
+    Placed,
+    RequestTooLarge,
+)
 from gateway.catalog import CatalogModel
 from gateway.errors import (
+    ConflictError,
     GatewayError,
     InvalidRequestError,
     NoCapacityError,
     RateLimitedError,
     RequestTooLargeError,
+    UnavailableError,
     UpstreamError,
 )
 from scheduler.placement import Placement, Placer
@@ -37,6 +49,7 @@ from scheduler.placement import Placement, Placer
 log = logging.getLogger(__name__)
 
 NO_CAPACITY_RETRY_S = 1.0
+UNAVAILABLE_RETRY_S = 1.0  # the limiter probes Redis again about this soon after a failure
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,7 @@ class GenerationJob:
     model: CatalogModel
     payload: dict[str, Any]  # prompt/messages + sampling, in the node's generate schema
     estimated_tokens: int  # prompt estimate + max_tokens: what admission and placement reserve
+    reject_if_busy: bool = False  # Workers AI options.rejectIfBusy: never wait for a node
 
 
 @dataclass(frozen=True)
@@ -206,18 +220,29 @@ class Dispatcher:
         internal_token: str,
         limiter: Limiter | None = None,
         usage_sink: UsageSinkLike | None = None,
+        queue: CapacityQueue[Placement] | None = None,
+        queue_deadline_s: float = 0.0,
     ) -> None:
         self._client = client
         self._placer = placer
         self._auth = {"authorization": f"Bearer {internal_token}"}
         self._limiter = limiter
         self._usage_sink = usage_sink
+        # Without a queue a request that finds every node full is refused at once.
+        self._queue = queue
+        self._queue_deadline_s = queue_deadline_s
 
     async def open(self, job: GenerationJob) -> Upstream:
         started_at = time.time()
         headers = await self._admit(job)
         try:
             return await self._place_and_connect(job, started_at, headers)
+        except GatewayError as exc:
+            # Refused after admission (no node, bad input per the node, node failure): the
+            # client still learns where its limits stand.
+            exc.headers = headers | exc.headers
+            await self._release_admission(job, 0)
+            raise
         except BaseException:
             await self._release_admission(job, 0)
             raise
@@ -242,8 +267,19 @@ class Dispatcher:
             )
         except RequestTooLarge as exc:
             raise RequestTooLargeError(str(exc)) from None
+        except (InvalidRequest, InvalidLimits) as exc:
+            raise InvalidRequestError(f"cannot admit this request: {exc}") from None
+        except DuplicateRequestId as exc:
+            # Request ids are minted by the gateway, so this is our bug, never the client's;
+            # 409 (not 500) because the first holder of the id keeps its admission.
+            raise ConflictError(str(exc)) from None
+        except AdmissionUnavailable as exc:
+            # Fail-closed: without the shared counters nobody is admitted.
+            raise UnavailableError(str(exc), retry_after_s=UNAVAILABLE_RETRY_S) from None
         except AdmissionError as exc:
-            raise NoCapacityError(f"admission unavailable: {exc}", retry_after_s=1.0) from None
+            raise UnavailableError(
+                f"admission failed: {exc}", retry_after_s=UNAVAILABLE_RETRY_S
+            ) from None
         if not admission.admitted:
             raise RateLimitedError(
                 f"rate limited: too many {admission.reason} for this account",
@@ -264,31 +300,68 @@ class Dispatcher:
             | job.payload,
             separators=(",", ":"),
         ).encode()
-        tried: set[str] = set()
-        failure: UpstreamError | None = None
-        for _ in range(2):  # the first node, then one retry elsewhere
-            placement = await self._placer.place(
-                job.model.node_model, job.request_id, job.estimated_tokens, exclude=frozenset(tried)
-            )
-            if placement is None:
-                break
-            tried.add(placement.node_id)
+        placement = await self._first_placement(job)
+        tried = {placement.node_id}
+        while True:  # the first node, then one retry elsewhere
             try:
-                upstream = await self._connect(job, placement, body, started_at, headers)
+                return await self._connect(job, placement, body, started_at, headers)
             except UpstreamError as exc:
                 log.warning("node %s failed before the first token: %s", placement.node_id, exc)
-                failure = exc
-                continue
+                retry = None
+                if len(tried) == 1:
+                    retry = await self._placer.place(
+                        job.model.node_model,
+                        job.request_id,
+                        job.estimated_tokens,
+                        exclude=frozenset(tried),
+                    )
+                if retry is None:
+                    raise
+                placement = retry
+                tried.add(placement.node_id)
             except BaseException:
-                await self._placer.release(placement)
+                await self.release_placement(placement)
                 raise
-            return upstream
-        if failure is not None:
-            raise failure
+
+    async def _first_placement(self, job: GenerationJob) -> Placement:
+        """A node now, or after a fair wait in the capacity queue; NoCapacityError when none."""
+
+        async def try_place() -> Placement | None:
+            return await self._placer.place(
+                job.model.node_model, job.request_id, job.estimated_tokens
+            )
+
+        # Waiting only makes sense when some node serves the model and may free up.
+        if self._queue is None or not await self._placer.has_nodes(job.model.node_model):
+            placement = await try_place()
+            if placement is not None:
+                return placement
+            detail = ""
+        else:
+            outcome = await self._queue.place(
+                job.account_id,
+                try_place,
+                deadline_s=self._queue_deadline_s,
+                reject_if_busy=job.reject_if_busy,
+                on_abandoned=self.release_placement,
+            )
+            if isinstance(outcome, Placed):
+                return outcome.placement
+            detail = {
+                "busy": " (every node is busy)",
+                "queue_full": " (every node is busy and the wait queue is full)",
+                "deadline": f" (every node stayed busy for {self._queue_deadline_s:g}s)",
+            }[outcome.reason]
         raise NoCapacityError(
-            f"no capacity for {job.model.name} right now; retry shortly",
+            f"no capacity for {job.model.name} right now{detail}; retry shortly",
             retry_after_s=NO_CAPACITY_RETRY_S,
         )
+
+    async def release_placement(self, placement: Placement) -> None:
+        """Gives a node reservation back and lets the capacity queue try its waiters."""
+        await self._placer.release(placement)
+        if self._queue is not None:
+            self._queue.notify()
 
     async def _connect(
         self,
@@ -312,7 +385,7 @@ class Dispatcher:
                 await response.aread()
                 code, message = _node_error(response)
                 if code in _CLIENT_ERRORS:
-                    await self._placer.release(placement)
+                    await self.release_placement(placement)
                     raise _CLIENT_ERRORS[code](message)
                 raise UpstreamError(
                     f"node {placement.node_id} answered {response.status_code}: {message}"
@@ -339,13 +412,13 @@ class Dispatcher:
     async def _drop(self, response: httpx.Response | None, placement: Placement) -> None:
         if response is not None:
             await response.aclose()
-        await self._placer.release(placement)
+        await self.release_placement(placement)
 
     async def finish(self, upstream: Upstream) -> None:
         job, placement = upstream.job, upstream.placement
         if not upstream.is_finished:
             await self._cancel_on_node(placement, job.request_id)
-        await self._placer.release(placement)
+        await self.release_placement(placement)
         status, input_tokens, output_tokens, cached_tokens = upstream.usage_status()
         await self._release_admission(job, input_tokens + output_tokens)
         if self._usage_sink is not None:

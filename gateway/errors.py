@@ -9,10 +9,16 @@
     │   └── UnsupportedError    400  an option we do not implement (n > 1, tools, logprobs)
     ├── ModelNotFoundError      400 (Workers AI) / 404 (OpenAI)  no such model
     ├── RequestTooLargeError    413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the context
+    ├── ConflictError           409  a request id already holds an admission (ids are ours: a bug)
     ├── RateLimitedError        429  admission said no (carries Retry-After and limit headers)
     ├── NoCapacityError         429  no node can take the request now (Retry-After)
     ├── NotReadyError           503  the model is still loading
+    ├── UnavailableError        503  the rate-limit store is unreachable and admission fails closed
     └── UpstreamError           502  a node failed
+
+Every answer that carries `retry_after_s` gets `Retry-After` (whole seconds, 1..60:
+official clients ignore larger values) and `retry-after-ms` (what the openai client
+reads first).
 
 Workers AI bodies are the envelope `{"result": null, "success": false,
 "errors": [{"code", "message"}], "messages": []}`; OpenAI bodies are
@@ -22,6 +28,7 @@ Workers AI bodies are the envelope `{"result": null, "success": false,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,6 +83,10 @@ class RequestTooLargeError(GatewayError):
     pass
 
 
+class ConflictError(GatewayError):
+    pass
+
+
 class RateLimitedError(GatewayError):
     pass
 
@@ -85,6 +96,10 @@ class NoCapacityError(GatewayError):
 
 
 class NotReadyError(GatewayError):
+    pass
+
+
+class UnavailableError(GatewayError):
     pass
 
 
@@ -115,9 +130,11 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
     RequestTooLargeError: ErrorShape(
         413, 3006, 400, "invalid_request_error", "context_length_exceeded"
     ),
+    ConflictError: ErrorShape(409, 5004, 409, "invalid_request_error", "duplicate_request_id"),
     RateLimitedError: ErrorShape(429, 3036, 429, "rate_limit_error", "rate_limit_exceeded"),
     NoCapacityError: ErrorShape(429, 3040, 429, "server_error", "no_capacity"),
     NotReadyError: ErrorShape(503, 3040, 503, "server_error", "model_loading"),
+    UnavailableError: ErrorShape(503, 7010, 503, "server_error", "service_unavailable"),
     UpstreamError: ErrorShape(502, 3043, 502, "server_error", "upstream_error"),
 }
 
@@ -153,11 +170,16 @@ def error_status(error: GatewayError, dialect: Dialect) -> int:
     return shape.workers_ai_status if dialect == "workers_ai" else shape.openai_status
 
 
+MAX_RETRY_AFTER_S = 60  # the official clients ignore a Retry-After above this
+
+
 def error_headers(error: GatewayError) -> dict[str, str]:
     headers = dict(error.headers)
     if error.retry_after_s is not None:
+        retry_ms = min(max(1, math.ceil(error.retry_after_s * 1000)), MAX_RETRY_AFTER_S * 1000)
         # Retry-After is whole seconds; round up so a client never retries early.
-        headers["retry-after"] = str(max(1, int(-(-error.retry_after_s // 1))))
+        headers["retry-after"] = str(max(1, math.ceil(retry_ms / 1000)))
+        headers["retry-after-ms"] = str(retry_ms)
     return headers
 
 

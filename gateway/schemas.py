@@ -37,6 +37,18 @@ class Message(BaseModel):
         return {"role": role, "content": self.text()}
 
 
+class WorkersAIOptions(BaseModel):
+    """Workers AI request options (the body's `options` object)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, title="WorkersAIOptions")
+
+    reject_if_busy: bool = Field(
+        False,
+        alias="rejectIfBusy",
+        description="refuse at once (429, code 3040) instead of waiting when every node is busy",
+    )
+
+
 class WorkersAITextRequest(BaseModel):
     """Workers AI text generation: `prompt` (wrapped in the chat template unless `raw`) or `messages`."""
 
@@ -54,6 +66,11 @@ class WorkersAITextRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     raw: bool = False
+    options: WorkersAIOptions | None = None
+
+    @property
+    def reject_if_busy(self) -> bool:
+        return self.options is not None and self.options.reject_if_busy
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkersAITextRequest:

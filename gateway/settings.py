@@ -15,10 +15,27 @@ class GatewaySettings:
     max_node_connections: int = 1000
     default_chat_max_tokens: int = 256
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    # Fleet capacity admission: how long a request waits for a node when every one is full.
+    queue_deadline_s: float = 10.0
+    max_queued: int = 1024
+    max_queued_per_account: int = 256
+    # Bearer token of the admin API (/admin/v1) and of usage reports across accounts;
+    # None leaves the admin API unmounted.
+    admin_token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.internal_token:
             raise ValueError("internal_token must not be empty")
-        for name in ("capacity_max_age_s", "node_connect_timeout_s", "node_read_timeout_s"):
+        for name in (
+            "capacity_max_age_s",
+            "node_connect_timeout_s",
+            "node_read_timeout_s",
+            "max_queued",
+            "max_queued_per_account",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.queue_deadline_s < 0:
+            raise ValueError(f"queue_deadline_s must be >= 0, got {self.queue_deadline_s}")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("admin_token must be at least 16 characters (or None: no admin API)")

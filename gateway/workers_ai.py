@@ -60,7 +60,12 @@ async def run_model(request: Request) -> Response:
     body = await parse_body(request, WorkersAITextRequest)
     payload = body.node_payload()
     job = GenerationJob(
-        request_id_of(request), account_id, model, payload, estimate_tokens(payload)
+        request_id_of(request),
+        account_id,
+        model,
+        payload,
+        estimate_tokens(payload),
+        reject_if_busy=body.reject_if_busy,
     )
     upstream = await gateway_of(request).dispatcher.open(job)
     if body.stream:
