@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
+ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
+
+_QUEUE_DEADLINE = typer.Option(
+    10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
+)
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed in Redis)")
 
@@ -116,12 +121,17 @@ def up(
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     max_model_len: int | None = typer.Option(None, help="context window cap"),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
+    queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
-    """Gateway + one node in one process: ready in one command, no Redis needed."""
+    """Gateway + one node in one process: ready in one command, no Redis needed.
+
+    With --redis-url the stores are shared through Redis and a billing worker runs in
+    this process, moving the usage stream into the SQLite ledger."""
     from gateway.keys import new_key
 
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
+    admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     internal_token = secrets.token_urlsafe(24)
     node_port = _free_port("127.0.0.1")
 
@@ -130,7 +140,9 @@ def up(
         from gateway.settings import GatewaySettings
         from gpu_node.server import NodeService, NodeSettings, create_node_app
 
-        stores = await _stores(redis_url, prefix, port, local=redis_url is None)
+        stores = await _stores(
+            redis_url, prefix, port, local=redis_url is None, run_billing_worker=True
+        )
         await stores.keys.add(api_key, account_id)
         service = NodeService(
             NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
@@ -139,9 +151,9 @@ def up(
             engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len, kv_memory_mb),
         )  # fmt: skip
         gateway_app = create_app(
-            GatewaySettings(internal_token=internal_token),
-            keys=stores.keys, placer=stores.placer, limiter=stores.limiter, usage_sink=stores.sink,
-            is_ready=lambda: service.is_ready, on_startup=stores.start, on_shutdown=stores.close,
+            GatewaySettings(internal_token=internal_token, admin_token=admin_token,
+                            queue_deadline_s=queue_deadline_s),
+            is_ready=lambda: service.is_ready, **stores.app_kwargs(),
         )  # fmt: skip
         servers = [
             _server(create_node_app(service), "127.0.0.1", node_port),
@@ -153,6 +165,8 @@ def up(
         )
         typer.echo(f"  account id: {account_id}")
         typer.echo(f"  API key:    {api_key}")
+        typer.echo(f"  admin token: {admin_token}  (/admin/v1, usage of every account)")
+        typer.echo(f"  ledger:     {stores.ledger_location}")
         typer.echo("  try:")
         typer.echo(
             f"    curl {url}/client/v4/accounts/{account_id}/ai/run/@cf/huggingface/smollm2-135m-instruct \\\n"
@@ -217,66 +231,124 @@ def gateway(
     redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
     prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
     internal_token: str | None = typer.Option(None, help="or EDGESERVE_INTERNAL_TOKEN"),
+    admin_token: str | None = typer.Option(
+        None, envvar=ADMIN_TOKEN_ENV, help="bearer token of /admin/v1 (unset: no admin API)"
+    ),
+    database_url: str | None = typer.Option(
+        None, envvar="DATABASE_URL", help="Postgres ledger for usage reports (default: SQLite)"
+    ),
+    on_redis_error: str = typer.Option(
+        "open", help="open: local share of the limits | closed: 503 while Redis is away"
+    ),
+    queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
     """One stateless gateway reading keys, capacity and limits from Redis."""
     token = _internal_token(internal_token)
+    if on_redis_error not in ("open", "closed"):
+        raise typer.BadParameter("must be 'open' or 'closed'", param_hint="--on-redis-error")
 
     async def main() -> None:
         from gateway.app import create_app
         from gateway.settings import GatewaySettings
 
-        stores = await _stores(redis_url, prefix, port, local=False)
+        stores = await _stores(
+            redis_url, prefix, port, local=False, database_url=database_url,
+            on_redis_error=on_redis_error,
+        )  # fmt: skip
         app = create_app(
-            GatewaySettings(internal_token=token), keys=stores.keys, placer=stores.placer,
-            limiter=stores.limiter, usage_sink=stores.sink, on_startup=stores.start, on_shutdown=stores.close,
+            GatewaySettings(internal_token=token, admin_token=admin_token,
+                            queue_deadline_s=queue_deadline_s),
+            **stores.app_kwargs(),
         )  # fmt: skip
         typer.echo(f"gateway listening on http://{host}:{port}", err=True)
+        if admin_token is None:
+            typer.echo(f"no admin token ({ADMIN_TOKEN_ENV}): /admin/v1 is not mounted", err=True)
         await _run_servers([_server(app, host, port)])
 
     asyncio.run(main())
 
 
 class _Stores:
-    """The stores a gateway needs, in-process or in Redis, with their start/stop."""
+    """What a gateway is wired with, in-process or in Redis, and what runs beside it."""
 
     def __init__(
-        self, keys: Any, registry: Any, placer: Any, limiter: Any, sink: Any, client: Any
-    ) -> None:
+        self, keys: Any, registry: Any, placer: Any, limiter: Any, limit_store: Any,
+        policy: Any, sink: Any, ledger: Any, ledger_location: str, client: Any = None,
+        worker: Any = None,
+    ) -> None:  # fmt: skip
         self.keys, self.registry, self.placer = keys, registry, placer
-        self.limiter, self.sink, self._client = limiter, sink, client
+        self.limiter, self.limit_store, self.policy = limiter, limit_store, policy
+        self.sink, self.ledger, self.ledger_location = sink, ledger, ledger_location
+        self._client, self._worker = client, worker
+        self._worker_task: asyncio.Task[None] | None = None
+
+    def app_kwargs(self) -> dict[str, Any]:
+        """create_app's store arguments (the app starts and stops the limiter itself)."""
+        return {
+            "keys": self.keys, "placer": self.placer, "limiter": self.limiter,
+            "limit_store": self.limit_store, "limit_policy": self.policy,
+            "usage_sink": self.sink, "ledger": self.ledger,
+            "on_startup": self.start, "on_shutdown": self.close,
+        }  # fmt: skip
 
     async def start(self) -> None:
-        for part in (self.sink, self.limiter):
-            start = getattr(
-                part, "start", None
-            )  # the Redis ones heartbeat / replay in the background
-            if start is not None and asyncio.iscoroutine(result := start()):
-                await result
+        start = getattr(self.sink, "start", None)  # the Redis sink replays its journal
+        if start is not None and asyncio.iscoroutine(result := start()):
+            await result
+        if self._worker is not None:
+            self._worker_task = asyncio.create_task(self._worker.run(), name="billing-worker")
 
     async def close(self) -> None:
-        for part in (self.limiter, self.sink):
-            close = getattr(part, "aclose", None)
-            if close is not None:
-                await close()
+        close = getattr(self.sink, "aclose", None)
+        if close is not None:
+            await close()  # the local sink drains into the ledger before the ledger closes
+        if self._worker_task is not None:
+            self._worker.stop()  # returns after its batch in hand is committed and acked
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker_task
         if self._client is not None:
             await self._client.aclose()
+        self.ledger.close()
 
 
-async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool) -> _Stores:
+async def _stores(
+    redis_url: str | None,
+    prefix: str,
+    port: int,
+    *,
+    local: bool,
+    database_url: str | None = None,
+    on_redis_error: str = "open",
+    run_billing_worker: bool = False,
+) -> _Stores:
     from billing.ledger import default_sqlite_path, open_ledger
     from billing.sink import LocalUsageSink, RedisUsageSink
-    from gateway.admission import AdmissionSettings, LocalLimiter, RedisLimiter
+    from billing.worker import BillingWorker, WorkerConfig
+    from gateway.admission import (
+        AdmissionSettings,
+        LimitPolicy,
+        LocalLimiter,
+        RedisLimiter,
+        RedisLimitStore,
+    )
     from gateway.keys import MemoryKeyStore, RedisKeyStore
     from scheduler.capacity import CapacityView, LocalCapacityRegistry, RedisCapacityRegistry
     from scheduler.placement import LocalReservations, Placer, RedisReservations
 
+    location: str = database_url or str(default_sqlite_path())
+    if database_url is None:
+        default_sqlite_path().parent.mkdir(parents=True, exist_ok=True)
+    ledger = open_ledger(location)
+    shown_location = location.split("@")[-1]  # never print a database password
+    policy = LimitPolicy()
     if local:
         registry = LocalCapacityRegistry()
         placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
-        ledger_path = default_sqlite_path()
-        ledger_path.parent.mkdir(parents=True, exist_ok=True)
-        sink = LocalUsageSink(open_ledger(ledger_path))
-        return _Stores(MemoryKeyStore(), registry, placer, LocalLimiter(), sink, None)
+        limiter = LocalLimiter(policy)
+        return _Stores(
+            MemoryKeyStore(), registry, placer, limiter, limiter.store, policy,
+            LocalUsageSink(ledger), ledger, shown_location,
+        )  # fmt: skip
     import redis.asyncio as aioredis
 
     from edgeserve.settings import journal_path
@@ -286,15 +358,22 @@ async def _stores(redis_url: str | None, prefix: str, port: int, *, local: bool)
     shared_placer = Placer(
         CapacityView(shared_registry, max_age_s=1.0), RedisReservations(client, prefix)
     )
-    stream_sink = RedisUsageSink(client, f"{prefix}usage", journal_path(port))
-    return _Stores(
-        RedisKeyStore(client, prefix),
-        shared_registry,
-        shared_placer,
-        RedisLimiter(client, AdmissionSettings(key_prefix=prefix.rstrip(":"))),
-        stream_sink,
-        client,
+    stream_key = f"{prefix}usage"
+    admission = AdmissionSettings(
+        policy=policy,
+        key_prefix=prefix.rstrip(":"),
+        on_redis_error="closed" if on_redis_error == "closed" else "open",
     )
+    limit_store = RedisLimitStore(client, admission.key_prefix)
+    worker = None
+    if run_billing_worker:
+        worker = BillingWorker(client, ledger, WorkerConfig(stream_key=stream_key))
+    return _Stores(
+        RedisKeyStore(client, prefix), shared_registry, shared_placer,
+        RedisLimiter(client, admission, limit_store), limit_store, policy,
+        RedisUsageSink(client, stream_key, journal_path(port)), ledger, shown_location,
+        client, worker,
+    )  # fmt: skip
 
 
 def _keys_store(redis_url: str, prefix: str) -> Any:
