@@ -84,7 +84,9 @@ class TracingMiddleware:
         if (request_id := current_request_id.get()) is not None:
             attributes["edgeserve.request_id"] = request_id
         if server := scope.get("server"):
-            attributes["server.address"], attributes["server.port"] = server[0], server[1]
+            attributes["server.address"] = server[0]
+            if server[1] is not None:  # None on a Unix socket
+                attributes["server.port"] = server[1]
         if client := scope.get("client"):
             attributes["client.address"] = client[0]
         links: list[Link] = []
