@@ -300,9 +300,6 @@ def part_check(results: dict, device: str, trials: int) -> bool:
     cases = [  # shape, cache dtype, context lengths, dot dtype (None: the default)
         ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], None),
         ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], torch.float32),
-        ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], "prefetch"),
-        ("smollm2", torch.bfloat16, [1, 17, 100, 4097, 33, 2000, 15, 16], "prefetch"),
-        ("llama8b", FP8_DTYPE, [700, 1, 9000, 64], "prefetch"),
         ("smollm2", torch.bfloat16, [1, 17, 100, 4097, 33, 2000, 15, 16], None),
         ("smollm2", torch.float32, [300, 1, 5000], None),
         ("llama8b", FP8_DTYPE, [700, 1, 9000, 64], None),
@@ -311,8 +308,9 @@ def part_check(results: dict, device: str, trials: int) -> bool:
     for seed, (shape_name, cache_dtype, lens, dot_dtype) in enumerate(cases):
         try:
             batch = random_batch(lens, SHAPES[shape_name], cache_dtype, device, seed)
-            variant = {"prefetch": True} if dot_dtype == "prefetch" else {"dot_dtype": dot_dtype}
-            out, flags = paged_decode_attention(**batch, max_context_len=max(lens), **variant)
+            out, flags = paged_decode_attention(
+                **batch, max_context_len=max(lens), dot_dtype=dot_dtype
+            )
             ref, ref_flags = paged_decode_attention_ref(**batch)
             err = rel_err(out, ref)
             passed = err < CHECK_TOLERANCE and not flags.any() and not ref_flags.any()
@@ -354,9 +352,7 @@ def part_check(results: dict, device: str, trials: int) -> bool:
                 b["page_owner"][b["block_tables"][victim, column]] = FREE_PAGE_TAG
             else:  # the allocator hands victim's page to `other` as well
                 b["page_owner"][b["block_tables"][victim, column]] = b["seq_tags"][other]
-            _, flags = paged_decode_attention(
-                **b, max_context_len=max(lens), prefetch=trial % 2 == 1
-            )
+            _, flags = paged_decode_attention(**b, max_context_len=max(lens))
             expected = [i == victim for i in range(6)]
             detected[fault] += flags.tolist() == expected
     for fault, count in detected.items():
@@ -456,14 +452,6 @@ def tune(shape, cache_dtype) -> dict:
     # On the first config only: the split count, and fp32 (TF32) dots.
     candidates += [{**candidates[0], "target_programs": p * num_sms} for p in (2, 8)]
     candidates += [{**candidates[0], "dot_dtype": torch.float32}]
-    # Block i + 1's loads in flight while block i computes (then Triton's own pipelining
-    # is not needed: num_stages 1).
-    candidates += [
-        {"block_n": n, "num_warps": w, "num_stages": st, "target_programs": p * num_sms,
-         "prefetch": True}
-        for n, w, st, p in ((64, 4, 1, 4), (128, 4, 1, 4), (64, 4, 2, 4), (128, 8, 1, 4),
-                            (64, 4, 1, 8))
-    ]  # fmt: skip
     for options in candidates:
         try:
             total = sum(time_calls(calls, **options) for calls, _ in points)

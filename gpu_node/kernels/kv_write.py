@@ -73,9 +73,11 @@ def round_to_e4m3_tl(y):
     normal = (bits & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
     # Subnormal range (|y| < 2**-6): multiples of 2**-9. Adding 1.5 * 2**14 puts y where
     # fp32's spacing is 2**-9, so the add itself rounds to nearest even.
-    # The add loses the sign of values that round to zero; torch keeps it (-0.0).
-    subnormal = tl.abs((y + 24576.0) - 24576.0)
-    subnormal = tl.where(y.to(tl.int32, bitcast=True) < 0, -subnormal, subnormal)  # sign bit
+    # The add loses the sign of values that round to zero; torch keeps it (-0.0). The sign
+    # bit is put back with integer ops (a float negate of 0.0 came back +0.0 on an H200).
+    magnitude = tl.abs((y + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    subnormal = (magnitude | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 

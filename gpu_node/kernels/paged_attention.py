@@ -178,42 +178,6 @@ def _to_dot_tl(x, DOT_KIND: tl.constexpr):
 
 
 @triton.jit
-def _load_block_tl(
-    block_start, end, seq, kv_head, tag, block_tables_ptr, stride_bt, max_pages, num_pages,
-    page_owner_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, dims, dim_mask,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, CHECK_OWNER: tl.constexpr,
-):  # fmt: skip
-    """Everything one block of BLOCK_N tokens needs from memory, K/V still in cache dtype."""
-    tokens = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    is_valid = tokens < end
-    columns = tokens // PAGE_SIZE
-    has_column = is_valid & (columns < max_pages)
-    pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
-    pages = pages.to(tl.int64)
-    # Only the range check guards the K/V loads (memory safety); the owner comparison
-    # runs beside them and only flags, so it adds no latency to the loads.
-    is_loadable = has_column & (pages >= 0) & (pages < num_pages)
-    is_owned = is_loadable
-    if CHECK_OWNER:
-        owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
-        is_owned = is_loadable & (owners == tag)
-    bad = (is_valid & (is_owned == 0)).to(tl.int32)
-    rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
-    kv_mask = is_loadable[:, None] & dim_mask[None, :]
-    kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    if IS_FP8:
-        k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-        v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-    else:  # unused
-        k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-        v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    return is_valid, bad, k, v, k_scale, v_scale
-
-
-@triton.jit
 def _paged_decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -246,7 +210,6 @@ def _paged_decode_split_kernel(
     IS_FP8: tl.constexpr,
     CHECK_OWNER: tl.constexpr,
     DOT_KIND: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -270,34 +233,32 @@ def _paged_decode_split_kernel(
     running_sum = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     num_bad = tl.full([BLOCK_N], 0, tl.int32)
-    if PREFETCH:
-        # Software pipelining by hand: block i + 1's loads are in flight while block i is
-        # computed, so no load latency (page ids, owners, scales, K/V) is exposed.
-        next_block = _load_block_tl(
-            start, end, seq, kv_head, tag, block_tables_ptr, stride_bt, max_pages,
-            num_pages, page_owner_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, IS_FP8, CHECK_OWNER,
-        )  # fmt: skip
     for block_start in range(start, end, BLOCK_N):
-        if PREFETCH:
-            is_valid, bad, k, v, k_scale, v_scale = next_block
-            next_block = _load_block_tl(
-                block_start + BLOCK_N, end, seq, kv_head, tag, block_tables_ptr, stride_bt,
-                max_pages, num_pages, page_owner_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                v_scale_ptr, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                IS_FP8, CHECK_OWNER,
-            )  # fmt: skip
-        else:
-            is_valid, bad, k, v, k_scale, v_scale = _load_block_tl(
-                block_start, end, seq, kv_head, tag, block_tables_ptr, stride_bt, max_pages,
-                num_pages, page_owner_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, IS_FP8, CHECK_OWNER,
-            )  # fmt: skip
-        num_bad += bad
+        tokens = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        is_valid = tokens < end
+        columns = tokens // PAGE_SIZE
+        has_column = is_valid & (columns < max_pages)
+        pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
+        pages = pages.to(tl.int64)
+        # Only the range check guards the K/V loads (memory safety); the owner comparison
+        # runs beside them and only flags, so it adds no latency to the loop.
+        is_loadable = has_column & (pages >= 0) & (pages < num_pages)
+        is_owned = is_loadable
+        if CHECK_OWNER:
+            owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
+            is_owned = is_loadable & (owners == tag)
+        num_bad += (is_valid & (is_owned == 0)).to(tl.int32)
+
+        rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
+        kv_mask = is_loadable[:, None] & dim_mask[None, :]
+        kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
         # fp8 converts exactly to every dot dtype; the row scales are applied to the
         # score columns and to the probabilities instead of to every K/V element.
-        scores = tl.dot(q, tl.trans(_to_dot_tl(k, DOT_KIND))) * qk_scale  # [BLOCK_G, BLOCK_N]
+        k = _to_dot_tl(tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0), DOT_KIND)
+        v = _to_dot_tl(tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0), DOT_KIND)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
         if IS_FP8:
+            k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
             scores = scores * k_scale[None, :]
         scores = tl.where(is_valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.reduce(scores, 1, _maximum_tl))
@@ -305,9 +266,9 @@ def _paged_decode_split_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.reduce(probs, 1, _add_tl)
         if IS_FP8:
+            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
             probs = probs * v_scale[None, :]
-        pv = tl.dot(_to_dot_tl(probs, DOT_KIND), _to_dot_tl(v, DOT_KIND))  # [BLOCK_G, BLOCK_D]
-        acc = acc * correction[:, None] + pv
+        acc = acc * correction[:, None] + tl.dot(_to_dot_tl(probs, DOT_KIND), v)  # [G, D]
         running_max = new_max
 
     head_mask = groups < GROUP
@@ -385,7 +346,6 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     check_owner: bool = True,
     dot_dtype: torch.dtype | None = None,
-    prefetch: bool = False,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -398,7 +358,6 @@ def paged_decode_attention(
     split count aims at `target_programs` programs (default: 4 per multiprocessor).
     `check_owner=False` skips the ownership comparison (benchmarks only). `dot_dtype`
     is the operand dtype of the two matrix products (default: `default_dot_dtype`).
-    `prefetch` loads block i + 1 while block i is computed (software pipelining by hand).
     """
     num_pages, page_size, num_kv_heads, head_dim = _validate(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -461,7 +420,6 @@ def paged_decode_attention(
         IS_FP8=is_fp8,
         CHECK_OWNER=check_owner,
         DOT_KIND=_DOT_KINDS[dot_dtype],
-        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )
