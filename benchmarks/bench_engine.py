@@ -45,6 +45,7 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--kv-dtype", default="fp32")
+    parser.add_argument("--weights", default="int4")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -18,7 +18,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     kv_dtype: str = "fp32"
-    weights: str = "fp32"
+    weights: str = "int4"  # the GGUF's own 4-bit blocks; see README "Choices"
     device: str = "cpu"
     page_size: int = 16
     num_pages: int | None = None

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         top_k: int = typer.Option(0, "--top-k"),
         seed: int | None = typer.Option(None, "--seed"),
         kv_dtype: str = typer.Option("fp32", "--kv-dtype", help="fp32, bf16 or fp8"),
-        weights: str = typer.Option("fp32", "--weights", help="fp32, bf16 or int4"),
+        weights: str = typer.Option("int4", "--weights", help="int4 (default), bf16 or fp32"),
         system: str | None = typer.Option(None, "--system", help="a system message"),
         raw: bool = typer.Option(
             False, "--raw", help="send the prompt as is, without the chat template"

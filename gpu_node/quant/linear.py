@@ -6,8 +6,13 @@ The model code stays plain (`nn.Linear(in, out, bias=False)` everywhere);
     nn.Linear                     -> Int4Linear
     any module with `to_int4(group_size, symmetric)` (MoE experts) -> what that returns
 
-Int4Linear runs the Triton W4A16 kernel on CUDA and the torch reference
-anywhere else (dequantize, then an fp32 matmul).
+Int4Linear runs the Triton W4A16 kernel on CUDA. On a CPU it uses torch's own
+int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations in, fp32 out)
+when torch has it: the weights stay 4-bit and a decode step reads a quarter of
+the bytes of fp32. That kernel wants its own packing and `(q - 8) * scale + zero`
+with bf16 scale and zero, so each module keeps a second, CPU-packed copy of its
+codes (made once, on first use) and `zero = min + 8 * scale` rounded to bf16.
+`dequantize_int4` + an fp32 matmul remains the reference (`forward_ref`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu_node.quant.int4 import Int4Weight, dequantize_int4, int4_from_gguf_q4_1, quantize_int4
+from gpu_node.quant.int4 import (
+    Int4Weight,
+    dequantize_int4,
+    int4_from_gguf_q4_1,
+    quantize_int4,
+    unpack_int4,
+)
 
-INT4_BUFFERS = ("packed", "scales", "mins")  # buffer-name suffixes that hold INT4 weights
+INT4_BUFFERS = ("packed", "scales", "mins")
+_HAS_CPU_INT4 = hasattr(
+    torch.ops.aten, "_weight_int4pack_mm_for_cpu"
+)  # buffer-name suffixes that hold INT4 weights
 
 
 class Int4Linear(nn.Module):
@@ -35,6 +49,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
+        self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         )
@@ -64,9 +79,29 @@ class Int4Linear(nn.Module):
             from gpu_node.kernels.w4a16 import w4a16_matmul
 
             y = w4a16_matmul(x, self.weight_int4)
+        elif _HAS_CPU_INT4:
+            y = self._forward_cpu(x)
         else:
-            y = (x.float() @ dequantize_int4(self.weight_int4).T).to(x.dtype)
+            return self.forward_ref(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize, then an fp32 matmul: the arithmetic every path is checked against."""
+        y = (x.float() @ dequantize_int4(self.weight_int4).T).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu_pack is None:
+            n, k = self.out_features, self.in_features
+            codes = unpack_int4(self.packed).reshape(n, k).to(torch.int32)  # [N, K] in 0..15
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            scale, low = self.scales.float(), self.mins.float()  # [N, K/G]
+            scale_zero = torch.stack([scale.T, (low + 8 * scale).T], dim=-1)  # [K/G, N, 2]
+            self._cpu_pack = (packed, scale_zero.to(torch.bfloat16).contiguous())
+        packed, scale_zero = self._cpu_pack
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scale_zero)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"

@@ -39,9 +39,36 @@ def test_int4_answers_paris_and_tracks_the_dequantized_model(int4_parts, smollm2
     out = engine.generate({"q": ids}, SamplingParams(max_tokens=10))
     assert tokenizer.decode(out["q"]) == "The capital of France is Paris."
     reference = LLMEngine(EngineConfig(model="smollm2", num_pages=64), smollm2_parts[0], tokenizer)
-    diff = (prompt_logits(engine, ids) - prompt_logits(reference, ids)).abs().max().item()
-    # Q4_1 imports exactly: the INT4 model is the fp32-dequantized one up to summation order.
-    assert diff < 1e-3
+    fp32 = prompt_logits(reference, ids)
+    # torch's CPU int4 kernel: bf16 activations and bf16 scale/zero. Measured on three
+    # prompts: max |diff| 1.39 on logits reaching 38, and the same argmax everywhere.
+    fast = prompt_logits(engine, ids)
+    assert (fast - fp32).abs().max().item() < 2.0
+    assert torch.equal(fast.argmax(-1), fp32.argmax(-1))
+    # The reference arithmetic (dequantize, fp32 matmul) is the fp32 model exactly:
+    # Q4_1 blocks import without loss.
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    for linear in linears:
+        linear.forward = linear.forward_ref
+    try:
+        exact = prompt_logits(engine, ids)
+    finally:
+        for linear in linears:
+            del linear.forward
+    assert (exact - fp32).abs().max().item() < 1e-4
+
+
+def test_int4_greedy_continuation_matches_fp32_for_40_tokens(int4_parts, smollm2_parts, chat_ids):
+    model, tokenizer = int4_parts
+    ids = chat_ids("Tell me about the history of Rome.")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    int4 = LLMEngine(EngineConfig(model="smollm2", num_pages=64), model, tokenizer).generate(
+        {"r": ids}, params
+    )
+    fp32 = LLMEngine(
+        EngineConfig(model="smollm2", num_pages=64), smollm2_parts[0], tokenizer
+    ).generate({"r": ids}, params)
+    assert int4 == fp32
 
 
 @pytest.mark.parametrize("weights", ["int4", "fp32"])
