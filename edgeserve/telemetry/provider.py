@@ -16,8 +16,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry, make_asgi_app
-from starlette.types import ASGIApp
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from edgeserve.telemetry.metrics import GenAIMetrics
 from edgeserve.telemetry.settings import TelemetrySettings
@@ -47,9 +46,9 @@ class Telemetry:
     def record_content(self) -> bool:
         return self.settings.record_content
 
-    def metrics_app(self) -> ASGIApp:
-        """`GET /metrics`: the registry in Prometheus text format."""
-        return make_asgi_app(self.registry)  # type: ignore[no-any-return]
+    def render_metrics(self) -> tuple[bytes, str]:
+        """`GET /metrics`: the registry in Prometheus text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def force_flush(self, timeout_ms: int = 5000) -> bool:
         return self.provider is None or self.provider.force_flush(timeout_ms)
