@@ -67,15 +67,57 @@ class TracingMiddleware:
             return
         id_token = current_request_id.set(scope.get("state", {}).get("request_id"))
         try:
-            if self._telemetry.is_tracing:
-                await self._traced(scope, receive, send)
+            if self._telemetry.is_tracing or log.isEnabledFor(logging.INFO):
+                await self._observed(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
         finally:
             current_request_id.reset(id_token)
 
-    async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _observed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request under its server span, then one access-log line (no bodies, no content)."""
+        started_at = time.perf_counter()
         method: str = scope["method"]
+        span = self._start_span(scope, method)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        status_code = 500
+
+        async def send_observed(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_observed)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_attribute("error.type", type(exc).__qualname__)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__qualname__))
+            raise
+        finally:
+            route = self._route_of(scope)
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", status_code)
+                if route is not None:
+                    span.set_attribute("http.route", route)
+                    span.update_name(f"{method} {route}")
+                if status_code >= 500:
+                    span.set_attribute("error.type", str(status_code))
+                    span.set_status(Status(StatusCode.ERROR))
+            fields = {
+                "method": method,
+                "route": route,
+                "status": status_code,
+                "duration_ms": round((time.perf_counter() - started_at) * 1000, 3),
+            }
+            log.info("request finished", extra={"fields": fields})
+            otel_context.detach(token)
+            span.end()
+
+    def _start_span(self, scope: Scope, method: str) -> trace.Span:
+        if not self._telemetry.is_tracing:
+            return trace.INVALID_SPAN
         attributes: dict[str, Any] = {
             "http.request.method": method,
             "url.path": scope["path"],
@@ -97,39 +139,13 @@ class TracingMiddleware:
                 given = PROPAGATOR.extract({"traceparent": value.decode("latin-1")})
                 if (linked := trace.get_current_span(given).get_span_context()).is_valid:
                     links.append(Link(linked))
-        span = self._telemetry.tracer.start_span(
+        return self._telemetry.tracer.start_span(
             method,
             context=otel_context.Context(),  # a new root: see the class docstring
             kind=SpanKind.SERVER,
             attributes=attributes,
             links=links,
         )
-        token = otel_context.attach(trace.set_span_in_context(span))
-        status_code = 500
-
-        async def send_traced(message: Message) -> None:
-            nonlocal status_code
-            if message["type"] == "http.response.start":
-                status_code = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_traced)
-        except BaseException as exc:
-            span.record_exception(exc)
-            span.set_attribute("error.type", type(exc).__qualname__)
-            span.set_status(Status(StatusCode.ERROR, type(exc).__qualname__))
-            raise
-        finally:
-            otel_context.detach(token)
-            span.set_attribute("http.response.status_code", status_code)
-            if route := self._route_of(scope):
-                span.set_attribute("http.route", route)
-                span.update_name(f"{method} {route}")
-            if status_code >= 500:
-                span.set_attribute("error.type", str(status_code))
-                span.set_status(Status(StatusCode.ERROR))
-            span.end()
 
     def _route_of(self, scope: Scope) -> str | None:
         """The matched route's template (low cardinality, unlike the path)."""
