@@ -49,6 +49,12 @@ from scheduler.placement import Placement, Placer
 log = logging.getLogger(__name__)
 
 NO_CAPACITY_RETRY_S = 1.0
+# Admission's refusal reasons as a client reads them in "too many ... for this account".
+_REFUSAL_REASONS = {
+    "requests": "requests",
+    "tokens": "tokens",
+    "concurrency": "concurrent requests",
+}
 UNAVAILABLE_RETRY_S = 1.0  # the limiter probes Redis again about this soon after a failure
 
 
@@ -281,8 +287,9 @@ class Dispatcher:
                 f"admission failed: {exc}", retry_after_s=UNAVAILABLE_RETRY_S
             ) from None
         if not admission.admitted:
+            what = _REFUSAL_REASONS.get(admission.reason or "", admission.reason)
             raise RateLimitedError(
-                f"rate limited: too many {admission.reason} for this account",
+                f"rate limited: too many {what} for this account",
                 retry_after_s=admission.retry_after_s,
                 headers=dict(admission.headers),
             )
