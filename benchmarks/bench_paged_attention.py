@@ -22,7 +22,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -176,7 +178,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
-def random_batch(lens, shape, cache_dtype, device, seed, spare_pages=4):
+def random_batch(lens, shape, cache_dtype, device, seed, spare_pages=4) -> dict[str, Any]:
     """Sequences on shuffled pages of a random pool (one KV layer), written with kv_write_ref."""
     num_heads, num_kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seed)
@@ -249,9 +251,14 @@ def part_check(results: dict, device: str, trials: int) -> bool:
         owner = torch.randint(0, 4, (num_pages,), generator=gen).to(device)
         tags = owner[slots // PAGE_SIZE].clone()
         tags[::10] = 7  # every 10th token writes a page it does not own
-        outs = []
+        outs: list[list[Any]] = []
         # The kernel, the reference on the same device, and the reference on the CPU.
-        for write, where in ((kv_write, device), (kv_write_ref, device), (kv_write_ref, "cpu")):
+        writers: list[tuple[Callable[..., torch.Tensor], str]] = [
+            (kv_write, device),
+            (kv_write_ref, device),
+            (kv_write_ref, "cpu"),
+        ]
+        for write, where in writers:
             kc = torch.full((num_pages, PAGE_SIZE, heads, dim), 0.5, device=where).to(cache_dtype)
             vc = kc.clone()
             ks = vs = None
@@ -266,7 +273,7 @@ def part_check(results: dict, device: str, trials: int) -> bool:
             outs.append([t if t is None else t.cpu() for t in (flags, kc, vc, ks, vs)])
         same = True
         for name, ref_index in (("same-device ref", 1), ("cpu ref", 2)):
-            for label, a, b in zip(
+            for label, a, b_ in zip(
                 ("flags", "k_cache", "v_cache", "k_scale", "v_scale"),
                 outs[0],
                 outs[ref_index],
@@ -275,7 +282,7 @@ def part_check(results: dict, device: str, trials: int) -> bool:
                 if a is None:
                     continue
                 a_bits = a.view(torch.uint8) if a.dtype == FP8_DTYPE else a
-                b_bits = b.view(torch.uint8) if b.dtype == FP8_DTYPE else b
+                b_bits = b_.view(torch.uint8) if b_.dtype == FP8_DTYPE else b_
                 differ = a_bits != b_bits
                 if differ.any():
                     same = False
@@ -283,7 +290,7 @@ def part_check(results: dict, device: str, trials: int) -> bool:
                     log(
                         f"  kv_write {cache_dtype} vs {name}: {label} differs in "
                         f"{int(differ.sum())} places, e.g. {where_}: "
-                        f"{a[differ][:3].float().tolist()} vs {b[differ][:3].float().tolist()}"
+                        f"{a[differ][:3].float().tolist()} vs {b_[differ][:3].float().tolist()}"
                     )
         flagged = int(outs[0][0].sum())
         passed = same and flagged == tokens // 10
@@ -340,7 +347,9 @@ def part_check(results: dict, device: str, trials: int) -> bool:
         batch = random_batch(lens, SHAPES["smollm2"], FP8_DTYPE, device, seed=trial)
         needed = [math.ceil(n / PAGE_SIZE) for n in lens]
         for fault in detected:
-            b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            b: dict[str, Any] = {
+                k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()
+            }
             victim, other = torch.randperm(6, generator=gen)[:2].tolist()
             column = int(torch.randint(0, needed[victim], (1,), generator=gen))
             other_page = b["block_tables"][
@@ -445,7 +454,7 @@ def tune(shape, cache_dtype) -> dict:
     best, best_total = None, float("inf")
     points = [timing_pool(b, 32768, shape, cache_dtype) for b in (1, 64)]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    candidates = [
+    candidates: list[dict[str, Any]] = [
         {"block_n": n, "num_warps": w, "num_stages": st, "target_programs": 4 * num_sms}
         for n, w, st in CONFIGS
     ]

@@ -355,7 +355,8 @@ def paged_decode_attention(
 
     `max_context_len` (the scheduler knows it) sizes the split grid without reading
     `context_lens` back from the device; it must be >= every context length. The
-    split count aims at `target_programs` programs (default: 4 per multiprocessor).
+    split count aims at `target_programs` programs (default: 4 per multiprocessor, 8
+    for fp8 pages).
     `check_owner=False` skips the ownership comparison (benchmarks only). `dot_dtype`
     is the operand dtype of the two matrix products (default: `default_dot_dtype`).
     """
@@ -369,8 +370,11 @@ def paged_decode_attention(
         return out, violations.bool()
     if max_context_len is None:
         max_context_len = int(context_lens.max())
+    is_fp8 = k_cache.dtype == FP8_DTYPE
     if target_programs is None:
-        target_programs = 4 * _num_multiprocessors(q.device)
+        # Measured on an H200 (docs/bench/fp8_kv.md): fp8 pages did best with 8 programs
+        # per multiprocessor, 16-bit pages with 4.
+        target_programs = (8 if is_fp8 else 4) * _num_multiprocessors(q.device)
     # Enough splits to fill the GPU, each at least one BLOCK_N and a multiple of it.
     num_blocks = max(1, math.ceil(max_context_len / block_n))
     num_splits = min(num_blocks, max(1, math.ceil(target_programs / (batch * num_kv_heads))))
@@ -383,7 +387,6 @@ def paged_decode_attention(
         batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
     )
     part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
-    is_fp8 = k_cache.dtype == FP8_DTYPE
     if dot_dtype is None:
         dot_dtype = default_dot_dtype(q, k_cache)
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
