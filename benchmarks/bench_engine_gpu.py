@@ -44,7 +44,15 @@ LLAMA_1B = ModelConfig(
     num_kv_heads=8, head_dim=64, vocab_size=32768, max_position_embeddings=40960,
     rope_theta=500000.0, rms_norm_eps=1e-5,
 )  # fmt: skip
-TINY = dataclasses.replace(LLAMA_1B, num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+TINY = dataclasses.replace(
+    LLAMA_1B,
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 def sync(device):
@@ -57,7 +65,10 @@ def decode_step_ms(engine, batch, context, steps, device):
     params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"s{i}", [(i * 31 + j) % 30000 + 1 for j in range(context)], params)
-    while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     engine.step()
     engine.step()
@@ -79,6 +90,64 @@ def make_engine(model, device, **overrides):
     return LLMEngine(config, model, NullTokenizer())
 
 
+def check_kernels_match_references(model, device, kv_dtype):
+    """Greedy tokens through the Triton paths equal those through the torch references."""
+    from gpu_node.kv_cache import KVCache
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = {f"c{i}": [(i * 97 + j) % 30000 + 1 for j in range(20 + 37 * i)] for i in range(6)}
+    runs = []
+    for use_kernels in (True, False):
+        original = KVCache.uses_kernels
+        KVCache.uses_kernels = property(
+            lambda self, u=use_kernels: u and self.device.type == "cuda"
+        )
+        try:
+            engine = make_engine(model, device, kv_dtype=kv_dtype, num_pages=256)
+            runs.append(engine.generate(prompts, params))
+        finally:
+            KVCache.uses_kernels = original
+    same = sum(runs[0][k] == runs[1][k] for k in prompts)
+    print(
+        f"  {kv_dtype}: kernels vs references, greedy 24 tokens: {same}/{len(prompts)} sequences identical"
+    )
+
+
+def check_fault_detected_on_device(model, device):
+    import random
+
+    from gpu_node.faults import FaultInjector
+
+    detected = 0
+    for trial in range(20):
+        engine = make_engine(model, device, kv_dtype="fp8", num_pages=256)
+        for i in range(4):
+            engine.add_request(
+                f"f{i}",
+                [(i * 7 + j) % 3000 + 1 for j in range(40 + 9 * i)],
+                SamplingParams(max_tokens=12, ignore_eos=True),
+            )
+        for _ in range(3):
+            engine.step()
+        rng = random.Random(trial)
+        victim, other = rng.sample([s.request_id for s in engine.scheduler.running], 2)
+        injector = FaultInjector(engine, rng)
+        [
+            injector.point_at_foreign_page,
+            lambda a, b: injector.free_page_under(a),
+            injector.hand_page_twice,
+        ][trial % 3](victim, other)
+        finals = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.finish_reason
+        detected += finals[victim] == "error" and all(
+            r == "length" for k, r in finals.items() if k != victim
+        )
+    print(f"  injected faults detected on {device}: {detected}/20, others unaffected")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
@@ -87,8 +156,16 @@ def main() -> None:
     shape = TINY if args.tiny else LLAMA_1B
     dtype = torch.float32 if args.tiny else torch.bfloat16
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"device: {name}  torch {torch.__version__}  model shape: {shape.num_layers} layers x {shape.hidden_size}")
+    print(
+        f"device: {name}  torch {torch.__version__}  model shape: {shape.num_layers} layers x {shape.hidden_size}"
+    )
     model = seeded_llama(shape, seed=0, device=device).to(dtype)
+
+    print("\n0. correctness on this device")
+    small = seeded_llama(TINY, seed=3, device=device)
+    for kv in ("fp32", "fp8"):
+        check_kernels_match_references(small, device, kv)
+    check_fault_detected_on_device(small, device)
 
     print("\n1. decode step, fp8 vs bf16 KV pages (median ms/step)")
     grid = [(1, 256), (8, 256)] if args.tiny else [(1, 4096), (16, 4096), (64, 2048), (32, 8192)]
@@ -116,22 +193,33 @@ def main() -> None:
     results = {True: [], False: []}
     for _ in range(3):
         for check in (True, False):
-            engine = make_engine(model, device, kv_dtype="fp8", num_pages=pages, check_integrity=check)
+            engine = make_engine(
+                model, device, kv_dtype="fp8", num_pages=pages, check_integrity=check
+            )
             results[check].append(decode_step_ms(engine, batch, context, steps, device))
             del engine
     on, off = statistics.median(results[True]), statistics.median(results[False])
-    print(f"  batch {batch} ctx {context} fp8: on {on:.3f} ms  off {off:.3f} ms  cost {100 * (on - off) / off:+.2f}%")
+    print(
+        f"  batch {batch} ctx {context} fp8: on {on:.3f} ms  off {off:.3f} ms  cost {100 * (on - off) / off:+.2f}%"
+    )
 
     print("\n3. single-stream decode tok/s, INT4 vs bf16 weights")
     for label, build in (
         ("dense", lambda: seeded_llama(shape, seed=0, device=device).to(dtype)),
-        ("moe-medium", lambda: moe_model("moe-small" if args.tiny else "moe-medium", device=device).to(dtype)),
+        (
+            "moe-medium",
+            lambda: moe_model("moe-small" if args.tiny else "moe-medium", device=device).to(dtype),
+        ),
     ):
         row = {}
         for weights in ("bf16", "int4"):
             m = build()
             if weights == "int4":
-                quantize_model(m, group_size=32 if args.tiny else 128, skip=("lm_head", "embed_tokens", "router"))
+                quantize_model(
+                    m,
+                    group_size=32 if args.tiny else 128,
+                    skip=("lm_head", "embed_tokens", "router"),
+                )
             engine = make_engine(m, device, kv_dtype=kv16, num_pages=64)
             ms = decode_step_ms(engine, 1, 128, steps, device)
             row[weights] = 1e3 / ms
