@@ -1,14 +1,18 @@
 """W4A16 GEMM on the GPU: our Triton kernel vs torch bf16 matmul vs torch's int4 kernel.
 
-    python benchmarks/bench_w4a16.py [--json out.json]
+    python benchmarks/bench_w4a16.py [--json out.json] [--gemv-only] [--no-sweep]
 
-For each real layer shape (K in -> N out) and M = 1, 4, 16, 64 it times, with
-`triton.testing.do_bench` (median, L2 flushed before every call):
+For each real layer shape (K in -> N out) and M = 1, 4, 16, 64 it times:
   bf16        F.linear(x, W) with W bf16 [N, K]            (cuBLAS)
   torch-int4  torch._weight_int4pack_mm (tinygemm), group 128
-  ours        gpu_node.kernels.w4a16.w4a16_matmul, group 128
+  ours-mma    the tensor-core kernel of gpu_node.kernels.w4a16 (split-K forced to
+              its heuristic's value, which keeps w4a16_matmul off the GEMV path)
+  ours-gemv   gpu_node.kernels.w4a16_gemv.w4a16_gemv, M <= 8 only (what
+              w4a16_matmul runs there), activation permute included
 and prints the speedups and each kernel's achieved bandwidth as a fraction of a
-device-to-device copy measured in the same run. Needs only torch, triton, numpy.
+device-to-device copy measured in the same run. --gemv-only skips M > 8 and the
+tensor-core sweeps; --no-sweep skips all config sweeps. Needs only torch, triton,
+numpy.
 
 Timing: each variant is captured in a CUDA graph that calls it once on each of R
 copies of the weights (R copies together span >= 4x the 60 MB L2, so every call
@@ -33,6 +37,12 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
+from gpu_node.kernels.w4a16_gemv import (
+    MAX_M,
+    permute_activations,
+    w4a16_gemv,
+    w4a16_gemv_config,
+)
 from gpu_node.quant.int4 import Int4Weight, quantize_int4, unpack_int4
 
 SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> expert
@@ -120,10 +130,47 @@ def sweep_configs(k: int, n: int, qs: list[Int4Weight]) -> None:
         print(f"  sweep {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}", flush=True)
 
 
+def sweep_gemv(k: int, n: int, qs: list[Int4Weight], num_sms: int) -> None:
+    """GEMV sweep (rows per thread x warps x split-K) at M = 1 and 4 vs the heuristic."""
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        chosen = w4a16_gemv_config(m, n, k, num_sms)
+        results = []
+        for block_n in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8):
+                if k // 32 < 32 * warps:
+                    continue
+                for split in (1, 2, 4):
+                    cfg = {"BLOCK_N": block_n, "num_warps": warps, "BLOCK_C": 32 * warps}
+                    cfg["SPLIT_K"] = split
+                    calls = [lambda x=x, q=q, c=cfg: w4a16_gemv(x, q, config=c) for q in qs]
+                    results.append((bench_graph(calls, replays=10) * 1e3, block_n, warps, split))
+        results.sort()
+        best = ", ".join(f"{us:.1f} (BN {bn}, W {w}, S {sp})" for us, bn, w, sp in results[:4])
+        heur = [
+            us
+            for us, bn, w, sp in results
+            if (bn, w, sp) == (chosen["BLOCK_N"], chosen["num_warps"], chosen["SPLIT_K"])
+        ]
+        padded = -(-k // (32 * 32 * chosen["num_warps"])) * 32 * 32 * chosen["num_warps"]
+        block_m = chosen["BLOCK_M"]
+        t_perm = bench_graph([lambda x=x, b=block_m, p=padded: permute_activations(x, b, p)])
+        print(
+            f"  gemv sweep {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}; heuristic "
+            f"(BN {chosen['BLOCK_N']}, W {chosen['num_warps']}, S {chosen['SPLIT_K']}) "
+            f"{heur[0] if heur else float('nan'):.1f}; activation permute alone "
+            f"{t_perm * 1e3:.1f}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--gemv-only", action="store_true", help="M <= 8, no tensor-core sweeps")
+    parser.add_argument("--no-sweep", action="store_true", help="skip every config sweep")
     args = parser.parse_args()
+    batches = [b for b in BATCHES if b <= MAX_M] if args.gemv_only else BATCHES
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
@@ -146,13 +193,21 @@ def main() -> None:
             print(f"torch int4pack unavailable: {exc}")
             tgs = []
         q_bytes = q0.nbytes
-        for m in BATCHES:
+        for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = w4a16_matmul_ref(x, q0).float()
-            ours = w4a16_matmul(x, q0).float()
+            split = w4a16_config(m, n, k, GROUP, props.multi_processor_count)["SPLIT_K"]
+            ours = w4a16_matmul(x, q0, split_k=split).float()
             err = float((ours - ref).norm() / ref.norm())
             t_bf16 = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws])
-            t_ours = bench_graph([lambda x=x, q=q: w4a16_matmul(x, q) for q in qs])
+            t_ours = bench_graph(
+                [lambda x=x, q=q, s=split: w4a16_matmul(x, q, split_k=s) for q in qs]
+            )
+            t_gemv = gemv_err = None
+            if m <= MAX_M:
+                out_gemv = w4a16_gemv(x, q0).float()
+                gemv_err = float((out_gemv - ref).norm() / ref.norm())
+                t_gemv = bench_graph([lambda x=x, q=q: w4a16_gemv(x, q) for q in qs])
             t_tg = tg_err = None
             if tgs:
                 out_tg = torch._weight_int4pack_mm(x, tgs[0][0], GROUP, tgs[0][1]).float()
@@ -168,12 +223,19 @@ def main() -> None:
                 "K": k,
                 "N": n,
                 "M": m,
-                "split_k": w4a16_config(m, n, k, GROUP, props.multi_processor_count)["SPLIT_K"],
+                "split_k": split,
                 "bf16_us": t_bf16 * 1e3,
                 "torch_int4_us": None if t_tg is None else t_tg * 1e3,
                 "ours_us": t_ours * 1e3,
                 "speedup_vs_bf16": t_bf16 / t_ours,
                 "speedup_vs_torch_int4": None if t_tg is None else t_tg / t_ours,
+                "gemv_us": None if t_gemv is None else t_gemv * 1e3,
+                "gemv_speedup_vs_bf16": None if t_gemv is None else t_bf16 / t_gemv,
+                "gemv_speedup_vs_torch_int4": None
+                if t_gemv is None or t_tg is None
+                else t_tg / t_gemv,
+                "gemv_bw_frac": None if t_gemv is None else (q_bytes + io) / (t_gemv * 1e-3) / bw,
+                "rel_err_gemv": gemv_err,
                 "ours_bw_frac": (q_bytes + io) / (t_ours * 1e-3) / bw,
                 "bf16_bw_frac": (2 * n * k + io) / (t_bf16 * 1e-3) / bw,
                 "ideal_speedup": (2 * n * k + io) / (q_bytes + io),
@@ -182,31 +244,43 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-        # Split-K sweep at M = 1: does the heuristic pick well?
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        sweep = {
-            s: bench_graph([lambda s=s, x=x, q=q: w4a16_matmul(x, q, split_k=s) for q in qs]) * 1e3
-            for s in (1, 2, 4, 8, 16)
-        }
-        print(
-            f"split-K sweep M=1 K={k} N={n} (us): "
-            + ", ".join(f"{s}: {t:.1f}" for s, t in sweep.items())
-        )
-        if (k, n) in SHAPES[:2]:
-            sweep_configs(k, n, qs)
+        if not args.no_sweep:
+            sweep_gemv(k, n, qs, props.multi_processor_count)
+        if not args.gemv_only and not args.no_sweep:
+            # Split-K sweep at M = 1: does the heuristic pick well?
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            sweep = {
+                s: bench_graph([lambda s=s, x=x, q=q: w4a16_matmul(x, q, split_k=s) for q in qs])
+                * 1e3
+                for s in (1, 2, 4, 8, 16)
+            }
+            print(
+                f"split-K sweep M=1 K={k} N={n} (us): "
+                + ", ".join(f"{s}: {t:.1f}" for s, t in sweep.items())
+            )
+            if (k, n) in SHAPES[:2]:
+                sweep_configs(k, n, qs)
         del ws, qs, tgs
     print()
     print(
-        "| K x N | M | bf16 us | torch int4 us | ours us | vs bf16 | vs torch int4 | ours BW frac | bf16 BW frac | split-K | rel err |"
+        "| K x N | M | bf16 us | torch int4 us | ours-mma us | ours-gemv us | gemv vs bf16 "
+        "| gemv vs torch int4 | mma vs bf16 | gemv BW frac | mma BW frac | bf16 BW frac "
+        "| ideal vs bf16 | split-K (mma) | rel err gemv | rel err mma |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
     for r in rows:
-        tg = "-" if r["torch_int4_us"] is None else f"{r['torch_int4_us']:.1f}"
-        vs_tg = "-" if r["speedup_vs_torch_int4"] is None else f"{r['speedup_vs_torch_int4']:.2f}x"
         print(
-            f"| {r['K']}x{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {tg} | {r['ours_us']:.1f} | "
-            f"{r['speedup_vs_bf16']:.2f}x | {vs_tg} | {r['ours_bw_frac']:.2f} | {r['bf16_bw_frac']:.2f} | "
-            f"{r['split_k']} | {r['rel_err_ours']:.1e} |"
+            f"| {r['K']}x{r['N']} | {r['M']} | {r['bf16_us']:.1f} | "
+            f"{fmt(r['torch_int4_us'], '.1f')} | {r['ours_us']:.1f} | {fmt(r['gemv_us'], '.1f')} | "
+            f"{fmt(r['gemv_speedup_vs_bf16'], '.2f', 'x')} | "
+            f"{fmt(r['gemv_speedup_vs_torch_int4'], '.2f', 'x')} | "
+            f"{r['speedup_vs_bf16']:.2f}x | {fmt(r['gemv_bw_frac'], '.2f')} | "
+            f"{r['ours_bw_frac']:.2f} | {r['bf16_bw_frac']:.2f} | {r['ideal_speedup']:.2f}x | "
+            f"{r['split_k']} | {fmt(r['rel_err_gemv'], '.1e')} | {r['rel_err_ours']:.1e} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
