@@ -22,6 +22,7 @@ from starlette.types import ASGIApp
 from billing.http import ADMIN, Principal, usage_endpoint
 from billing.ledger import Ledger
 from billing.prices import PriceTable
+from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gateway import openai_api, workers_ai
 from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
 from gateway.admission.admin import LimitsAdmin
@@ -39,6 +40,7 @@ from gateway.keys import KeyStore
 from gateway.middleware import RequestIdMiddleware
 from gateway.openapi import build_openapi
 from gateway.settings import GatewaySettings
+from gateway.tracing import GenAITracer, TracingMiddleware
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -114,13 +116,17 @@ def create_app(
     is_ready: Callable[[], bool] = lambda: True,
     on_startup: Callable[[], Awaitable[object]] | None = None,
     on_shutdown: Callable[[], Awaitable[object]] | None = None,
+    telemetry: Telemetry | None = None,
 ) -> ASGIApp:
     """The public gateway. `is_ready` gates requests (503 until it says yes: `edgeserve up` loading);
     `on_startup` / `on_shutdown` start and stop what the caller wired in (sinks, clients).
 
     The app starts and stops the limiter itself. `limit_store` (with `settings.admin_token`)
     mounts the limits admin API under /admin/v1; `ledger` mounts the usage report route.
+    `telemetry` traces requests and backs /metrics (without it: metrics only, no spans).
     """
+    if telemetry is None:
+        telemetry = setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(
             settings.node_read_timeout_s, connect=settings.node_connect_timeout_s
@@ -141,6 +147,7 @@ def create_app(
         usage_sink,
         queue=queue,
         queue_deadline_s=settings.queue_deadline_s,
+        tracer=GenAITracer(telemetry),
     )
     gateway = Gateway(
         settings=settings,
@@ -152,6 +159,10 @@ def create_app(
 
     async def openapi(request: Request) -> Response:
         return JSONBytes(build_openapi())
+
+    async def metrics(request: Request) -> Response:
+        body, content_type = telemetry.render_metrics()
+        return Response(body, headers={"content-type": content_type})
 
     async def healthz(request: Request) -> Response:
         ready = gateway.is_ready()
@@ -178,6 +189,7 @@ def create_app(
         Route(f"{ACCOUNT_AI}/models/search", workers_ai.search_models, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     if ledger is not None:
         authorize = _usage_authorizer(keys, settings.admin_token)
@@ -198,4 +210,4 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    return RequestIdMiddleware(app)
+    return RequestIdMiddleware(TracingMiddleware(app, telemetry, app.routes))

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import httpx
 
 from billing.events import Status, UsageEvent
+from edgeserve.telemetry import TelemetrySettings, setup_telemetry
 from gateway.admission import (
     AdmissionError,
     AdmissionUnavailable,
@@ -44,6 +45,7 @@ from gateway.errors import (
     UnavailableError,
     UpstreamError,
 )
+from gateway.tracing import GenAISpan, GenAITracer
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class GenerationJob:
     payload: dict[str, Any]  # prompt/messages + sampling, in the node's generate schema
     estimated_tokens: int  # prompt estimate + max_tokens: what admission and placement reserve
     reject_if_busy: bool = False  # Workers AI options.rejectIfBusy: never wait for a node
+    stream: bool = False  # the client reads the answer as it comes (gen_ai.request.stream)
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,11 @@ class Upstream:
         first: dict[str, Any],
         started_at: float,
         headers: dict[str, str],
+        trace: GenAISpan,
     ) -> None:
         self._dispatcher = dispatcher
         self.job = job
+        self.trace = trace
         self.placement = placement
         self.headers = headers  # admission's rate-limit headers for the client
         self._response = response
@@ -167,7 +172,9 @@ class Upstream:
                 return
             num_tokens = len(event.get("token_ids", ()))
             self.num_delivered_tokens += num_tokens
-            yield TextChunk(event.get("text", ""), num_tokens)
+            text = event.get("text", "")
+            self.trace.output(text, num_tokens)
+            yield TextChunk(text, num_tokens)
 
     async def close(self) -> None:
         """Cancel on the node if unfinished, release reservations, record usage. Idempotent."""
@@ -189,6 +196,10 @@ class Upstream:
     @property
     def is_finished(self) -> bool:
         return self._finished is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self._finished is None else self._finished.finish_reason
 
     @property
     def started_at(self) -> float:
@@ -228,8 +239,13 @@ class Dispatcher:
         usage_sink: UsageSinkLike | None = None,
         queue: CapacityQueue[Placement] | None = None,
         queue_deadline_s: float = 0.0,
+        tracer: GenAITracer | None = None,
     ) -> None:
         self._client = client
+        # Without a tracer of the caller's, GenAI metrics go to a registry nobody scrapes.
+        self._tracer = tracer or GenAITracer(
+            setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
+        )
         self._placer = placer
         self._auth = {"authorization": f"Bearer {internal_token}"}
         self._limiter = limiter
@@ -240,17 +256,25 @@ class Dispatcher:
 
     async def open(self, job: GenerationJob) -> Upstream:
         started_at = time.time()
-        headers = await self._admit(job)
+        trace = self._tracer.start(job)
         try:
-            return await self._place_and_connect(job, started_at, headers)
+            with trace.step("admission"):
+                headers = await self._admit(job, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        try:
+            return await self._place_and_connect(job, started_at, headers, trace)
         except GatewayError as exc:
             # Refused after admission (no node, bad input per the node, node failure): the
             # client still learns where its limits stand.
             exc.headers = headers | exc.headers
             await self._release_admission(job, 0)
+            trace.fail(exc)
             raise
-        except BaseException:
+        except BaseException as exc:
             await self._release_admission(job, 0)
+            trace.fail(exc)
             raise
 
     async def _release_admission(self, job: GenerationJob, num_tokens: int) -> None:
@@ -264,7 +288,7 @@ class Dispatcher:
             # The limit store is away: its own expiry frees the slot; the answer to the client stands.
             log.warning("could not release admission for %s", job.request_id, exc_info=True)
 
-    async def _admit(self, job: GenerationJob) -> dict[str, str]:
+    async def _admit(self, job: GenerationJob, trace: GenAISpan) -> dict[str, str]:
         if self._limiter is None:
             return {}
         try:
@@ -272,6 +296,7 @@ class Dispatcher:
                 job.account_id, job.model.node_model, job.request_id, job.estimated_tokens
             )
         except RequestTooLarge as exc:
+            trace.rejected("too_large")
             raise RequestTooLargeError(str(exc)) from None
         except (InvalidRequest, InvalidLimits) as exc:
             raise InvalidRequestError(f"cannot admit this request: {exc}") from None
@@ -281,12 +306,15 @@ class Dispatcher:
             raise ConflictError(str(exc)) from None
         except AdmissionUnavailable as exc:
             # Fail-closed: without the shared counters nobody is admitted.
+            trace.rejected("unavailable")
             raise UnavailableError(str(exc), retry_after_s=UNAVAILABLE_RETRY_S) from None
         except AdmissionError as exc:
+            trace.rejected("unavailable")
             raise UnavailableError(
                 f"admission failed: {exc}", retry_after_s=UNAVAILABLE_RETRY_S
             ) from None
         if not admission.admitted:
+            trace.rejected(admission.reason or "unknown")
             what = _REFUSAL_REASONS.get(admission.reason or "", admission.reason)
             raise RateLimitedError(
                 f"rate limited: too many {what} for this account",
@@ -296,7 +324,7 @@ class Dispatcher:
         return dict(admission.headers)
 
     async def _place_and_connect(
-        self, job: GenerationJob, started_at: float, headers: dict[str, str]
+        self, job: GenerationJob, started_at: float, headers: dict[str, str], trace: GenAISpan
     ) -> Upstream:
         body = json.dumps(
             {
@@ -307,24 +335,32 @@ class Dispatcher:
             | job.payload,
             separators=(",", ":"),
         ).encode()
-        placement = await self._first_placement(job)
+        with trace.step("placement"):
+            try:
+                placement = await self._first_placement(job)
+            except NoCapacityError:
+                trace.rejected("no_capacity")
+                raise
+        trace.placed(placement)
         tried = {placement.node_id}
         while True:  # the first node, then one retry elsewhere
             try:
-                return await self._connect(job, placement, body, started_at, headers)
+                return await self._connect(job, placement, body, started_at, headers, trace)
             except UpstreamError as exc:
                 log.warning("node %s failed before the first token: %s", placement.node_id, exc)
                 retry = None
                 if len(tried) == 1:
-                    retry = await self._placer.place(
-                        job.model.node_model,
-                        job.request_id,
-                        job.estimated_tokens,
-                        exclude=frozenset(tried),
-                    )
+                    with trace.step("placement"):
+                        retry = await self._placer.place(
+                            job.model.node_model,
+                            job.request_id,
+                            job.estimated_tokens,
+                            exclude=frozenset(tried),
+                        )
                 if retry is None:
                     raise
                 placement = retry
+                trace.placed(placement)
                 tried.add(placement.node_id)
             except BaseException:
                 await self.release_placement(placement)
@@ -377,13 +413,14 @@ class Dispatcher:
         body: bytes,
         started_at: float,
         headers: dict[str, str],
+        trace: GenAISpan,
     ) -> Upstream:
         """POST to the node and wait for its first event; UpstreamError when the node is at fault."""
         request = self._client.build_request(
             "POST",
             f"{placement.address}/internal/v1/generate",
             content=body,
-            headers=self._auth | {"content-type": "application/json"},
+            headers=self._auth | {"content-type": "application/json"} | trace.traceparent(),
         )
         response: httpx.Response | None = None
         try:
@@ -406,7 +443,9 @@ class Dispatcher:
                 raise UpstreamError(
                     f"node {placement.node_id} failed: {first['error'].get('message')}"
                 )
-            return Upstream(self, job, placement, response, lines, first, started_at, headers)
+            return Upstream(
+                self, job, placement, response, lines, first, started_at, headers, trace
+            )
         except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError) as exc:
             await self._drop(response, placement)
             raise UpstreamError(
@@ -427,6 +466,13 @@ class Dispatcher:
             await self._cancel_on_node(placement, job.request_id)
         await self.release_placement(placement)
         status, input_tokens, output_tokens, cached_tokens = upstream.usage_status()
+        upstream.trace.finish(
+            finish_reason=upstream.finish_reason,
+            num_input_tokens=input_tokens,
+            num_output_tokens=output_tokens,
+            num_cached_tokens=cached_tokens,
+            error_type={"ok": None, "error": "UpstreamError"}.get(status, status),
+        )
         await self._release_admission(job, input_tokens + output_tokens)
         if self._usage_sink is not None:
             await self._usage_sink.record(

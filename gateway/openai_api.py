@@ -110,7 +110,9 @@ async def chat_completions(request: Request) -> Response:
     model = resolve_model(request, body.model)
     payload = body.node_payload(gateway_of(request).settings.default_chat_max_tokens)
     request_id = request_id_of(request)
-    job = GenerationJob(request_id, account_id, model, payload, estimate_tokens(payload))
+    job = GenerationJob(
+        request_id, account_id, model, payload, estimate_tokens(payload), stream=body.stream
+    )
     upstream = await gateway_of(request).dispatcher.open(job)
     completion_id = f"chatcmpl-{request_id}"
     if body.stream:
@@ -146,7 +148,9 @@ async def completions(request: Request) -> Response:
     model = resolve_model(request, body.model)
     payload = body.node_payload(gateway_of(request).settings.default_completion_max_tokens)
     request_id = request_id_of(request)
-    job = GenerationJob(request_id, account_id, model, payload, estimate_tokens(payload))
+    job = GenerationJob(
+        request_id, account_id, model, payload, estimate_tokens(payload), stream=body.stream
+    )
     upstream = await gateway_of(request).dispatcher.open(job)
     completion_id = f"cmpl-{request_id}"
     if body.stream:

@@ -66,6 +66,7 @@ async def run_model(request: Request) -> Response:
         payload,
         estimate_tokens(payload),
         reject_if_busy=body.reject_if_busy,
+        stream=body.stream,
     )
     upstream = await gateway_of(request).dispatcher.open(job)
     if body.stream:

@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -33,9 +34,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gpu_node.errors import EngineStoppedError, InvalidRequestError
 from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.node_app.service import NodeService, NodeSettings
+from gpu_node.telemetry import NodeSpan, NodeTelemetry
 
 __all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
@@ -86,6 +89,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 async def generate(request: Request) -> Response:
     """Run one generation and stream it back as NDJSON (see the module docstring)."""
+    started_ns = time.time_ns()
     service: NodeService = request.app.state.service
     if service.engine is None or service.is_draining:
         why = "draining" if service.is_draining else "the model is still loading"
@@ -120,6 +124,8 @@ async def generate(request: Request) -> Response:
             f"context window of {engine.max_model_len} tokens",
         )
 
+    telemetry: NodeTelemetry = request.app.state.telemetry
+    span = telemetry.start(request.headers, body, len(prompt_ids), started_ns)
     outputs = engine.generate(body.request_id, prompt_ids, params, cache_salt=body.account_id)
     service.num_in_flight += 1
     try:
@@ -128,21 +134,29 @@ async def generate(request: Request) -> Response:
         first = await anext(outputs)
     except InvalidRequestError as exc:
         service.num_in_flight -= 1
+        span.fail("invalid_request", str(exc))
         return error_response("invalid_request", str(exc))
     except EngineStoppedError:
         service.num_in_flight -= 1
+        span.fail("over_capacity", "the engine is stopping")
         return error_response("over_capacity", "the engine is stopping")
-    except BaseException:
+    except BaseException as exc:
         service.num_in_flight -= 1
+        span.fail(type(exc).__qualname__)
         engine.abort(body.request_id)
         raise
     return StreamingResponse(
-        _stream(service, body.request_id, first, outputs), media_type="application/x-ndjson"
+        _stream(service, body.request_id, first, outputs, span),
+        media_type="application/x-ndjson",
     )
 
 
 async def _stream(
-    service: NodeService, request_id: str, first: Any, outputs: AsyncIterator[Any]
+    service: NodeService,
+    request_id: str,
+    first: Any,
+    outputs: AsyncIterator[Any],
+    span: NodeSpan,
 ) -> AsyncIterator[bytes]:
     assert service.engine is not None
     engine = service.engine
@@ -161,6 +175,7 @@ async def _stream(
                 yield _line(chunk)
             if out.finished:
                 finished = True
+                span.finish(out)
                 if out.finish_reason == "error":
                     yield _line(
                         {"error": {"code": "internal", "message": out.error or "engine error"}}
@@ -175,14 +190,17 @@ async def _stream(
                 return
             out = await anext(outputs)
     except StopAsyncIteration:
+        span.fail("engine_error", "the engine ended the request early")
         yield _line(
             {"error": {"code": "internal", "message": "the engine ended the request early"}}
         )
     except Exception as exc:
         log.exception("generation %s failed", request_id)
+        span.fail(type(exc).__qualname__, str(exc))
         yield _line({"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}})
     finally:
         service.num_in_flight -= 1
+        span.fail("cancelled")  # a no-op once the span ended
         if not finished:
             # The client went away (or the stream broke): free the pages now, not at GC time.
             engine.abort(request_id)
@@ -224,8 +242,18 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def create_node_app(service: NodeService) -> ASGIApp:
-    """The node's ASGI app; starting it starts the service (loading, heartbeat), stopping it drains."""
+async def metrics(request: Request) -> Response:
+    """GET /metrics: engine gauges and counters, the engine-side GenAI histograms."""
+    telemetry: NodeTelemetry = request.app.state.telemetry
+    body, content_type = telemetry.telemetry.render_metrics()
+    return Response(body, headers={"content-type": content_type})
+
+
+def create_node_app(service: NodeService, telemetry: Telemetry | None = None) -> ASGIApp:
+    """The node's ASGI app; starting it starts the service (loading, heartbeat), stopping it drains.
+
+    `telemetry` traces generations (continuing the gateway's trace) and backs /metrics.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -241,8 +269,14 @@ def create_node_app(service: NodeService) -> ASGIApp:
             Route("/internal/v1/requests/{request_id}", cancel, methods=["DELETE"]),
             Route("/internal/v1/health", health, methods=["GET"]),
             Route("/internal/v1/capacity", capacity, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.telemetry = NodeTelemetry(
+        telemetry or setup_telemetry(TelemetrySettings("edgeserve-node", is_tracing=False)),
+        service.settings.node_id,
+        lambda: None if service.engine is None else service.engine.stats(),
+    )
     return InternalTokenAuth(app, service.settings.internal_token)
