@@ -138,10 +138,12 @@ def _w4a16_gemv_kernel(
             src = ((words >> (16 * half)) & 0xFFFF) | MAGIC
             for nib in tl.static_range(4):
                 p = 4 * half + nib  # nibble of the word: byte p // 2, high half if p is odd
-                bits = src & ((15 << (4 * nib)) | MAGIC)  # one AND with one immediate
-                q = bits.to(tl.float32, bitcast=True) - MAGIC_F  # q * 16^nib, exact
-                nib_scale = scale * (1.0 / (1 << (4 * nib)))  # [BLOCK_N, BLOCK_C], exact
-                w = q * nib_scale[:, :, None] + min_[:, :, None]  # [BLOCK_N, BLOCK_C, 4]
+                bits = src & ((15 << (4 * nib)) | MAGIC)  # 2^23 + q * 16^nib, as bits
+                # -> q in one exact FMA: a power-of-two scale, then a difference of two
+                # floats of the same binade
+                unit = 1.0 / (1 << (4 * nib))
+                q = bits.to(tl.float32, bitcast=True) * unit - MAGIC_F * unit
+                w = q * scale[:, :, None] + min_[:, :, None]  # [BLOCK_N, BLOCK_C, 4]
                 x_p = tl.load(x_ptrs + (p * stride_xp + c0 * 4))  # [BLOCK_M, 1, BLOCK_C, 4]
                 acc += w[None, :, :, :] * x_p
     # [BLOCK_M, BLOCK_N]: the one cross-thread reduction of the program
