@@ -132,11 +132,12 @@ def check_fault_detected_on_device(model, device):
         rng = random.Random(trial)
         victim, other = rng.sample([s.request_id for s in engine.scheduler.running], 2)
         injector = FaultInjector(engine, rng)
-        [
-            injector.point_at_foreign_page,
-            lambda a, b: injector.free_page_under(a),
-            injector.hand_page_twice,
-        ][trial % 3](victim, other)
+        if trial % 3 == 0:
+            injector.point_at_foreign_page(victim, other)
+        elif trial % 3 == 1:
+            injector.free_page_under(victim)
+        else:
+            injector.hand_page_twice(victim, other)
         finals = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -151,6 +152,7 @@ def check_fault_detected_on_device(model, device):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--sections", default="0123", help="which sections to run, e.g. 2")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shape = TINY if args.tiny else LLAMA_1B
@@ -161,73 +163,79 @@ def main() -> None:
     )
     model = seeded_llama(shape, seed=0, device=device).to(dtype)
 
-    print("\n0. correctness on this device")
-    small = seeded_llama(TINY, seed=3, device=device)
-    for kv in ("fp32", "fp8"):
-        check_kernels_match_references(small, device, kv)
-    check_fault_detected_on_device(small, device)
-
-    print("\n1. decode step, fp8 vs bf16 KV pages (median ms/step)")
-    grid = [(1, 256), (8, 256)] if args.tiny else [(1, 4096), (16, 4096), (64, 2048), (32, 8192)]
+    sections = args.sections
     steps = 4 if args.tiny else 20
     kv16 = "fp32" if args.tiny else "bf16"
-    for batch, context in grid:
+    if "0" in sections:
+        print("\n0. correctness on this device")
+        small = seeded_llama(TINY, seed=3, device=device)
+        for kv in ("fp32", "fp8"):
+            check_kernels_match_references(small, device, kv)
+        check_fault_detected_on_device(small, device)
+    if "1" in sections:
+        print("\n1. decode step, fp8 vs bf16 KV pages (median ms/step)")
+        grid = (
+            [(1, 256), (8, 256)] if args.tiny else [(1, 4096), (16, 4096), (64, 2048), (32, 8192)]
+        )
+        for batch, context in grid:
+            pages = batch * (context // 16 + 4) + 8
+            row = {}
+            for kv in (kv16, "fp8"):
+                engine = make_engine(model, device, kv_dtype=kv, num_pages=pages)
+                row[kv] = decode_step_ms(engine, batch, context, steps, device)
+                del engine
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"  batch {batch:3d} ctx {context:5d}: {kv16} {row[kv16]:7.2f}  fp8 {row['fp8']:7.2f}  "
+                  f"{kv16}/fp8 {row[kv16] / row['fp8']:.2f}x")  # fmt: skip
+        gib = 1 << 30
+        for kv in ("bf16", "fp8"):
+            per_page = bytes_per_page(kv, shape.num_layers, 16, shape.num_kv_heads, shape.head_dim)
+            print(f"  KV tokens per GiB, {kv}: {gib // per_page * 16}")
+    if "2" in sections:
+        print("\n2. integrity checks on vs off (median ms/step, alternated 3 times)")
+        batch, context = (8, 256) if args.tiny else (32, 4096)
         pages = batch * (context // 16 + 4) + 8
-        row = {}
-        for kv in (kv16, "fp8"):
-            engine = make_engine(model, device, kv_dtype=kv, num_pages=pages)
-            row[kv] = decode_step_ms(engine, batch, context, steps, device)
-            del engine
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        print(f"  batch {batch:3d} ctx {context:5d}: {kv16} {row[kv16]:7.2f}  fp8 {row['fp8']:7.2f}  "
-              f"{kv16}/fp8 {row[kv16] / row['fp8']:.2f}x")  # fmt: skip
-    gib = 1 << 30
-    for kv in ("bf16", "fp8"):
-        per_page = bytes_per_page(kv, shape.num_layers, 16, shape.num_kv_heads, shape.head_dim)
-        print(f"  KV tokens per GiB, {kv}: {gib // per_page * 16}")
-
-    print("\n2. integrity checks on vs off (median ms/step, alternated 3 times)")
-    batch, context = (8, 256) if args.tiny else (32, 4096)
-    pages = batch * (context // 16 + 4) + 8
-    results = {True: [], False: []}
-    for _ in range(3):
-        for check in (True, False):
-            engine = make_engine(
-                model, device, kv_dtype="fp8", num_pages=pages, check_integrity=check
-            )
-            results[check].append(decode_step_ms(engine, batch, context, steps, device))
-            del engine
-    on, off = statistics.median(results[True]), statistics.median(results[False])
-    print(
-        f"  batch {batch} ctx {context} fp8: on {on:.3f} ms  off {off:.3f} ms  cost {100 * (on - off) / off:+.2f}%"
-    )
-
-    print("\n3. single-stream decode tok/s, INT4 vs bf16 weights")
-    for label, build in (
-        ("dense", lambda: seeded_llama(shape, seed=0, device=device).to(dtype)),
-        (
-            "moe-medium",
-            lambda: moe_model("moe-small" if args.tiny else "moe-medium", device=device).to(dtype),
-        ),
-    ):
-        row = {}
-        for weights in ("bf16", "int4"):
-            m = build()
-            if weights == "int4":
-                quantize_model(
-                    m,
-                    group_size=32 if args.tiny else 128,
-                    skip=("lm_head", "embed_tokens", "router"),
+        results = {True: [], False: []}
+        for _ in range(3):
+            for check in (True, False):
+                engine = make_engine(
+                    model, device, kv_dtype="fp8", num_pages=pages, check_integrity=check
                 )
-            engine = make_engine(m, device, kv_dtype=kv16, num_pages=64)
-            ms = decode_step_ms(engine, 1, 128, steps, device)
-            row[weights] = 1e3 / ms
-            del engine, m
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        print(f"  {label:10s}: bf16 {row['bf16']:7.1f} tok/s  int4 {row['int4']:7.1f} tok/s  "
-              f"int4/bf16 {row['int4'] / row['bf16']:.2f}x")  # fmt: skip
+                results[check].append(decode_step_ms(engine, batch, context, steps, device))
+                del engine
+        on, off = statistics.median(results[True]), statistics.median(results[False])
+        print(
+            f"  batch {batch} ctx {context} fp8: on {on:.3f} ms  off {off:.3f} ms  cost {100 * (on - off) / off:+.2f}%"
+        )
+    if "3" in sections:
+        print("\n3. single-stream decode tok/s, INT4 vs bf16 weights")
+        for label, build in (
+            ("dense", lambda: seeded_llama(shape, seed=0, device=device).to(dtype)),
+            (
+                "moe-medium",
+                lambda: moe_model("moe-small" if args.tiny else "moe-medium", device=device).to(
+                    dtype
+                ),
+            ),
+        ):
+            row = {}
+            for weights in ("bf16", "int4"):
+                m = build()
+                if weights == "int4":
+                    quantize_model(
+                        m,
+                        group_size=32 if args.tiny else 128,
+                        skip=("lm_head", "embed_tokens", "router"),
+                    )
+                engine = make_engine(m, device, kv_dtype=kv16, num_pages=64)
+                ms = decode_step_ms(engine, 1, 128, steps, device)
+                row[weights] = 1e3 / ms
+                del engine, m
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"  {label:10s}: bf16 {row['bf16']:7.1f} tok/s  int4 {row['int4']:7.1f} tok/s  "
+                  f"int4/bf16 {row['int4'] / row['bf16']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

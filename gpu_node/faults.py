@@ -35,7 +35,7 @@ class FaultInjector:
         """Frees one of a running sequence's pages behind its back (it stays in its table)."""
         seq = self._seq(request_id)
         page = self.rng.choice(seq.block_table)
-        self.block_manager.page_owner[page] = FREE
+        self.block_manager.set_owner([page], FREE)
         self.block_manager._free.appendleft(page)  # handed out again first
         return page
 
@@ -44,5 +44,5 @@ class FaultInjector:
         owner, other = self._seq(owner_id), self._seq(other_id)
         page = self.rng.choice(owner.block_table)
         other.block_table.append(page)
-        self.block_manager.page_owner[page] = sequence_tag(other)
+        self.block_manager.set_owner([page], sequence_tag(other))
         return page

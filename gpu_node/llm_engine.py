@@ -75,7 +75,11 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(
-            model, self.kv_cache, self.block_manager.page_owner, config.check_integrity
+            model,
+            self.kv_cache,
+            self.block_manager.page_owner,
+            self.block_manager.page_owner_host,
+            config.check_integrity,
         )
         self.num_integrity_violations = 0
         self._requests: dict[str, _RequestState] = {}
@@ -201,7 +205,7 @@ class LLMEngine:
 
     def _fail_integrity(self, seq: Sequence) -> RequestOutput:
         tag = sequence_tag(seq)
-        owners = self.block_manager.page_owner
+        owners = self.block_manager.page_owner_host
         foreign = [(p, int(owners[p])) for p in seq.block_table if int(owners[p]) != tag]
         page, owner = foreign[0] if foreign else (-1, -1)
         self.num_integrity_violations += 1

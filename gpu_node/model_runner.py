@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_node.attention import PagedAttention, StepMetadata
-from gpu_node.kernels.paged_attention import check_page_ownership
 from gpu_node.kv_cache import KVCache
 from gpu_node.models.llama import LlamaModel
 from scheduler.block_manager import sequence_tag
@@ -21,20 +21,28 @@ class StepResult:
     violations: list[bool]  # per chunk: the kernels saw a page the sequence does not own
 
 
-def repeated_pages(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """bool [B]: a sequence's used block-table entries name one page twice.
+def find_violations_host(
+    tables: np.ndarray, table_lens: np.ndarray, context_lens: np.ndarray, page_size: int,
+    page_owner: np.ndarray, seq_tags: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """bool [B]: sequence b's block table (tables[b, :table_lens[b]]) reaches a page outside
+    the pool, a page another tag owns, or one page twice, within its first
+    ceil(context_lens[b] / page_size) entries, or is too short to cover them.
 
-    Ownership tags cannot see this (the page is the sequence's own), yet two
-    positions would then share one slot.
+    Tags cannot see a page named twice (it is the sequence's own), yet two positions
+    would then share one slot, hence the third rule.
     """
-    width = block_tables.shape[1]
-    columns = torch.arange(width, device=block_tables.device)
-    is_used = columns < ((context_lens.long() + page_size - 1) // page_size)[:, None]  # [B, M]
-    pages = torch.where(is_used, block_tables.long(), -1 - columns)  # unused entries never collide
-    ordered = pages.sort(dim=1).values
-    return (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+    num_pages = len(page_owner)
+    columns = np.arange(tables.shape[1])
+    needed = -(-context_lens // page_size)  # [B]
+    is_used = columns[None, :] < needed[:, None]  # [B, M]
+    in_range = (tables >= 0) & (tables < num_pages)
+    owners = page_owner[np.clip(tables, 0, num_pages - 1)]
+    is_foreign = is_used & (~in_range | (owners != seq_tags[:, None]))
+    marked = np.where(is_used, tables, -1 - columns[None, :])  # unused entries never collide
+    ordered = np.sort(marked, axis=1)
+    is_repeated = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+    return is_foreign.any(axis=1) | is_repeated | (needed > table_lens)
 
 
 class ModelRunner:
@@ -43,32 +51,49 @@ class ModelRunner:
         model: LlamaModel,
         kv_cache: KVCache,
         page_owner: torch.Tensor,
+        page_owner_host: np.ndarray,
         check_owner: bool = True,
     ):
         self.model = model
         self.check_owner = check_owner
         self.kv_cache = kv_cache
         self.page_owner = page_owner
+        self.page_owner_host = page_owner_host
         self.device = kv_cache.device
         self.scale = model.config.head_dim**-0.5
 
-    def _tables(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        context_lens = [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]
-        width = max(1, *(len(c.seq.block_table) for c in chunks))
-        tables = torch.zeros((len(chunks), width), dtype=torch.int32)
+    def _host_tables(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tables int64 [B, M] padded with 0, table lengths [B], context lengths [B], tags [B])."""
+        table_lens = np.array([len(c.seq.block_table) for c in chunks], dtype=np.int64)
+        tables = np.zeros((len(chunks), max(1, int(table_lens.max(initial=0)))), dtype=np.int64)
         for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
-        seq_tags = torch.tensor([sequence_tag(c.seq) for c in chunks], dtype=torch.int64)
-        return tables.to(self.device), context_lens, seq_tags.to(self.device)
+            tables[i, : table_lens[i]] = c.seq.block_table
+        context_lens = np.array(
+            [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=np.int64
+        )
+        seq_tags = np.array([sequence_tag(c.seq) for c in chunks], dtype=np.int64)
+        return tables, table_lens, context_lens, seq_tags
 
     def find_violations(self, chunks: list[ScheduledChunk]) -> list[bool]:
-        """Per chunk: does its sequence's block table reach a page it does not own?"""
+        """Per chunk: does its block table break the ownership rules (`find_violations_host`)?
+
+        Runs on the host mirror of the ownership table, so it never waits for the
+        device; the kernels check the device copy again as they read and write.
+        """
         if not chunks:
             return []
-        tables, context_lens, seq_tags = self._tables(chunks)
-        lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)
-        bad = check_page_ownership(tables, lens, self.kv_cache.page_size, self.page_owner, seq_tags)
-        return (bad | repeated_pages(tables, lens, self.kv_cache.page_size)).tolist()
+        tables, table_lens, context_lens, seq_tags = self._host_tables(chunks)
+        bad = find_violations_host(
+            tables,
+            table_lens,
+            context_lens,
+            self.kv_cache.page_size,
+            self.page_owner_host,
+            seq_tags,
+        )
+        return bad.tolist()
 
     def prepare(
         self, chunks: list[ScheduledChunk]
@@ -88,13 +113,13 @@ class ModelRunner:
                 table[p // page_size] * page_size + p % page_size for p in range(start, end)
             )
             token_seq.extend([i] * chunk.num_new_tokens)
-        tables, context_lens, seq_tags = self._tables(chunks)
+        tables, _, context_lens, seq_tags = self._host_tables(chunks)
         metadata = StepMetadata(
             query_lens=[c.num_new_tokens for c in chunks],
-            context_lens=context_lens,
-            block_tables=tables,
+            context_lens=context_lens.tolist(),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(self.device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            seq_tags=seq_tags,
+            seq_tags=torch.from_numpy(seq_tags).to(self.device),
             token_seq=torch.tensor(token_seq, dtype=torch.long, device=self.device),
             page_owner=self.page_owner,
         )

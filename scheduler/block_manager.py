@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from scheduler.sequence import Sequence
@@ -41,8 +42,10 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
-        # int64 [num_pages], on the KV cache's device so kernels can check it.
+        # int64 [num_pages], on the KV cache's device so kernels can check it, and
+        # its host mirror, so the per-step check never waits for the device.
         self.page_owner = torch.zeros(num_pages, dtype=torch.int64, device=device)
+        self.page_owner_host = np.zeros(num_pages, dtype=np.int64)
 
     @property
     def num_free_pages(self) -> int:
@@ -66,7 +69,7 @@ class BlockManager:
             return None
         new_pages = [self._free.popleft() for _ in range(missing)]
         if new_pages:
-            self.page_owner[new_pages] = sequence_tag(seq)
+            self.set_owner(new_pages, sequence_tag(seq))
             seq.block_table.extend(new_pages)
         return new_pages
 
@@ -78,10 +81,15 @@ class BlockManager:
         sequence owns but lost from its table is still returned (no leak).
         """
         tag = sequence_tag(seq)
-        owned = set((self.page_owner == tag).nonzero().flatten().tolist())
+        owned = set(np.flatnonzero(self.page_owner_host == tag).tolist())
         in_table = [p for p in dict.fromkeys(seq.block_table) if p in owned]
         released = in_table + sorted(owned.difference(in_table))
         if released:
-            self.page_owner[released] = FREE
+            self.set_owner(released, FREE)
             self._free.extend(released)
         seq.block_table = []
+
+    def set_owner(self, pages: list[int], tag: int) -> None:
+        """Writes the ownership table, device copy and host mirror together."""
+        self.page_owner[pages] = tag
+        self.page_owner_host[pages] = tag
