@@ -27,6 +27,24 @@ _QUEUE_DEADLINE = typer.Option(
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed in Redis)")
 
 
+def _telemetry(service_name: str) -> Any:
+    """Telemetry from the OTel environment (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER_ARG,
+    EDGESERVE_RECORD_CONTENT, ...); logs become JSON lines on stderr."""
+    from edgeserve.telemetry import (
+        TelemetrySettings,
+        TelemetrySettingsError,
+        configure_logging,
+        setup_telemetry,
+    )
+
+    try:
+        settings = TelemetrySettings.from_env(service_name)
+    except TelemetrySettingsError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    configure_logging(settings)
+    return setup_telemetry(settings)
+
+
 def _server(app: Any, host: str, port: int) -> uvicorn.Server:
     import uvicorn
 
@@ -144,6 +162,10 @@ def up(
             redis_url, prefix, port, local=redis_url is None, run_billing_worker=True
         )
         await stores.keys.add(api_key, account_id)
+        gateway_telemetry, node_telemetry = (
+            _telemetry("edgeserve-gateway"),
+            _telemetry("edgeserve-node"),
+        )
         service = NodeService(
             NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
                          internal_token=internal_token),
@@ -153,10 +175,10 @@ def up(
         gateway_app = create_app(
             GatewaySettings(internal_token=internal_token, admin_token=admin_token,
                             queue_deadline_s=queue_deadline_s),
-            is_ready=lambda: service.is_ready, **stores.app_kwargs(),
+            is_ready=lambda: service.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         servers = [
-            _server(create_node_app(service), "127.0.0.1", node_port),
+            _server(create_node_app(service, node_telemetry), "127.0.0.1", node_port),
             _server(gateway_app, host, port),
         ]
         url = f"http://{host}:{port}"
@@ -172,7 +194,11 @@ def up(
             f"    curl {url}/client/v4/accounts/{account_id}/ai/run/@cf/huggingface/smollm2-135m-instruct \\\n"
             f"      -H 'Authorization: Bearer {api_key}' -d '{{\"prompt\": \"Tell me a joke\"}}'"
         )
-        await _run_servers(servers, on_signal=service.begin_drain)
+        try:
+            await _run_servers(servers, on_signal=service.begin_drain)
+        finally:
+            gateway_telemetry.shutdown()  # flushes the spans still batched
+            node_telemetry.shutdown()
 
     asyncio.run(main())
 
@@ -206,6 +232,7 @@ def node(
         from scheduler.capacity import RedisCapacityRegistry
 
         client = aioredis.Redis.from_url(redis_url)
+        telemetry = _telemetry("edgeserve-node")
         service = NodeService(
             NodeSettings(
                 node_id=node_id or f"{socket.gethostname()}-{port}", address=advertise or f"http://{host}:{port}",
@@ -217,10 +244,12 @@ def node(
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
         try:
             await _run_servers(
-                [_server(create_node_app(service), host, port)], on_signal=service.begin_drain
+                [_server(create_node_app(service, telemetry), host, port)],
+                on_signal=service.begin_drain,
             )
         finally:
             await client.aclose()
+            telemetry.shutdown()
 
     asyncio.run(main())
 
@@ -255,15 +284,19 @@ def gateway(
             redis_url, prefix, port, local=False, database_url=database_url,
             on_redis_error=on_redis_error,
         )  # fmt: skip
+        telemetry = _telemetry("edgeserve-gateway")
         app = create_app(
             GatewaySettings(internal_token=token, admin_token=admin_token,
                             queue_deadline_s=queue_deadline_s),
-            **stores.app_kwargs(),
+            telemetry=telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         typer.echo(f"gateway listening on http://{host}:{port}", err=True)
         if admin_token is None:
             typer.echo(f"no admin token ({ADMIN_TOKEN_ENV}): /admin/v1 is not mounted", err=True)
-        await _run_servers([_server(app, host, port)])
+        try:
+            await _run_servers([_server(app, host, port)])
+        finally:
+            telemetry.shutdown()
 
     asyncio.run(main())
 

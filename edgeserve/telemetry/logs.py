@@ -69,4 +69,8 @@ def configure_logging(
     handler = JsonLogHandler(stream)
     root.addHandler(handler)
     root.setLevel(settings.log_level)
+    # httpx logs every request it sends at INFO: one line per forward would double the
+    # access log. Its warnings and errors still come through.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
     return handler
