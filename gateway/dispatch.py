@@ -374,8 +374,14 @@ class Dispatcher:
                 job.model.node_model, job.request_id, job.estimated_tokens
             )
 
+        largest = await self._placer.largest_node_tokens(job.model.node_model)
+        if 0 < largest < job.estimated_tokens:
+            raise RequestTooLargeError(
+                f"the request needs {job.estimated_tokens} tokens (prompt + max_tokens); "
+                f"the largest node serving {job.model.name} holds {largest}"
+            )
         # Waiting only makes sense when some node serves the model and may free up.
-        if self._queue is None or not await self._placer.has_nodes(job.model.node_model):
+        if self._queue is None or not largest:
             placement = await try_place()
             if placement is not None:
                 return placement

@@ -213,6 +213,11 @@ class Placer:
     async def has_nodes(self, model: str) -> bool:
         return bool(await self._view.live(model))
 
+    async def largest_node_tokens(self, model: str) -> int:
+        """KV tokens of the biggest live node serving `model` (0 when none): a request
+        needing more can never be placed, however long it waits."""
+        return max((r.num_total_tokens for r in await self._view.live(model)), default=0)
+
     async def place(
         self,
         model: str,
