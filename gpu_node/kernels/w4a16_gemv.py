@@ -17,23 +17,26 @@ rows and streams them along K (or along one of S slices of K):
     program (pid_n, pid_s) -> rows pid_n*BLOCK_N.., chunks of slice pid_s
       step: words  int32 [BLOCK_N, BLOCK_C, 4]   one 16-byte load per row and chunk
             for each nibble p (unrolled):
-              q      [BLOCK_N, BLOCK_C, 4]        masked, made fp32 without I2F (below)
+              q      [BLOCK_N, BLOCK_C, 4]        made fp32 without I2F (below)
               w      = scale * q + min             fp32, dequantized in registers
-              x_p    [BLOCK_M, BLOCK_C, 4]         the activations those codes meet
+              x_p    [BLOCK_M, 1, BLOCK_C, 4]      the activations those codes meet
               acc   += w * x_p                     [BLOCK_M, BLOCK_N, BLOCK_C, 4] fp32
       end:  y[m, n] = sum of acc over (C, 4)       one reduction per program
 
-A thread's 4 words are one whole chunk (16 contiguous bytes: one vector load),
-and the activations it needs are that chunk's 32 values, the same for every row
-the thread holds, so they are loaded once per row block, not per row.
+BLOCK_C = 32 * num_warps, so a thread holds one whole chunk (16 contiguous
+bytes: one vector load) of each of its BLOCK_N rows, and the activations it
+needs for nibble p are 4 floats shared by all those rows. They come from
+x_perm (permute_activations: x reordered to the nibbles' order, in fp32, once
+per call), where those 4 floats are contiguous: one vector load per nibble and
+token, in the words' own register layout (no layout conversion in the loop).
 
 Nibbles become floats with the exponent trick instead of an int-to-float
 conversion (a quarter-rate instruction on NVIDIA GPUs, the bottleneck of a
-naive dequantize at decode rates): OR-ing a nibble sitting at bit position s
-<= 12 into the bit pattern of 2^23 gives the float 2^23 + q * 2^s exactly;
-subtracting 2^23 leaves q * 2^s, and the 2^-s is folded into the scale (both
-exact: powers of two). The upper four nibbles come from the word shifted right
-by 16, so every nibble costs one AND/OR (a single LOP3) and one FADD.
+naive dequantize at decode rates): AND-ing the nibble at bit position s <= 12
+into the bit pattern of 2^23 gives the float 2^23 + q * 2^s; one FMA,
+f * 2^-s - 2^23 * 2^-s, gives q exactly (a power-of-two scale, then the
+difference of two floats of one binade). The upper four nibbles come from the
+word shifted right by 16, so a nibble costs one LOP3 and one FMA.
 
 With S > 1 each slice writes an fp32 partial [S, M, N] and the wrapper sums
 them (deterministic, no atomics); the heuristic only splits when the row
