@@ -49,6 +49,7 @@ pytestmark = pytest.mark.slow
 
 MARKER = "zebra-quasar-4471"  # in every prompt: it must never reach a span or a log by default
 MODEL_SPAN = f"chat {SMOLLM2}"
+LIMITED_ACCOUNT = "acct-limited"  # one request per minute
 
 
 class OtlpReceiver:
@@ -92,6 +93,7 @@ class TracedStack:
     gateway: ServerThread
     node: ServerThread
     api_key: str
+    limited_key: str
     gateway_telemetry: Telemetry
     node_telemetry: Telemetry
     exporter: InMemorySpanExporter
@@ -118,7 +120,7 @@ class TracedStack:
 def start_traced_stack(
     engine: Any, otlp_url: str | None, *, record_content: bool = False
 ) -> TracedStack:
-    from gateway.admission import LocalLimiter
+    from gateway.admission import Limits, LocalLimiter, MemoryLimitStore
     from gateway.app import create_app
     from gateway.keys import MemoryKeyStore, new_key
     from gateway.settings import GatewaySettings
@@ -150,13 +152,16 @@ def start_traced_stack(
     )
     node = ServerThread(create_node_app(service, telemetry=node_telemetry), node_port).start()
     keys = MemoryKeyStore()
-    api_key = new_key()
+    api_key, limited_key = new_key(), new_key()
     asyncio.run(keys.add(api_key, ACCOUNT_ID))
+    asyncio.run(keys.add(limited_key, LIMITED_ACCOUNT))
+    limits = MemoryLimitStore()
+    asyncio.run(limits.save(LIMITED_ACCOUNT, Limits(requests_per_minute=1)))
     app = create_app(
         GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
         keys=keys,
         placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
-        limiter=LocalLimiter(),
+        limiter=LocalLimiter(store=limits),
         telemetry=gateway_telemetry,
     )
     gateway = ServerThread(app).start()
@@ -164,7 +169,9 @@ def start_traced_stack(
     while not asyncio.run(registry.list_live()):
         assert time.monotonic() < deadline, "the node never published its capacity"
         time.sleep(0.05)
-    return TracedStack(gateway, node, api_key, gateway_telemetry, node_telemetry, exporter)
+    return TracedStack(
+        gateway, node, api_key, limited_key, gateway_telemetry, node_telemetry, exporter
+    )
 
 
 @pytest.fixture(scope="module")
@@ -401,6 +408,49 @@ def test_metrics_expose_the_genai_histograms_with_the_conventions_buckets(
         == (node_values["edgeserve_kv_pages"])
     )
     assert node_values["edgeserve_preemptions_total"] >= 0
+
+
+def test_a_refused_request_is_traced_and_counted_by_reason(stack: TracedStack) -> None:
+    def run(max_tokens: int) -> httpx.Response:
+        return httpx.post(
+            f"{stack.gateway.url}/client/v4/accounts/{LIMITED_ACCOUNT}/ai/run/{SMOLLM2}",
+            json={"prompt": "Hi", "max_tokens": max_tokens},
+            headers={"authorization": f"Bearer {stack.limited_key}"},
+            timeout=60,
+        )
+
+    assert run(2).status_code == 200
+    refused = run(2)
+    assert refused.status_code == 429
+    spans = by_name(stack.spans_of_request(refused.headers["x-request-id"]))
+    root = "POST /client/v4/accounts/{account_id}/ai/run/{model_name:path}"
+    assert sorted(spans) == sorted([root, "text_completion " + SMOLLM2, "admission"])
+    genai = spans["text_completion " + SMOLLM2]
+    assert genai.attributes is not None and spans["admission"].attributes is not None
+    assert genai.attributes["error.type"] == "RateLimitedError"
+    assert genai.attributes["edgeserve.admission.rejection_reason"] == "requests"
+    assert genai.status.is_ok is False and spans["admission"].status.is_ok is False
+    assert [e.name for e in spans["admission"].events] == ["exception"]
+    assert spans[root].attributes is not None
+    assert spans[root].attributes["http.response.status_code"] == 429
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(httpx.get(f"{stack.gateway.url}/metrics").text)
+        for s in family.samples
+    }
+    assert samples[("edgeserve_admission_rejections_total", (("reason", "requests"),))] == 1.0
+    refused_duration = tuple(
+        sorted(
+            [
+                ("error_type", "RateLimitedError"),
+                ("gen_ai_operation_name", "text_completion"),
+                ("gen_ai_provider_name", "edgeserve"),
+                ("gen_ai_request_model", SMOLLM2),
+                ("gen_ai_response_model", SMOLLM2),
+            ]
+        )
+    )
+    assert samples[("gen_ai_server_request_duration_seconds_count", refused_duration)] == 1.0
 
 
 def test_no_prompt_text_in_spans_or_logs_by_default(
