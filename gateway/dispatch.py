@@ -257,8 +257,12 @@ class Dispatcher:
     async def open(self, job: GenerationJob) -> Upstream:
         started_at = time.time()
         trace = self._tracer.start(job)
+        # No limiter, no admission step: a span that decided nothing would only mislead.
+        admitting = (
+            trace.step("admission") if self._limiter is not None else contextlib.nullcontext()
+        )
         try:
-            with trace.step("admission"):
+            with admitting:
                 headers = await self._admit(job, trace)
         except BaseException as exc:
             trace.fail(exc)
