@@ -334,6 +334,12 @@ async def test_server_span_names_the_route_and_links_a_client_traceparent() -> N
 
     inner = Starlette(routes=[Route("/items/{id}", item)])
     app = RequestIdMiddleware(TracingMiddleware(inner, telemetry, inner.routes))
+    stream = io.StringIO()
+    access_log = logging.getLogger("gateway.tracing")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonLogFormatter())
+    access_log.addHandler(handler)
+    access_log.setLevel(logging.INFO)
     client_trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://gw"
@@ -365,3 +371,23 @@ async def test_server_span_names_the_route_and_links_a_client_traceparent() -> N
     assert second.attributes["error.type"] == "503"
     assert second.attributes["edgeserve.request_id"] == failed.headers["x-request-id"]
     assert second.status.is_ok is False
+    access_log.removeHandler(handler)
+    access_log.setLevel(logging.NOTSET)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [
+        {k: v for k, v in line.items() if k not in ("time", "duration_ms")} for line in lines
+    ] == [
+        {
+            "level": "INFO",
+            "logger": "gateway.tracing",
+            "message": "request finished",
+            "request_id": response.headers["x-request-id"],
+            "trace_id": format(span.context.trace_id, "032x"),
+            "span_id": format(span.context.span_id, "016x"),
+            "method": "GET",
+            "route": "/items/{id}",
+            "status": status,
+        }
+        for response, span, status in ((ok, first, 200), (failed, second, 503))
+    ]
+    assert all(line["duration_ms"] >= 0 for line in lines)
