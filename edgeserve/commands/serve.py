@@ -57,6 +57,7 @@ def _server(app: Any, host: str, port: int) -> uvicorn.Server:
     config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http="httptools", log_level="warning",
         timeout_graceful_shutdown=30, access_log=False,
+        log_config=None,  # uvicorn's own lines go through the root logger: JSON, like ours
     )  # fmt: skip
     return Server(config)
 
