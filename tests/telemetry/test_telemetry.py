@@ -391,3 +391,116 @@ async def test_server_span_names_the_route_and_links_a_client_traceparent() -> N
         for response, span, status in ((ok, first, 200), (failed, second, 503))
     ]
     assert all(line["duration_ms"] >= 0 for line in lines)
+
+
+# -- sampling and the GenAI span on its own ----------------------------------------------
+
+
+def test_a_node_follows_the_gateways_sampling_decision() -> None:
+    gateway_spans, node_spans = InMemorySpanExporter(), InMemorySpanExporter()
+    gateway = setup_telemetry(
+        TelemetrySettings("gw", sampling_ratio=0.0),
+        span_processors=[SimpleSpanProcessor(gateway_spans)],
+    )
+    node = NodeTelemetry(
+        setup_telemetry(
+            TelemetrySettings("node", sampling_ratio=1.0),
+            span_processors=[SimpleSpanProcessor(node_spans)],
+        ),
+        "node-7",
+        lambda: STATS,
+    )
+    with gateway.tracer.start_as_current_span("unsampled") as parent:
+        headers: dict[str, str] = {}
+        PROPAGATOR.inject(headers)
+    assert int(headers["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0  # propagated, not sampled
+    body = GenerateRequest(request_id="r-2", model="smollm2", prompt="hi", max_tokens=1)
+    span = node.start(headers, body, num_prompt_tokens=3, started_ns=1)
+    assert span.span.is_recording() is False
+    assert span.span.get_span_context().trace_id == parent.get_span_context().trace_id
+    events = (
+        EngineEvent("queued", 10, 0),
+        EngineEvent("first_token", 20, 1),
+        EngineEvent("finished", 30, 1),
+    )
+    span.finish(RequestOutput("r-2", (1,), "a", True, "length", 3, 1, 0, None, events))
+    assert gateway_spans.get_finished_spans() == () and node_spans.get_finished_spans() == ()
+    text = generate_latest(node.telemetry.registry).decode()
+    (counts,) = buckets_of(text, "gen_ai_server_time_to_first_token_seconds").values()
+    assert counts[0] == (0.001, 1.0)  # metrics are recorded whether or not the trace is sampled
+
+
+def job(payload: dict[str, object], stream: bool = True) -> object:
+    from gateway.catalog import DEFAULT_MODELS
+    from gateway.dispatch import GenerationJob
+
+    return GenerationJob("req-9", "acct-9", DEFAULT_MODELS[0], payload, 64, stream=stream)
+
+
+def test_genai_span_records_content_only_when_asked_and_errors_by_type() -> None:
+    from gateway.tracing import GenAITracer
+    from scheduler.placement import Placement
+
+    for record_content in (False, True):
+        exporter, telemetry = traced(record_content=record_content)
+        tracer = GenAITracer(telemetry)
+        payload = {"messages": [{"role": "user", "content": "secret"}], "max_tokens": 4}
+        span = tracer.start(job(payload))  # type: ignore[arg-type]
+        with span.step("placement"):
+            pass
+        span.placed(Placement("req-9", "node-3", "http://10.0.0.7:8081", 64))
+        span.output("", 0)
+        span.output("Hel", 1)
+        span.output("lo", 1)
+        span.finish(
+            finish_reason=None,
+            num_input_tokens=12,
+            num_output_tokens=2,
+            num_cached_tokens=0,
+            error_type="UpstreamError",
+        )
+        span.finish(  # idempotent: the first end stands
+            finish_reason="stop",
+            num_input_tokens=0,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            error_type=None,
+        )
+        placement, genai = exporter.get_finished_spans()
+        assert placement.parent is not None and placement.parent.span_id == genai.context.span_id
+        attributes = dict(genai.attributes or {})
+        assert attributes.pop("gen_ai.response.time_to_first_chunk") > 0
+        content = {
+            "gen_ai.input.messages": json.dumps(
+                [{"role": "user", "parts": [{"type": "text", "content": "secret"}]}]
+            ),
+            "gen_ai.output.messages": json.dumps(
+                [
+                    {
+                        "role": "assistant",
+                        "parts": [{"type": "text", "content": "Hello"}],
+                        "finish_reason": "error",
+                    }
+                ]
+            ),
+        }
+        assert attributes == {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "edgeserve",
+            "gen_ai.request.model": "@cf/huggingface/smollm2-135m-instruct",
+            "gen_ai.request.max_tokens": 4,
+            "gen_ai.request.stream": True,
+            "gen_ai.response.id": "req-9",
+            "gen_ai.response.model": "@cf/huggingface/smollm2-135m-instruct",
+            "gen_ai.usage.input_tokens": 12,
+            "gen_ai.usage.output_tokens": 2,
+            "gen_ai.usage.cache_read.input_tokens": 0,
+            "server.address": "10.0.0.7",
+            "server.port": 8081,
+            "edgeserve.account_id": "acct-9",
+            "edgeserve.request_id": "req-9",
+            "edgeserve.node_model": "smollm2",
+            "edgeserve.node_id": "node-3",
+            "error.type": "UpstreamError",
+        } | (content if record_content else {})
+        assert genai.status.is_ok is False
