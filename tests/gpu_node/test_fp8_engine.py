@@ -27,3 +27,27 @@ def test_fp8_kv_still_answers_paris(make_engine, chat_ids):
         engine.kv_cache.k_cache[0].dtype.is_floating_point
         and engine.kv_cache.k_scale[0] is not None
     )
+
+
+def perplexity(engine, ids):
+    """Every position attends to K/V as the cache stores them: one prefill through the pages."""
+    import torch
+
+    from .test_parity import prompt_logits
+
+    logits = prompt_logits(engine, ids)  # [T, V]
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return float(torch.exp(nll))
+
+
+def test_fp8_kv_perplexity_increase_stays_under_the_measured_bound(make_engine, smollm2_parts):
+    from pydoc_data.topics import topics
+
+    _, tokenizer = smollm2_parts
+    text = "\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer.encode(text)[:1024]
+    fp32 = perplexity(make_engine(kv_dtype="fp32"), ids)
+    fp8 = perplexity(make_engine(kv_dtype="fp8"), ids)
+    # Measured on these 1024 tokens: 12.721 (fp32 KV) -> 12.815 (fp8 KV), +0.74%;
+    # benchmarks/kv_accuracy.py: +1.04% over 4 x 512 tokens. The bound leaves 2.5x room.
+    assert 1.0 < fp8 / fp32 < 1.025, (fp32, fp8)
