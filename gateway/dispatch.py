@@ -373,17 +373,16 @@ class Dispatcher:
     async def _first_placement(self, job: GenerationJob) -> Placement:
         """A node now, or after a fair wait in the capacity queue; NoCapacityError when none."""
 
-        async def try_place() -> Placement | None:
-            return await self._placer.place(
-                job.model.node_model, job.request_id, job.estimated_tokens
-            )
-
+        # The estimate is an upper bound; when it exceeds every node's pool, reserve
+        # the largest pool instead: the node counts the real tokens and answers
+        # precisely (context window, pool size), and nothing waits for a placement
+        # that could never come.
         largest = await self._placer.largest_node_tokens(job.model.node_model)
-        if 0 < largest < job.estimated_tokens:
-            raise RequestTooLargeError(
-                f"the request needs {job.estimated_tokens} tokens (prompt + max_tokens); "
-                f"the largest node serving {job.model.name} holds {largest}"
-            )
+        num_tokens = min(job.estimated_tokens, largest) if largest else job.estimated_tokens
+
+        async def try_place() -> Placement | None:
+            return await self._placer.place(job.model.node_model, job.request_id, num_tokens)
+
         # Waiting only makes sense when some node serves the model and may free up.
         if self._queue is None or not largest:
             placement = await try_place()
