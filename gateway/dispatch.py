@@ -171,7 +171,6 @@ class Upstream:
                 yield self._finished
                 return
             num_tokens = len(event.get("token_ids", ()))
-            self.num_delivered_tokens += num_tokens
             text = event.get("text", "")
             self.trace.output(text, num_tokens)
             yield TextChunk(text, num_tokens)
@@ -192,6 +191,10 @@ class Upstream:
         status: Status = "error" if self._failed else "cancelled"
         cached = min(self.cached_tokens, self.prompt_tokens)
         return status, self.prompt_tokens, self.num_delivered_tokens, cached
+
+    def mark_delivered(self, num_tokens: int) -> None:
+        """Counts tokens whose text reached the client (billed if the request is cancelled)."""
+        self.num_delivered_tokens += num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -100,21 +100,31 @@ class CompletionStream(_OpenAIStream):
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
 
+async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tuple[Any, Any]:
+    """Authenticates, validates and admits one generation; returns the body and its upstream."""
+    account_id = await authenticate(request)
+    require_ready(request)
+    body = await parse_body(request, model_cls)
+    body.check_supported()
+    model = resolve_model(request, body.model)
+    payload = body.node_payload(default_max_tokens)
+    job = GenerationJob(
+        request_id_of(request),
+        account_id,
+        model,
+        payload,
+        estimate_tokens(payload),
+        stream=body.stream,
+    )
+    return body, await gateway_of(request).dispatcher.open(job)
+
+
 @endpoint("openai")
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
-    account_id = await authenticate(request)
-    require_ready(request)
-    body = await parse_body(request, ChatCompletionRequest)
-    body.check_supported()
-    model = resolve_model(request, body.model)
-    payload = body.node_payload(gateway_of(request).settings.default_chat_max_tokens)
-    request_id = request_id_of(request)
-    job = GenerationJob(
-        request_id, account_id, model, payload, estimate_tokens(payload), stream=body.stream
-    )
-    upstream = await gateway_of(request).dispatcher.open(job)
-    completion_id = f"chatcmpl-{request_id}"
+    settings = gateway_of(request).settings
+    body, upstream = await _open(request, ChatCompletionRequest, settings.default_chat_max_tokens)
+    completion_id = f"chatcmpl-{request_id_of(request)}"
     if body.stream:
         stream = ChatStream(completion_id, body.model, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
@@ -141,18 +151,9 @@ async def chat_completions(request: Request) -> Response:
 @endpoint("openai")
 async def completions(request: Request) -> Response:
     """POST /v1/completions (raw prompt, no chat template)."""
-    account_id = await authenticate(request)
-    require_ready(request)
-    body = await parse_body(request, CompletionRequest)
-    body.check_supported()
-    model = resolve_model(request, body.model)
-    payload = body.node_payload(gateway_of(request).settings.default_completion_max_tokens)
-    request_id = request_id_of(request)
-    job = GenerationJob(
-        request_id, account_id, model, payload, estimate_tokens(payload), stream=body.stream
-    )
-    upstream = await gateway_of(request).dispatcher.open(job)
-    completion_id = f"cmpl-{request_id}"
+    settings = gateway_of(request).settings
+    body, upstream = await _open(request, CompletionRequest, settings.default_completion_max_tokens)
+    completion_id = f"cmpl-{request_id_of(request)}"
     if body.stream:
         stream = CompletionStream(completion_id, body.model, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]

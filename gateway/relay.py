@@ -26,9 +26,10 @@ def sse(obj: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+    gone.set()
 
 
 class StreamRenderer(Protocol):
@@ -57,8 +58,9 @@ class RelayResponse:
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        relay = asyncio.ensure_future(self._relay(send))
-        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        gone = asyncio.Event()
+        relay = asyncio.ensure_future(self._relay(send, gone))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive, gone))
         try:
             # Whichever ends first ends the other: a finished stream, or a client gone.
             await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -74,19 +76,30 @@ class RelayResponse:
         ):
             raise results[0]
 
-    async def _relay(self, send: Send) -> None:
+    async def _relay(self, send: Send, gone: asyncio.Event) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
 
-        async def body(data: bytes) -> None:
+        async def body(data: bytes) -> bool:
+            """Sends; True when the bytes went to a client still connected.
+
+            A server drops sends to a closed connection silently; the disconnect
+            watcher was woken when the connection was lost, so one turn of the loop
+            lets it say so before we count what we sent as delivered.
+            """
             await send({"type": "http.response.body", "body": data, "more_body": True})
+            await asyncio.sleep(0)
+            return not gone.is_set()
 
         if head := self.renderer.start():
             await body(head)
+        pending = 0  # tokens generated but not yet sent (their text held back or empty)
         try:
             async for event in self.upstream.events():
                 if isinstance(event, TextChunk):
-                    if event.text:
-                        await body(self.renderer.chunk(event.text))
+                    pending += event.num_tokens
+                    if event.text and await body(self.renderer.chunk(event.text)):
+                        self.upstream.mark_delivered(pending)
+                        pending = 0
                 else:
                     await body(self.renderer.finish(event))
         except UpstreamError as exc:
