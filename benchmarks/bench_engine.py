@@ -45,31 +45,45 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--kv-dtype", default="fp32")
-    parser.add_argument("--weights", default="int4")
+    parser.add_argument("--weights", default="int4,fp32", help="comma-separated, compared")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    config = EngineConfig(
-        model=args.model,
-        kv_dtype=args.kv_dtype,
-        num_pages=512,
-        max_num_batched_tokens=8 * args.prompt_len,
-    )
-    engine = LLMEngine.from_config(config)
-    print(
-        f"model={args.model} kv={args.kv_dtype} threads={torch.get_num_threads()} prompt={args.prompt_len}"
-    )
-    bench(engine, 1, 16, 4)  # warm-up
-    for batch in (1, 8):
-        runs = [
-            bench(engine, batch, args.prompt_len, args.decode_tokens) for _ in range(args.repeats)
-        ]
-        prefill = max(r[0] for r in runs)
-        decode = max(r[1] for r in runs)
-        print(
-            f"batch {batch}: prefill {prefill:8.1f} tok/s   decode {decode:7.1f} tok/s (best of {args.repeats})"
+    engines = {
+        weights: LLMEngine.from_config(
+            EngineConfig(
+                model=args.model,
+                kv_dtype=args.kv_dtype,
+                weights=weights,
+                num_pages=512,
+                max_num_batched_tokens=8 * args.prompt_len,
+            )
         )
+        for weights in args.weights.split(",")
+    }
+    print(
+        f"model={args.model} kv={args.kv_dtype} threads={torch.get_num_threads()} "
+        f"prompt={args.prompt_len} decode={args.decode_tokens} (best of {args.repeats}, alternated)"
+    )
+    for engine in engines.values():
+        bench(engine, 1, 16, 4)  # warm-up
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for _ in range(args.repeats):  # alternate formats so a noisy moment hits all of them
+        for weights, engine in engines.items():
+            for batch in (1, 8):
+                prefill, decode = bench(engine, batch, args.prompt_len, args.decode_tokens)
+                old = best.get((weights, batch), (0.0, 0.0))
+                best[weights, batch] = (max(old[0], prefill), max(old[1], decode))
+    print("| weights | batch | prefill tok/s | decode tok/s |")
+    print("|---|---:|---:|---:|")
+    for (weights, batch), (prefill, decode) in best.items():
+        print(f"| {weights} | {batch} | {prefill:.0f} | {decode:.1f} |")
+    names = list(engines)
+    for other in names[1:]:
+        for batch in (1, 8):
+            ratio = best[names[0], batch][1] / best[other, batch][1]
+            print(f"decode {names[0]}/{other}, batch {batch}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
