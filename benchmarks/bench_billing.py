@@ -1,6 +1,6 @@
 """Billing throughput, measured side by side (not collected by pytest: no test_ prefix).
 
-    .venv/bin/python tests/billing/bench_billing.py [--events 5000]
+    .venv/bin/python benchmarks/bench_billing.py [--events 5000]
 
 1. Ledger inserts per second: SQLite vs PostgreSQL, one event per transaction vs
    batches of 100 (what the worker commits per XREADGROUP).
