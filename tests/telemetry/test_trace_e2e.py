@@ -102,19 +102,36 @@ class TracedStack:
         assert self.gateway_telemetry.force_flush() and self.node_telemetry.force_flush()
 
     def spans_of_request(self, request_id: str) -> list[ReadableSpan]:
-        """Every span of the trace whose server span answered `request_id`."""
-        self.flush()
-        spans = self.exporter.get_finished_spans()
-        roots = [
-            s
-            for s in spans
-            if s.kind is SpanKind.SERVER
-            and s.parent is None
-            and (s.attributes or {}).get("edgeserve.request_id") == request_id
-        ]
+        """Every span of the trace whose server span answered `request_id`.
+
+        The server span ends just after the last byte is sent, so a client that has read
+        the whole answer may look before it is finished: wait for it (bounded).
+        """
+        deadline = time.monotonic() + 5
+        while True:
+            self.flush()
+            spans = self.exporter.get_finished_spans()
+            roots = [
+                s
+                for s in spans
+                if s.kind is SpanKind.SERVER
+                and s.parent is None
+                and (s.attributes or {}).get("edgeserve.request_id") == request_id
+            ]
+            if roots or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         assert len(roots) == 1, [s.name for s in spans]
         trace_id = roots[0].context.trace_id
-        return [s for s in spans if s.context.trace_id == trace_id]
+        # The node's span may end a moment after the gateway's: until the trace is still.
+        found: list[ReadableSpan] = []
+        while True:
+            self.flush()
+            now = [s for s in self.exporter.get_finished_spans() if s.context.trace_id == trace_id]
+            if len(now) == len(found) or time.monotonic() > deadline:
+                return now
+            found = now
+            time.sleep(0.05)
 
 
 def start_traced_stack(
