@@ -44,7 +44,8 @@ def load_llama(
         if int4 and _is_projection(module_name):
             raw = gguf.raw(src)
             if raw.ggml_type == "Q4_1":
-                linear = Int4Linear.from_q4_1(raw.data, raw.shape)
+                rows, cols = raw.shape
+                linear = Int4Linear.from_q4_1(raw.data, (rows, cols))
             else:
                 dense = nn.Linear(raw.shape[1], raw.shape[0], bias=False)
                 dense.weight.data = gguf.tensor(src)

@@ -49,6 +49,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, interleaved: bool):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.interleaved = interleaved
 

@@ -242,6 +242,13 @@ class MoeExperts(nn.Module):
 class Int4MoeExperts(nn.Module):
     """The routed experts in INT4; the fused Triton kernel on CUDA, the reference elsewhere."""
 
+    w13_packed: torch.Tensor  # buffers, named for the type checker
+    w13_scales: torch.Tensor
+    w13_mins: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_mins: torch.Tensor
+
     def __init__(self, w13: Int4Weight, w2: Int4Weight) -> None:
         super().__init__()
         if len(w13.shape) != 3 or len(w2.shape) != 3 or w13.group_size != w2.group_size:
@@ -383,8 +390,8 @@ def moe_mlp_from_gguf(
         )
         experts = Int4MoeExperts(w13, down)
     else:
-        gate, up, down = (_gguf_float(reader, n, dtype) for n in names)
-        experts = MoeExperts(torch.cat([gate, up], dim=1), down)
+        gate_f, up_f, down_f = (_gguf_float(reader, n, dtype) for n in names)
+        experts = MoeExperts(torch.cat([gate_f, up_f], dim=1), down_f)
     shared = None
     if config.num_shared_experts:
         shared = SharedExperts(

@@ -40,6 +40,10 @@ _HAS_CPU_INT4 = hasattr(
 class Int4Linear(nn.Module):
     """y = x @ W^T (+ bias) with W [out, in] held as INT4 (packed codes, fp16 scales and mins)."""
 
+    packed: torch.Tensor  # buffers, named for the type checker
+    scales: torch.Tensor
+    mins: torch.Tensor
+
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if len(weight.shape) != 2:
@@ -159,14 +163,14 @@ class ModelBytes:
 
 def model_bytes(model: nn.Module) -> ModelBytes:
     """Counts the parameters and buffers of `model` by kind."""
-    seen: set[tuple[int, int, torch.device]] = set()
+    seen: set[tuple[int, int, torch.device]] = set()  # storage, offset, device
     sizes = dict.fromkeys((*INT4_BUFFERS, "unquantized"), 0)
     tensors = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]
     for name, tensor in tensors:
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.device)
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tensor.device)
         if key in seen:
             continue
         seen.add(key)
