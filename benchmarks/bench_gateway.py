@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 KEY = "es-bench-key"
 ACCOUNT = "bench"
@@ -44,7 +45,8 @@ def free_port() -> int:
 # -- the gateway process ----------------------------------------------------------------
 
 
-def serve_gateway(port: int, upstream_port: int) -> None:
+def serve_gateway(port: int, upstream_port: int, telemetry: Any = None) -> None:
+    """One gateway process in front of the minimal upstream (in-process stores, as `up`)."""
     import uvicorn
 
     from gateway.app import create_app
@@ -69,6 +71,7 @@ def serve_gateway(port: int, upstream_port: int) -> None:
         keys=keys,
         placer=Placer(CapacityView(registry, max_age_s=1.0), LocalReservations()),
         on_startup=on_startup,
+        telemetry=telemetry,
     )
     uvicorn.run(
         app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",

@@ -24,34 +24,24 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from bench_gateway import free_port as _free_port
 from bench_gateway import (
-    ACCOUNT,
-    INTERNAL_TOKEN,
-    KEY,
     gateway_request,
     latencies,
     pct,
     throughput,
     wait_port,
 )
-from bench_gateway import free_port as _free_port
+from bench_gateway import serve_gateway as serve_gateway_with
 
 HERE = Path(__file__).resolve().parent
 MODES = {"off": None, "sampled": 0.1, "on": 1.0}  # mode -> sampling ratio (None: no tracing)
 
 
 def serve_gateway(port: int, upstream_port: int, mode: str, otlp_port: int) -> None:
-    import uvicorn
-
     from edgeserve.telemetry import TelemetrySettings, setup_telemetry
-    from gateway.app import create_app
-    from gateway.keys import MemoryKeyStore
-    from gateway.settings import GatewaySettings
-    from scheduler.capacity import CapacityRecord, CapacityView, LocalCapacityRegistry
-    from scheduler.placement import LocalReservations, Placer
 
     ratio = MODES[mode]
     settings = TelemetrySettings(
@@ -60,29 +50,7 @@ def serve_gateway(port: int, upstream_port: int, mode: str, otlp_port: int) -> N
         sampling_ratio=ratio or 1.0,
         otlp_traces_endpoint=f"http://127.0.0.1:{otlp_port}/v1/traces",
     )
-    telemetry = setup_telemetry(settings)
-    registry = LocalCapacityRegistry()
-    keys = MemoryKeyStore()
-
-    async def on_startup() -> None:
-        await keys.add(KEY, ACCOUNT)
-        record = CapacityRecord(
-            "upstream", f"http://127.0.0.1:{upstream_port}", "mixed", ("smollm2",),
-            4096, 4096, 16, "fp32", 0, 0, 0.0, time.time(), 1e9,
-        )  # fmt: skip
-        await registry.publish(record)
-
-    app = create_app(
-        GatewaySettings(internal_token=INTERNAL_TOKEN),
-        keys=keys,
-        placer=Placer(CapacityView(registry, max_age_s=1.0), LocalReservations()),
-        on_startup=on_startup,
-        telemetry=telemetry,
-    )
-    uvicorn.run(
-        app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
-        access_log=False, backlog=2048,
-    )  # fmt: skip
+    serve_gateway_with(port, upstream_port, setup_telemetry(settings))
 
 
 class OtlpSink(asyncio.Protocol):
