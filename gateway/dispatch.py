@@ -15,13 +15,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
-from billing.events import Status, UsageEvent
+from billing.events import UsageEvent
 from edgeserve.telemetry import TelemetrySettings, setup_telemetry
 from gateway.admission import (
     AdmissionError,
@@ -46,6 +45,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.tracing import GenAISpan, GenAITracer
+from gateway.upstream import Upstream
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -71,20 +71,6 @@ class GenerationJob:
     stream: bool = False  # the client reads the answer as it comes (gen_ai.request.stream)
 
 
-@dataclass(frozen=True)
-class TextChunk:
-    text: str
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
 def estimate_tokens(payload: dict[str, Any]) -> int:
     """Prompt tokens guessed from characters (about 3.5 per token in English, rounded up) + max_tokens."""
     chars = len(payload.get("prompt") or "")
@@ -97,132 +83,6 @@ class UsageSinkLike(Protocol):
     """billing.sink.UsageSink's shape: the gateway needs only `record` (never raises)."""
 
     async def record(self, event: UsageEvent) -> None: ...
-
-
-class Upstream:
-    """An open generation on one node."""
-
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        job: GenerationJob,
-        placement: Placement,
-        response: httpx.Response,
-        lines: AsyncIterator[str],
-        first: dict[str, Any],
-        started_at: float,
-        headers: dict[str, str],
-        trace: GenAISpan,
-    ) -> None:
-        self._dispatcher = dispatcher
-        self.job = job
-        self.trace = trace
-        self.placement = placement
-        self.headers = headers  # admission's rate-limit headers for the client
-        self._response = response
-        self._lines = lines
-        self._first: dict[str, Any] | None = first
-        self._started_at = started_at
-        self._finished: Finished | None = None
-        self._failed = False
-        self._closed = False
-        self.num_delivered_tokens = 0
-        self.prompt_tokens = int(first.get("prompt_tokens", 0))
-        self.cached_tokens = int(first.get("cached_tokens", 0))
-
-    @property
-    def node_id(self) -> str:
-        return self.placement.node_id
-
-    async def events(self) -> AsyncIterator[TextChunk | Finished]:
-        """The node's events in order; raises UpstreamError if the node fails mid-stream."""
-        while True:
-            if self._first is not None:
-                event, self._first = self._first, None
-            else:
-                try:
-                    line = await anext(self._lines)
-                except StopAsyncIteration:
-                    self._failed = True
-                    raise UpstreamError("the node closed the stream before the end") from None
-                except httpx.HTTPError as exc:
-                    self._failed = True
-                    raise UpstreamError(
-                        f"the node failed mid-stream: {type(exc).__name__}"
-                    ) from None
-                if not line:
-                    continue
-                event = json.loads(line)
-            if "error" in event:
-                self._failed = True
-                raise UpstreamError(f"the node failed mid-stream: {event['error'].get('message')}")
-            if "finish_reason" in event:
-                usage = event["usage"]
-                self._finished = Finished(
-                    event["finish_reason"],
-                    usage["prompt_tokens"],
-                    usage["completion_tokens"],
-                    usage["cached_tokens"],
-                )
-                # Read to the end of the body so the connection goes back to the pool.
-                with contextlib.suppress(httpx.HTTPError):
-                    async for _ in self._lines:
-                        pass
-                yield self._finished
-                return
-            num_tokens = len(event.get("token_ids", ()))
-            text = event.get("text", "")
-            self.trace.output(text, num_tokens)
-            yield TextChunk(text, num_tokens)
-
-    async def close(self) -> None:
-        """Cancel on the node if unfinished, release reservations, record usage. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        await self._response.aclose()
-        await self._dispatcher.finish(self)
-
-    def usage_status(self) -> tuple[Status, int, int, int]:
-        """(status, input, output, cached) as billing counts them."""
-        if self._finished is not None:
-            f = self._finished
-            return "ok", f.prompt_tokens, f.completion_tokens, min(f.cached_tokens, f.prompt_tokens)
-        status: Status = "error" if self._failed else "cancelled"
-        cached = min(self.cached_tokens, self.prompt_tokens)
-        return status, self.prompt_tokens, self.num_delivered_tokens, cached
-
-    def mark_delivered(self, num_tokens: int) -> None:
-        """Counts tokens whose text reached the client (billed if the request is cancelled)."""
-        self.num_delivered_tokens += num_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self._finished is not None
-
-    @property
-    def finish_reason(self) -> str | None:
-        return None if self._finished is None else self._finished.finish_reason
-
-    @property
-    def started_at(self) -> float:
-        return self._started_at
-
-
-async def collect(upstream: Upstream) -> tuple[str, Finished]:
-    """Read a whole generation (non-streaming answers); always closes the upstream."""
-    parts: list[str] = []
-    finished: Finished | None = None
-    try:
-        async for event in upstream.events():
-            if isinstance(event, TextChunk):
-                parts.append(event.text)
-            else:
-                finished = event
-    finally:
-        await upstream.close()
-    assert finished is not None  # events() ends with Finished or raises
-    return "".join(parts), finished
 
 
 # Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.

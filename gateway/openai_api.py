@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.dispatch import Finished, GenerationJob, collect, estimate_tokens
+from gateway.dispatch import GenerationJob, estimate_tokens
 from gateway.errors import GatewayError, error_body
 from gateway.http import (
     JSONBytes,
@@ -22,6 +22,7 @@ from gateway.http import (
 )
 from gateway.relay import SSE_DONE, RelayResponse, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.upstream import Finished, collect
 
 
 def usage(finished: Finished) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.dispatch import Finished, TextChunk, Upstream
 from gateway.errors import GatewayError, UpstreamError
+from gateway.upstream import Finished, TextChunk, Upstream
 
 
 def sse(obj: dict[str, Any]) -> bytes:
