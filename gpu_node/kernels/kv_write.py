@@ -19,25 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX, quantize_fp8, validate_kv_layer
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# Reductions go through tl.reduce with combine functions of this module rather than
-# tl.max / tl.sum / tl.zeros, which are @jit functions of Triton's own library: those are
-# compiled-mode if Triton was imported before TRITON_INTERPRET was set (the engine's test
-# conftest does that), and the interpreter cannot call them. Same code on the GPU.
-
-
-@triton.jit
-def _maximum_tl(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_tl(a, b):
-    return a + b
 
 
 @triton.jit
@@ -144,8 +129,8 @@ def _kv_write_kernel(
     if IS_FP8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        k_scale = row_scale_tl(tl.reduce(tl.abs(k), 1, _maximum_tl))
-        v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, _maximum_tl))
+        k_scale = row_scale_tl(tl.reduce(tl.abs(k), 1, maximum_tl))
+        v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, maximum_tl))
         tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_scale), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
         tl.store(k_scale_ptr + row, k_scale.to(tl.bfloat16), mask=head_mask)

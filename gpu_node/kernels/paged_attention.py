@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, validate_kv_layer
 
 FREE_PAGE_TAG = -1  # page_owner of a free page; no sequence tag is negative
@@ -149,22 +150,6 @@ def paged_decode_attention_ref(
     return out.reshape(batch, num_heads, head_dim).to(q.dtype), violations
 
 
-# Reductions go through tl.reduce with combine functions of this module rather than
-# tl.max / tl.sum / tl.zeros, which are @jit functions of Triton's own library: those are
-# compiled-mode if Triton was imported before TRITON_INTERPRET was set (the engine's test
-# conftest does that), and the interpreter cannot call them. Same code on the GPU.
-
-
-@triton.jit
-def _maximum_tl(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_tl(a, b):
-    return a + b
-
-
 @triton.jit
 def _to_dot_tl(x, DOT_KIND: tl.constexpr):
     # The dtype is passed as a code: a tl.dtype argument trips the interpreter.
@@ -261,10 +246,10 @@ def _paged_decode_split_kernel(
             k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
             scores = scores * k_scale[None, :]
         scores = tl.where(is_valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.reduce(scores, 1, _maximum_tl))
+        new_max = tl.maximum(running_max, tl.reduce(scores, 1, maximum_tl))
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.reduce(probs, 1, _add_tl)
+        running_sum = running_sum * correction + tl.reduce(probs, 1, add_tl)
         if IS_FP8:
             v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
             probs = probs * v_scale[None, :]
@@ -281,7 +266,7 @@ def _paged_decode_split_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
     )
     # Every kv head checks the same pages; kv head 0 reports.
-    is_bad = (tl.reduce(num_bad, 0, _maximum_tl) > 0) | (context_len > max_pages * PAGE_SIZE)
+    is_bad = (tl.reduce(num_bad, 0, maximum_tl) > 0) | (context_len > max_pages * PAGE_SIZE)
     tl.store(part_bad_ptr + seq * NUM_SPLITS + split, is_bad.to(tl.int8), mask=kv_head == 0)
 
 
@@ -316,18 +301,18 @@ def _paged_decode_merge_kernel(
     )  # [BLOCK_S, BLOCK_D]
     # Empty splits have max -inf and weigh 0; an empty context would make every weight
     # NaN, so the global max is floored at 0 there (the sum is 0 and the output 0).
-    global_max = tl.reduce(part_max, 0, _maximum_tl)
+    global_max = tl.reduce(part_max, 0, maximum_tl)
     global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
     weights = tl.exp2(part_max - global_max)  # [BLOCK_S]
-    total = tl.reduce(part_sum * weights, 0, _add_tl)
-    out = tl.reduce(part_acc * weights[:, None], 0, _add_tl) / tl.where(total == 0.0, 1.0, total)
+    total = tl.reduce(part_sum * weights, 0, add_tl)
+    out = tl.reduce(part_acc * weights[:, None], 0, add_tl) / tl.where(total == 0.0, 1.0, total)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
         mask=dims < HEAD_DIM,
     )
     is_bad = tl.reduce(
-        tl.load(part_bad_ptr + seq * NUM_SPLITS + splits, mask=split_mask, other=0), 0, _maximum_tl
+        tl.load(part_bad_ptr + seq * NUM_SPLITS + splits, mask=split_mask, other=0), 0, maximum_tl
     )
     tl.store(violation_ptr + seq, is_bad, mask=head == 0)
 
