@@ -22,7 +22,7 @@ from gateway.http import (
 )
 from gateway.relay import SSE_DONE, RelayResponse, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.upstream import Finished, collect
+from gateway.upstream import Finished, Upstream, collect
 
 
 def usage(finished: Finished) -> dict[str, Any]:
@@ -120,6 +120,26 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
     return body, await gateway_of(request).dispatcher.open(job)
 
 
+def _answer(
+    object_name: str,
+    completion_id: str,
+    model: str,
+    choice: dict[str, Any],
+    finished: Finished,
+    upstream: Upstream,
+) -> Response:
+    """A non-streamed completion: one choice, its finish reason, the usage."""
+    result = {
+        "id": completion_id,
+        "object": object_name,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice | {"finish_reason": finish_reason(finished)}],
+        "usage": usage(finished),
+    }
+    return JSONBytes(result, headers=upstream.headers)
+
+
 @endpoint("openai")
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
@@ -131,22 +151,8 @@ async def chat_completions(request: Request) -> Response:
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
     text, finished = await collect(upstream)
     message = {"role": "assistant", "content": text, "refusal": None}
-    result = {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": finish_reason(finished),
-            }
-        ],
-        "usage": usage(finished),
-    }
-    return JSONBytes(result, headers=upstream.headers)
+    choice = {"index": 0, "message": message, "logprobs": None}
+    return _answer("chat.completion", completion_id, body.model, choice, finished, upstream)
 
 
 @endpoint("openai")
@@ -159,17 +165,8 @@ async def completions(request: Request) -> Response:
         stream = CompletionStream(completion_id, body.model, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
     text, finished = await collect(upstream)
-    result = {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(finished)}
-        ],
-        "usage": usage(finished),
-    }
-    return JSONBytes(result, headers=upstream.headers)
+    choice = {"index": 0, "text": text, "logprobs": None}
+    return _answer("text_completion", completion_id, body.model, choice, finished, upstream)
 
 
 @endpoint("openai")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kv_cache import KVCache
 
 
@@ -69,8 +70,6 @@ class PagedAttention:
         )  # [T]
         self.violations.index_add_(0, md.token_seq, refused.int())
         if kv.uses_kernels and md.is_decode:
-            from gpu_node.kernels.paged_attention import paged_decode_attention
-
             out, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
                 md.page_owner, md.seq_tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],

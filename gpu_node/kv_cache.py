@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import gather_paged_kv
 from gpu_node.kv_quant import FP8_DTYPE, SCALE_DTYPE, bytes_per_token, kv_torch_dtype, scale_shape
 
@@ -82,11 +83,8 @@ class KVCache:
         check_owner: bool = True,
     ) -> torch.Tensor:
         """k, v [T, K, E] into slots [T]; returns bool [T], True where the write was refused."""
-        if self.uses_kernels:
-            from gpu_node.kernels.kv_write import kv_write
-        else:
-            from gpu_node.kernels.kv_write import kv_write_ref as kv_write
-        return kv_write(
+        write = kv_write if self.uses_kernels else kv_write_ref
+        return write(
             k, v, self.k_cache[layer], self.v_cache[layer], slot_mapping, page_owner, token_tags,
             self.k_scale[layer], self.v_scale[layer], check_owner,
         )  # fmt: skip

@@ -36,7 +36,12 @@ class _RequestState:
     generator: torch.Generator | None
     text_sent: int = 0  # characters of decoded text already emitted
     tokens_sent: int = 0
-    text: str = ""
+    text: str = ""  # the whole output decoded
+    # Output decoding is incremental: `text[:settled_chars]` is the text of the first
+    # `settled_tokens` tokens, ending on a whole character, so only the tokens after it
+    # are decoded each step (byte-level BPE text concatenates at such boundaries).
+    settled_tokens: int = 0
+    settled_chars: int = 0
     stop_at: int | None = None  # where a stop string begins in `text`
     events: list[EngineEvent] = field(default_factory=list)
 
@@ -174,15 +179,18 @@ class LLMEngine:
         chunks = batch.chunks
         # Integrity: a sequence whose block table reaches a page it does not own is
         # aborted before the step runs, so none of this step's tokens is sent.
-        bad = self.runner.find_violations(chunks) if self.config.check_integrity else []
+        tables = self.runner.host_tables(chunks)
+        bad = self.runner.find_violations(chunks, tables) if self.config.check_integrity else []
         if any(bad):
             outputs.extend(
                 self._fail_integrity(c.seq) for c, is_bad in zip(chunks, bad, strict=True) if is_bad
             )
-            chunks = [c for c, is_bad in zip(chunks, bad, strict=True) if not is_bad]
+            keep = [not is_bad for is_bad in bad]
+            chunks = [c for c, is_kept in zip(chunks, keep, strict=True) if is_kept]
+            tables = tables.select(keep)
             if not chunks:
                 return outputs
-        result = self.runner.run(chunks)
+        result = self.runner.run(chunks, tables)
         row = 0
         for chunk, flagged in zip(chunks, result.violations, strict=True):
             seq = chunk.seq
@@ -232,7 +240,10 @@ class LLMEngine:
         is_eos = token in self.tokenizer.stop_token_ids and not params.ignore_eos
         if is_eos:
             reason = FinishReason.STOP
-        state.text = self.tokenizer.decode(seq.output_token_ids)
+        tail = self.tokenizer.decode(seq.output_token_ids[state.settled_tokens :])
+        state.text = state.text[: state.settled_chars] + tail
+        if not tail.endswith("\ufffd"):
+            state.settled_tokens, state.settled_chars = seq.num_output_tokens, len(state.text)
         if params.stop and reason is None:
             hits = [
                 i

@@ -45,6 +45,22 @@ def find_violations_host(
     return is_foreign.any(axis=1) | is_repeated | (needed > table_lens)
 
 
+@dataclass(frozen=True)
+class HostTables:
+    """One step's block tables on the host, a row per chunk."""
+
+    tables: np.ndarray  # int64 [B, M], padded with 0 past each table's length
+    table_lens: np.ndarray  # int64 [B]
+    context_lens: np.ndarray  # int64 [B] tokens in cache after this step's writes
+    seq_tags: np.ndarray  # int64 [B] owner tags
+
+    def select(self, keep: list[bool]) -> HostTables:
+        rows = np.asarray(keep, dtype=bool)
+        return HostTables(
+            self.tables[rows], self.table_lens[rows], self.context_lens[rows], self.seq_tags[rows]
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,10 +78,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.scale = model.config.head_dim**-0.5
 
-    def _host_tables(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(tables int64 [B, M] padded with 0, table lengths [B], context lengths [B], tags [B])."""
+    def host_tables(self, chunks: list[ScheduledChunk]) -> HostTables:
+        """The step's block tables on the host, built once for the check and the inputs."""
         table_lens = np.array([len(c.seq.block_table) for c in chunks], dtype=np.int64)
         tables = np.zeros((len(chunks), max(1, int(table_lens.max(initial=0)))), dtype=np.int64)
         for i, c in enumerate(chunks):
@@ -74,9 +88,11 @@ class ModelRunner:
             [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=np.int64
         )
         seq_tags = np.array([sequence_tag(c.seq) for c in chunks], dtype=np.int64)
-        return tables, table_lens, context_lens, seq_tags
+        return HostTables(tables, table_lens, context_lens, seq_tags)
 
-    def find_violations(self, chunks: list[ScheduledChunk]) -> list[bool]:
+    def find_violations(
+        self, chunks: list[ScheduledChunk], tables: HostTables | None = None
+    ) -> list[bool]:
         """Per chunk: does its block table break the ownership rules (`find_violations_host`)?
 
         Runs on the host mirror of the ownership table, so it never waits for the
@@ -84,19 +100,15 @@ class ModelRunner:
         """
         if not chunks:
             return []
-        tables, table_lens, context_lens, seq_tags = self._host_tables(chunks)
+        t = tables if tables is not None else self.host_tables(chunks)
         bad = find_violations_host(
-            tables,
-            table_lens,
-            context_lens,
-            self.kv_cache.page_size,
-            self.page_owner_host,
-            seq_tags,
-        )
+            t.tables, t.table_lens, t.context_lens, self.kv_cache.page_size,
+            self.page_owner_host, t.seq_tags,
+        )  # fmt: skip
         return bad.tolist()
 
     def prepare(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], tables: HostTables | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
         page_size = self.kv_cache.page_size
         input_ids: list[int] = []
@@ -113,13 +125,13 @@ class ModelRunner:
                 table[p // page_size] * page_size + p % page_size for p in range(start, end)
             )
             token_seq.extend([i] * chunk.num_new_tokens)
-        tables, _, context_lens, seq_tags = self._host_tables(chunks)
+        t = tables if tables is not None else self.host_tables(chunks)
         metadata = StepMetadata(
             query_lens=[c.num_new_tokens for c in chunks],
-            context_lens=context_lens.tolist(),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(self.device),
+            context_lens=t.context_lens.tolist(),
+            block_tables=torch.from_numpy(t.tables.astype(np.int32)).to(self.device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            seq_tags=torch.from_numpy(seq_tags).to(self.device),
+            seq_tags=torch.from_numpy(t.seq_tags).to(self.device),
             token_seq=torch.tensor(token_seq, dtype=torch.long, device=self.device),
             page_owner=self.page_owner,
         )
@@ -128,9 +140,9 @@ class ModelRunner:
         return ids, pos, metadata
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def run(self, chunks: list[ScheduledChunk], tables: HostTables | None = None) -> StepResult:
         """Computes the chunks' KV; returns logits for the chunks that complete a sequence."""
-        ids, pos, metadata = self.prepare(chunks)
+        ids, pos, metadata = self.prepare(chunks, tables)
         ends = torch.tensor(metadata.query_lens, device=self.device).cumsum(0) - 1
         completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
         attention = PagedAttention(self.kv_cache, metadata, self.scale, self.check_owner)
