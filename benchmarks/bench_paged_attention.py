@@ -446,6 +446,7 @@ CONFIGS = [  # block_n, num_warps, num_stages
     (64, 4, 3),
     (128, 4, 2),
     (128, 8, 3),
+    (256, 4, 2),
 ]
 
 
@@ -461,6 +462,8 @@ def tune(shape, cache_dtype) -> dict:
     # On the first config only: the split count, and fp32 (TF32) dots.
     candidates += [{**candidates[0], "target_programs": p * num_sms} for p in (2, 8)]
     candidates += [{**candidates[0], "dot_dtype": torch.float32}]
+    if cache_dtype == FP8_DTYPE:  # fp16 operands are the default for fp8 pages
+        candidates += [{**candidates[2], "dot_dtype": torch.bfloat16}]
     for options in candidates:
         try:
             total = sum(time_calls(calls, **options) for calls, _ in points)

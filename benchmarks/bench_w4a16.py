@@ -5,10 +5,10 @@
 For each real layer shape (K in -> N out) and M = 1, 4, 16, 64 it times:
   bf16        F.linear(x, W) with W bf16 [N, K]            (cuBLAS)
   torch-int4  torch._weight_int4pack_mm (tinygemm), group 128
-  ours-mma    the tensor-core kernel of gpu_node.kernels.w4a16 (split-K forced to
-              its heuristic's value, which keeps w4a16_matmul off the GEMV path)
-  ours-gemv   gpu_node.kernels.w4a16_gemv.w4a16_gemv, M <= 8 only (what
-              w4a16_matmul runs there), activation permute included
+  ours-mma    the tensor-core kernel of gpu_node.kernels.w4a16 over Int4Weight's
+              layout (the MoE kernel's step), split-K at its heuristic's value
+  ours-kn     what Int4Linear runs on CUDA: w4a16_kn_matmul over Int4WeightKN,
+              i.e. the split-K GEMV for M <= 8 and its tensor-core kernel above
 and prints the speedups and each kernel's achieved bandwidth as a fraction of a
 device-to-device copy measured in the same run. --gemv-only skips M > 8 and the
 tensor-core sweeps; --no-sweep skips all config sweeps. Needs only torch, triton,
@@ -37,13 +37,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
-from gpu_node.kernels.w4a16_gemv import (
-    MAX_M,
-    permute_activations,
-    w4a16_gemv,
-    w4a16_gemv_config,
-)
-from gpu_node.quant.int4 import Int4Weight, quantize_int4, unpack_int4
+from gpu_node.kernels.w4a16_gemv import MAX_M, gemv_config, w4a16_gemv, w4a16_kn_matmul
+from gpu_node.quant.int4 import Int4Weight, Int4WeightKN, quantize_int4, to_kn, unpack_int4
 
 SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> expert
     (4096, 4096),
@@ -130,38 +125,34 @@ def sweep_configs(k: int, n: int, qs: list[Int4Weight]) -> None:
         print(f"  sweep {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}", flush=True)
 
 
-def sweep_gemv(k: int, n: int, qs: list[Int4Weight], num_sms: int) -> None:
-    """GEMV sweep (rows per thread x warps x split-K) at M = 1 and 4 vs the heuristic."""
-    for m in (1, 4):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        chosen = w4a16_gemv_config(m, n, k, num_sms)
-        results = []
-        for block_n in (1, 2, 4, 8):
-            for warps in (1, 2, 4, 8):
-                if k // 32 < 32 * warps:
-                    continue
-                for split in (1, 2, 4):
-                    cfg = {"BLOCK_N": block_n, "num_warps": warps, "BLOCK_C": 32 * warps}
-                    cfg["SPLIT_K"] = split
-                    calls = [lambda x=x, q=q, c=cfg: w4a16_gemv(x, q, config=c) for q in qs]
-                    results.append((bench_graph(calls, replays=10) * 1e3, block_n, warps, split))
-        results.sort()
-        best = ", ".join(f"{us:.1f} (BN {bn}, W {w}, S {sp})" for us, bn, w, sp in results[:4])
-        heur = [
-            us
-            for us, bn, w, sp in results
-            if (bn, w, sp) == (chosen["BLOCK_N"], chosen["num_warps"], chosen["SPLIT_K"])
-        ]
-        padded = -(-k // (32 * 32 * chosen["num_warps"])) * 32 * 32 * chosen["num_warps"]
-        block_m = chosen["BLOCK_M"]
-        t_perm = bench_graph([lambda x=x, b=block_m, p=padded: permute_activations(x, b, p)])
-        print(
-            f"  gemv sweep {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}; heuristic "
-            f"(BN {chosen['BLOCK_N']}, W {chosen['num_warps']}, S {chosen['SPLIT_K']}) "
-            f"{heur[0] if heur else float('nan'):.1f}; activation permute alone "
-            f"{t_perm * 1e3:.1f}",
-            flush=True,
-        )
+def sweep_gemv(k: int, n: int, kns: list[Int4WeightKN], num_sms: int) -> None:
+    """GEMV sweep at M = 1 (rows per lane x warps x unroll x groups per split) vs the heuristic."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    chosen = gemv_config(1, n, k, GROUP, num_sms)
+    results = []
+    for rows in (4,):
+        for warps in (2, 4, 8):
+            for unroll in (4, 8):
+                for per_split in (1, 2, 4):
+                    cfg = {"BLOCK_N": rows * 32 * warps, "num_warps": warps}
+                    cfg |= {"UNROLL": unroll, "GROUPS_PER_SPLIT": per_split}
+                    calls = [lambda x=x, q=q, c=cfg: w4a16_gemv(x, q, config=c) for q in kns]
+                    key = (cfg["BLOCK_N"], warps, unroll, per_split)
+                    results.append((bench_graph(calls, replays=10) * 1e3, key))
+    heur_key = (
+        chosen["BLOCK_N"],
+        chosen["num_warps"],
+        chosen["UNROLL"],
+        chosen["GROUPS_PER_SPLIT"],
+    )
+    heur = [us for us, key in results if key == heur_key]
+    results.sort()
+    best = ", ".join(f"{us:.1f} (BN/W/U/GPS {key})" for us, key in results[:4])
+    print(
+        f"  gemv sweep {k}x{n} M=1: best {best}; worst {results[-1][0]:.1f}; heuristic "
+        f"{heur_key} {heur[0] if heur else float('nan'):.1f}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -192,6 +183,7 @@ def main() -> None:
         except (RuntimeError, TypeError) as exc:
             print(f"torch int4pack unavailable: {exc}")
             tgs = []
+        kns = [to_kn(q) for q in qs]
         q_bytes = q0.nbytes
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -203,11 +195,9 @@ def main() -> None:
             t_ours = bench_graph(
                 [lambda x=x, q=q, s=split: w4a16_matmul(x, q, split_k=s) for q in qs]
             )
-            t_gemv = gemv_err = None
-            if m <= MAX_M:
-                out_gemv = w4a16_gemv(x, q0).float()
-                gemv_err = float((out_gemv - ref).norm() / ref.norm())
-                t_gemv = bench_graph([lambda x=x, q=q: w4a16_gemv(x, q) for q in qs])
+            out_gemv = w4a16_kn_matmul(x, kns[0]).float()
+            gemv_err = float((out_gemv - ref).norm() / ref.norm())
+            t_gemv = bench_graph([lambda x=x, q=q: w4a16_kn_matmul(x, q) for q in kns])
             t_tg = tg_err = None
             if tgs:
                 out_tg = torch._weight_int4pack_mm(x, tgs[0][0], GROUP, tgs[0][1]).float()
@@ -229,12 +219,10 @@ def main() -> None:
                 "ours_us": t_ours * 1e3,
                 "speedup_vs_bf16": t_bf16 / t_ours,
                 "speedup_vs_torch_int4": None if t_tg is None else t_tg / t_ours,
-                "gemv_us": None if t_gemv is None else t_gemv * 1e3,
-                "gemv_speedup_vs_bf16": None if t_gemv is None else t_bf16 / t_gemv,
-                "gemv_speedup_vs_torch_int4": None
-                if t_gemv is None or t_tg is None
-                else t_tg / t_gemv,
-                "gemv_bw_frac": None if t_gemv is None else (q_bytes + io) / (t_gemv * 1e-3) / bw,
+                "gemv_us": t_gemv * 1e3,
+                "gemv_speedup_vs_bf16": t_bf16 / t_gemv,
+                "gemv_speedup_vs_torch_int4": None if t_tg is None else t_tg / t_gemv,
+                "gemv_bw_frac": (q_bytes + io) / (t_gemv * 1e-3) / bw,
                 "rel_err_gemv": gemv_err,
                 "ours_bw_frac": (q_bytes + io) / (t_ours * 1e-3) / bw,
                 "bf16_bw_frac": (2 * n * k + io) / (t_bf16 * 1e-3) / bw,
@@ -245,7 +233,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         if not args.no_sweep:
-            sweep_gemv(k, n, qs, props.multi_processor_count)
+            sweep_gemv(k, n, kns, props.multi_processor_count)
         if not args.gemv_only and not args.no_sweep:
             # Split-K sweep at M = 1: does the heuristic pick well?
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -260,12 +248,12 @@ def main() -> None:
             )
             if (k, n) in SHAPES[:2]:
                 sweep_configs(k, n, qs)
-        del ws, qs, tgs
+        del ws, qs, tgs, kns
     print()
     print(
-        "| K x N | M | bf16 us | torch int4 us | ours-mma us | ours-gemv us | gemv vs bf16 "
-        "| gemv vs torch int4 | mma vs bf16 | gemv BW frac | mma BW frac | bf16 BW frac "
-        "| ideal vs bf16 | split-K (mma) | rel err gemv | rel err mma |"
+        "| K x N | M | bf16 us | torch int4 us | ours-mma us | ours-kn us | kn vs bf16 "
+        "| kn vs torch int4 | mma vs bf16 | kn BW frac | mma BW frac | bf16 BW frac "
+        "| ideal vs bf16 | split-K (mma) | rel err kn | rel err mma |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 

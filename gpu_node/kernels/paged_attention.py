@@ -251,9 +251,16 @@ def _paged_decode_split_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.reduce(probs, 1, add_tl)
         if IS_FP8:
+            # The row scales go into the probabilities, relative to the block's largest
+            # (so a 16-bit p * scale stays in [0, 1], never deep in fp16's subnormals);
+            # the largest multiplies the block's product instead.
             v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-            probs = probs * v_scale[None, :]
-        acc = acc * correction[:, None] + tl.dot(_to_dot_tl(probs, DOT_KIND), v)  # [G, D]
+            v_max = tl.reduce(v_scale, 0, maximum_tl)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            pv = tl.dot(_to_dot_tl(probs * (v_scale / v_max)[None, :], DOT_KIND), v) * v_max
+        else:
+            pv = tl.dot(_to_dot_tl(probs, DOT_KIND), v)
+        acc = acc * correction[:, None] + pv  # [G, D]
         running_max = new_max
 
     head_mask = groups < GROUP
@@ -331,7 +338,7 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     check_owner: bool = True,
     dot_dtype: torch.dtype | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     target_programs: int | None = None,
@@ -356,6 +363,10 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
+    if block_n is None:
+        # Measured on an H200 (docs/bench/fp8_kv.md): fp8 pages move half the bytes per
+        # token, so they take twice the tokens per step; 16-bit pages 64.
+        block_n = 128 if is_fp8 else 64
     if target_programs is None:
         # Measured on an H200 (docs/bench/fp8_kv.md): fp8 pages did best with 8 programs
         # per multiprocessor, 16-bit pages with 4.
@@ -434,14 +445,20 @@ _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_
 
 
 def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
-    """q's dtype when q and the pages convert to it exactly (fp8 pages always do; 16-bit
-    pages of q's dtype do), else fp32. Always fp32 off the GPU: the Triton interpreter's
-    16-bit dot is wrong. Probabilities are rounded to it too, as flash attention does.
+    """The operand dtype of the two matrix products when the caller names none.
+
+    fp8 pages: fp16 on the GPU (e4m3 -> fp16 is one instruction per two values on
+    sm_90, and fp16 holds every e4m3 value and q's bf16 values of ordinary range; it
+    measured 1.2x faster than bf16 operands on an H200, docs/bench/fp8_kv.md).
+    16-bit pages: q's dtype when the pages have it. Else, and always off the GPU
+    (the Triton interpreter's 16-bit dot is wrong), fp32. Probabilities are rounded
+    to it too, as flash attention does.
     """
-    exact = k_cache.dtype in (FP8_DTYPE, q.dtype)
-    if q.device.type != "cuda" or q.dtype == torch.float32 or not exact:
+    if q.device.type != "cuda" or q.dtype == torch.float32:
         return torch.float32
-    return q.dtype
+    if k_cache.dtype == FP8_DTYPE:
+        return torch.float16
+    return q.dtype if k_cache.dtype == q.dtype else torch.float32
 
 
 def _num_multiprocessors(device: torch.device) -> int:

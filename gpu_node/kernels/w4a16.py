@@ -134,9 +134,6 @@ def _w4a16_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
-GEMV_MAX_M = 8  # batches up to this size take w4a16_gemv (see w4a16_matmul)
-
-
 def is_interpreted(t: torch.Tensor) -> bool:
     """True when Triton runs in its CPU interpreter (tests), where dots go through fp32."""
     return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
@@ -171,8 +168,9 @@ def w4a16_matmul(
     """x [..., K] (bf16/fp16/fp32) @ W^T for W [N, K] INT4 -> [..., N] in x's dtype.
 
     `split_k` / `config` (BLOCK_N, SPLIT_K, num_warps, num_stages, ...) override
-    the heuristic; benchmarks use them to sweep. Without them, decode-sized batches
-    (M <= GEMV_MAX_M) go to the CUDA-core GEMV of w4a16_gemv.py instead.
+    the heuristic; benchmarks use them to sweep. This kernel reads Int4Weight's own
+    layout and shares its K step with the fused MoE kernel; Int4Linear on CUDA runs
+    the kernels of w4a16_gemv.py over Int4WeightKN instead (a GEMV for decode).
     """
     if len(weight.shape) != 2:
         raise ValueError(f"w4a16_matmul takes a 2-D weight, got shape {weight.shape}")
@@ -186,13 +184,6 @@ def w4a16_matmul(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
-    if m <= GEMV_MAX_M and split_k is None and config is None:
-        # A few rows cannot feed tensor cores (their narrow side is 16): stream the
-        # weights on CUDA cores. Imported here so that the GEMV kernel is decorated
-        # only once a caller runs it, after the tests have set TRITON_INTERPRET.
-        from gpu_node.kernels.w4a16_gemv import w4a16_gemv
-
-        return w4a16_gemv(x2, weight).reshape(*lead, n)
     cfg = w4a16_config(m, n, k, weight.group_size, _num_sms(x.device))
     launch = {"num_warps": 4, "num_stages": 4}
     for key, value in (config or {}).items():

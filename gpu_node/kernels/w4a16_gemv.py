@@ -1,46 +1,35 @@
-"""W4A16 GEMV for decode-sized batches: y = x @ W^T on CUDA cores, M <= 8, W in INT4.
+"""W4A16 on the GPU over the transposed INT4 layout (Int4WeightKN): y = x @ W^T.
 
-Letters: M tokens, N out features, K in features, G group size, C chunks (32
-values, 16 bytes, 4 int32 words of a packed row), S split-K ways.
+Letters: M tokens, N out features, K in features, G group size, S split-K ways,
+R output rows per thread, U words per row per unrolled step.
 
-At M <= 8 a GEMM is a stream over the weights: every byte is read once and
-takes part in M multiply-adds, far too few to pay for tensor-core tiles (the
-MMA's narrow side is 16 rows, so M = 1 wastes 15/16 of it and as many loads go
-to the activations as to the weights). Here each program owns BLOCK_N weight
-rows and streams them along K (or along one of S slices of K):
+Decode (M <= MAX_M): a GEMV on CUDA cores that streams the weights once.
 
-    packed row n (uint8 [K/2]) viewed as int32 words [K/8]:
+    words int32 [K/8, N]: word (kw, n) holds W[n, 8kw .. 8kw+7], nibble p = k - 8kw
 
-    word 4c+j of row n, bits 4p..4p+3 (p = 0..7) = code of value
-        k = 32c + 16*(p % 2) + 4j + p // 2              (Q4_1's chunk order, int4.py)
+    program (pid_n, pid_s): rows pid_n*BLOCK_N .. (BLOCK_N = R * 32 * num_warps),
+                            groups of split pid_s (a slice of K)
+      lane: R neighbouring rows, so one word row is one R*4-byte vector load per
+            lane and a warp reads 32*R*4 contiguous bytes (coalesced);
+            the 8 activations of a word are the same for every lane (broadcast
+            loads, no activation permute, no layout conversion)
+      per group:   acc_g[m, n] += q[n, k] * x[m, k]      k in the group, q exact in fp32
+      then:        acc[m, n]   += scale[n] * acc_g[m, n] + min[n] * sum_k x[m, k]
+      end, S = 1:  y = acc
+      end, S > 1:  partial [S, M, N] fp32; the last program of a row block to finish
+                   (a per-row-block counter, atomically incremented) adds the S
+                   partials (in rounds of CHUNK_S loads in flight, always in the
+                   same order) and writes y: one kernel, and the result does not
+                   depend on which program finished when.
 
-    program (pid_n, pid_s) -> rows pid_n*BLOCK_N.., chunks of slice pid_s
-      step: words  int32 [BLOCK_N, BLOCK_C, 4]   one 16-byte load per row and chunk
-            for each nibble p (unrolled):
-              q      [BLOCK_N, BLOCK_C, 4]        made fp32 without I2F (below)
-              w      = scale * q + min             fp32, dequantized in registers
-              x_p    [BLOCK_M, 1, BLOCK_C, 4]      the activations those codes meet
-              acc   += w * x_p                     [BLOCK_M, BLOCK_N, BLOCK_C, 4] fp32
-      end:  y[m, n] = sum of acc over (C, 4)       one reduction per program
+The scale and min are applied once per group rather than per weight, so a weight
+costs three instructions: the nibble is AND-ed into the bit pattern of 2^23 (one
+LOP3; a nibble at bit s <= 12 gives the float 2^23 + q * 2^s), one exact FMA turns
+that into q, one FMA accumulates q * x. No int-to-float conversion (a quarter-rate
+instruction on NVIDIA GPUs).
 
-BLOCK_C = 32 * num_warps, so a thread holds one whole chunk (16 contiguous
-bytes: one vector load) of each of its BLOCK_N rows, and the activations it
-needs for nibble p are 4 floats shared by all those rows. They come from
-x_perm (permute_activations: x reordered to the nibbles' order, in fp32, once
-per call), where those 4 floats are contiguous: one vector load per nibble and
-token, in the words' own register layout (no layout conversion in the loop).
-
-Nibbles become floats with the exponent trick instead of an int-to-float
-conversion (a quarter-rate instruction on NVIDIA GPUs, the bottleneck of a
-naive dequantize at decode rates): AND-ing the nibble at bit position s <= 12
-into the bit pattern of 2^23 gives the float 2^23 + q * 2^s; one FMA,
-f * 2^-s - 2^23 * 2^-s, gives q exactly (a power-of-two scale, then the
-difference of two floats of one binade). The upper four nibbles come from the
-word shifted right by 16, so a nibble costs one LOP3 and one FMA.
-
-With S > 1 each slice writes an fp32 partial [S, M, N] and the wrapper sums
-them (deterministic, no atomics); the heuristic only splits when the row
-blocks alone cannot fill the GPU.
+More rows (M > MAX_M): `w4a16_kn_matmul` dequantizes W^T into a transient dense
+buffer with one kernel and hands the product to torch.matmul (cuBLAS).
 """
 
 from __future__ import annotations
@@ -52,109 +41,140 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_node.quant.int4 import Int4Weight
+from gpu_node.quant.int4 import Int4WeightKN, dequantize_int4, from_kn
 
-MAX_M = 8  # the largest batch this kernel is meant for (acc grows with M)
-CHUNK_VALUES = 32  # values per 16-byte chunk of a packed row
+MAX_M = 8  # the largest batch the GEMV takes (its accumulators grow with M)
+MAX_TILES = 1 << 16  # row blocks per call the split-K counters cover
 
-# Only core builtins inside the kernel (tl.full, tl.reduce with the standard sum
-# combiner; no tl.sum / tl.zeros / tl.cdiv): the standard library's @jit helpers
-# stay compiled-mode when Triton was imported before TRITON_INTERPRET was set, and
-# the interpreter cannot call them (it recognises the sum combiner and uses numpy).
+# Only core builtins inside the kernels (tl.full, tl.reduce; no tl.sum / tl.zeros /
+# tl.cdiv): the standard library's @jit helpers stay compiled-mode when Triton was
+# imported before TRITON_INTERPRET was set, and the interpreter cannot call them.
 
 
 @triton.jit
-def _w4a16_gemv_kernel(
-    x_ptr,  # fp32 [BLOCK_M, 8, Kp / 8]: x_perm, see permute_activations
-    words_ptr,  # int32 [N, K / 8]: the packed codes, four bytes at a time
-    scales_ptr,  # fp16 [N, K / G]
-    mins_ptr,  # fp16 [N, K / G]
-    out_ptr,  # [S, M, N]
+def _gemv_kn_kernel(
+    x_ptr,  # [M, K], contiguous along K; bf16 is read as int32 pairs (X_PAIRS)
+    words_ptr,  # int32 [K / 8, N]
+    scales_ptr,  # fp16 [K / G, N]
+    mins_ptr,  # fp16 [K / G, N]
+    part_ptr,  # fp32 [S, BLOCK_M, N] partial sums (S > 1)
+    count_ptr,  # int32 [row blocks]: programs of the row block done; 0 between calls
+    out_ptr,  # [M, N]
     M,
     N,
-    K,
-    stride_xm,
-    stride_xp,
-    stride_wn,
-    stride_sn,
-    stride_os,
+    stride_xm,  # in elements of x_ptr's type
     stride_om,
+    num_groups,
+    groups_per_split,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    UNROLL: tl.constexpr,  # words per row loaded before any is used; divides G / 8
     SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_C * 32: no masks in the loop
+    CHUNK_S: tl.constexpr,  # partials the last program loads per round (a power of 2)
+    X_PAIRS: tl.constexpr,  # x is bf16 viewed as int32: two activations per load
+    DEQUANT: tl.constexpr = True,  # False: stream the words, skip the math (benchmarks)
 ):
-    CHUNKS_PER_GROUP: tl.constexpr = GROUP_SIZE // 32
     MAGIC: tl.constexpr = 0x4B000000  # bit pattern of the float 2^23
     MAGIC_F: tl.constexpr = 8388608.0  # 2^23
+    WORDS_PER_GROUP: tl.constexpr = GROUP_SIZE // 8
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_j = tl.arange(0, 4)
-    # Rows past N read row N - 1 instead of being masked (loads stay unpredicated
-    # vectors); the store drops them.
-    rows = tl.minimum(offs_n, N - 1)
-    # [BLOCK_N, BLOCK_C, 4] words of the first step; [BLOCK_N, 1] scale rows
-    w_ptrs = (
-        words_ptr
-        + rows[:, None, None] * stride_wn
-        + offs_c[None, :, None] * 4
-        + offs_j[None, None, :]
-    )
-    s_rows = rows[:, None] * stride_sn
-    # [BLOCK_M, 1, BLOCK_C, 4] activations, contiguous along the words like the codes,
-    # so they get the words' register layout and broadcast over the rows for free
-    # (BLOCK_C = 32 * num_warps: a thread holds one chunk of each of its BLOCK_N rows).
-    # x_perm is zero-padded to BLOCK_M rows and whole steps: no masks.
-    x_ptrs = (
-        x_ptr
-        + offs_m[:, None, None, None] * stride_xm
-        + offs_c[None, None, :, None] * 4
-        + offs_j[None, None, None, :]
-    )
-    num_chunks = K // 32
-    num_steps = (num_chunks + BLOCK_C - 1) // BLOCK_C
-    steps_per_split = (num_steps + SPLIT_K - 1) // SPLIT_K
-    step_begin = pid_s * steps_per_split
-    step_end = tl.minimum(step_begin + steps_per_split, num_steps)
-    acc = tl.full((BLOCK_M, BLOCK_N, BLOCK_C, 4), 0.0, tl.float32)
-    for step in range(step_begin, step_end):
-        c0 = step * BLOCK_C  # first chunk of the step
-        chunks = c0 + offs_c  # [BLOCK_C]
-        s_ptrs = s_rows + (chunks // CHUNKS_PER_GROUP)[None, :]  # [BLOCK_N, BLOCK_C]
-        if EVEN_K:
-            words = tl.load(w_ptrs + c0 * 4)  # int32 [BLOCK_N, BLOCK_C, 4]
-            scale = tl.load(scales_ptr + s_ptrs).to(tl.float32)
-            min_ = tl.load(mins_ptr + s_ptrs).to(tl.float32)
-        else:
-            # Chunks past K: codes, scale and min 0, so w = 0 (and x is 0 there too).
-            mask_c = (chunks < num_chunks)[None, :]
-            words = tl.load(w_ptrs + c0 * 4, mask=mask_c[:, :, None], other=0)
-            scale = tl.load(scales_ptr + s_ptrs, mask=mask_c, other=0.0).to(tl.float32)
-            min_ = tl.load(mins_ptr + s_ptrs, mask=mask_c, other=0.0).to(tl.float32)
-        for half in tl.static_range(2):
-            # Nibbles 4*half.. of each word at bits 0..15, under the exponent bits of 2^23.
-            src = ((words >> (16 * half)) & 0xFFFF) | MAGIC
-            for nib in tl.static_range(4):
-                p = 4 * half + nib  # nibble of the word: byte p // 2, high half if p is odd
-                bits = src & ((15 << (4 * nib)) | MAGIC)  # 2^23 + q * 16^nib, as bits
-                # -> q in one exact FMA: a power-of-two scale, then a difference of two
-                # floats of the same binade
-                unit = 1.0 / (1 << (4 * nib))
-                q = bits.to(tl.float32, bitcast=True) * unit - MAGIC_F * unit
-                w = q * scale[:, :, None] + min_[:, :, None]  # [BLOCK_N, BLOCK_C, 4]
-                x_p = tl.load(x_ptrs + (p * stride_xp + c0 * 4))  # [BLOCK_M, 1, BLOCK_C, 4]
-                acc += w[None, :, :, :] * x_p
-    # [BLOCK_M, BLOCK_N]: the one cross-thread reduction of the program
-    y = tl.reduce(tl.reduce(acc, 3, tl.standard._sum_combine), 2, tl.standard._sum_combine)
-    out = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(
-        out, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)
-    )
+    # Tiles are [BLOCK_M, 1, BLOCK_N] (or a broadcast side of one), so that the
+    # activations, codes and accumulators share one register layout (no conversions).
+    offs_m = tl.arange(0, BLOCK_M)[:, None, None]  # [BLOCK_M, 1, 1]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]  # [1, 1, BLOCK_N]
+    mask_n = offs_n < N  # N % 4 == 0 (wrapper): whole vectors in or out
+    # Activation rows past M read row 0; their results are never stored.
+    x_rows = x_ptr + tl.where(offs_m < M, offs_m, 0) * stride_xm  # [BLOCK_M, 1, 1]
+    g_begin = pid_s * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, num_groups)
+    acc = tl.full((BLOCK_M, 1, BLOCK_N), 0.0, tl.float32)
+    for g in range(g_begin, g_end):
+        acc_g = tl.full((BLOCK_M, 1, BLOCK_N), 0.0, tl.float32)
+        x_sum = tl.full((BLOCK_M, 1, 1), 0.0, tl.float32)
+        for u0 in range(0, WORDS_PER_GROUP, UNROLL):
+            for u in tl.static_range(UNROLL):
+                kw = g * WORDS_PER_GROUP + u0 + u
+                words = tl.load(words_ptr + kw * N + offs_n, mask=mask_n, other=0)  # int32
+                if not DEQUANT:
+                    acc_g += words.to(tl.float32, bitcast=True)
+                for half in tl.static_range(2 if DEQUANT else 0):
+                    # Nibbles 4*half.. at bits 0..15, under the exponent bits of 2^23.
+                    src = ((words >> (16 * half)) & 0xFFFF) | MAGIC
+                    if X_PAIRS:
+                        # bf16 pairs (k, k+1) for k = 8kw + 4*half + 2i: two int32 loads
+                        pair_ptr = x_rows + kw * 4 + 2 * half  # [BLOCK_M, 1, 1]
+                        pair_0 = tl.load(pair_ptr)
+                        pair_1 = tl.load(pair_ptr + 1)
+                    for nib in tl.static_range(4):
+                        p = 4 * half + nib  # k = 8 * kw + p
+                        if X_PAIRS:
+                            pair = pair_0 if nib < 2 else pair_1
+                            # the low bf16 of the pair, or the high one (0xFFFF0000)
+                            bits_x = pair << 16 if nib % 2 == 0 else pair & -65536
+                            x_p = bits_x.to(tl.float32, bitcast=True)
+                        else:
+                            x_p = tl.load(x_rows + kw * 8 + p).to(tl.float32)
+                        bits = src & ((15 << (4 * nib)) | MAGIC)  # 2^23 + q * 16^nib
+                        unit = 1.0 / (1 << (4 * nib))
+                        q = bits.to(tl.float32, bitcast=True) * unit - MAGIC_F * unit
+                        acc_g += x_p * q
+                        x_sum += x_p
+        scale = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        min_ = tl.load(mins_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += acc_g * scale + x_sum * min_
+
+    out_mask = (offs_m < M) & mask_n  # [BLOCK_M, 1, BLOCK_N]
+    out_ptrs = out_ptr + offs_m * stride_om + offs_n
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_row = offs_m * N + offs_n  # [BLOCK_M, 1, BLOCK_N]
+        tl.store(part_ptr + pid_s * BLOCK_M * N + part_row, acc, mask=out_mask)
+        # Every thread's partial is written before the row block's counter moves
+        # (barrier, then a release-acquire increment); the program that sees S - 1
+        # came last, and it reads the partials from L2 (.cg), never a stale L1 line.
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            # CHUNK_S partials per round, all loads of a round in flight at once.
+            offs_s = tl.arange(0, CHUNK_S)[None, :, None]  # [1, CHUNK_S, 1]
+            total = tl.full((BLOCK_M, 1, BLOCK_N), 0.0, tl.float32)
+            for s0 in range(0, SPLIT_K, CHUNK_S):
+                parts = tl.load(
+                    part_ptr + (s0 + offs_s) * (BLOCK_M * N) + part_row,
+                    mask=out_mask & (s0 + offs_s < SPLIT_K),
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # [BLOCK_M, CHUNK_S, BLOCK_N]
+                total += tl.reduce(parts, 1, tl.standard._sum_combine, keep_dims=True)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (CUDA graphs too)
+
+
+@triton.jit
+def _dequant_kn_kernel(
+    words_ptr,  # int32 [K / 8, N]
+    scales_ptr,  # fp16 [K / G, N]
+    mins_ptr,
+    out_ptr,  # [K, N]: W^T, dense
+    N,
+    num_word_rows,  # K / 8
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    kw = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)[:, None]  # [BLOCK_KW, 1]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
+    mask = (kw < num_word_rows) & (offs_n < N)
+    words = tl.load(words_ptr + kw * N + offs_n, mask=mask, other=0)
+    group_rows = (kw // (GROUP_SIZE // 8)) * N + offs_n
+    scale = tl.load(scales_ptr + group_rows, mask=mask, other=0.0).to(tl.float32)
+    min_ = tl.load(mins_ptr + group_rows, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(8):  # W^T row 8kw + p: nibble p of word row kw
+        w = ((words >> (4 * p)) & 15).to(tl.float32) * scale + min_
+        tl.store(out_ptr + (8 * kw + p) * N + offs_n, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _is_interpreted(t: torch.Tensor) -> bool:
@@ -167,113 +187,157 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def permute_activations(x: torch.Tensor, block_m: int, padded_k: int) -> torch.Tensor:
-    """x [M, K] -> fp32 [block_m, 8, padded_k / 8] in the order the codes are packed.
+def gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
+    """Tile, warps, unroll and split-K ways for one problem (a heuristic).
 
-    x_perm[m, p, 4c + j] = x[m, 32c + 16 * (p % 2) + 4j + p // 2]: nibble p of word
-    4c + j meets x_perm[:, p, 4c + j], so a thread's activations for nibble p of its
-    chunk are 4 contiguous floats (one vector load), like its words. Rows past M and
-    values past K are zero, so the kernel never masks them.
+    From the H200 sweep (docs/bench/w4a16_gemv.md): 4 rows per lane, 8 words per row
+    in flight, and K cut into splits of about one group of 128 (two past 32 groups),
+    so that a 4096-row layer still gives every multiprocessor ~8 warps; the warps per
+    program mattered little.
     """
-    m, k = x.shape
-    x_perm = x.new_empty(block_m, 4, 2, padded_k // 32, 4, dtype=torch.float32)  # [m, b, hi, c, j]
-    if block_m > m or padded_k > k:
-        x_perm.zero_()
-    # x viewed as [m, c, hi, j, b] -> [m, b, hi, c, j]: p = 2b + hi, word = 4c + j
-    x_perm[:m, :, :, : k // 32].copy_(x.reshape(m, k // 32, 2, 4, 4).permute(0, 4, 2, 1, 3))
-    return x_perm.view(block_m, 8, padded_k // 8)
-
-
-def w4a16_gemv_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
-    """Tile sizes, warps and split-K ways for one problem (a heuristic, not autotuned).
-
-    BLOCK_C is always 32 * num_warps (one chunk per thread per row); BLOCK_N is the
-    rows each thread streams, so it also sets how often an activation load is reused
-    and, with BLOCK_M, the accumulator's registers (BLOCK_M * BLOCK_N * 4 per thread).
-    """
-    num_chunks = k // CHUNK_VALUES
     num_warps = 4
-    while num_warps > 1 and num_chunks < 32 * num_warps:  # small K: no idle lanes
+    while num_warps > 1 and n < 4 * 32 * num_warps * 2:  # small N: smaller programs
         num_warps //= 2
-    block_c = 32 * num_warps
-    block_m = triton.next_power_of_2(m)
-    block_n = 4 if block_m <= 2 else 2
-    num_steps = triton.cdiv(num_chunks, block_c)
-    blocks = triton.cdiv(n, block_n)
-    split_k = 1
-    # Split K only when the row blocks alone cannot give every SM four programs.
-    while blocks * split_k < 4 * num_sms and split_k * 2 <= num_steps // 2:
-        split_k *= 2
+    num_groups = k // group_size
+    values_per_split = 128 if num_groups * group_size <= 4096 else 256
     return {
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_C": block_c,
-        "SPLIT_K": split_k,
+        "BLOCK_M": triton.next_power_of_2(m),
+        "BLOCK_N": 4 * 32 * num_warps,
+        "UNROLL": min(8, group_size // 8),
+        "GROUPS_PER_SPLIT": max(1, values_per_split // group_size),
         "num_warps": num_warps,
     }
 
 
-def w4a16_gemv(
-    x: torch.Tensor, weight: Int4Weight, config: Mapping[str, int] | None = None
-) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32, 1 <= M <= 8) @ W^T for W [N, K] INT4 -> [M, N] in x's dtype.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
-    `config` (BLOCK_N, BLOCK_C, SPLIT_K, num_warps, ...) overrides the heuristic;
-    benchmarks use it to sweep. BLOCK_C must stay 32 * num_warps.
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters: zero between calls (each call leaves them so).
+
+    One buffer per device, so GEMV calls on one device must not run concurrently on
+    two streams (the engine runs one stream). It is made on the first call, outside
+    any CUDA-graph capture when callers warm up first, as they must for Triton anyway.
     """
-    if len(weight.shape) != 2:
-        raise ValueError(f"w4a16_gemv takes a 2-D weight, got shape {weight.shape}")
-    if x.dim() != 2:
-        raise ValueError(f"w4a16_gemv takes x [M, K], got shape {tuple(x.shape)}")
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _check(x: torch.Tensor, weight: Int4WeightKN) -> tuple[int, int]:
     n, k = weight.shape
-    m = x.shape[0]
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} features, weight expects {k}")
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"w4a16_gemv takes 1..{MAX_M} rows, got {m}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
-    if x.device != weight.packed.device:
-        raise ValueError(f"x on {x.device}, weight on {weight.packed.device}")
-    if weight.packed.dtype != torch.uint8 or tuple(weight.packed.shape) != (n, k // 2):
-        raise ValueError(
-            f"packed must be uint8 [{n}, {k // 2}], got {weight.packed.dtype} "
-            f"{tuple(weight.packed.shape)}"
-        )
-    cfg = w4a16_gemv_config(m, n, k, _num_sms(x.device))
+    if n % 4:
+        raise ValueError(f"N must be a multiple of 4, got {n}")
+    if x.device != weight.words.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.words.device}")
+    if weight.words.dtype != torch.int32 or tuple(weight.words.shape) != (k // 8, n):
+        raise ValueError(f"words must be int32 [{k // 8}, {n}], got {tuple(weight.words.shape)}")
+    return n, k
+
+
+def w4a16_gemv(
+    x: torch.Tensor, weight: Int4WeightKN, config: Mapping[str, int] | None = None
+) -> torch.Tensor:
+    """x [M, K] (1 <= M <= MAX_M) @ W^T -> [M, N] in x's dtype, on CUDA cores.
+
+    `config` (BLOCK_N, UNROLL, GROUPS_PER_SPLIT, num_warps) overrides the heuristic;
+    benchmarks sweep it.
+    """
+    n, k = _check(x, weight)
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"w4a16_gemv takes 1..{MAX_M} rows, got {m}")
+    cfg = gemv_config(m, n, k, weight.group_size, _num_sms(x.device))
     cfg.update(config or {})
-    if cfg["BLOCK_C"] != 32 * cfg["num_warps"]:
-        raise ValueError(f"BLOCK_C must be 32 * num_warps, got {cfg}")
-    if cfg["BLOCK_M"] < m:
-        raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} < M = {m}")
-    step_values = cfg["BLOCK_C"] * CHUNK_VALUES
-    padded_k = triton.cdiv(k, step_values) * step_values
-    x_perm = permute_activations(x, cfg["BLOCK_M"], padded_k)
-    words = weight.packed.contiguous().view(torch.int32)  # [N, K/8]
-    scales = weight.scales.contiguous()
-    mins = weight.mins.contiguous()
-    splits = cfg["SPLIT_K"]
-    # Partials stay fp32; so does the interpreter's output, whose bf16 cast truncates.
-    direct = splits == 1 and not _is_interpreted(x)
-    out = torch.empty(splits, m, n, device=x.device, dtype=x.dtype if direct else torch.float32)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    _w4a16_gemv_kernel[grid](
-        x_perm,
-        words,
-        scales,
-        mins,
+    if (weight.group_size // 8) % cfg["UNROLL"]:
+        raise ValueError(f"UNROLL {cfg['UNROLL']} must divide {weight.group_size // 8}")
+    num_groups = k // weight.group_size
+    groups_per_split = cfg.pop("GROUPS_PER_SPLIT")
+    splits = triton.cdiv(num_groups, groups_per_split)
+    row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    if row_blocks > MAX_TILES:
+        raise ValueError(f"{row_blocks} row blocks exceed {MAX_TILES}")
+    x = x.contiguous()
+    pairs = x.dtype == torch.bfloat16
+    x_arg = x.view(torch.int32) if pairs else x
+    # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
+    out_dtype = torch.float32 if _is_interpreted(x) else x.dtype
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    part = torch.empty(splits if splits > 1 else 1, cfg["BLOCK_M"], n, device=x.device)
+    _gemv_kn_kernel[(row_blocks, splits)](
+        x_arg,
+        weight.words,
+        weight.scales,
+        weight.mins,
+        part,
+        _counters(x.device),
         out,
         m,
         n,
-        k,
-        x_perm.stride(0),
-        x_perm.stride(1),
-        words.stride(0),
-        scales.stride(0),
+        x_arg.stride(0),
         out.stride(0),
-        out.stride(1),
+        num_groups,
+        groups_per_split,
         GROUP_SIZE=weight.group_size,
-        EVEN_K=padded_k == k,
+        SPLIT_K=splits,
+        # <= 32 fp32 values of a round per lane and row of the tile
+        CHUNK_S=min(triton.next_power_of_2(splits), max(1, 32 // cfg["BLOCK_M"])),
+        X_PAIRS=pairs,
         **cfg,
     )
-    return out[0] if direct else out.sum(dim=0).to(x.dtype)
+    return out.to(x.dtype)
+
+
+def dequantize_kn(weight: Int4WeightKN, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
+    n, k = weight.shape
+    # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
+    interpreted = _is_interpreted(weight.words)
+    out = torch.empty(
+        k, n, device=weight.words.device, dtype=torch.float32 if interpreted else dtype
+    )
+    block_kw, block_n = 8, 128
+    grid = (triton.cdiv(k // 8, block_kw), triton.cdiv(n, block_n))
+    _dequant_kn_kernel[grid](
+        weight.words,
+        weight.scales,
+        weight.mins,
+        out,
+        n,
+        k // 8,
+        GROUP_SIZE=weight.group_size,
+        BLOCK_KW=block_kw,
+        BLOCK_N=block_n,
+    )
+    return out.to(dtype)
+
+
+def w4a16_kn_matmul(x: torch.Tensor, weight: Int4WeightKN) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype.
+
+    Up to MAX_M rows take the GEMV. More rows dequantize W^T into a transient
+    dense buffer (x's dtype) and run the vendor matmul: at those sizes the product
+    is what costs, and cuBLAS does it better than an INT4 tensor-core kernel of ours
+    over this layout did (docs/bench/w4a16_gemv.md). The buffer lives for the call.
+    """
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    if m <= MAX_M:
+        return w4a16_gemv(x2, weight).reshape(*lead, n)
+    _check(x2, weight)
+    return torch.matmul(x2, dequantize_kn(weight, x2.dtype)).reshape(*lead, n)
+
+
+def w4a16_kn_ref(x: torch.Tensor, weight: Int4WeightKN) -> torch.Tensor:
+    """Torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
+    return (x.float() @ dequantize_int4(from_kn(weight)).T).to(x.dtype)

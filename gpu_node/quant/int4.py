@@ -180,3 +180,62 @@ def int4_from_gguf_q4_1(raw_blocks: Any, shape: tuple[int, ...]) -> Int4Weight:
         shape=shape,
         group_size=32,
     )
+
+
+@dataclass(frozen=True)
+class Int4WeightKN:
+    """The same INT4 weight laid out for the GPU's decode kernels (gpu_node/kernels/w4a16_gemv.py).
+
+    W [N, K] is stored transposed, eight consecutive k of one row per int32 word:
+
+        words   int32 [K // 8, N]   bits 4p..4p+3 of words[kw, n] = code of W[n, 8 * kw + p]
+        scales  fp16  [K // G, N]
+        mins    fp16  [K // G, N]
+
+    so a warp reading one row of words reads 32 neighbouring output rows (coalesced),
+    and every lane needs the same eight activations x[8kw : 8kw + 8] (one broadcast).
+    The arithmetic is Int4Weight's: w = scale * q + min. Same bytes as Int4Weight.
+    """
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    shape: tuple[int, int]
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.mins))
+
+
+def to_kn(weight: Int4Weight) -> Int4WeightKN:
+    """Int4Weight [N, K] -> Int4WeightKN (lossless; `from_kn` inverts it)."""
+    if len(weight.shape) != 2:
+        raise ValueError(f"to_kn takes a 2-D weight, got shape {weight.shape}")
+    n, k = weight.shape
+    codes = unpack_int4(weight.packed).reshape(n, k // 8, 8).to(torch.int64)  # [N, K/8, 8]
+    shifts = torch.arange(0, 32, 4, device=codes.device)
+    words = (codes << shifts).sum(dim=-1)  # [N, K/8] in 0 .. 2^32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return Int4WeightKN(
+        words=words.T.contiguous(),
+        scales=weight.scales.T.contiguous(),
+        mins=weight.mins.T.contiguous(),
+        shape=(n, k),
+        group_size=weight.group_size,
+    )
+
+
+def from_kn(weight: Int4WeightKN) -> Int4Weight:
+    """Int4WeightKN -> Int4Weight [N, K]."""
+    n, k = weight.shape
+    shifts = torch.arange(0, 32, 4, device=weight.words.device)
+    words = weight.words.T.to(torch.int64) & 0xFFFFFFFF  # [N, K/8]
+    codes = ((words[:, :, None] >> shifts) & 15).to(torch.uint8).reshape(n, k)
+    return Int4Weight(
+        packed=pack_int4(codes),
+        scales=weight.scales.T.contiguous(),
+        mins=weight.mins.T.contiguous(),
+        shape=(n, k),
+        group_size=weight.group_size,
+    )

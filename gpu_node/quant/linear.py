@@ -6,7 +6,9 @@ The model code stays plain (`nn.Linear(in, out, bias=False)` everywhere);
     nn.Linear                     -> Int4Linear
     any module with `to_int4(group_size, symmetric)` (MoE experts) -> what that returns
 
-Int4Linear runs the Triton W4A16 kernel on CUDA. On a CPU it uses torch's own
+Int4Linear runs the Triton W4A16 kernels on CUDA. Its first CUDA call re-lays its
+buffers out, in place and losslessly, as Int4WeightKN (the transposed packing the
+GPU kernels read, same bytes; `weight_int4` converts back on demand). On a CPU it uses torch's own
 int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations in, fp32 out)
 when torch has it: the weights stay 4-bit and a decode step reads a quarter of
 the bytes of fp32. That kernel wants its own packing and `(q - 8) * scale + zero`
@@ -25,9 +27,12 @@ from torch import nn
 
 from gpu_node.quant.int4 import (
     Int4Weight,
+    Int4WeightKN,
     dequantize_int4,
+    from_kn,
     int4_from_gguf_q4_1,
     quantize_int4,
+    to_kn,
     unpack_int4,
 )
 
@@ -53,6 +58,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
+        self.is_kn = False  # buffers in Int4Weight's layout, or Int4WeightKN's (see above)
         self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -70,6 +76,8 @@ class Int4Linear(nn.Module):
 
     @property
     def weight_int4(self) -> Int4Weight:
+        if self.is_kn:
+            return from_kn(self.weight_kn)
         return Int4Weight(
             packed=self.packed,
             scales=self.scales,
@@ -78,11 +86,32 @@ class Int4Linear(nn.Module):
             group_size=self.group_size,
         )
 
+    @property
+    def weight_kn(self) -> Int4WeightKN:
+        if not self.is_kn:
+            return to_kn(self.weight_int4)
+        return Int4WeightKN(
+            words=self.packed,
+            scales=self.scales,
+            mins=self.mins,
+            shape=(self.out_features, self.in_features),
+            group_size=self.group_size,
+        )
+
+    def use_kn_layout(self) -> None:
+        """Re-lay the buffers out as Int4WeightKN, in place (what the CUDA kernels read)."""
+        if not self.is_kn:
+            kn = to_kn(self.weight_int4)
+            self.packed, self.scales, self.mins = kn.words, kn.scales, kn.mins
+            self.is_kn = True
+            self._cpu_pack = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.is_cuda:
-            from gpu_node.kernels.w4a16 import w4a16_matmul
+            from gpu_node.kernels.w4a16_gemv import w4a16_kn_matmul
 
-            y = w4a16_matmul(x, self.weight_int4)
+            self.use_kn_layout()
+            y = w4a16_kn_matmul(x, self.weight_kn)
         elif _HAS_CPU_INT4:
             y = self._forward_cpu(x)
         else:
@@ -97,9 +126,10 @@ class Int4Linear(nn.Module):
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu_pack is None:
             n, k = self.out_features, self.in_features
-            codes = unpack_int4(self.packed).reshape(n, k).to(torch.int32)  # [N, K] in 0..15
+            weight = self.weight_int4
+            codes = unpack_int4(weight.packed).reshape(n, k).to(torch.int32)  # [N, K] in 0..15
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            scale, low = self.scales.float(), self.mins.float()  # [N, K/G]
+            scale, low = weight.scales.float(), weight.mins.float()  # [N, K/G]
             scale_zero = torch.stack([scale.T, (low + 8 * scale).T], dim=-1)  # [K/G, N, 2]
             self._cpu_pack = (packed, scale_zero.to(torch.bfloat16).contiguous())
         packed, scale_zero = self._cpu_pack
