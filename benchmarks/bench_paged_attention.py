@@ -31,8 +31,6 @@ import triton
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import (
-    FREE_PAGE_TAG,
-    make_seq_tag,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -45,6 +43,7 @@ from gpu_node.kv_quant import (
     quantize_fp8,
     scale_shape,
 )
+from scheduler.block_manager import FREE, owner_tag
 
 SHAPES = {  # name -> (query heads, kv heads, head dim)
     "smollm2": (9, 3, 64),
@@ -193,8 +192,8 @@ def random_batch(lens, shape, cache_dtype, device, seed, spare_pages=4) -> dict[
             scale_shape(num_pages, PAGE_SIZE, num_kv_heads), dtype=SCALE_DTYPE, device=device
         )
         v_scale = torch.zeros_like(k_scale)
-    owner = torch.full((num_pages,), FREE_PAGE_TAG, device=device)
-    tags = torch.tensor([make_seq_tag(i, 1) for i in range(len(lens))], device=device)
+    owner = torch.full((num_pages,), FREE, device=device)
+    tags = torch.tensor([owner_tag(i + 1, 1) for i in range(len(lens))], device=device)
     tables = torch.zeros(len(lens), max(needed) + 1, dtype=torch.int32, device=device)
     order = torch.randperm(num_pages, generator=gen).to(device)
     used = 0
@@ -358,7 +357,7 @@ def part_check(results: dict, device: str, trials: int) -> bool:
             if fault == "foreign page":
                 b["block_tables"][victim, column] = other_page
             elif fault == "freed page":
-                b["page_owner"][b["block_tables"][victim, column]] = FREE_PAGE_TAG
+                b["page_owner"][b["block_tables"][victim, column]] = FREE
             else:  # the allocator hands victim's page to `other` as well
                 b["page_owner"][b["block_tables"][victim, column]] = b["seq_tags"][other]
             _, flags = paged_decode_attention(**b, max_context_len=max(lens))
@@ -404,7 +403,7 @@ def timing_pool(batch: int, length: int, shape, cache_dtype):
         v_scale = torch.rand(sshape, device="cuda").add(0.01).to(SCALE_DTYPE)
     order = torch.randperm(num_pages, device="cuda").int()
     tables = order.view(copies, batch, pages_per_seq)
-    tags = torch.arange(copies * batch, device="cuda").view(copies, batch) << 20
+    tags = (torch.arange(copies * batch, device="cuda").view(copies, batch) + 1) << 16
     owner = torch.empty(num_pages, dtype=torch.int64, device="cuda")
     owner[order.long()] = tags.view(-1, 1).expand(-1, pages_per_seq).reshape(-1)
     q = torch.randn(copies, batch, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")

@@ -27,10 +27,10 @@ import torch
 from gpu_node import model_store
 from gpu_node.attention import PagedAttention, StepMetadata
 from gpu_node.gguf_loader import GGUFModel
-from gpu_node.kernels.paged_attention import make_seq_tag
 from gpu_node.kv_cache import KVCache
 from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import load_llama
+from scheduler.block_manager import owner_tag
 
 KV_DTYPES = ("fp32", "bf16", "fp8")
 PAGE_SIZE = 16
@@ -58,7 +58,7 @@ class OneSequence:
             config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim,
             kv_dtype, device,
         )  # fmt: skip
-        tag = make_seq_tag(1, 0)
+        tag = owner_tag(1, 0)
         self.tags = torch.tensor([tag], device=device)
         self.page_owner = torch.full((num_pages,), tag, device=device)
         self.block_table = torch.arange(num_pages, dtype=torch.int32, device=device)[None, :]

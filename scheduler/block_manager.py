@@ -2,10 +2,11 @@
 
 Every page carries an owner tag (`page_owner[page]`) kept in step with
 allocation, so attention can verify that a sequence only touches its own
-pages. A tag is `(seq_id << 16) | generation`, where the generation counts the
+pages. A tag is `(seq_id << 16) | generation` (`owner_tag`, the one tag format of
+the scheduler, the engine and the kernels), where the generation counts the
 sequence's allocations (it changes when a preempted sequence is re-admitted);
-seq ids are never reused, so a freed and reused page never matches a stale tag.
-Tag 0 marks a free page.
+seq ids start at 1 and are never reused, so a freed and reused page never matches
+a stale tag. Tag 0 (`FREE`) marks a free page.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import torch
 
 from scheduler.sequence import Sequence
 
-FREE = 0
-_GENERATION_BITS = 16
+FREE = 0  # page_owner of a free page: no tag is 0, since seq ids start at 1
+GENERATION_BITS = 16
+MAX_SEQ_ID = 2 ** (63 - GENERATION_BITS) - 1
 
 
 def owner_tag(seq_id: int, generation: int) -> int:
-    return (seq_id << _GENERATION_BITS) | (generation & ((1 << _GENERATION_BITS) - 1))
+    """(seq_id << 16) | (generation mod 2**16), an int64 that is never FREE."""
+    if not 1 <= seq_id <= MAX_SEQ_ID:
+        raise ValueError(f"seq_id must be in [1, {MAX_SEQ_ID}], got {seq_id}")
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, got {generation}")
+    return (seq_id << GENERATION_BITS) | (generation & ((1 << GENERATION_BITS) - 1))
 
 
 def sequence_tag(seq: Sequence) -> int:

@@ -8,7 +8,7 @@ The cache layout is drawn in `gpu_node/kv_quant.py`.
     block_tables  [B, M] int32   page ids; only the first ceil(L / S) are read
     context_lens  [B] int32      tokens in the cache, the ones just written included
     page_owner    [P] int64      tag of the sequence owning each page
-    seq_tags      [B] int64      tag of each sequence (`make_seq_tag`)
+    seq_tags      [B] int64      tag of each sequence (`scheduler.block_manager.owner_tag`)
 
 Integrity: a sequence must own every page it reads. The kernel compares
 `page_owner[page]` with the sequence's tag for every page it loads, and treats a page
@@ -31,23 +31,6 @@ import triton.language as tl
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, validate_kv_layer
-
-FREE_PAGE_TAG = -1  # page_owner of a free page; no sequence tag is negative
-TAG_GENERATION_BITS = 20
-_MAX_SEQ_ID = 2 ** (63 - TAG_GENERATION_BITS) - 1
-
-
-def make_seq_tag(seq_id: int, generation: int) -> int:
-    """The ownership tag of a sequence: (seq_id << 20) | (generation mod 2**20).
-
-    Bump the generation each time a sequence's pages are (re)allocated after a free
-    (preemption), so a stale block-table entry to a page handed out again never matches.
-    """
-    if not 0 <= seq_id <= _MAX_SEQ_ID:
-        raise ValueError(f"seq_id must be in [0, {_MAX_SEQ_ID}], got {seq_id}")
-    if generation < 0:
-        raise ValueError(f"generation must be >= 0, got {generation}")
-    return (seq_id << TAG_GENERATION_BITS) | (generation & ((1 << TAG_GENERATION_BITS) - 1))
 
 
 def check_page_ownership(

@@ -71,3 +71,13 @@ def test_rejects_bad_sizes():
 
 def test_owner_table_is_int64():
     assert BlockManager(3, 16).page_owner.dtype == torch.int64
+
+
+def test_owner_tag_packs_id_and_generation_and_is_never_free():
+    assert owner_tag(3, 5) == 3 * 2**16 + 5
+    assert owner_tag(3, 2**16 + 5) == owner_tag(3, 5)  # the generation wraps at 2**16
+    assert owner_tag(1, 0) == 2**16 != FREE  # the smallest tag
+    with pytest.raises(ValueError, match=r"seq_id must be in \[1, "):
+        owner_tag(0, 0)  # would equal FREE
+    with pytest.raises(ValueError, match="generation must be >= 0"):
+        owner_tag(1, -1)

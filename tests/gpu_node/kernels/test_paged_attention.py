@@ -14,14 +14,13 @@ import torch
 import gpu_node.kernels.paged_attention as paged_attention_module
 from gpu_node.kernels.kv_write import kv_write_ref
 from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, quantize_fp8, scale_shape
+from scheduler.block_manager import FREE, owner_tag
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
 paged_attention_module = importlib.reload(paged_attention_module)
-FREE_PAGE_TAG = paged_attention_module.FREE_PAGE_TAG
 check_page_ownership = paged_attention_module.check_page_ownership
 gather_paged_kv = paged_attention_module.gather_paged_kv
-make_seq_tag = paged_attention_module.make_seq_tag
 paged_decode_attention = paged_attention_module.paged_decode_attention
 paged_decode_attention_ref = paged_attention_module.paged_decode_attention_ref
 
@@ -80,8 +79,8 @@ def build_batch(
     if cache_dtype == FP8_DTYPE:
         k_scale = torch.zeros(scale_shape(num_pages, page_size, num_kv_heads), dtype=torch.bfloat16)
         v_scale = torch.zeros_like(k_scale)
-    page_owner = torch.full((num_pages,), FREE_PAGE_TAG)
-    seq_tags = torch.tensor([make_seq_tag(100 + i, 3) for i in range(len(context_lens))])
+    page_owner = torch.full((num_pages,), FREE)
+    seq_tags = torch.tensor([owner_tag(100 + i, 3) for i in range(len(context_lens))])
     block_tables = torch.randint(0, num_pages, (len(context_lens), max_pages), generator=gen)
     block_tables = block_tables.int()
     order = torch.randperm(num_pages, generator=gen)
@@ -186,10 +185,10 @@ def inject(batch, fault):
         batch.block_tables[1, 0] = batch.block_tables[2, 1]
         return [1]
     if fault == "freed_page":  # seq 2's last page was freed under it
-        batch.page_owner[batch.block_tables[2, 6]] = FREE_PAGE_TAG
+        batch.page_owner[batch.block_tables[2, 6]] = FREE
         return [2]
     if fault == "stale_generation":  # seq 0 was preempted and re-admitted: new generation
-        batch.seq_tags[0] = make_seq_tag(100, 4)
+        batch.seq_tags[0] = owner_tag(100, 4)
         return [0]
     if fault == "page_out_of_range":
         batch.block_tables[3, 2] = batch.page_owner.shape[0]
@@ -248,7 +247,7 @@ def test_ownership_violations_flag_exactly_the_bad_sequence(fault):
 
 
 def test_ownership_check_ignores_columns_past_the_context():
-    page_owner = torch.tensor([5, 5, 6, FREE_PAGE_TAG])
+    page_owner = torch.tensor([5, 5, 6, FREE])
     block_tables = torch.tensor([[0, 1, 3, 2], [2, 3, 3, 0]], dtype=torch.int32)
     seq_tags = torch.tensor([5, 6])
     # Seq 0 uses 2 pages (32 tokens): columns 2, 3 (free, foreign) are not read.
@@ -269,21 +268,10 @@ def test_check_off_skips_only_the_owner_comparison():
         head_dim=16,
         page_size=16,
     )
-    batch.seq_tags[0] = make_seq_tag(7, 0)  # every page of seq 0 now looks foreign
+    batch.seq_tags[0] = owner_tag(7, 0)  # every page of seq 0 now looks foreign
     batch.block_tables[1, 0] = 999  # out of range stays a violation
     _, violations = paged_decode_attention(*batch.args(), check_owner=False)
     assert violations.tolist() == [False, True]
-
-
-def test_make_seq_tag_packs_id_and_generation():
-    assert make_seq_tag(0, 0) == 0
-    assert make_seq_tag(3, 5) == 3 * 2**20 + 5
-    assert make_seq_tag(3, 2**20 + 5) == make_seq_tag(3, 5)  # generation wraps at 2**20
-    assert make_seq_tag(3, 6) != make_seq_tag(3, 5) != FREE_PAGE_TAG
-    with pytest.raises(ValueError, match="seq_id must be in"):
-        make_seq_tag(-1, 0)
-    with pytest.raises(ValueError, match="generation must be >= 0"):
-        make_seq_tag(1, -1)
 
 
 @pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16])
@@ -358,8 +346,8 @@ def random_fault_trial(gen, fault):
     num_pages = int(needed.sum()) + 4
     order = torch.randperm(num_pages, generator=gen)
     block_tables = torch.zeros(6, int(needed.max()) + 1, dtype=torch.int32)
-    page_owner = torch.full((num_pages,), FREE_PAGE_TAG)
-    seq_tags = torch.tensor([make_seq_tag(50 + i, generation=i) for i in range(6)])
+    page_owner = torch.full((num_pages,), FREE)
+    seq_tags = torch.tensor([owner_tag(50 + i, generation=i) for i in range(6)])
     used = 0
     for seq in range(6):
         pages = order[used : used + int(needed[seq])]
@@ -372,7 +360,7 @@ def random_fault_trial(gen, fault):
     if fault == "foreign_page":  # the victim's block table points at another's page
         block_tables[victim, column] = block_tables[other, other_column]
     elif fault == "freed_page":  # a page freed under the running victim
-        page_owner[block_tables[victim, column]] = FREE_PAGE_TAG
+        page_owner[block_tables[victim, column]] = FREE
     else:  # the allocator hands one of the victim's pages to another sequence too
         page_owner[block_tables[victim, column]] = seq_tags[other]
     return block_tables, lens.int(), page_owner, seq_tags, victim
