@@ -1,4 +1,4 @@
-"""`edgeserve up | node | gateway | keys`: start the service in one process or as a fleet."""
+"""`edgeserve up | node | gateway`: start the service in one process or as a fleet."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
 _QUEUE_DEADLINE = typer.Option(
     10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
 )
-
-keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed in Redis)")
 
 
 def _telemetry(service_name: str) -> Any:
@@ -125,7 +123,6 @@ def register(app: typer.Typer) -> None:
     app.command()(up)
     app.command()(node)
     app.command()(gateway)
-    app.add_typer(keys_app, name="keys")
 
 
 def up(
@@ -408,54 +405,3 @@ async def _stores(
         RedisUsageSink(client, stream_key, journal_path(port)), ledger, shown_location,
         client, worker,
     )  # fmt: skip
-
-
-def _keys_store(redis_url: str, prefix: str) -> Any:
-    import redis.asyncio as aioredis
-
-    from gateway.keys import RedisKeyStore
-
-    return RedisKeyStore(aioredis.Redis.from_url(redis_url), prefix)
-
-
-@keys_app.command("create")
-def keys_create(
-    account: str = typer.Option(..., help="the account the key acts for"),
-    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
-    prefix: str = typer.Option("edgeserve:"),
-) -> None:
-    """Create a key and print it (once: only its hash is stored)."""
-    from gateway.keys import InvalidAccountIdError, key_id_of
-
-    try:
-        key = asyncio.run(_keys_store(redis_url, prefix).create(account))
-    except InvalidAccountIdError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    typer.echo(key)
-    typer.echo(
-        f"key id {key_id_of(key)} for account {account}; this key is not shown again", err=True
-    )
-
-
-@keys_app.command("list")
-def keys_list(
-    account: str = typer.Option(...),
-    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
-    prefix: str = typer.Option("edgeserve:"),
-) -> None:
-    """The account's key ids (never the keys)."""
-    for info in asyncio.run(_keys_store(redis_url, prefix).list(account)):
-        typer.echo(f"{info.key_id}\t{info.account_id}\t{info.created_at:.0f}")
-
-
-@keys_app.command("revoke")
-def keys_revoke(
-    key_id: str,
-    redis_url: str = typer.Option(DEFAULT_REDIS_URL, envvar="REDIS_URL"),
-    prefix: str = typer.Option("edgeserve:"),
-) -> None:
-    """Revoke a key by its id; every gateway stops accepting it within a second."""
-    if not asyncio.run(_keys_store(redis_url, prefix).revoke(key_id)):
-        typer.echo(f"no key with id {key_id}", err=True)
-        raise typer.Exit(1)
-    typer.echo(f"revoked {key_id}")
