@@ -146,11 +146,17 @@ def sweep_gemv(k: int, n: int, kns: list[Int4WeightKN], num_sms: int) -> None:
         chosen["GROUPS_PER_SPLIT"],
     )
     heur = [us for us, key in results if key == heur_key]
+    # The heuristic's structure without the arithmetic: what the loads, the split-K
+    # reduction and the launch cost alone.
+    loads_only = {key: value for key, value in chosen.items() if key != "BLOCK_M"}
+    loads_only["DEQUANT"] = False
+    t_loads = bench_graph([lambda q=q: w4a16_gemv(x, q, config=loads_only) for q in kns])
     results.sort()
     best = ", ".join(f"{us:.1f} (BN/W/U/GPS {key})" for us, key in results[:4])
     print(
         f"  gemv sweep {k}x{n} M=1: best {best}; worst {results[-1][0]:.1f}; heuristic "
-        f"{heur_key} {heur[0] if heur else float('nan'):.1f}",
+        f"{heur_key} {heur[0] if heur else float('nan'):.1f}; its loads alone (no math) "
+        f"{t_loads * 1e3:.1f}",
         flush=True,
     )
 
