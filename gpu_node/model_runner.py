@@ -32,17 +32,23 @@ def find_violations_host(
     Tags cannot see a page named twice (it is the sequence's own), yet two positions
     would then share one slot, hence the third rule.
     """
-    num_pages = len(page_owner)
-    columns = np.arange(tables.shape[1])
+    num_pages, width = len(page_owner), tables.shape[1]
     needed = -(-context_lens // page_size)  # [B]
-    is_used = columns[None, :] < needed[:, None]  # [B, M]
+    is_used = np.arange(width)[None, :] < needed[:, None]  # [B, M]
     in_range = (tables >= 0) & (tables < num_pages)
-    owners = page_owner[np.clip(tables, 0, num_pages - 1)]
-    is_foreign = is_used & (~in_range | (owners != seq_tags[:, None]))
-    marked = np.where(is_used, tables, -1 - columns[None, :])  # unused entries never collide
-    ordered = np.sort(marked, axis=1)
-    is_repeated = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
-    return is_foreign.any(axis=1) | is_repeated | (needed > table_lens)
+    pages = np.where(in_range, tables, 0)
+    is_own = is_used & in_range & (page_owner[pages] == seq_tags[:, None])
+    # Among the entries that pass the tag test a repeat can only lie within one row
+    # (a page has one owner): scatter each entry's flat index to its page, the last
+    # occurrence wins, and an entry that is not its page's last is a repeat. O(B * M),
+    # no sort (a per-row sort was 2 ms of the 2.9 ms at B = 64, 32K tokens, 16 per page).
+    flat = np.flatnonzero(is_own)
+    own_pages = pages.ravel()[flat]
+    last = np.empty(num_pages, dtype=np.int64)
+    last[own_pages] = flat
+    is_repeated = np.zeros(len(tables), dtype=bool)
+    is_repeated[flat[last[own_pages] != flat] // width] = True
+    return (is_used & ~is_own).any(axis=1) | is_repeated | (needed > table_lens)
 
 
 @dataclass(frozen=True)

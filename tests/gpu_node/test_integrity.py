@@ -120,3 +120,47 @@ def test_a_page_named_twice_in_one_table_is_a_violation(tiny_parts):
     assert engine.runner.find_violations([ScheduledChunk(seq, 1)]) == [False]
     seq.block_table[2] = seq.block_table[0]  # its own page, twice
     assert engine.runner.find_violations([ScheduledChunk(seq, 1)]) == [True]
+
+
+def _violations_by_rule(tables, table_lens, context_lens, page_size, page_owner, seq_tags):
+    """The rules of `find_violations_host`, one entry at a time."""
+    bad = []
+    for row, tag, length, table_len in zip(tables, seq_tags, context_lens, table_lens, strict=True):
+        needed = -(-int(length) // page_size)
+        used = [int(p) for p in row[:needed]]
+        foreign = any(not 0 <= p < len(page_owner) or page_owner[p] != tag for p in used)
+        bad.append(foreign or len(set(used)) < len(used) or needed > table_len)
+    return bad
+
+
+def test_host_check_follows_its_rules_under_random_faults():
+    import numpy as np
+
+    from gpu_node.model_runner import find_violations_host
+
+    rng = np.random.default_rng(11)
+    flagged = 0
+    for _ in range(2000):
+        batch, width, page_size = int(rng.integers(1, 6)), int(rng.integers(1, 8)), 16
+        num_pages = batch * width + 4
+        tables = rng.permutation(num_pages)[: batch * width].reshape(batch, width)
+        tags = (np.arange(batch, dtype=np.int64) + 1) << 16
+        owner = np.zeros(num_pages, dtype=np.int64)
+        owner[tables] = np.repeat(tags, width).reshape(batch, width)
+        lens = rng.integers(0, width * page_size + 1, batch)
+        table_lens = np.full(batch, width)
+        for _ in range(int(rng.integers(0, 3))):  # foreign id, freed page, repeat, short table
+            b, c, kind = int(rng.integers(batch)), int(rng.integers(width)), int(rng.integers(4))
+            if kind == 0:
+                tables[b, c] = rng.integers(-2, num_pages + 2)
+            elif kind == 1:
+                owner[tables[b, c] % num_pages] = 0
+            elif kind == 2:
+                tables[b, c] = tables[b, int(rng.integers(width))]
+            else:
+                table_lens[b] = rng.integers(0, width + 1)
+        args = (tables, table_lens, lens, page_size, owner, tags)
+        got = find_violations_host(*args).tolist()
+        assert got == _violations_by_rule(*args)
+        flagged += sum(got)
+    assert flagged > 500  # the faults did land
