@@ -43,6 +43,6 @@ class FaultInjector:
         """Hands a page `owner_id` holds to `other_id` as well, as a double allocation would."""
         owner, other = self._seq(owner_id), self._seq(other_id)
         page = self.rng.choice(owner.block_table)
+        self.block_manager.set_owner([page], sequence_tag(other), [len(other.block_table)])
         other.block_table.append(page)
-        self.block_manager.set_owner([page], sequence_tag(other))
         return page

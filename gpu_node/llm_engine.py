@@ -84,6 +84,7 @@ class LLMEngine:
             self.kv_cache,
             self.block_manager.page_owner,
             self.block_manager.page_owner_host,
+            self.block_manager.page_column_host,
             config.check_integrity,
         )
         self.num_integrity_violations = 0
@@ -213,13 +214,11 @@ class LLMEngine:
 
     def _fail_integrity(self, seq: Sequence) -> RequestOutput:
         tag = sequence_tag(seq)
-        owners = self.block_manager.page_owner_host
-        foreign = [(p, int(owners[p])) for p in seq.block_table if int(owners[p]) != tag]
-        page, owner = foreign[0] if foreign else (-1, -1)
+        page, reason = self._first_bad_entry(seq, tag)
         self.num_integrity_violations += 1
         log.error(
-            "kv integrity violation: request %s (tag %#x) touched page %d owned by tag %#x; aborting it",
-            seq.request_id, tag, page, owner,
+            "kv integrity violation: request %s (tag %#x) touched page %d (%s); aborting it",
+            seq.request_id, tag, page, reason,
         )  # fmt: skip
         seq.error = f"KV page ownership violation on page {page}: the request was aborted"
         seq.finish_reason = FinishReason.ERROR
@@ -227,6 +226,22 @@ class LLMEngine:
         state.record("finished")
         self.scheduler.finish(seq)
         return self._output(state, (), "", finished=True)
+
+    def _first_bad_entry(self, seq: Sequence, tag: int) -> tuple[int, str]:
+        """The first block-table entry that breaks an ownership rule, and which rule."""
+        owners = self.block_manager.page_owner_host
+        columns = self.block_manager.page_column_host
+        for column, page in enumerate(seq.block_table):
+            if not 0 <= page < len(owners):
+                return page, "outside the pool"
+            if int(owners[page]) != tag:
+                return page, f"owned by tag {int(owners[page]):#x}"
+            if int(columns[page]) != column:
+                return (
+                    page,
+                    f"its own, named at column {column}, handed out for {int(columns[page])}",
+                )
+        return -1, "flagged by the kernels"  # e.g. a write the device copy refused
 
     def _sample(self, state: _RequestState, logits: torch.Tensor) -> int:
         seq = state.seq

@@ -23,32 +23,25 @@ class StepResult:
 
 def find_violations_host(
     tables: np.ndarray, table_lens: np.ndarray, context_lens: np.ndarray, page_size: int,
-    page_owner: np.ndarray, seq_tags: np.ndarray,
+    page_owner: np.ndarray, page_column: np.ndarray, seq_tags: np.ndarray,
 ) -> np.ndarray:  # fmt: skip
-    """bool [B]: sequence b's block table (tables[b, :table_lens[b]]) reaches a page outside
-    the pool, a page another tag owns, or one page twice, within its first
-    ceil(context_lens[b] / page_size) entries, or is too short to cover them.
+    """bool [B]: within the first ceil(context_lens[b] / page_size) entries of sequence
+    b's block table (tables[b, :table_lens[b]]), an entry names a page outside the
+    pool, a page another tag owns, or one of its own pages at a column other than
+    the one it was handed out for (`page_column`); or the table is too short.
 
     Tags cannot see a page named twice (it is the sequence's own), yet two positions
-    would then share one slot, hence the third rule.
+    would then share one slot: the column rule catches that, with one more gather
+    instead of a per-row sort (docs/bench/fp8_kv.md, `bench_integrity_host.py`).
     """
-    num_pages, width = len(page_owner), tables.shape[1]
+    num_pages = len(page_owner)
+    columns = np.arange(tables.shape[1])
     needed = -(-context_lens // page_size)  # [B]
-    is_used = np.arange(width)[None, :] < needed[:, None]  # [B, M]
+    is_used = columns[None, :] < needed[:, None]  # [B, M]
     in_range = (tables >= 0) & (tables < num_pages)
-    pages = np.where(in_range, tables, 0)
-    is_own = is_used & in_range & (page_owner[pages] == seq_tags[:, None])
-    # Among the entries that pass the tag test a repeat can only lie within one row
-    # (a page has one owner): scatter each entry's flat index to its page, the last
-    # occurrence wins, and an entry that is not its page's last is a repeat. O(B * M),
-    # no sort (a per-row sort was 2 ms of the 2.9 ms at B = 64, 32K tokens, 16 per page).
-    flat = np.flatnonzero(is_own)
-    own_pages = pages.ravel()[flat]
-    last = np.empty(num_pages, dtype=np.int64)
-    last[own_pages] = flat
-    is_repeated = np.zeros(len(tables), dtype=bool)
-    is_repeated[flat[last[own_pages] != flat] // width] = True
-    return (is_used & ~is_own).any(axis=1) | is_repeated | (needed > table_lens)
+    pages = np.clip(tables, 0, num_pages - 1)
+    is_own = in_range & (page_owner[pages] == seq_tags[:, None]) & (page_column[pages] == columns)
+    return (is_used & ~is_own).any(axis=1) | (needed > table_lens)
 
 
 @dataclass(frozen=True)
@@ -74,6 +67,7 @@ class ModelRunner:
         kv_cache: KVCache,
         page_owner: torch.Tensor,
         page_owner_host: np.ndarray,
+        page_column_host: np.ndarray,
         check_owner: bool = True,
     ):
         self.model = model
@@ -81,6 +75,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_owner = page_owner
         self.page_owner_host = page_owner_host
+        self.page_column_host = page_column_host
         self.device = kv_cache.device
         self.scale = model.config.head_dim**-0.5
 
@@ -109,7 +104,7 @@ class ModelRunner:
         t = tables if tables is not None else self.host_tables(chunks)
         bad = find_violations_host(
             t.tables, t.table_lens, t.context_lens, self.kv_cache.page_size,
-            self.page_owner_host, t.seq_tags,
+            self.page_owner_host, self.page_column_host, t.seq_tags,
         )  # fmt: skip
         return bad.tolist()
 

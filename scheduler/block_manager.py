@@ -6,7 +6,9 @@ pages. A tag is `(seq_id << 16) | generation` (`owner_tag`, the one tag format o
 the scheduler, the engine and the kernels), where the generation counts the
 sequence's allocations (it changes when a preempted sequence is re-admitted);
 seq ids start at 1 and are never reused, so a freed and reused page never matches
-a stale tag. Tag 0 (`FREE`) marks a free page.
+a stale tag. Tag 0 (`FREE`) marks a free page. Beside the tag the host keeps the
+block-table column each page was handed out for (`page_column_host`), so a table
+that names one of its own pages twice, or at another position, is caught too.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class BlockManager:
         # its host mirror, so the per-step check never waits for the device.
         self.page_owner = torch.zeros(num_pages, dtype=torch.int64, device=device)
         self.page_owner_host = np.zeros(num_pages, dtype=np.int64)
+        # The block-table column each page was handed out for (meaningful while owned).
+        self.page_column_host = np.zeros(num_pages, dtype=np.int64)
 
     @property
     def num_free_pages(self) -> int:
@@ -76,7 +80,8 @@ class BlockManager:
             return None
         new_pages = [self._free.popleft() for _ in range(missing)]
         if new_pages:
-            self.set_owner(new_pages, sequence_tag(seq))
+            first = len(seq.block_table)
+            self.set_owner(new_pages, sequence_tag(seq), list(range(first, first + missing)))
             seq.block_table.extend(new_pages)
         return new_pages
 
@@ -96,7 +101,10 @@ class BlockManager:
             self._free.extend(released)
         seq.block_table = []
 
-    def set_owner(self, pages: list[int], tag: int) -> None:
-        """Writes the ownership table, device copy and host mirror together."""
+    def set_owner(self, pages: list[int], tag: int, columns: list[int] | None = None) -> None:
+        """Writes the ownership table, device copy and host mirror together, and the
+        block-table columns the pages are handed out for (none when freeing)."""
         self.page_owner[pages] = tag
         self.page_owner_host[pages] = tag
+        if columns is not None:
+            self.page_column_host[pages] = columns

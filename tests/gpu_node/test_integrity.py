@@ -122,14 +122,16 @@ def test_a_page_named_twice_in_one_table_is_a_violation(tiny_parts):
     assert engine.runner.find_violations([ScheduledChunk(seq, 1)]) == [True]
 
 
-def _violations_by_rule(tables, table_lens, context_lens, page_size, page_owner, seq_tags):
+def _violations_by_rule(tables, table_lens, context_lens, page_size, owner, column, seq_tags):
     """The rules of `find_violations_host`, one entry at a time."""
     bad = []
     for row, tag, length, table_len in zip(tables, seq_tags, context_lens, table_lens, strict=True):
         needed = -(-int(length) // page_size)
-        used = [int(p) for p in row[:needed]]
-        foreign = any(not 0 <= p < len(page_owner) or page_owner[p] != tag for p in used)
-        bad.append(foreign or len(set(used)) < len(used) or needed > table_len)
+        wrong = [
+            not 0 <= p < len(owner) or owner[p] != tag or column[p] != c
+            for c, p in enumerate(int(p) for p in row[:needed])
+        ]
+        bad.append(any(wrong) or needed > table_len)
     return bad
 
 
@@ -147,19 +149,25 @@ def test_host_check_follows_its_rules_under_random_faults():
         tags = (np.arange(batch, dtype=np.int64) + 1) << 16
         owner = np.zeros(num_pages, dtype=np.int64)
         owner[tables] = np.repeat(tags, width).reshape(batch, width)
+        column = np.zeros(num_pages, dtype=np.int64)
+        column[tables] = np.arange(width)
         lens = rng.integers(0, width * page_size + 1, batch)
         table_lens = np.full(batch, width)
-        for _ in range(int(rng.integers(0, 3))):  # foreign id, freed page, repeat, short table
-            b, c, kind = int(rng.integers(batch)), int(rng.integers(width)), int(rng.integers(4))
+        # foreign id, freed page, a page twice, two entries swapped, a short table
+        for _ in range(int(rng.integers(0, 3))):
+            b, c, kind = int(rng.integers(batch)), int(rng.integers(width)), int(rng.integers(5))
+            other = int(rng.integers(width))
             if kind == 0:
                 tables[b, c] = rng.integers(-2, num_pages + 2)
             elif kind == 1:
                 owner[tables[b, c] % num_pages] = 0
             elif kind == 2:
-                tables[b, c] = tables[b, int(rng.integers(width))]
+                tables[b, c] = tables[b, other]
+            elif kind == 3:
+                tables[b, [c, other]] = tables[b, [other, c]]
             else:
                 table_lens[b] = rng.integers(0, width + 1)
-        args = (tables, table_lens, lens, page_size, owner, tags)
+        args = (tables, table_lens, lens, page_size, owner, column, tags)
         got = find_violations_host(*args).tolist()
         assert got == _violations_by_rule(*args)
         flagged += sum(got)

@@ -81,3 +81,15 @@ def test_owner_tag_packs_id_and_generation_and_is_never_free():
         owner_tag(0, 0)  # would equal FREE
     with pytest.raises(ValueError, match="generation must be >= 0"):
         owner_tag(1, -1)
+
+
+def test_pages_record_the_column_they_were_handed_out_for():
+    bm = BlockManager(num_pages=8, page_size=4)
+    a, b = seq(1), seq(2)
+    assert bm.allocate(a, 9) == [0, 1, 2]  # 9 tokens: columns 0..2
+    assert bm.allocate(b, 4) == [3]
+    assert bm.allocate(a, 13) == [4]  # a grows into column 3
+    assert bm.page_column_host[[0, 1, 2, 3, 4]].tolist() == [0, 1, 2, 0, 3]
+    bm.free(a)
+    assert bm.allocate(b, 12) == [5, 6]  # b's columns 1 and 2 (free list order)
+    assert bm.page_column_host[[5, 6]].tolist() == [1, 2]
