@@ -139,7 +139,8 @@ def is_interpreted(t: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 4 for the interpreter (heuristics need a number)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -184,7 +185,7 @@ def w4a16_matmul(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
-    cfg = w4a16_config(m, n, k, weight.group_size, _num_sms(x.device))
+    cfg = w4a16_config(m, n, k, weight.group_size, num_sms(x.device))
     launch = {"num_warps": 4, "num_stages": 4}
     for key, value in (config or {}).items():
         (launch if key in launch else cfg)[key] = value

@@ -34,13 +34,13 @@ buffer with one kernel and hands the product to torch.matmul (cuBLAS).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
+from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.quant.int4 import Int4WeightKN, dequantize_int4, from_kn
 
 MAX_M = 8  # the largest batch the GEMV takes (its accumulators grow with M)
@@ -177,16 +177,6 @@ def _dequant_kn_kernel(
         tl.store(out_ptr + (8 * kw + p) * N + offs_n, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _is_interpreted(t: torch.Tensor) -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Tile, warps, unroll and split-K ways for one problem (a heuristic).
 
@@ -251,7 +241,7 @@ def w4a16_gemv(
     m = x.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"w4a16_gemv takes 1..{MAX_M} rows, got {m}")
-    cfg = gemv_config(m, n, k, weight.group_size, _num_sms(x.device))
+    cfg = gemv_config(m, n, k, weight.group_size, num_sms(x.device))
     cfg.update(config or {})
     if (weight.group_size // 8) % cfg["UNROLL"]:
         raise ValueError(f"UNROLL {cfg['UNROLL']} must divide {weight.group_size // 8}")
@@ -265,7 +255,7 @@ def w4a16_gemv(
     pairs = x.dtype == torch.bfloat16
     x_arg = x.view(torch.int32) if pairs else x
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
-    out_dtype = torch.float32 if _is_interpreted(x) else x.dtype
+    out_dtype = torch.float32 if is_interpreted(x) else x.dtype
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     part = torch.empty(splits if splits > 1 else 1, cfg["BLOCK_M"], n, device=x.device)
     _gemv_kn_kernel[(row_blocks, splits)](
@@ -296,7 +286,7 @@ def dequantize_kn(weight: Int4WeightKN, dtype: torch.dtype) -> torch.Tensor:
     """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
     n, k = weight.shape
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
-    interpreted = _is_interpreted(weight.words)
+    interpreted = is_interpreted(weight.words)
     out = torch.empty(
         k, n, device=weight.words.device, dtype=torch.float32 if interpreted else dtype
     )
