@@ -209,14 +209,18 @@ class Int4WeightKN:
 
 
 def to_kn(weight: Int4Weight) -> Int4WeightKN:
-    """Int4Weight [N, K] -> Int4WeightKN (lossless; `from_kn` inverts it)."""
+    """Int4Weight [N, K] -> Int4WeightKN (lossless; `from_kn` inverts it).
+
+    Byte j of a little-endian word holds values 2j (low nibble) and 2j + 1 (high), so
+    a word is four such bytes in k order: the codes never leave uint8 (no wide
+    temporaries on the GPU).
+    """
     if len(weight.shape) != 2:
         raise ValueError(f"to_kn takes a 2-D weight, got shape {weight.shape}")
     n, k = weight.shape
-    codes = unpack_int4(weight.packed).reshape(n, k // 8, 8).to(torch.int64)  # [N, K/8, 8]
-    shifts = torch.arange(0, 32, 4, device=codes.device)
-    words = (codes << shifts).sum(dim=-1)  # [N, K/8] in 0 .. 2^32 - 1
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    codes = unpack_int4(weight.packed).reshape(n, k)  # uint8 [N, K]
+    pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # uint8 [N, K/2], k order
+    words = pairs.contiguous().view(torch.int32)  # [N, K/8]
     return Int4WeightKN(
         words=words.T.contiguous(),
         scales=weight.scales.T.contiguous(),
@@ -229,9 +233,8 @@ def to_kn(weight: Int4Weight) -> Int4WeightKN:
 def from_kn(weight: Int4WeightKN) -> Int4Weight:
     """Int4WeightKN -> Int4Weight [N, K]."""
     n, k = weight.shape
-    shifts = torch.arange(0, 32, 4, device=weight.words.device)
-    words = weight.words.T.to(torch.int64) & 0xFFFFFFFF  # [N, K/8]
-    codes = ((words[:, :, None] >> shifts) & 15).to(torch.uint8).reshape(n, k)
+    pairs = weight.words.T.contiguous().view(torch.uint8)  # [N, K/2], k order
+    codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(n, k)
     return Int4Weight(
         packed=pack_int4(codes),
         scales=weight.scales.T.contiguous(),
