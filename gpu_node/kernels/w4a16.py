@@ -17,6 +17,7 @@ and the wrapper sums them (deterministic, no atomics).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -139,6 +140,7 @@ def is_interpreted(t: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or t.device.type == "cpu"
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device; 4 for the interpreter (heuristics need a number)."""
     if device.type == "cuda":

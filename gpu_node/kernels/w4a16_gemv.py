@@ -34,6 +34,7 @@ buffer with one kernel and hands the product to torch.matmul (cuBLAS).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -177,6 +178,11 @@ def _dequant_kn_kernel(
         tl.store(out_ptr + (8 * kw + p) * N + offs_n, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def _cached_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple:
+    return tuple(gemv_config(m, n, k, group_size, num_sms).items())
+
+
 def gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Tile, warps, unroll and split-K ways for one problem (a heuristic).
 
@@ -241,7 +247,8 @@ def w4a16_gemv(
     m = x.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"w4a16_gemv takes 1..{MAX_M} rows, got {m}")
-    cfg = gemv_config(m, n, k, weight.group_size, num_sms(x.device))
+    # Computed once per shape: a decode step calls this for every layer.
+    cfg = dict(_cached_config(m, n, k, weight.group_size, num_sms(x.device)))
     cfg.update(config or {})
     if (weight.group_size // 8) % cfg["UNROLL"]:
         raise ValueError(f"UNROLL {cfg['UNROLL']} must divide {weight.group_size // 8}")
@@ -257,7 +264,8 @@ def w4a16_gemv(
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
     out_dtype = torch.float32 if is_interpreted(x) else x.dtype
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    part = torch.empty(splits if splits > 1 else 1, cfg["BLOCK_M"], n, device=x.device)
+    # Partials only when K is split (the kernel never touches part_ptr otherwise).
+    part = torch.empty(splits, cfg["BLOCK_M"], n, device=x.device) if splits > 1 else out
     _gemv_kn_kernel[(row_blocks, splits)](
         x_arg,
         weight.words,

@@ -58,7 +58,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
-        self.is_kn = False  # buffers in Int4Weight's layout, or Int4WeightKN's (see above)
         self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -73,6 +72,11 @@ class Int4Linear(nn.Module):
     def from_q4_1(cls, raw_blocks: object, shape: tuple[int, int]) -> Int4Linear:
         """Straight from GGUF Q4_1 blocks (`shape` in torch order [out, in]); no float copy."""
         return cls(int4_from_gguf_q4_1(raw_blocks, shape))
+
+    @property
+    def is_kn(self) -> bool:
+        """Buffers in Int4WeightKN's layout (int32 words) rather than Int4Weight's (uint8)."""
+        return self.packed.dtype == torch.int32
 
     @property
     def weight_int4(self) -> Int4Weight:
@@ -103,7 +107,6 @@ class Int4Linear(nn.Module):
         if not self.is_kn:
             kn = to_kn(self.weight_int4)
             self.packed, self.scales, self.mins = kn.words, kn.scales, kn.mins
-            self.is_kn = True
             self._cpu_pack = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
