@@ -125,15 +125,23 @@ def sweep_configs(k: int, n: int, qs: list[Int4Weight]) -> None:
         print(f"  sweep {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}", flush=True)
 
 
+def read_floor(nbytes: int) -> str:
+    """What streaming `nbytes` through one kernel costs here: a copy of that size."""
+    srcs = [torch.empty(nbytes // 4, device="cuda") for _ in range(copies_for(2 * nbytes))]
+    dsts = [torch.empty_like(src) for src in srcs]
+    ms = bench_graph([lambda s=s, d=d: d.copy_(s) for s, d in zip(srcs, dsts, strict=True)])
+    return f"copy of the INT4 weight's bytes (read + write) {ms * 1e3:.1f} us"
+
+
 def sweep_gemv(k: int, n: int, kns: list[Int4WeightKN], num_sms: int) -> None:
     """GEMV sweep at M = 1 (rows per lane x warps x unroll x groups per split) vs the heuristic."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     chosen = gemv_config(1, n, k, GROUP, num_sms)
     results = []
     for rows in (4,):
-        for warps in (2, 4, 8):
-            for unroll in (4, 8):
-                for per_split in (1, 2, 4):
+        for warps in (1, 2, 4, 8):
+            for unroll in (8, 16):
+                for per_split in (1, 2):
                     cfg = {"BLOCK_N": rows * 32 * warps, "num_warps": warps}
                     cfg |= {"UNROLL": unroll, "GROUPS_PER_SPLIT": per_split}
                     calls = [lambda x=x, q=q, c=cfg: w4a16_gemv(x, q, config=c) for q in kns]
@@ -156,7 +164,7 @@ def sweep_gemv(k: int, n: int, kns: list[Int4WeightKN], num_sms: int) -> None:
     print(
         f"  gemv sweep {k}x{n} M=1: best {best}; worst {results[-1][0]:.1f}; heuristic "
         f"{heur_key} {heur[0] if heur else float('nan'):.1f}; its loads alone (no math) "
-        f"{t_loads * 1e3:.1f}",
+        f"{t_loads * 1e3:.1f}; {read_floor(kns[0].nbytes)}",
         flush=True,
     )
 

@@ -186,21 +186,20 @@ def _cached_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> tup
 def gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Tile, warps, unroll and split-K ways for one problem (a heuristic).
 
-    From the H200 sweep (docs/bench/w4a16_gemv.md): 4 rows per lane, 8 words per row
-    in flight, and K cut into splits of about one group of 128 (two past 32 groups),
-    so that a 4096-row layer still gives every multiprocessor ~8 warps; the warps per
-    program mattered little.
+    From the H200 sweeps (docs/bench/w4a16_gemv.md): 4 rows per lane; a whole group's
+    words (16 for group 128) loaded before any is used, up to 4 rows of x (above, the
+    accumulators need the registers: 8 words); K cut into splits of 128 values; 4 warps
+    per program, but 1 past 4096 values of K, whose many splits already fill the GPU
+    and whose row blocks then finish sooner.
     """
-    num_warps = 4
+    num_warps = 4 if k <= 4096 else 1
     while num_warps > 1 and n < 4 * 32 * num_warps * 2:  # small N: smaller programs
         num_warps //= 2
-    num_groups = k // group_size
-    values_per_split = 128 if num_groups * group_size <= 4096 else 256
     return {
         "BLOCK_M": triton.next_power_of_2(m),
         "BLOCK_N": 4 * 32 * num_warps,
-        "UNROLL": min(8, group_size // 8),
-        "GROUPS_PER_SPLIT": max(1, values_per_split // group_size),
+        "UNROLL": min(16 if m <= 4 else 8, group_size // 8),
+        "GROUPS_PER_SPLIT": max(1, 128 // group_size),
         "num_warps": num_warps,
     }
 

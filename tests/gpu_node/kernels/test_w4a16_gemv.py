@@ -181,17 +181,21 @@ def test_bad_input_is_refused() -> None:
 
 def test_config_for_decode_shapes() -> None:
     # 4096 out x 4096 in, group 128: row blocks of 512 rows (4 warps x 32 lanes x 4
-    # rows), 8 words per row in flight, K cut into 32 splits of one group.
+    # rows), a whole group's 16 words per row in flight, K cut into 32 splits of one group.
     assert gemv_config(1, 4096, 4096, 128, num_sms=132) == {
         "BLOCK_M": 1,
         "BLOCK_N": 512,
-        "UNROLL": 8,
+        "UNROLL": 16,
         "GROUPS_PER_SPLIT": 1,
         "num_warps": 4,
     }
-    # Past 4096 values of K the splits take 256 values (two groups of 128, eight of 32).
-    assert gemv_config(1, 4096, 14336, 128, num_sms=132)["GROUPS_PER_SPLIT"] == 2
-    assert gemv_config(1, 4096, 14336, 32, num_sms=132)["GROUPS_PER_SPLIT"] == 8
+    # Past 4096 values of K: one warp per program (row blocks of 128); splits stay 128
+    # values (one group of 128, four of 32).
+    long_k = gemv_config(1, 4096, 14336, 128, num_sms=132)
+    assert (long_k["BLOCK_N"], long_k["num_warps"], long_k["GROUPS_PER_SPLIT"]) == (128, 1, 1)
+    assert gemv_config(1, 4096, 14336, 32, num_sms=132)["GROUPS_PER_SPLIT"] == 4
+    # Eight rows of x keep 8 words per row in flight (the accumulators need the registers).
+    assert gemv_config(8, 4096, 4096, 128, num_sms=132)["UNROLL"] == 8
     # A small N takes fewer warps; M = 3 pads to 4; group 32 unrolls its 4 words.
     small = gemv_config(3, 192, 576, 32, num_sms=132)
     assert (small["BLOCK_N"], small["num_warps"], small["BLOCK_M"], small["UNROLL"]) == (
