@@ -19,6 +19,9 @@ own is still read, so the check adds no latency to the loads); the others are ex
 The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs online
 softmax over one slice of the context for the G query heads of one kv head, then a
 second kernel merges the N partial results, so one long sequence still fills the GPU.
+fp8 tiles are multiplied in fp16 (converted in registers, exactly) with the per-row
+scales applied to scores and probabilities; `q_fp8=True` instead multiplies the K tile
+as stored, against q split into three e4m3 parts. Measurements: docs/bench/fp8_kv.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
+from gpu_node.kernels.kv_write import round_to_e4m3_tl
 from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, validate_kv_layer
 
 
@@ -146,6 +150,153 @@ def _to_dot_tl(x, DOT_KIND: tl.constexpr):
 
 
 @triton.jit
+def _kv_to_dot_tl(x, DOT_KIND: tl.constexpr):
+    # A K or V tile as an MMA operand. For fp8 -> fp16, a plain cast is moved past the
+    # tile's shared-memory load into the operand layout, where Triton then reads the tile
+    # one byte at a time; as opaque PTX it stays one cvt per two values in the load's
+    # own layout, and the fp16 tile goes to the MMA through ldmatrix like a 16-bit page.
+    if x.dtype == tl.float8e4nv and DOT_KIND == 2:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2;"
+            " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,  # a pure op would be moved like the cast
+            pack=4,
+        )
+    else:
+        y = _to_dot_tl(x, DOT_KIND)
+    return y
+
+
+@triton.jit
+def _to_e4m3_dot_tl(x, DOT_KIND: tl.constexpr):
+    # e4m3 values as an fp8 MMA operand; fp32 (exact) where the dots run in fp32.
+    return x.to(tl.float32) if DOT_KIND == 0 else x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _attend_block_tl(
+    block_start,
+    end,
+    running_max,  # [BLOCK_G] fp32
+    running_sum,  # [BLOCK_G] fp32
+    acc,  # [BLOCK_G, BLOCK_D] fp32
+    num_bad,  # [BLOCK_N] int32
+    q,
+    q_t,
+    q_hi_t,
+    q_mid_t,
+    q_lo_t,
+    score_scale,
+    qk_scale,
+    tag,
+    seq,
+    kv_head,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    page_owner_ptr,
+    num_pages,
+    max_pages,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    CHECK_OWNER: tl.constexpr,
+    DOT_KIND: tl.constexpr,
+    TOKENS_M: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+):
+    # One block of BLOCK_N tokens of online softmax. IS_PARTIAL: the block may run past
+    # `end` or past the block table, so everything is masked; else all its tokens are
+    # valid and nothing is (masks were about a fifth of the fp8 loop's instructions).
+    tokens = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    dims = tl.arange(0, BLOCK_D)
+    columns = tokens // PAGE_SIZE
+    if IS_PARTIAL:
+        is_valid = tokens < end
+        has_column = is_valid & (columns < max_pages)
+        pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
+        # Only the range check guards the K/V loads (memory safety); the owner
+        # comparison runs beside them and only flags, so it adds no latency.
+        is_loadable = has_column & (pages >= 0) & (pages < num_pages)
+    else:
+        is_valid = tokens >= 0  # all true
+        pages = tl.load(block_tables_ptr + seq * stride_bt + columns)
+        is_loadable = (pages >= 0) & (pages < num_pages)
+        pages = tl.where(is_loadable, pages, 0)
+    pages = pages.to(tl.int64)
+    is_owned = is_loadable
+    if CHECK_OWNER:
+        if IS_PARTIAL:
+            owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
+        else:
+            owners = tl.load(page_owner_ptr + pages)
+        is_owned = is_loadable & (owners == tag)
+    num_bad += (is_valid & (is_owned == 0)).to(tl.int32)
+
+    rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
+    kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
+    if IS_PARTIAL or BLOCK_D != HEAD_DIM:
+        kv_mask = is_loadable[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_offsets)
+        v = tl.load(v_cache_ptr + kv_offsets)
+    # fp8 converts exactly to every dot dtype; the row scales are applied to the
+    # score columns and to the probabilities instead of to every K/V element.
+    v = _kv_to_dot_tl(v, DOT_KIND)
+    if Q_FP8:
+        # S^T = K q^T: the tokens are the MMA's M side and the fp8 K tile its
+        # row-major A operand, which sm_90 multiplies as it is (an e4m3 wgmma).
+        k = _to_e4m3_dot_tl(k, DOT_KIND)
+        scores = tl.dot(k, q_lo_t, tl.dot(k, q_mid_t, tl.dot(k, q_hi_t)))
+        scores = tl.trans(scores) * score_scale[:, None]
+    elif TOKENS_M:
+        scores = tl.trans(tl.dot(_kv_to_dot_tl(k, DOT_KIND), q_t)) * qk_scale
+    else:
+        scores = tl.dot(q, tl.trans(_kv_to_dot_tl(k, DOT_KIND))) * qk_scale  # [G, BLOCK_N]
+    if IS_FP8:
+        if IS_PARTIAL:
+            k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + rows)
+        scores = scores * k_scale.to(tl.float32)[None, :]
+    if IS_PARTIAL:
+        scores = tl.where(is_valid[None, :], scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.reduce(scores, 1, maximum_tl))
+    correction = tl.exp2(running_max - new_max)
+    probs = tl.exp2(scores - new_max[:, None])
+    running_sum = running_sum * correction + tl.reduce(probs, 1, add_tl)
+    if IS_FP8:
+        # The row scales go into the probabilities, relative to the block's largest
+        # (so a 16-bit p * scale stays in [0, 1], never deep in fp16's subnormals);
+        # the largest multiplies the block's product instead.
+        if IS_PARTIAL:
+            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0)
+        else:
+            v_scale = tl.load(v_scale_ptr + rows)
+        v_scale = v_scale.to(tl.float32)
+        v_max = tl.reduce(v_scale, 0, maximum_tl)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)
+        pv = tl.dot(_to_dot_tl(probs * (v_scale * (1.0 / v_max))[None, :], DOT_KIND), v)
+        pv = pv * v_max
+    else:
+        pv = tl.dot(_to_dot_tl(probs, DOT_KIND), v)
+    acc = acc * correction[:, None] + pv  # [G, D]
+    return new_max, running_sum, acc, num_bad
+
+
+@triton.jit
 def _paged_decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -178,6 +329,8 @@ def _paged_decode_split_kernel(
     IS_FP8: tl.constexpr,
     CHECK_OWNER: tl.constexpr,
     DOT_KIND: tl.constexpr,
+    TOKENS_M: tl.constexpr,
+    Q_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,57 +347,59 @@ def _paged_decode_split_kernel(
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
     )
-    q = _to_dot_tl(q, DOT_KIND)  # [BLOCK_G, BLOCK_D]
     tag = tl.load(seq_tags_ptr + seq)
+    if Q_FP8:
+        # q as three e4m3 parts, q = (q_hi + q_mid + q_lo) * q_scale (about fp16's
+        # precision), so QK^T reads the fp8 K tile as it is, with no conversion.
+        q = q.to(tl.float32)
+        q_scale = tl.maximum(tl.reduce(tl.abs(q), 1, maximum_tl), 1e-30) / 448.0  # [BLOCK_G]
+        q = tl.minimum(tl.maximum(q / q_scale[:, None], -448.0), 448.0)
+        q_hi = round_to_e4m3_tl(q)
+        q_mid = round_to_e4m3_tl(q - q_hi)
+        q_lo = round_to_e4m3_tl(q - q_hi - q_mid)
+        q_hi_t = tl.trans(_to_e4m3_dot_tl(q_hi, DOT_KIND))  # [BLOCK_D, BLOCK_G]
+        q_mid_t = tl.trans(_to_e4m3_dot_tl(q_mid, DOT_KIND))
+        q_lo_t = tl.trans(_to_e4m3_dot_tl(q_lo, DOT_KIND))
+        score_scale = q_scale * qk_scale  # [BLOCK_G]
+        q_t = q_hi_t  # unused
+    else:
+        q = _to_dot_tl(q, DOT_KIND)  # [BLOCK_G, BLOCK_D]
+        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_G], for TOKENS_M
+        q_hi_t = q_t  # unused
+        q_mid_t = q_t
+        q_lo_t = q_t
+        score_scale = qk_scale
 
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     num_bad = tl.full([BLOCK_N], 0, tl.int32)
-    for block_start in range(start, end, BLOCK_N):
-        tokens = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        is_valid = tokens < end
-        columns = tokens // PAGE_SIZE
-        has_column = is_valid & (columns < max_pages)
-        pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
-        pages = pages.to(tl.int64)
-        # Only the range check guards the K/V loads (memory safety); the owner comparison
-        # runs beside them and only flags, so it adds no latency to the loop.
-        is_loadable = has_column & (pages >= 0) & (pages < num_pages)
-        is_owned = is_loadable
-        if CHECK_OWNER:
-            owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
-            is_owned = is_loadable & (owners == tag)
-        num_bad += (is_valid & (is_owned == 0)).to(tl.int32)
-
-        rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
-        kv_mask = is_loadable[:, None] & dim_mask[None, :]
-        kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        # fp8 converts exactly to every dot dtype; the row scales are applied to the
-        # score columns and to the probabilities instead of to every K/V element.
-        k = _to_dot_tl(tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0), DOT_KIND)
-        v = _to_dot_tl(tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0), DOT_KIND)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32
-        if IS_FP8:
-            k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-            scores = scores * k_scale[None, :]
-        scores = tl.where(is_valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.reduce(scores, 1, maximum_tl))
-        correction = tl.exp2(running_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.reduce(probs, 1, add_tl)
-        if IS_FP8:
-            # The row scales go into the probabilities, relative to the block's largest
-            # (so a 16-bit p * scale stays in [0, 1], never deep in fp16's subnormals);
-            # the largest multiplies the block's product instead.
-            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0).to(tl.float32)
-            v_max = tl.reduce(v_scale, 0, maximum_tl)
-            v_max = tl.where(v_max > 0.0, v_max, 1.0)
-            pv = tl.dot(_to_dot_tl(probs * (v_scale / v_max)[None, :], DOT_KIND), v) * v_max
-        else:
-            pv = tl.dot(_to_dot_tl(probs, DOT_KIND), v)
-        acc = acc * correction[:, None] + pv  # [G, D]
-        running_max = new_max
+    tail_start = start
+    if IS_FP8:
+        # Full blocks first, with no masks: a page id out of range is clamped to page 0
+        # for the load (and flagged), so every load is in bounds. Then the last, partial
+        # block. (16-bit pages keep one masked loop: split, they measured up to 15%
+        # slower with the ownership check on, docs/bench/fp8_kv.md.)
+        num_full = tl.maximum(tl.minimum(end, max_pages * PAGE_SIZE) - start, 0) // BLOCK_N
+        tail_start = start + num_full * BLOCK_N
+        for block_start in range(start, tail_start, BLOCK_N):
+            running_max, running_sum, acc, num_bad = _attend_block_tl(
+                block_start, end, running_max, running_sum, acc, num_bad,
+                q, q_t, q_hi_t, q_mid_t, q_lo_t, score_scale, qk_scale, tag, seq, kv_head,
+                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                page_owner_ptr, num_pages, max_pages, stride_bt,
+                NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                IS_FP8, CHECK_OWNER, DOT_KIND, TOKENS_M, Q_FP8, False,
+            )  # fmt: skip
+    for block_start in range(tail_start, end, BLOCK_N):
+        running_max, running_sum, acc, num_bad = _attend_block_tl(
+            block_start, end, running_max, running_sum, acc, num_bad,
+            q, q_t, q_hi_t, q_mid_t, q_lo_t, score_scale, qk_scale, tag, seq, kv_head,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+            page_owner_ptr, num_pages, max_pages, stride_bt,
+            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D,
+            IS_FP8, CHECK_OWNER, DOT_KIND, TOKENS_M, Q_FP8, True,
+        )  # fmt: skip
 
     head_mask = groups < GROUP
     part = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split  # [BLOCK_G]
@@ -325,15 +480,23 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     target_programs: int | None = None,
+    q_fp8: bool = False,
+    tokens_m: bool | None = None,
+    max_registers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the paged cache: (out [B, Q, D] in q's dtype, violations [B]).
 
     `max_context_len` (the scheduler knows it) sizes the split grid without reading
     `context_lens` back from the device; it must be >= every context length. The
-    split count aims at `target_programs` programs (default: 4 per multiprocessor, 8
-    for fp8 pages).
+    split count aims at `target_programs` programs.
     `check_owner=False` skips the ownership comparison (benchmarks only). `dot_dtype`
     is the operand dtype of the two matrix products (default: `default_dot_dtype`).
+    The tile options (`block_n`, `num_warps`, `num_stages`, `target_programs`,
+    `tokens_m`: QK^T computed as K q^T with the tokens as the MMA's M side,
+    `max_registers`: a per-thread register cap, 0 for none) default to what measured
+    fastest on an H200. `q_fp8=True` (fp8 pages) splits q into three e4m3 parts so that
+    QK^T is an fp8 product on the K tile as stored; on the GPU it measured 2-7x the
+    error of the exact q for at most 4% of speed, so it is off by default.
     """
     num_pages, page_size, num_kv_heads, head_dim = _validate(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -346,14 +509,21 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
+    # Tile defaults measured on an H200 (docs/bench/fp8_kv.md). 16-bit pages: 64-token
+    # blocks, 4 programs per multiprocessor. fp8 pages move half the bytes per token:
+    # head dim 64, 128-token blocks and 8 programs per multiprocessor; head dim 128,
+    # 64-token blocks with tokens as the MMA's M side, 16 programs per multiprocessor and
+    # at most 128 registers, so that 4 programs fit on a multiprocessor instead of 3.
+    is_wide_fp8 = is_fp8 and head_dim > 64
     if block_n is None:
-        # Measured on an H200 (docs/bench/fp8_kv.md): fp8 pages move half the bytes per
-        # token, so they take twice the tokens per step; 16-bit pages 64.
-        block_n = 128 if is_fp8 else 64
+        block_n = 128 if is_fp8 and not is_wide_fp8 else 64
     if target_programs is None:
-        # Measured on an H200 (docs/bench/fp8_kv.md): fp8 pages did best with 8 programs
-        # per multiprocessor, 16-bit pages with 4.
-        target_programs = (8 if is_fp8 else 4) * _num_multiprocessors(q.device)
+        programs_per_sm = 16 if is_wide_fp8 else 8 if is_fp8 else 4
+        target_programs = programs_per_sm * _num_multiprocessors(q.device)
+    if tokens_m is None:
+        tokens_m = is_wide_fp8
+    if max_registers is None:
+        max_registers = 128 if is_wide_fp8 else 0
     # Enough splits to fill the GPU, each at least one BLOCK_N and a multiple of it.
     num_blocks = max(1, math.ceil(max_context_len / block_n))
     num_splits = min(num_blocks, max(1, math.ceil(target_programs / (batch * num_kv_heads))))
@@ -368,6 +538,7 @@ def paged_decode_attention(
     part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
     if dot_dtype is None:
         dot_dtype = default_dot_dtype(q, k_cache)
+    q_fp8 = q_fp8 and is_fp8
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -402,8 +573,11 @@ def paged_decode_attention(
         IS_FP8=is_fp8,
         CHECK_OWNER=check_owner,
         DOT_KIND=_DOT_KINDS[dot_dtype],
+        TOKENS_M=tokens_m,
+        Q_FP8=q_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     _paged_decode_merge_kernel[(batch, num_heads)](
         part_max,
