@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
-from gpu_node.kernels.paged_attention import gather_paged_kv
+from gpu_node.kernels.paged_attention_ref import gather_paged_kv
 from gpu_node.kv_quant import FP8_DTYPE, SCALE_DTYPE, bytes_per_token, kv_torch_dtype, scale_shape
 
 

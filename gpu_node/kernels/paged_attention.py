@@ -27,6 +27,7 @@ as stored, against q split into three e4m3 parts. Measurements: docs/bench/fp8_k
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,107 +35,8 @@ import triton.language as tl
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write import round_to_e4m3_tl
-from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, validate_kv_layer
-
-
-def check_page_ownership(
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    page_size: int,
-    page_owner: torch.Tensor,
-    seq_tags: torch.Tensor,
-) -> torch.Tensor:
-    """Violations of the read-side ownership rule, bool [B] (True = the sequence is bad).
-
-    A sequence is bad if any of its first ceil(L / S) block-table entries is outside
-    [0, P) or owned by another tag, or if L needs more pages than its block table has.
-    The same rule the attention kernel applies, as one vectorised torch expression.
-    """
-    num_pages = page_owner.shape[0]
-    max_pages = block_tables.shape[1]
-    pages_needed = (context_lens.long() + page_size - 1) // page_size  # [B]
-    is_used = torch.arange(max_pages, device=block_tables.device) < pages_needed[:, None]
-    pages = block_tables.long()  # [B, M]
-    is_in_range = (pages >= 0) & (pages < num_pages)
-    owners = page_owner[pages.clamp(0, num_pages - 1)]  # [B, M]
-    is_bad = is_used & (~is_in_range | (owners != seq_tags[:, None]))
-    return is_bad.any(dim=1) | (pages_needed > max_pages)
-
-
-def gather_paged_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_len: int,
-    dtype: torch.dtype,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K and V out of the pages, dequantized: two [L, H, D] in `dtype`.
-
-    For prefill over the paged cache (attention over cached prefix + new chunk). It
-    reads pages as given: run `check_page_ownership` on the step's sequences first.
-    """
-    num_pages, page_size, num_kv_heads, head_dim = validate_kv_layer(
-        k_cache, v_cache, k_scale, v_scale
-    )
-    positions = torch.arange(context_len, device=k_cache.device)
-    pages = block_table[positions // page_size].long()
-    if context_len and not bool(((pages >= 0) & (pages < num_pages)).all()):
-        raise ValueError(f"block_table holds a page id outside [0, {num_pages})")
-    slots = pages * page_size + positions % page_size  # [L]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    if k_cache.dtype == FP8_DTYPE:
-        assert k_scale is not None and v_scale is not None  # validated above
-        k_e = k_scale.view(-1, num_kv_heads)[slots]
-        v_e = v_scale.view(-1, num_kv_heads)[slots]
-        return dequantize_fp8(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
-    return k.to(dtype), v.to(dtype)
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    page_owner: torch.Tensor,
-    seq_tags: torch.Tensor,
-    sm_scale: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch decode attention: (out [B, Q, D] in q's dtype, violations bool [B]).
-
-    Computes in fp32 over all sequences at once (padded to the longest context).
-    """
-    num_pages, page_size, num_kv_heads, head_dim = _validate(
-        q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
-    )
-    batch, num_heads, _ = q.shape
-    group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    violations = check_page_ownership(block_tables, context_lens, page_size, page_owner, seq_tags)
-    max_len = int(context_lens.max()) if batch else 0
-    positions = torch.arange(max_len, device=q.device)  # [L]
-    columns = (positions // page_size).clamp(max=block_tables.shape[1] - 1)
-    pages = block_tables.long()[:, columns].clamp(0, num_pages - 1)  # [B, L]
-    slots = pages * page_size + positions % page_size
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, H, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    if k_cache.dtype == FP8_DTYPE:
-        assert k_scale is not None and v_scale is not None  # validated above
-        k = dequantize_fp8(k, k_scale.view(-1, num_kv_heads)[slots], torch.float32)
-        v = dequantize_fp8(v, v_scale.view(-1, num_kv_heads)[slots], torch.float32)
-    k, v = k.float(), v.float()
-    q_groups = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, H, G, D]
-    scores = torch.einsum("bhgd,blhd->bhgl", q_groups, k) * scale  # [B, H, G, L]
-    is_past_end = positions[None, :] >= context_lens.long()[:, None]  # [B, L]
-    scores = scores.masked_fill(is_past_end[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty context gives 0
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)  # [B, H, G, D]
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype), violations
+from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
+from gpu_node.kv_quant import FP8_DTYPE
 
 
 @triton.jit
@@ -384,21 +286,29 @@ def _paged_decode_split_kernel(
         tail_start = start + num_full * BLOCK_N
         for block_start in range(start, tail_start, BLOCK_N):
             running_max, running_sum, acc, num_bad = _attend_block_tl(
-                block_start, end, running_max, running_sum, acc, num_bad,
-                q, q_t, q_hi_t, q_mid_t, q_lo_t, score_scale, qk_scale, tag, seq, kv_head,
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                page_owner_ptr, num_pages, max_pages, stride_bt,
-                NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                IS_FP8, CHECK_OWNER, DOT_KIND, TOKENS_M, Q_FP8, False,
+                block_start=block_start, end=end, running_max=running_max,
+                running_sum=running_sum, acc=acc, num_bad=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,
+                q_mid_t=q_mid_t, q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale,
+                tag=tag, seq=seq, kv_head=kv_head, k_cache_ptr=k_cache_ptr,
+                v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
+                block_tables_ptr=block_tables_ptr, page_owner_ptr=page_owner_ptr,
+                num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
+                NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER,
+                DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=False,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
-            block_start, end, running_max, running_sum, acc, num_bad,
-            q, q_t, q_hi_t, q_mid_t, q_lo_t, score_scale, qk_scale, tag, seq, kv_head,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-            page_owner_ptr, num_pages, max_pages, stride_bt,
-            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D,
-            IS_FP8, CHECK_OWNER, DOT_KIND, TOKENS_M, Q_FP8, True,
+            block_start=block_start, end=end, running_max=running_max, running_sum=running_sum,
+            acc=acc, num_bad=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t,
+            q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale, tag=tag, seq=seq,
+            kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
+            block_tables_ptr=block_tables_ptr, page_owner_ptr=page_owner_ptr,
+            num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
+            NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER, DOT_KIND=DOT_KIND,
+            TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
         )  # fmt: skip
 
     head_mask = groups < GROUP
@@ -462,6 +372,32 @@ def _paged_decode_merge_kernel(
     tl.store(violation_ptr + seq, is_bad, mask=head == 0)
 
 
+@dataclass(frozen=True)
+class DecodeTile:
+    """Tile defaults of the decode kernel (`decode_tile_config`)."""
+
+    block_n: int  # tokens per step
+    programs_per_sm: int  # the split count aims at this many programs per multiprocessor
+    tokens_m: bool  # QK^T as K q^T, the tokens the MMA's M side
+    max_registers: int  # per-thread register cap, 0 for none
+
+
+def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
+    """The decode kernel's tile defaults, measured on an H200 (docs/bench/fp8_kv.md).
+
+    16-bit pages: 64-token blocks, 4 programs per multiprocessor. fp8 pages move half
+    the bytes per token: head dim 64, 128-token blocks and 8 programs per
+    multiprocessor; wider heads, 64-token blocks with the tokens as the MMA's M side,
+    16 programs per multiprocessor and at most 128 registers, so that 4 programs fit
+    on a multiprocessor instead of 3.
+    """
+    if not is_fp8:
+        return DecodeTile(block_n=64, programs_per_sm=4, tokens_m=False, max_registers=0)
+    if head_dim <= 64:
+        return DecodeTile(block_n=128, programs_per_sm=8, tokens_m=False, max_registers=0)
+    return DecodeTile(block_n=64, programs_per_sm=16, tokens_m=True, max_registers=128)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -495,10 +431,10 @@ def paged_decode_attention(
     `tokens_m`: QK^T computed as K q^T with the tokens as the MMA's M side,
     `max_registers`: a per-thread register cap, 0 for none) default to what measured
     fastest on an H200. `q_fp8=True` (fp8 pages) splits q into three e4m3 parts so that
-    QK^T is an fp8 product on the K tile as stored; on the GPU it measured 2-7x the
+    QK^T is an fp8 product on the K tile as stored; on the GPU it measured 3-7x the
     error of the exact q for at most 4% of speed, so it is off by default.
     """
-    num_pages, page_size, num_kv_heads, head_dim = _validate(
+    num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
     )
     batch, num_heads, _ = q.shape
@@ -509,21 +445,16 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
-    # Tile defaults measured on an H200 (docs/bench/fp8_kv.md). 16-bit pages: 64-token
-    # blocks, 4 programs per multiprocessor. fp8 pages move half the bytes per token:
-    # head dim 64, 128-token blocks and 8 programs per multiprocessor; head dim 128,
-    # 64-token blocks with tokens as the MMA's M side, 16 programs per multiprocessor and
-    # at most 128 registers, so that 4 programs fit on a multiprocessor instead of 3.
-    is_wide_fp8 = is_fp8 and head_dim > 64
-    if block_n is None:
-        block_n = 128 if is_fp8 and not is_wide_fp8 else 64
+    if q_fp8 and not is_fp8:
+        raise ValueError("q_fp8 multiplies fp8 K pages as stored: it needs fp8 pages")
+    if is_fp8 and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError("fp8 KV pages need a GPU with e4m3 conversions (sm_89 or newer)")
+    tile = decode_tile_config(is_fp8, head_dim)
+    block_n = tile.block_n if block_n is None else block_n
     if target_programs is None:
-        programs_per_sm = 16 if is_wide_fp8 else 8 if is_fp8 else 4
-        target_programs = programs_per_sm * _num_multiprocessors(q.device)
-    if tokens_m is None:
-        tokens_m = is_wide_fp8
-    if max_registers is None:
-        max_registers = 128 if is_wide_fp8 else 0
+        target_programs = tile.programs_per_sm * _num_multiprocessors(q.device)
+    tokens_m = tile.tokens_m if tokens_m is None else tokens_m
+    max_registers = tile.max_registers if max_registers is None else max_registers
     # Enough splits to fill the GPU, each at least one BLOCK_N and a multiple of it.
     num_blocks = max(1, math.ceil(max_context_len / block_n))
     num_splits = min(num_blocks, max(1, math.ceil(target_programs / (batch * num_kv_heads))))
@@ -538,7 +469,6 @@ def paged_decode_attention(
     part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
     if dot_dtype is None:
         dot_dtype = default_dot_dtype(q, k_cache)
-    q_fp8 = q_fp8 and is_fp8
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -622,48 +552,3 @@ def _num_multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the interpreter runs programs one by one: fewer splits, faster tests
-
-
-def _validate(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    page_owner: torch.Tensor,
-    seq_tags: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> tuple[int, int, int, int]:
-    num_pages, page_size, num_kv_heads, head_dim = validate_kv_layer(
-        k_cache, v_cache, k_scale, v_scale
-    )
-    if page_size % 16 != 0:
-        raise ValueError(f"page_size must be a multiple of 16, got {page_size}")
-    if q.dim() != 3 or q.shape[2] != head_dim:
-        raise ValueError(f"q must be [B, num_heads, {head_dim}], got {tuple(q.shape)}")
-    if q.shape[1] % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads {q.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
-        )
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.stride(2) != 1:
-        raise ValueError(f"q must be fp32/bf16/fp16, contiguous in head_dim, got {q.dtype}")
-    batch = q.shape[0]
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be int32 [B, M], got {block_tables.dtype}")
-    if block_tables.shape[0] != batch or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must have {batch} rows, contiguous in M")
-    for name, tensor, dtype, shape in (
-        ("context_lens", context_lens, torch.int32, (batch,)),
-        ("seq_tags", seq_tags, torch.int64, (batch,)),
-        ("page_owner", page_owner, torch.int64, (num_pages,)),
-    ):
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous {dtype} {shape}, got {tensor.dtype} "
-                f"{tuple(tensor.shape)}"
-            )
-    devices = {t.device for t in (q, k_cache, block_tables, context_lens, page_owner, seq_tags)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return num_pages, page_size, num_kv_heads, head_dim

@@ -77,6 +77,7 @@ def test_kn_layout_is_lossless_and_as_documented() -> None:
         (8, 20, 256, 64, 2),  # 2 splits of 2 groups
         (1, 300, 384, 32, 5),  # 12 groups in splits of 5: the last split is short
         (2, 576, 576, 64, None),  # SmolLM2's hidden size
+        (1, 256, 4608, 128, None),  # K > 4096: the heuristic's one-warp programs, 36 splits
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
