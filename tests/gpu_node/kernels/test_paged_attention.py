@@ -194,6 +194,19 @@ def test_reference_is_softmax_attention_over_the_written_tokens():
         torch.testing.assert_close(ref[seq].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def fault_batch():
+    """Four fp8 sequences of SmolLM2's head shape (9 query, 3 kv heads) to corrupt."""
+    return build_batch(
+        [3, 20, 100, 40],
+        cache_dtype=FP8_DTYPE,
+        q_dtype=torch.bfloat16,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        page_size=16,
+    )
+
+
 def inject(batch, fault):
     """Corrupt the batch one way; return the indices of the sequences that must be flagged."""
     if fault == "foreign_page":  # seq 1 reads a page of seq 2
@@ -236,15 +249,7 @@ FAULTS = [
 @pytest.mark.parametrize("block_n", [None, 16])  # 16: faults in full (unmasked) blocks too
 @pytest.mark.parametrize("fault", FAULTS)
 def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n):
-    batch = build_batch(
-        [3, 20, 100, 40],
-        cache_dtype=FP8_DTYPE,
-        q_dtype=torch.bfloat16,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        page_size=16,
-    )
+    batch = fault_batch()
     clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     bad = inject(batch, fault)
     expected = [i in bad for i in range(4)]
@@ -453,15 +458,7 @@ def test_fp8_query_split_is_close_to_the_exact_query(num_heads, num_kv_heads, he
 @pytest.mark.parametrize("bad_id", ["past_the_pool", -1, 2**31 - 1])
 def test_bad_page_ids_in_full_blocks_are_flagged(bad_id):
     """Unmasked blocks load a clamped page (memory-safe) and still flag the sequence."""
-    batch = build_batch(
-        [3, 20, 100, 40],
-        cache_dtype=FP8_DTYPE,
-        q_dtype=torch.bfloat16,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        page_size=16,
-    )
+    batch = fault_batch()
     clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     page = batch.page_owner.shape[0] if bad_id == "past_the_pool" else bad_id
     # Columns 0 and 1 of the 100-token sequence: tokens 0-31, two full 16-token blocks
@@ -530,15 +527,7 @@ def test_compiled_kernel_matches_reference_on_gpu(
 @pytest.mark.parametrize("block_n", [None, 16])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n):
-    batch = build_batch(
-        [3, 20, 100, 40],
-        cache_dtype=FP8_DTYPE,
-        q_dtype=torch.bfloat16,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        page_size=16,
-    )
+    batch = fault_batch()
     bad = inject(batch, fault)
     args = [t.cuda() for t in batch.args()]
     scales = {k: v.cuda() for k, v in batch.scales().items()}
