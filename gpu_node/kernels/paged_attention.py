@@ -26,6 +26,7 @@ as stored, against q split into three e4m3 parts. Measurements: docs/bench/fp8_k
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -447,7 +448,7 @@ def paged_decode_attention(
     is_fp8 = k_cache.dtype == FP8_DTYPE
     if q_fp8 and not is_fp8:
         raise ValueError("q_fp8 multiplies fp8 K pages as stored: it needs fp8 pages")
-    if is_fp8 and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+    if is_fp8 and not _converts_e4m3(q.device):
         raise ValueError("fp8 KV pages need a GPU with e4m3 conversions (sm_89 or newer)")
     tile = decode_tile_config(is_fp8, head_dim)
     block_n = tile.block_n if block_n is None else block_n
@@ -548,6 +549,13 @@ def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     return q.dtype if k_cache.dtype == q.dtype else torch.float32
 
 
+@functools.cache
+def _converts_e4m3(device: torch.device) -> bool:
+    """Whether the kernel's e4m3 conversions run here: sm_89 or newer, or the interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
 def _num_multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
