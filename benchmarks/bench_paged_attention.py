@@ -572,6 +572,87 @@ def part_decode(results: dict, shapes: list[str], quick: bool, save) -> None:
         }
 
 
+PREFETCH_POINTS = [  # shape, batch, context
+    ("llama8b", 64, 32768),
+    ("smollm2", 64, 32768),
+    ("llama8b", 8, 32768),
+    ("smollm2", 8, 32768),
+    ("llama8b", 64, 8192),
+    ("llama8b", 1, 32768),
+    ("smollm2", 1, 32768),
+]
+PREFETCH_VARIANTS = {  # name -> options over the fp8 tile defaults
+    "no prefetch, 2 stages": {"prefetch_pages": False, "num_stages": 2},
+    "prefetch, 2 stages": {"prefetch_pages": True, "num_stages": 2},
+    "prefetch, 3 stages": {"prefetch_pages": True, "num_stages": 3},
+    "prefetch, 4 stages": {"prefetch_pages": True, "num_stages": 4},
+    "prefetch, 3 stages, 8/SM": {"prefetch_pages": True, "num_stages": 3, "programs": 8},
+    "prefetch, 3 stages, block 64, 16/SM": {
+        "prefetch_pages": True, "num_stages": 3, "block_n": 64, "programs": 16,
+    },
+}  # fmt: skip
+
+
+def part_prefetch(results: dict) -> None:
+    """fp8 pages: each full block's page ids loaded a block ahead (`prefetch_pages`) and
+    deeper pipelines, side by side with bf16 pages, ownership check on; the check's cost
+    for the fastest variant (check off)."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s")
+    rows: list[dict[str, Any]] = []
+    results["prefetch"] = {"copy_bandwidth_Bps": copy_bw, "rows": rows}
+
+    def timed(calls, name, **options) -> float:
+        try:
+            return time_calls(calls, **options)
+        except Exception as error:  # a config the compiler rejects (shared memory)
+            log(f"  {name}: {type(error).__name__}: {str(error)[:160]}")
+            return math.nan
+
+    for shape_name, batch, length in PREFETCH_POINTS:
+        shape = SHAPES[shape_name]
+        calls, bf16_moved = timing_pool(batch, length, shape, torch.bfloat16)
+        bf16_us = timed(calls, "bf16")
+        del calls
+        torch.cuda.empty_cache()
+        calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
+        timings = {}
+        for name, variant in PREFETCH_VARIANTS.items():
+            options = dict(variant)
+            if "programs" in options:
+                options["target_programs"] = options.pop("programs") * num_sms
+            timings[name] = timed(calls, name, **options)
+        best = min(
+            timings, key=lambda name: math.inf if math.isnan(timings[name]) else timings[name]
+        )
+        options = dict(PREFETCH_VARIANTS[best])
+        if "programs" in options:
+            options["target_programs"] = options.pop("programs") * num_sms
+        check_off_us = timed(calls, "check off", check_owner=False, **options)
+        del calls
+        torch.cuda.empty_cache()
+        log(
+            f"\n{shape_name} B={batch} L={length}: bf16 {bf16_us:.1f} µs "
+            f"({100 * bf16_moved / (bf16_us * 1e-6) / copy_bw:.0f}% of copy); fp8:"
+        )
+        for name, us in timings.items():
+            log(
+                f"  {us:8.1f} µs  {100 * moved / (us * 1e-6) / copy_bw:3.0f}% of copy  "
+                f"{bf16_us / us:.2f}x bf16  {name}"
+            )
+        log(
+            f"  best: {best}; check off {check_off_us:.1f} µs, check cost "
+            f"{100 * (timings[best] / check_off_us - 1):+.1f}%"
+        )
+        rows.append(
+            {"shape": shape_name, "batch": batch, "length": length, "bf16_us": bf16_us,
+             "bf16_bytes": bf16_moved, "fp8_bytes": moved, "fp8_us": timings, "best": best,
+             "best_check_off_us": check_off_us}
+        )  # fmt: skip
+
+
 def part_kv_write(results: dict) -> None:
     """KV write throughput: a decode step (64 tokens) and a prefill chunk (8192 tokens)."""
     log("\n## KV write (SmolLM2 kv shape), fp8 vs bf16\n")
@@ -610,7 +691,7 @@ def part_kv_write(results: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["scales", "check", "decode", "all"])
+    parser.add_argument("part", choices=["scales", "check", "decode", "prefetch", "all"])
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     parser.add_argument("--shapes", default="smollm2,llama8b")
     parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
@@ -645,6 +726,8 @@ def main() -> int:
             part_kv_write(results)
             save()
             part_decode(results, args.shapes.split(","), args.quick, save)
+        if args.part == "prefetch":
+            part_prefetch(results)
     finally:
         save()
     return 0 if ok else 1

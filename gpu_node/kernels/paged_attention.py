@@ -87,6 +87,7 @@ def _attend_block_tl(
     running_sum,  # [BLOCK_G] fp32
     acc,  # [BLOCK_G, BLOCK_D] fp32
     num_bad,  # [BLOCK_N] int32
+    pages_given,  # [BLOCK_N] int32 the block's page ids, loaded ahead (PAGES_GIVEN)
     q,
     q_t,
     q_hi_t,
@@ -117,6 +118,7 @@ def _attend_block_tl(
     TOKENS_M: tl.constexpr,
     Q_FP8: tl.constexpr,
     IS_PARTIAL: tl.constexpr,
+    PAGES_GIVEN: tl.constexpr,
 ):
     # One block of BLOCK_N tokens of online softmax. IS_PARTIAL: the block may run past
     # `end` or past the block table, so everything is masked; else all its tokens are
@@ -133,7 +135,10 @@ def _attend_block_tl(
         is_loadable = has_column & (pages >= 0) & (pages < num_pages)
     else:
         is_valid = tokens >= 0  # all true
-        pages = tl.load(block_tables_ptr + seq * stride_bt + columns)
+        if PAGES_GIVEN:
+            pages = pages_given
+        else:
+            pages = tl.load(block_tables_ptr + seq * stride_bt + columns)
         is_loadable = (pages >= 0) & (pages < num_pages)
         pages = tl.where(is_loadable, pages, 0)
     pages = pages.to(tl.int64)
@@ -234,6 +239,7 @@ def _paged_decode_split_kernel(
     DOT_KIND: tl.constexpr,
     TOKENS_M: tl.constexpr,
     Q_FP8: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,  # fp8 full blocks: page ids one block ahead
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -285,31 +291,50 @@ def _paged_decode_split_kernel(
         # slower with the ownership check on, docs/bench/fp8_kv.md.)
         num_full = tl.maximum(tl.minimum(end, max_pages * PAGE_SIZE) - start, 0) // BLOCK_N
         tail_start = start + num_full * BLOCK_N
+        # Each block's page ids are loaded during the block before, so that its K/V
+        # copies never wait on the block-table load (on an H200 that wait, not the
+        # bytes, set the fp8 loop's pace; the last load reads one block past the
+        # full ones, masked to the table).
+        token_columns = tl.arange(0, BLOCK_N) // PAGE_SIZE
+        table_row = block_tables_ptr + seq * stride_bt
+        next_pages = token_columns
+        if PREFETCH_PAGES:
+            next_columns = start // PAGE_SIZE + token_columns
+            next_pages = tl.load(table_row + next_columns, mask=next_columns < max_pages, other=0)
         for block_start in range(start, tail_start, BLOCK_N):
+            pages = next_pages
+            if PREFETCH_PAGES:
+                next_columns = (block_start + BLOCK_N) // PAGE_SIZE + token_columns
+                next_pages = tl.load(
+                    table_row + next_columns, mask=next_columns < max_pages, other=0
+                )
             running_max, running_sum, acc, num_bad = _attend_block_tl(
                 block_start=block_start, end=end, running_max=running_max,
-                running_sum=running_sum, acc=acc, num_bad=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,
-                q_mid_t=q_mid_t, q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale,
-                tag=tag, seq=seq, kv_head=kv_head, k_cache_ptr=k_cache_ptr,
-                v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
+                running_sum=running_sum, acc=acc, num_bad=num_bad, pages_given=pages, q=q,
+                q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
+                score_scale=score_scale, qk_scale=qk_scale, tag=tag, seq=seq,
+                kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+                k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
                 block_tables_ptr=block_tables_ptr, page_owner_ptr=page_owner_ptr,
                 num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
                 NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE,
                 BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER,
                 DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=False,
+                PAGES_GIVEN=PREFETCH_PAGES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
             block_start=block_start, end=end, running_max=running_max, running_sum=running_sum,
-            acc=acc, num_bad=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t,
-            q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale, tag=tag, seq=seq,
+            acc=acc, num_bad=num_bad, pages_given=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,
+            q_mid_t=q_mid_t, q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale,
+            tag=tag, seq=seq,
             kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
             k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             block_tables_ptr=block_tables_ptr, page_owner_ptr=page_owner_ptr,
             num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
             NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER, DOT_KIND=DOT_KIND,
-            TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True, PAGES_GIVEN=False,
         )  # fmt: skip
 
     head_mask = groups < GROUP
@@ -381,21 +406,28 @@ class DecodeTile:
     programs_per_sm: int  # the split count aims at this many programs per multiprocessor
     tokens_m: bool  # QK^T as K q^T, the tokens the MMA's M side
     max_registers: int  # per-thread register cap, 0 for none
+    num_stages: int = 2  # software pipeline depth of the K/V loads
+    prefetch_pages: bool = False  # fp8 full blocks: each block's page ids a block ahead
 
 
 def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
     """The decode kernel's tile defaults, measured on an H200 (docs/bench/fp8_kv.md).
 
     16-bit pages: 64-token blocks, 4 programs per multiprocessor. fp8 pages move half
-    the bytes per token: head dim 64, 128-token blocks and 8 programs per
-    multiprocessor; wider heads, 64-token blocks with the tokens as the MMA's M side,
-    16 programs per multiprocessor and at most 128 registers, so that 4 programs fit
-    on a multiprocessor instead of 3.
+    the bytes per token: head dim 64, 128-token blocks, 8 programs per multiprocessor,
+    each block's page ids loaded a block ahead and three pipeline stages (1.06-1.08x
+    over two stages without the prefetch at 32K context); wider heads, 64-token blocks
+    with the tokens as the MMA's M side, 16 programs per multiprocessor and at most 128
+    registers, so that 4 programs fit on a multiprocessor instead of 3 (there the
+    prefetch gained nothing and a third stage lost 16-20%).
     """
     if not is_fp8:
         return DecodeTile(block_n=64, programs_per_sm=4, tokens_m=False, max_registers=0)
     if head_dim <= 64:
-        return DecodeTile(block_n=128, programs_per_sm=8, tokens_m=False, max_registers=0)
+        return DecodeTile(
+            block_n=128, programs_per_sm=8, tokens_m=False, max_registers=0, num_stages=3,
+            prefetch_pages=True,
+        )  # fmt: skip
     return DecodeTile(block_n=64, programs_per_sm=16, tokens_m=True, max_registers=128)
 
 
@@ -415,11 +447,12 @@ def paged_decode_attention(
     dot_dtype: torch.dtype | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     target_programs: int | None = None,
     q_fp8: bool = False,
     tokens_m: bool | None = None,
     max_registers: int | None = None,
+    prefetch_pages: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the paged cache: (out [B, Q, D] in q's dtype, violations [B]).
 
@@ -430,8 +463,9 @@ def paged_decode_attention(
     is the operand dtype of the two matrix products (default: `default_dot_dtype`).
     The tile options (`block_n`, `num_warps`, `num_stages`, `target_programs`,
     `tokens_m`: QK^T computed as K q^T with the tokens as the MMA's M side,
-    `max_registers`: a per-thread register cap, 0 for none) default to what measured
-    fastest on an H200. `q_fp8=True` (fp8 pages) splits q into three e4m3 parts so that
+    `max_registers`: a per-thread register cap, 0 for none; `prefetch_pages`: fp8 full
+    blocks load their page ids a block ahead) default to what measured fastest on an
+    H200. `q_fp8=True` (fp8 pages) splits q into three e4m3 parts so that
     QK^T is an fp8 product on the K tile as stored; on the GPU it measured 3-7x the
     error of the exact q for at most 4% of speed, so it is off by default.
     """
@@ -451,6 +485,7 @@ def paged_decode_attention(
     if is_fp8 and not _converts_e4m3(q.device):
         raise ValueError("fp8 KV pages need a GPU with e4m3 conversions (sm_89 or newer)")
     tile = decode_tile_config(is_fp8, head_dim)
+    num_stages = tile.num_stages if num_stages is None else num_stages
     block_n = tile.block_n if block_n is None else block_n
     if target_programs is None:
         target_programs = tile.programs_per_sm * _num_multiprocessors(q.device)
@@ -506,6 +541,7 @@ def paged_decode_attention(
         DOT_KIND=_DOT_KINDS[dot_dtype],
         TOKENS_M=tokens_m,
         Q_FP8=q_fp8,
+        PREFETCH_PAGES=tile.prefetch_pages if prefetch_pages is None else prefetch_pages,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": max_registers} if max_registers else {}),

@@ -144,14 +144,16 @@ CASES = [
 
 
 @interpreted
-@pytest.mark.parametrize("tokens_m", [False, True])
+# prefetch: fp8 full blocks load their page ids a block ahead (16-bit pages ignore it)
+@pytest.mark.parametrize(("tokens_m", "prefetch"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize(
     ("cache_dtype", "q_dtype", "lens", "num_heads", "num_kv_heads", "head_dim", "page", "programs"),
     CASES,
 )
 def test_kernel_matches_reference(
-    cache_dtype, q_dtype, lens, num_heads, num_kv_heads, head_dim, page, programs, tokens_m
-):
+    cache_dtype, q_dtype, lens, num_heads, num_kv_heads, head_dim, page, programs, tokens_m,
+    prefetch,
+):  # fmt: skip
     batch = build_batch(
         lens,
         cache_dtype=cache_dtype,
@@ -162,8 +164,9 @@ def test_kernel_matches_reference(
         page_size=page,
     )
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=programs, block_n=16, tokens_m=tokens_m
-    )
+        *batch.args(), **batch.scales(), target_programs=programs, block_n=16,
+        tokens_m=tokens_m, prefetch_pages=prefetch,
+    )  # fmt: skip
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False] * len(lens)
     assert ref_violations.tolist() == [False] * len(lens)
@@ -246,9 +249,10 @@ FAULTS = [
 
 
 @interpreted
-@pytest.mark.parametrize("block_n", [None, 16])  # 16: faults in full (unmasked) blocks too
+# 16: faults in full (unmasked) blocks too, their page ids loaded a block ahead or not
+@pytest.mark.parametrize(("block_n", "prefetch"), [(None, False), (16, False), (16, True)])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n):
+def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n, prefetch):
     batch = fault_batch()
     clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     bad = inject(batch, fault)
@@ -258,8 +262,9 @@ def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n):
     )
     assert checked.tolist() == expected
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=24, block_n=block_n
-    )
+        *batch.args(), **batch.scales(), target_programs=24, block_n=block_n,
+        prefetch_pages=prefetch,
+    )  # fmt: skip
     assert violations.tolist() == expected
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert ref_violations.tolist() == expected
@@ -455,8 +460,9 @@ def test_fp8_query_split_is_close_to_the_exact_query(num_heads, num_kv_heads, he
 
 
 @interpreted
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("bad_id", ["past_the_pool", -1, 2**31 - 1])
-def test_bad_page_ids_in_full_blocks_are_flagged(bad_id):
+def test_bad_page_ids_in_full_blocks_are_flagged(bad_id, prefetch):
     """Unmasked blocks load a clamped page (memory-safe) and still flag the sequence."""
     batch = fault_batch()
     clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
@@ -466,7 +472,7 @@ def test_bad_page_ids_in_full_blocks_are_flagged(bad_id):
     batch.block_tables[2, 0] = page
     batch.block_tables[2, 1] = page
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=12, block_n=16
+        *batch.args(), **batch.scales(), target_programs=12, block_n=16, prefetch_pages=prefetch
     )
     assert violations.tolist() == [False, False, True, False]
     atol, rtol = TOLERANCE[torch.bfloat16]
@@ -476,7 +482,9 @@ def test_bad_page_ids_in_full_blocks_are_flagged(bad_id):
 def test_tile_defaults_per_page_format():
     tile = decode_tile_config
     assert tile(False, 128) == DecodeTile(64, programs_per_sm=4, tokens_m=False, max_registers=0)
-    assert tile(True, 64) == DecodeTile(128, programs_per_sm=8, tokens_m=False, max_registers=0)
+    assert tile(True, 64) == DecodeTile(
+        128, programs_per_sm=8, tokens_m=False, max_registers=0, num_stages=3, prefetch_pages=True
+    )
     assert tile(True, 128) == DecodeTile(64, programs_per_sm=16, tokens_m=True, max_registers=128)
 
 
@@ -500,11 +508,17 @@ GPU_TOLERANCE = 8e-3
 
 @on_gpu
 @pytest.mark.parametrize(
-    ("cache_dtype", "q_fp8"), [(FP8_DTYPE, False), (FP8_DTYPE, True), (torch.bfloat16, False)]
+    ("cache_dtype", "q_fp8", "prefetch"),
+    [
+        (FP8_DTYPE, False, False),
+        (FP8_DTYPE, False, True),
+        (FP8_DTYPE, True, False),
+        (torch.bfloat16, False, False),
+    ],
 )
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
 def test_compiled_kernel_matches_reference_on_gpu(
-    cache_dtype, q_fp8, num_heads, num_kv_heads, head_dim
+    cache_dtype, q_fp8, prefetch, num_heads, num_kv_heads, head_dim
 ):
     batch = build_batch(
         [1, 17, 100, 4097, 33, 2000, 15, 16],
@@ -517,19 +531,21 @@ def test_compiled_kernel_matches_reference_on_gpu(
     )
     args = [t.cuda() for t in batch.args()]
     scales = {k: v if v is None else v.cuda() for k, v in batch.scales().items()}
-    out, violations = paged_decode_attention(*args, **scales, q_fp8=q_fp8)
+    out, violations = paged_decode_attention(*args, **scales, q_fp8=q_fp8, prefetch_pages=prefetch)
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert violations.tolist() == [False] * 8
     assert relative_error(out, ref) < GPU_TOLERANCE
 
 
 @on_gpu
-@pytest.mark.parametrize("block_n", [None, 16])
+@pytest.mark.parametrize(("block_n", "prefetch"), [(None, False), (16, False), (16, True)])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n):
+def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, prefetch):
     batch = fault_batch()
     bad = inject(batch, fault)
     args = [t.cuda() for t in batch.args()]
     scales = {k: v.cuda() for k, v in batch.scales().items()}
-    _, violations = paged_decode_attention(*args, **scales, block_n=block_n)
+    _, violations = paged_decode_attention(
+        *args, **scales, block_n=block_n, prefetch_pages=prefetch
+    )
     assert violations.tolist() == [i in bad for i in range(4)]
