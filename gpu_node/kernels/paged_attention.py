@@ -325,7 +325,7 @@ def _paged_decode_split_kernel(
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
             block_start=block_start, end=end, running_max=running_max, running_sum=running_sum,
-            acc=acc, num_bad=num_bad, pages_given=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,
+            acc=acc, num_bad=num_bad, pages_given=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,  # unused
             q_mid_t=q_mid_t, q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale,
             tag=tag, seq=seq,
             kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
