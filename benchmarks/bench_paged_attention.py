@@ -5,6 +5,7 @@ Run from the repository root (needs only torch, triton and numpy):
     PYTHONPATH=. python benchmarks/bench_paged_attention.py scales   # any machine
     PYTHONPATH=. python benchmarks/bench_paged_attention.py check    # GPU: kernels vs refs
     PYTHONPATH=. python benchmarks/bench_paged_attention.py decode   # GPU: timing tables
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py prefetch # GPU: fp8 page-id prefetch
     PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
 
 `decode` times one layer's decode attention (both kernels) per call with CUDA-graph
@@ -611,6 +612,12 @@ def part_prefetch(results: dict) -> None:
             log(f"  {name}: {type(error).__name__}: {str(error)[:160]}")
             return math.nan
 
+    def options_of(name: str) -> dict[str, Any]:
+        options = dict(PREFETCH_VARIANTS[name])
+        if "programs" in options:
+            options["target_programs"] = options.pop("programs") * num_sms
+        return options
+
     for shape_name, batch, length in PREFETCH_POINTS:
         shape = SHAPES[shape_name]
         calls, bf16_moved = timing_pool(batch, length, shape, torch.bfloat16)
@@ -619,18 +626,12 @@ def part_prefetch(results: dict) -> None:
         torch.cuda.empty_cache()
         calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
         timings = {}
-        for name, variant in PREFETCH_VARIANTS.items():
-            options = dict(variant)
-            if "programs" in options:
-                options["target_programs"] = options.pop("programs") * num_sms
-            timings[name] = timed(calls, name, **options)
+        for name in PREFETCH_VARIANTS:
+            timings[name] = timed(calls, name, **options_of(name))
         best = min(
             timings, key=lambda name: math.inf if math.isnan(timings[name]) else timings[name]
         )
-        options = dict(PREFETCH_VARIANTS[best])
-        if "programs" in options:
-            options["target_programs"] = options.pop("programs") * num_sms
-        check_off_us = timed(calls, "check off", check_owner=False, **options)
+        check_off_us = timed(calls, "check off", check_owner=False, **options_of(best))
         del calls
         torch.cuda.empty_cache()
         log(
