@@ -87,7 +87,7 @@ def _attend_block_tl(
     running_sum,  # [BLOCK_G] fp32
     acc,  # [BLOCK_G, BLOCK_D] fp32
     num_bad,  # [BLOCK_N] int32
-    pages_given,  # [BLOCK_N] int32 the block's page ids, loaded ahead (PAGES_GIVEN)
+    full_pages,  # [BLOCK_N] int32 a full block's page ids, loaded by the caller
     q,
     q_t,
     q_hi_t,
@@ -118,7 +118,6 @@ def _attend_block_tl(
     TOKENS_M: tl.constexpr,
     Q_FP8: tl.constexpr,
     IS_PARTIAL: tl.constexpr,
-    PAGES_GIVEN: tl.constexpr,
 ):
     # One block of BLOCK_N tokens of online softmax. IS_PARTIAL: the block may run past
     # `end` or past the block table, so everything is masked; else all its tokens are
@@ -135,10 +134,7 @@ def _attend_block_tl(
         is_loadable = has_column & (pages >= 0) & (pages < num_pages)
     else:
         is_valid = tokens >= 0  # all true
-        if PAGES_GIVEN:
-            pages = pages_given
-        else:
-            pages = tl.load(block_tables_ptr + seq * stride_bt + columns)
+        pages = full_pages
         is_loadable = (pages >= 0) & (pages < num_pages)
         pages = tl.where(is_loadable, pages, 0)
     pages = pages.to(tl.int64)
@@ -291,26 +287,29 @@ def _paged_decode_split_kernel(
         # slower with the ownership check on, docs/bench/fp8_kv.md.)
         num_full = tl.maximum(tl.minimum(end, max_pages * PAGE_SIZE) - start, 0) // BLOCK_N
         tail_start = start + num_full * BLOCK_N
-        # Each block's page ids are loaded during the block before, so that its K/V
-        # copies never wait on the block-table load (on an H200 that wait, not the
-        # bytes, set the fp8 loop's pace; the last load reads one block past the
-        # full ones, masked to the table).
-        token_columns = tl.arange(0, BLOCK_N) // PAGE_SIZE
+        # PREFETCH_PAGES: each block's page ids are loaded during the block before, so
+        # that its K/V copies never wait on the block-table load (on an H200 that wait,
+        # not the bytes, set the fp8 loop's pace; the last load reads one block past
+        # the full ones, masked to the table). Page ids are per token: a block need not
+        # start on a page boundary (page 48, block 64).
+        block_tokens = tl.arange(0, BLOCK_N)
         table_row = block_tables_ptr + seq * stride_bt
-        next_pages = token_columns
+        next_pages = block_tokens  # unused without the prefetch
         if PREFETCH_PAGES:
-            next_columns = start // PAGE_SIZE + token_columns
+            next_columns = (start + block_tokens) // PAGE_SIZE
             next_pages = tl.load(table_row + next_columns, mask=next_columns < max_pages, other=0)
         for block_start in range(start, tail_start, BLOCK_N):
-            pages = next_pages
             if PREFETCH_PAGES:
-                next_columns = (block_start + BLOCK_N) // PAGE_SIZE + token_columns
+                pages = next_pages
+                next_columns = (block_start + BLOCK_N + block_tokens) // PAGE_SIZE
                 next_pages = tl.load(
                     table_row + next_columns, mask=next_columns < max_pages, other=0
                 )
+            else:
+                pages = tl.load(table_row + (block_start + block_tokens) // PAGE_SIZE)
             running_max, running_sum, acc, num_bad = _attend_block_tl(
                 block_start=block_start, end=end, running_max=running_max,
-                running_sum=running_sum, acc=acc, num_bad=num_bad, pages_given=pages, q=q,
+                running_sum=running_sum, acc=acc, num_bad=num_bad, full_pages=pages, q=q,
                 q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
                 score_scale=score_scale, qk_scale=qk_scale, tag=tag, seq=seq,
                 kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
@@ -320,12 +319,11 @@ def _paged_decode_split_kernel(
                 NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE,
                 BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER,
                 DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=False,
-                PAGES_GIVEN=PREFETCH_PAGES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
             block_start=block_start, end=end, running_max=running_max, running_sum=running_sum,
-            acc=acc, num_bad=num_bad, pages_given=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,  # unused
+            acc=acc, num_bad=num_bad, full_pages=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,  # unused
             q_mid_t=q_mid_t, q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale,
             tag=tag, seq=seq,
             kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
@@ -334,7 +332,7 @@ def _paged_decode_split_kernel(
             num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
             NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER, DOT_KIND=DOT_KIND,
-            TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True, PAGES_GIVEN=False,
+            TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
         )  # fmt: skip
 
     head_mask = groups < GROUP

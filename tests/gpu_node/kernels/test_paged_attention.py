@@ -175,6 +175,26 @@ def test_kernel_matches_reference(
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
+@interpreted
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_full_blocks_across_page_boundaries(block_n, prefetch):
+    # Page size 48 does not divide the block: a full block starts inside a page and
+    # spans parts of two or three pages, so its page ids are per token.
+    batch = build_batch(
+        [250, 97, 1], cache_dtype=FP8_DTYPE, q_dtype=torch.float32, num_heads=4,
+        num_kv_heads=2, head_dim=32, page_size=48,
+    )  # fmt: skip
+    out, violations = paged_decode_attention(
+        *batch.args(), **batch.scales(), target_programs=6, block_n=block_n,
+        prefetch_pages=prefetch,
+    )  # fmt: skip
+    ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    assert violations.tolist() == [False, False, False]
+    atol, rtol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
 def test_reference_is_softmax_attention_over_the_written_tokens():
     """The reference against plain attention on the K/V as written (not via pages)."""
     batch = build_batch(
