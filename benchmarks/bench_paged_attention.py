@@ -6,6 +6,8 @@ Run from the repository root (needs only torch, triton and numpy):
     PYTHONPATH=. python benchmarks/bench_paged_attention.py check    # GPU: kernels vs refs
     PYTHONPATH=. python benchmarks/bench_paged_attention.py decode   # GPU: timing tables
     PYTHONPATH=. python benchmarks/bench_paged_attention.py prefetch # GPU: fp8 page-id prefetch
+    PYTHONPATH=. ncu --clock-control none -k regex:split_kernel -c 2 --section WarpStateStats \
+        python benchmarks/bench_paged_attention.py profile            # GPU: one call each, for ncu
     PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
 
 `decode` times one layer's decode attention (both kernels) per call with CUDA-graph
@@ -583,20 +585,24 @@ PREFETCH_POINTS = [  # shape, batch, context
     ("smollm2", 1, 32768),
 ]
 PREFETCH_VARIANTS = {  # name -> options over the fp8 tile defaults
+    "defaults": {},
     "no prefetch, 2 stages": {"prefetch_pages": False, "num_stages": 2},
     "prefetch, 2 stages": {"prefetch_pages": True, "num_stages": 2},
     "prefetch, 3 stages": {"prefetch_pages": True, "num_stages": 3},
-    "prefetch, 4 stages": {"prefetch_pages": True, "num_stages": 4},
-    "prefetch, 3 stages, 8/SM": {"prefetch_pages": True, "num_stages": 3, "programs": 8},
-    "prefetch, 3 stages, block 64, 16/SM": {
-        "prefetch_pages": True, "num_stages": 3, "block_n": 64, "programs": 16,
+    "scales ahead, 2 stages": {"prefetch_scales": True, "num_stages": 2},
+    "scales ahead, 3 stages": {"prefetch_scales": True, "num_stages": 3},
+    "scales ahead, 3 stages, block 64, 16/SM": {
+        "prefetch_scales": True, "num_stages": 3, "block_n": 64, "programs": 16,
+    },
+    "scales ahead, 2 stages, block 128, 8/SM": {
+        "prefetch_scales": True, "num_stages": 2, "block_n": 128, "programs": 8,
     },
 }  # fmt: skip
 
 
 def part_prefetch(results: dict) -> None:
-    """fp8 pages: each full block's page ids loaded a block ahead (`prefetch_pages`) and
-    deeper pipelines, side by side with bf16 pages, ownership check on; the check's cost
+    """fp8 pages: each full block's page ids loaded a block ahead (`prefetch_pages`), or
+    two ahead with the scales one ahead (`prefetch_scales`), and deeper pipelines, side by side with bf16 pages, ownership check on; the check's cost
     for the fastest variant (check off)."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_bw = copy_bandwidth()
@@ -654,6 +660,18 @@ def part_prefetch(results: dict) -> None:
         )  # fmt: skip
 
 
+def part_profile(shape_name: str, batch: int, length: int) -> None:
+    """One decode call on bf16 pages, then one on fp8 pages (tile defaults, check on), for a
+    profiler such as Nsight Compute to capture; prints their times from a second call."""
+    for cache_dtype in (torch.bfloat16, FP8_DTYPE):
+        calls, _ = timing_pool(batch, length, SHAPES[shape_name], cache_dtype)
+        paged_decode_attention(**calls[0])
+        torch.cuda.synchronize()
+        log(f"{shape_name} B={batch} L={length} {cache_dtype}: one call made")
+        del calls
+        torch.cuda.empty_cache()
+
+
 def part_kv_write(results: dict) -> None:
     """KV write throughput: a decode step (64 tokens) and a prefill chunk (8192 tokens)."""
     log("\n## KV write (SmolLM2 kv shape), fp8 vs bf16\n")
@@ -692,7 +710,7 @@ def part_kv_write(results: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["scales", "check", "decode", "prefetch", "all"])
+    parser.add_argument("part", choices=["scales", "check", "decode", "prefetch", "profile", "all"])
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     parser.add_argument("--shapes", default="smollm2,llama8b")
     parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
@@ -729,6 +747,9 @@ def main() -> int:
             part_decode(results, args.shapes.split(","), args.quick, save)
         if args.part == "prefetch":
             part_prefetch(results)
+        if args.part == "profile":
+            for shape_name in args.shapes.split(","):
+                part_profile(shape_name, batch=64, length=32768)
     finally:
         save()
     return 0 if ok else 1

@@ -1,6 +1,7 @@
 """W4A16 GEMM on the GPU: our Triton kernel vs torch bf16 matmul vs torch's int4 kernel.
 
     python benchmarks/bench_w4a16.py [--json out.json] [--gemv-only] [--no-sweep]
+                                     [--shapes 8192x8192,8192x28672 | 70b]
 
 For each real layer shape (K in -> N out) and M = 1, 4, 16, 64 it times:
   bf16        F.linear(x, W) with W bf16 [N, K]            (cuBLAS)
@@ -47,6 +48,7 @@ SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> exper
     (14336, 4096),
     (7168, 2048),
 ]
+LARGE_SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # llama-3-70B q/o, up/gate, down
 BATCHES = [1, 4, 16, 64]
 GROUP = 128
 
@@ -188,11 +190,28 @@ def sweep_gemv(k: int, n: int, kns: list[Int4WeightKN], num_sms: int) -> None:
     )
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'4096x4096,8192x28672' -> [(4096, 4096), (8192, 28672)] (K x N); '70b': LARGE_SHAPES."""
+    if text == "70b":
+        return LARGE_SHAPES
+    try:
+        return [(int(k), int(n)) for k, n in (item.split("x") for item in text.split(","))]
+    except ValueError:
+        message = f"shapes must look like 4096x4096,8192x28672 (or 70b), got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path)
     parser.add_argument("--gemv-only", action="store_true", help="M <= 8, no tensor-core sweeps")
     parser.add_argument("--no-sweep", action="store_true", help="skip every config sweep")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=SHAPES,
+        help="comma-separated KxN layer shapes (default: the llama-3-8B and DeepSeek ones)",
+    )
     args = parser.parse_args()
     batches = [b for b in BATCHES if b <= MAX_M] if args.gemv_only else BATCHES
     torch.manual_seed(0)
@@ -202,7 +221,7 @@ def main() -> None:
         f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {bw / 1e12:.2f} TB/s"
     )
     rows = []
-    for k, n in SHAPES:
+    for k, n in args.shapes:
         w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         q0 = quantize_int4(w0, GROUP)
         ws = [w0] + [torch.randn_like(w0) / k**0.5 for _ in range(copies_for(2 * n * k) - 1)]

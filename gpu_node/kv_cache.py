@@ -7,8 +7,9 @@ Layout (one layer; the same for K and V):
                       │          │          └ grouped-query heads of one token
                       │          └ token offset inside the page
                       └ page id (what block tables hold)
-    k_scale[layer] : [num_pages, page_size, num_kv_heads]   bf16, fp8 pools only:
-                      one scale per (token, head) row (see gpu_node.kv_quant for why)
+    k_scale[layer] : [num_pages, num_kv_heads, page_size]   bf16, fp8 pools only:
+                      one scale per (token, head) row, a head's scales of a page
+                      contiguous (see gpu_node.kv_quant for why)
 
     slot = page * page_size + offset          (what slot_mapping holds, one per new token)
     sequence s, token i  ->  page block_table[s][i // page_size], offset i % page_size

@@ -5,10 +5,16 @@ Shape letters: P pages, S page size (tokens per page), T tokens, H kv heads, D h
 One layer's KV storage (the engine keeps one such set per layer)::
 
     k_cache, v_cache   [P, S, H, D]   fp32 | bf16 | fp16 | float8_e4m3fn   (contiguous)
-    k_scale, v_scale   [P, S, H]      bf16, fp8 only: the scale of each (token, head) row;
+    k_scale, v_scale   [P, H, S]      bf16, fp8 only: the scale of each (token, head) row;
                                       value = fp8 * scale, scale = bf16(max|row| / 448)
 
-    slot = page * S + offset   ->   k_cache.view(P * S, H, D)[slot]  is one token's keys
+    slot = page * S + offset   ->   k_cache.view(P * S, H, D)[slot]  is one token's keys,
+                                    k_scale[page, :, offset]         their H scales
+
+The scales are per token but stored page-major and head-major: one head's S scales of
+one page are contiguous (32 bytes at S = 16), so the decode kernel reads them in one
+transaction per page where a `[P, S, H]` layout made it gather 2 bytes per token at an
+H * 2-byte stride (see docs/bench/fp8_kv.md, fifth session).
 
 Why one bf16 scale per token and head (figures in docs/bench/fp8_kv.md):
 
@@ -60,8 +66,20 @@ def is_fp8(kv_dtype: str) -> bool:
 
 
 def scale_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int, int, int]:
-    """Shape of `k_scale` / `v_scale` beside a `[P, S, H, D]` fp8 cache."""
-    return (num_pages, page_size, num_kv_heads)
+    """Shape of `k_scale` / `v_scale` beside a `[P, S, H, D]` fp8 cache: `[P, H, S]`."""
+    return (num_pages, num_kv_heads, page_size)
+
+
+def scale_rows(scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The scales of the tokens at `slots` (any shape [...]): `[..., H]`, a copy."""
+    page_size = scale.shape[2]
+    return scale[slots // page_size, :, slots % page_size]
+
+
+def set_scale_rows(scale: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `values` [T, H] as the scales of the tokens at `slots` [T], in place."""
+    page_size = scale.shape[2]
+    scale[slots // page_size, :, slots % page_size] = values
 
 
 def bytes_per_token(kv_dtype: str, num_kv_heads: int, head_dim: int, page_size: int) -> float:

@@ -20,7 +20,13 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels.combine import maximum_tl
-from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX, quantize_fp8, validate_kv_layer
+from gpu_node.kv_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    quantize_fp8,
+    set_scale_rows,
+    validate_kv_layer,
+)
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -133,8 +139,10 @@ def _kv_write_kernel(
         v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, maximum_tl))
         tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_scale), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
-        tl.store(k_scale_ptr + row, k_scale.to(tl.bfloat16), mask=head_mask)
-        tl.store(v_scale_ptr + row, v_scale.to(tl.bfloat16), mask=head_mask)
+        # Scales are [P, H, S]: (page * H + head) * S + offset.
+        scale_offsets = ((slot // PAGE_SIZE) * NUM_KV_HEADS + heads) * PAGE_SIZE + slot % PAGE_SIZE
+        tl.store(k_scale_ptr + scale_offsets, k_scale.to(tl.bfloat16), mask=head_mask)
+        tl.store(v_scale_ptr + scale_offsets, v_scale.to(tl.bfloat16), mask=head_mask)
     else:
         tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -228,8 +236,8 @@ def kv_write_ref(
         v_q, v_e = quantize_fp8(value[is_ok])
         k_rows[slots] = k_q
         v_rows[slots] = v_q
-        k_scale.view(num_slots, num_kv_heads)[slots] = k_e
-        v_scale.view(num_slots, num_kv_heads)[slots] = v_e
+        set_scale_rows(k_scale, slots, k_e)
+        set_scale_rows(v_scale, slots, v_e)
     else:
         k_rows[slots] = key[is_ok].to(k_cache.dtype)
         v_rows[slots] = value[is_ok].to(v_cache.dtype)

@@ -10,11 +10,14 @@ The cache layout is drawn in `gpu_node/kv_quant.py`.
     page_owner    [P] int64      tag of the sequence owning each page
     seq_tags      [B] int64      tag of each sequence (`scheduler.block_manager.owner_tag`)
 
-Integrity: a sequence must own every page it reads. The kernel compares
-`page_owner[page]` with the sequence's tag for every page it loads, and treats a page
-id outside [0, P) or a context longer than its block table as a violation too (those
-are never loaded). A flagged sequence's output is undefined (an in-range page it does not
-own is still read, so the check adds no latency to the loads); the others are exact.
+Integrity: a sequence must own every page it reads. Each program compares
+`page_owner[page]` with the sequence's tag for every page of its slice of the context,
+vectorised over the block table (loaded before its attention loop, compared after it,
+so the loop carries no owner loads), and treats a page id outside [0, P) or a
+context longer than its block table as a violation too (those are never loaded: the
+attention loop range-checks every page it loads). A flagged sequence's output is
+undefined (an in-range page it does not own is still read, so the check adds no
+latency to the loads); the others are exact.
 
 The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs online
 softmax over one slice of the context for the G query heads of one kv head, then a
@@ -88,6 +91,8 @@ def _attend_block_tl(
     acc,  # [BLOCK_G, BLOCK_D] fp32
     num_bad,  # [BLOCK_N] int32
     full_pages,  # [BLOCK_N] int32 a full block's page ids, loaded by the caller
+    full_k_scale,  # [BLOCK_N] bf16 a full block's K scales, if SCALES_GIVEN
+    full_v_scale,  # [BLOCK_N] bf16 its V scales
     q,
     q_t,
     q_hi_t,
@@ -95,7 +100,6 @@ def _attend_block_tl(
     q_lo_t,
     score_scale,
     qk_scale,
-    tag,
     seq,
     kv_head,
     k_cache_ptr,
@@ -103,7 +107,6 @@ def _attend_block_tl(
     k_scale_ptr,
     v_scale_ptr,
     block_tables_ptr,
-    page_owner_ptr,
     num_pages,
     max_pages,
     stride_bt,
@@ -113,11 +116,11 @@ def _attend_block_tl(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
-    CHECK_OWNER: tl.constexpr,
     DOT_KIND: tl.constexpr,
     TOKENS_M: tl.constexpr,
     Q_FP8: tl.constexpr,
     IS_PARTIAL: tl.constexpr,
+    SCALES_GIVEN: tl.constexpr,  # full blocks: the caller loaded the scales (a block ahead)
 ):
     # One block of BLOCK_N tokens of online softmax. IS_PARTIAL: the block may run past
     # `end` or past the block table, so everything is masked; else all its tokens are
@@ -129,8 +132,8 @@ def _attend_block_tl(
         is_valid = tokens < end
         has_column = is_valid & (columns < max_pages)
         pages = tl.load(block_tables_ptr + seq * stride_bt + columns, mask=has_column, other=-1)
-        # Only the range check guards the K/V loads (memory safety); the owner
-        # comparison runs beside them and only flags, so it adds no latency.
+        # The range check guards the K/V loads (memory safety) and flags; ownership
+        # is checked per page for the whole split, outside this loop.
         is_loadable = has_column & (pages >= 0) & (pages < num_pages)
     else:
         is_valid = tokens >= 0  # all true
@@ -138,17 +141,12 @@ def _attend_block_tl(
         is_loadable = (pages >= 0) & (pages < num_pages)
         pages = tl.where(is_loadable, pages, 0)
     pages = pages.to(tl.int64)
-    is_owned = is_loadable
-    if CHECK_OWNER:
-        if IS_PARTIAL:
-            owners = tl.load(page_owner_ptr + pages, mask=is_loadable, other=-1)
-        else:
-            owners = tl.load(page_owner_ptr + pages)
-        is_owned = is_loadable & (owners == tag)
-    num_bad += (is_valid & (is_owned == 0)).to(tl.int32)
+    num_bad += (is_valid & (is_loadable == 0)).to(tl.int32)
 
-    rows = (pages * PAGE_SIZE + tokens % PAGE_SIZE) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
+    offsets = tokens % PAGE_SIZE
+    rows = (pages * PAGE_SIZE + offsets) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
     kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
+    scale_offsets = (pages * NUM_KV_HEADS + kv_head) * PAGE_SIZE + offsets  # [P, H, S] scales
     if IS_PARTIAL or BLOCK_D != HEAD_DIM:
         kv_mask = is_loadable[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -171,9 +169,11 @@ def _attend_block_tl(
         scores = tl.dot(q, tl.trans(_kv_to_dot_tl(k, DOT_KIND))) * qk_scale  # [G, BLOCK_N]
     if IS_FP8:
         if IS_PARTIAL:
-            k_scale = tl.load(k_scale_ptr + rows, mask=is_loadable, other=0.0)
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=is_loadable, other=0.0)
+        elif SCALES_GIVEN:
+            k_scale = full_k_scale
         else:
-            k_scale = tl.load(k_scale_ptr + rows)
+            k_scale = tl.load(k_scale_ptr + scale_offsets)
         scores = scores * k_scale.to(tl.float32)[None, :]
     if IS_PARTIAL:
         scores = tl.where(is_valid[None, :], scores, float("-inf"))
@@ -186,9 +186,11 @@ def _attend_block_tl(
         # (so a 16-bit p * scale stays in [0, 1], never deep in fp16's subnormals);
         # the largest multiplies the block's product instead.
         if IS_PARTIAL:
-            v_scale = tl.load(v_scale_ptr + rows, mask=is_loadable, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=is_loadable, other=0.0)
+        elif SCALES_GIVEN:
+            v_scale = full_v_scale
         else:
-            v_scale = tl.load(v_scale_ptr + rows)
+            v_scale = tl.load(v_scale_ptr + scale_offsets)
         v_scale = v_scale.to(tl.float32)
         v_max = tl.reduce(v_scale, 0, maximum_tl)
         v_max = tl.where(v_max > 0.0, v_max, 1.0)
@@ -198,6 +200,57 @@ def _attend_block_tl(
         pv = tl.dot(_to_dot_tl(probs, DOT_KIND), v)
     acc = acc * correction[:, None] + pv  # [G, D]
     return new_max, running_sum, acc, num_bad
+
+
+@triton.jit
+def _block_pages_tl(
+    table_row, block_start, max_pages, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    # A full block's page ids, per token; columns past the table read as page 0 (the
+    # prefetches run one or two blocks past the last full block).
+    columns = (block_start + tl.arange(0, BLOCK_N)) // PAGE_SIZE
+    return tl.load(table_row + columns, mask=columns < max_pages, other=0)
+
+
+@triton.jit
+def _block_scales_tl(
+    k_scale_ptr,
+    v_scale_ptr,
+    pages,  # [BLOCK_N] the block's page ids
+    block_start,
+    kv_head,
+    num_pages,
+    NUM_KV_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # A full block's K and V scales ([P, H, S] layout); an out-of-range page id reads
+    # page 0's (the block flags it when it loads K/V).
+    pages = tl.where((pages >= 0) & (pages < num_pages), pages, 0).to(tl.int64)
+    offsets = (block_start + tl.arange(0, BLOCK_N)) % PAGE_SIZE
+    scale_offsets = (pages * NUM_KV_HEADS + kv_head) * PAGE_SIZE + offsets
+    return tl.load(k_scale_ptr + scale_offsets), tl.load(v_scale_ptr + scale_offsets)
+
+
+@triton.jit
+def _owners_tl(table_row, page_owner_ptr, tag, column, last, num_pages, CHECK_BLOCK: tl.constexpr):
+    # Block-table columns [column, column + CHECK_BLOCK) below `last`: their page ids'
+    # owners, and which columns are used and which ids in range.
+    columns = column + tl.arange(0, CHECK_BLOCK)
+    is_used = columns < last
+    pages = tl.load(table_row + columns, mask=is_used, other=0)
+    is_in_range = (pages >= 0) & (pages < num_pages)
+    owners = tl.load(
+        page_owner_ptr + tl.where(is_in_range, pages, 0).to(tl.int64), mask=is_used, other=tag
+    )
+    return is_used, is_in_range, owners
+
+
+@triton.jit
+def _violations_tl(is_used, is_in_range, owners, tag):
+    # 1 if a used column's page is out of range or owned by another tag, else 0.
+    is_bad = is_used & ((is_in_range & (owners == tag)) == 0)
+    return tl.reduce(is_bad.to(tl.int32), 0, maximum_tl)
 
 
 @triton.jit
@@ -236,6 +289,8 @@ def _paged_decode_split_kernel(
     TOKENS_M: tl.constexpr,
     Q_FP8: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,  # fp8 full blocks: page ids one block ahead
+    PREFETCH_SCALES: tl.constexpr,  # fp8 full blocks: page ids two ahead, scales one ahead
+    CHECK_BLOCK: tl.constexpr,  # block-table columns per step of the ownership check
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -243,6 +298,19 @@ def _paged_decode_split_kernel(
     context_len = tl.load(context_lens_ptr + seq)
     start = split * split_size
     end = tl.minimum(start + split_size, context_len)
+
+    # The ownership check covers the split's block-table columns [first, last), in
+    # chunks of CHECK_BLOCK. The first chunk's loads are issued here and compared after
+    # the attention loop, so their latency hides behind it (a split rarely needs a
+    # second chunk: 4096 tokens at S = 16); the loop itself carries no owner loads.
+    table_row = block_tables_ptr + seq * stride_bt
+    first = start // PAGE_SIZE
+    last = tl.minimum((end + PAGE_SIZE - 1) // PAGE_SIZE, max_pages)
+    tag = tl.load(seq_tags_ptr + seq)
+    if CHECK_OWNER:
+        check_is_used, check_in_range, check_owners = _owners_tl(
+            table_row, page_owner_ptr, tag, first, last, num_pages, CHECK_BLOCK
+        )
 
     groups = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -252,7 +320,6 @@ def _paged_decode_split_kernel(
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
     )
-    tag = tl.load(seq_tags_ptr + seq)
     if Q_FP8:
         # q as three e4m3 parts, q = (q_hi + q_mid + q_lo) * q_scale (about fp16's
         # precision), so QK^T reads the fp8 K tile as it is, with no conversion.
@@ -292,47 +359,65 @@ def _paged_decode_split_kernel(
         # not the bytes, set the fp8 loop's pace; the last load reads one block past
         # the full ones, masked to the table). Page ids are per token: a block need not
         # start on a page boundary (page 48, block 64).
-        block_tokens = tl.arange(0, BLOCK_N)
-        table_row = block_tables_ptr + seq * stride_bt
-        next_pages = block_tokens  # unused without the prefetch
-        if PREFETCH_PAGES:
-            next_columns = (start + block_tokens) // PAGE_SIZE
-            next_pages = tl.load(table_row + next_columns, mask=next_columns < max_pages, other=0)
+        # PREFETCH_SCALES: page ids two blocks ahead and each block's scales one block
+        # ahead, so that neither the scale loads nor their addresses are waited for.
+        next_pages = _block_pages_tl(table_row, start, max_pages, PAGE_SIZE, BLOCK_N)
+        after_pages = next_pages  # unused without the scale prefetch
+        k_scales = tl.zeros([BLOCK_N], k_scale_ptr.dtype.element_ty)  # likewise
+        v_scales = k_scales
+        if PREFETCH_SCALES:
+            after_pages = _block_pages_tl(table_row, start + BLOCK_N, max_pages, PAGE_SIZE, BLOCK_N)
+            k_scales, v_scales = _block_scales_tl(
+                k_scale_ptr, v_scale_ptr, next_pages, start, kv_head, num_pages,
+                NUM_KV_HEADS, PAGE_SIZE, BLOCK_N,
+            )  # fmt: skip
         for block_start in range(start, tail_start, BLOCK_N):
-            if PREFETCH_PAGES:
+            k_block_scales = k_scales
+            v_block_scales = v_scales
+            if PREFETCH_SCALES:
                 pages = next_pages
-                next_columns = (block_start + BLOCK_N + block_tokens) // PAGE_SIZE
-                next_pages = tl.load(
-                    table_row + next_columns, mask=next_columns < max_pages, other=0
+                next_pages = after_pages
+                after_pages = _block_pages_tl(
+                    table_row, block_start + 2 * BLOCK_N, max_pages, PAGE_SIZE, BLOCK_N
+                )
+                k_scales, v_scales = _block_scales_tl(
+                    k_scale_ptr, v_scale_ptr, next_pages, block_start + BLOCK_N, kv_head,
+                    num_pages, NUM_KV_HEADS, PAGE_SIZE, BLOCK_N,
+                )  # fmt: skip
+            elif PREFETCH_PAGES:
+                pages = next_pages
+                next_pages = _block_pages_tl(
+                    table_row, block_start + BLOCK_N, max_pages, PAGE_SIZE, BLOCK_N
                 )
             else:
-                pages = tl.load(table_row + (block_start + block_tokens) // PAGE_SIZE)
+                pages = _block_pages_tl(table_row, block_start, max_pages, PAGE_SIZE, BLOCK_N)
             running_max, running_sum, acc, num_bad = _attend_block_tl(
                 block_start=block_start, end=end, running_max=running_max,
-                running_sum=running_sum, acc=acc, num_bad=num_bad, full_pages=pages, q=q,
+                running_sum=running_sum, acc=acc, num_bad=num_bad, full_pages=pages,
+                full_k_scale=k_block_scales, full_v_scale=v_block_scales, q=q,
                 q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
-                score_scale=score_scale, qk_scale=qk_scale, tag=tag, seq=seq,
-                kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
-                k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
-                block_tables_ptr=block_tables_ptr, page_owner_ptr=page_owner_ptr,
-                num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
-                NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER,
-                DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=False,
+                score_scale=score_scale, qk_scale=qk_scale, seq=seq, kv_head=kv_head,
+                k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr,
+                v_scale_ptr=v_scale_ptr,
+                block_tables_ptr=block_tables_ptr, num_pages=num_pages,
+                max_pages=max_pages, stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS,
+                HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8,
+                IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
             block_start=block_start, end=end, running_max=running_max, running_sum=running_sum,
-            acc=acc, num_bad=num_bad, full_pages=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t,  # unused
-            q_mid_t=q_mid_t, q_lo_t=q_lo_t, score_scale=score_scale, qk_scale=qk_scale,
-            tag=tag, seq=seq,
-            kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+            acc=acc, num_bad=num_bad, full_pages=num_bad, full_k_scale=num_bad,  # unused
+            full_v_scale=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
+            score_scale=score_scale, qk_scale=qk_scale,
+            seq=seq, kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
             k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
-            block_tables_ptr=block_tables_ptr, page_owner_ptr=page_owner_ptr,
-            num_pages=num_pages, max_pages=max_pages, stride_bt=stride_bt,
-            NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, CHECK_OWNER=CHECK_OWNER, DOT_KIND=DOT_KIND,
-            TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            block_tables_ptr=block_tables_ptr, num_pages=num_pages, max_pages=max_pages,
+            stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8,
+            DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            SCALES_GIVEN=False,
         )  # fmt: skip
 
     head_mask = groups < GROUP
@@ -346,6 +431,14 @@ def _paged_decode_split_kernel(
     )
     # Every kv head checks the same pages; kv head 0 reports.
     is_bad = (tl.reduce(num_bad, 0, maximum_tl) > 0) | (context_len > max_pages * PAGE_SIZE)
+    if CHECK_OWNER:
+        split_bad = _violations_tl(check_is_used, check_in_range, check_owners, tag)
+        for column in range(first + CHECK_BLOCK, last, CHECK_BLOCK):
+            is_used, is_in_range, owners = _owners_tl(
+                table_row, page_owner_ptr, tag, column, last, num_pages, CHECK_BLOCK
+            )
+            split_bad = tl.maximum(split_bad, _violations_tl(is_used, is_in_range, owners, tag))
+        is_bad = is_bad | (split_bad > 0)
     tl.store(part_bad_ptr + seq * NUM_SPLITS + split, is_bad.to(tl.int8), mask=kv_head == 0)
 
 
@@ -406,6 +499,7 @@ class DecodeTile:
     max_registers: int  # per-thread register cap, 0 for none
     num_stages: int = 2  # software pipeline depth of the K/V loads
     prefetch_pages: bool = False  # fp8 full blocks: each block's page ids a block ahead
+    prefetch_scales: bool = False  # fp8 full blocks: page ids two blocks ahead, scales one
 
 
 def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
@@ -416,8 +510,9 @@ def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
     each block's page ids loaded a block ahead and three pipeline stages (1.06-1.08x
     over two stages without the prefetch at 32K context); wider heads, 64-token blocks
     with the tokens as the MMA's M side, 16 programs per multiprocessor and at most 128
-    registers, so that 4 programs fit on a multiprocessor instead of 3 (there the
-    prefetch gained nothing and a third stage lost 16-20%).
+    registers, so that 4 programs fit on a multiprocessor instead of 3, page ids two
+    blocks ahead and scales one (1-2% over no prefetch; the page-id prefetch alone
+    gained nothing there and a third stage lost 16-20%).
     """
     if not is_fp8:
         return DecodeTile(block_n=64, programs_per_sm=4, tokens_m=False, max_registers=0)
@@ -426,7 +521,9 @@ def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
             block_n=128, programs_per_sm=8, tokens_m=False, max_registers=0, num_stages=3,
             prefetch_pages=True,
         )  # fmt: skip
-    return DecodeTile(block_n=64, programs_per_sm=16, tokens_m=True, max_registers=128)
+    return DecodeTile(
+        block_n=64, programs_per_sm=16, tokens_m=True, max_registers=128, prefetch_scales=True
+    )
 
 
 def paged_decode_attention(
@@ -451,6 +548,7 @@ def paged_decode_attention(
     tokens_m: bool | None = None,
     max_registers: int | None = None,
     prefetch_pages: bool | None = None,
+    prefetch_scales: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the paged cache: (out [B, Q, D] in q's dtype, violations [B]).
 
@@ -462,7 +560,8 @@ def paged_decode_attention(
     The tile options (`block_n`, `num_warps`, `num_stages`, `target_programs`,
     `tokens_m`: QK^T computed as K q^T with the tokens as the MMA's M side,
     `max_registers`: a per-thread register cap, 0 for none; `prefetch_pages`: fp8 full
-    blocks load their page ids a block ahead) default to what measured fastest on an
+    blocks load their page ids a block ahead; `prefetch_scales`: page ids two blocks
+    ahead and the scales one, overriding `prefetch_pages`) default to what measured fastest on an
     H200. `q_fp8=True` (fp8 pages) splits q into three e4m3 parts so that
     QK^T is an fp8 product on the K tile as stored; on the GPU it measured 3-7x the
     error of the exact q for at most 4% of speed, so it is off by default.
@@ -540,6 +639,8 @@ def paged_decode_attention(
         TOKENS_M=tokens_m,
         Q_FP8=q_fp8,
         PREFETCH_PAGES=tile.prefetch_pages if prefetch_pages is None else prefetch_pages,
+        PREFETCH_SCALES=tile.prefetch_scales if prefetch_scales is None else prefetch_scales,
+        CHECK_BLOCK=_CHECK_BLOCK,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": max_registers} if max_registers else {}),
@@ -564,6 +665,7 @@ def paged_decode_attention(
 
 
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl
+_CHECK_BLOCK = 256  # block-table columns per ownership-check chunk (4096 tokens at S = 16)
 
 
 def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:

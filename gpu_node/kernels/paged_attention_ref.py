@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, validate_kv_layer
+from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, scale_rows, validate_kv_layer
 
 
 def check_page_ownership(
@@ -64,8 +64,8 @@ def gather_paged_kv(
     v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
-        k_e = k_scale.view(-1, num_kv_heads)[slots]
-        v_e = v_scale.view(-1, num_kv_heads)[slots]
+        k_e = scale_rows(k_scale, slots)
+        v_e = scale_rows(v_scale, slots)
         return dequantize_fp8(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
     return k.to(dtype), v.to(dtype)
 
@@ -102,8 +102,8 @@ def paged_decode_attention_ref(
     v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
-        k = dequantize_fp8(k, k_scale.view(-1, num_kv_heads)[slots], torch.float32)
-        v = dequantize_fp8(v, v_scale.view(-1, num_kv_heads)[slots], torch.float32)
+        k = dequantize_fp8(k, scale_rows(k_scale, slots), torch.float32)
+        v = dequantize_fp8(v, scale_rows(v_scale, slots), torch.float32)
     k, v = k.float(), v.float()
     q_groups = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, H, G, D]
     scores = torch.einsum("bhgd,blhd->bhgl", q_groups, k) * scale  # [B, H, G, L]

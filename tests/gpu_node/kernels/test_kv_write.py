@@ -62,6 +62,25 @@ def hard_values(num_tokens, num_kv_heads, head_dim, dtype):
     return x.to(dtype)
 
 
+def test_scales_are_stored_page_then_head_then_offset():
+    """The [P, H, S] layout: token slot 2 * 16 + 5, head h -> k_scale[2, h, 5], nothing else."""
+    key = torch.zeros(1, 3, 64)
+    key[0, :, 0] = torch.tensor([448.0, 2 * 448.0, 4 * 448.0])  # scales 1, 2, 4
+    value = key / 2  # scales 0.5, 1, 2
+    slot = torch.tensor([2 * PAGE_SIZE + 5])
+    for write in (kv_write, kv_write_ref):
+        k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
+        flags = write(
+            key, value, k_cache, v_cache, slot, OWNER, torch.tensor([9]), k_scale, v_scale
+        )
+        assert flags.tolist() == [False]
+        assert k_scale[2, :, 5].tolist() == [1.0, 2.0, 4.0]
+        assert v_scale[2, :, 5].tolist() == [0.5, 1.0, 2.0]
+        untouched = torch.ones_like(k_scale, dtype=torch.bool)
+        untouched[2, :, 5] = False
+        assert bool((k_scale[untouched] == 99).all()) and bool((v_scale[untouched] == 99).all())
+
+
 @pytest.mark.parametrize(
     ("cache_dtype", "input_dtype", "num_kv_heads", "head_dim"),
     [

@@ -144,8 +144,11 @@ CASES = [
 
 
 @interpreted
-# prefetch: fp8 full blocks load their page ids a block ahead (16-bit pages ignore it)
-@pytest.mark.parametrize(("tokens_m", "prefetch"), [(False, False), (True, False), (True, True)])
+# prefetch: fp8 full blocks load their page ids a block ahead, or ("scales") two blocks
+# ahead and their scales one (16-bit pages ignore both)
+@pytest.mark.parametrize(
+    ("tokens_m", "prefetch"), [(False, False), (True, False), (True, True), (False, "scales")]
+)
 @pytest.mark.parametrize(
     ("cache_dtype", "q_dtype", "lens", "num_heads", "num_kv_heads", "head_dim", "page", "programs"),
     CASES,
@@ -165,7 +168,7 @@ def test_kernel_matches_reference(
     )
     out, violations = paged_decode_attention(
         *batch.args(), **batch.scales(), target_programs=programs, block_n=16,
-        tokens_m=tokens_m, prefetch_pages=prefetch,
+        tokens_m=tokens_m, **prefetch_options(prefetch),
     )  # fmt: skip
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False] * len(lens)
@@ -175,8 +178,12 @@ def test_kernel_matches_reference(
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
+def prefetch_options(prefetch) -> dict:
+    return {"prefetch_pages": bool(prefetch), "prefetch_scales": prefetch == "scales"}
+
+
 @interpreted
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True, "scales"])
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_full_blocks_across_page_boundaries(block_n, prefetch):
     # Page size 48 does not divide the block: a full block starts inside a page and
@@ -187,12 +194,21 @@ def test_full_blocks_across_page_boundaries(block_n, prefetch):
     )  # fmt: skip
     out, violations = paged_decode_attention(
         *batch.args(), **batch.scales(), target_programs=6, block_n=block_n,
-        prefetch_pages=prefetch,
+        **prefetch_options(prefetch),
     )  # fmt: skip
     ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False, False, False]
     atol, rtol = TOLERANCE[torch.float32]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    # Such blocks check ownership per token: a foreign page in the middle of sequence 0
+    # (tokens 96-143, inside full blocks) flags it and no other.
+    batch.block_tables[0, 2] = batch.block_tables[1, 0]
+    out, violations = paged_decode_attention(
+        *batch.args(), **batch.scales(), target_programs=6, block_n=block_n,
+        **prefetch_options(prefetch),
+    )  # fmt: skip
+    assert violations.tolist() == [True, False, False]
+    torch.testing.assert_close(out[1:], ref[1:], atol=atol, rtol=rtol)
 
 
 def test_reference_is_softmax_attention_over_the_written_tokens():
@@ -269,8 +285,10 @@ FAULTS = [
 
 
 @interpreted
-# 16: faults in full (unmasked) blocks too, their page ids loaded a block ahead or not
-@pytest.mark.parametrize(("block_n", "prefetch"), [(None, False), (16, False), (16, True)])
+# 16: faults in full (unmasked) blocks too, their page ids (and scales) loaded ahead or not
+@pytest.mark.parametrize(
+    ("block_n", "prefetch"), [(None, False), (16, False), (16, True), (16, "scales")]
+)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n, prefetch):
     batch = fault_batch()
@@ -283,7 +301,7 @@ def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n, pref
     assert checked.tolist() == expected
     out, violations = paged_decode_attention(
         *batch.args(), **batch.scales(), target_programs=24, block_n=block_n,
-        prefetch_pages=prefetch,
+        **prefetch_options(prefetch),
     )  # fmt: skip
     assert violations.tolist() == expected
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
@@ -480,7 +498,7 @@ def test_fp8_query_split_is_close_to_the_exact_query(num_heads, num_kv_heads, he
 
 
 @interpreted
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True, "scales"])
 @pytest.mark.parametrize("bad_id", ["past_the_pool", -1, 2**31 - 1])
 def test_bad_page_ids_in_full_blocks_are_flagged(bad_id, prefetch):
     """Unmasked blocks load a clamped page (memory-safe) and still flag the sequence."""
@@ -492,11 +510,54 @@ def test_bad_page_ids_in_full_blocks_are_flagged(bad_id, prefetch):
     batch.block_tables[2, 0] = page
     batch.block_tables[2, 1] = page
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=12, block_n=16, prefetch_pages=prefetch
-    )
+        *batch.args(), **batch.scales(), target_programs=12, block_n=16,
+        **prefetch_options(prefetch),
+    )  # fmt: skip
     assert violations.tolist() == [False, False, True, False]
     atol, rtol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out[[0, 1, 3]], clean[[0, 1, 3]], atol=atol, rtol=rtol)
+
+
+@interpreted
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("fault", ["foreign_page", "freed_page", "two_sequences"])
+def test_ownership_faults_inside_multi_page_blocks_are_flagged(fault, block_n):
+    """Blocks of two or four pages: a fault on any page of a block (here never its
+    first) flags the sequence, and only it."""
+    batch = fault_batch()
+    clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    # Sequence 2 has 100 tokens: full blocks over tokens 0-95 (columns 0-5).
+    if fault == "foreign_page":  # column 1: tokens 16-31, the second page of a block
+        batch.block_tables[2, 1] = batch.block_tables[3, 0]
+    elif fault == "freed_page":  # column 4: tokens 64-79
+        batch.page_owner[batch.block_tables[2, 4]] = FREE
+    else:  # column 3's page handed to sequence 0 as well, which now owns it
+        batch.block_tables[0, 1] = batch.block_tables[2, 3]
+        batch.page_owner[batch.block_tables[2, 3]] = batch.seq_tags[0]
+        batch.context_lens[0] = 17  # sequence 0 reads its second page (now that one)
+    out, violations = paged_decode_attention(
+        *batch.args(), **batch.scales(), target_programs=24, block_n=block_n,
+        prefetch_pages=True,
+    )  # fmt: skip
+    assert violations.tolist() == [False, False, True, False]
+    atol, rtol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out[[1, 3]], clean[[1, 3]], atol=atol, rtol=rtol)
+
+
+@interpreted
+@pytest.mark.parametrize("column", [None, 0, 3, 5, 6])
+def test_ownership_check_covers_every_chunk_of_a_long_split(column, monkeypatch):
+    """The check runs over a split's block-table columns in chunks (the first loaded
+    before the attention loop, the rest after it): with 2 columns a chunk, the
+    100-token sequence's 7 columns are 4 chunks, and a foreign page in any is found."""
+    monkeypatch.setattr(paged_attention_module, "_CHECK_BLOCK", 2)
+    batch = fault_batch()
+    if column is not None:
+        batch.block_tables[2, column] = batch.block_tables[3, 0]
+    _, violations = paged_decode_attention(
+        *batch.args(), **batch.scales(), target_programs=1, block_n=16
+    )
+    assert violations.tolist() == [False, False, column is not None, False]
 
 
 def test_tile_defaults_per_page_format():
@@ -505,7 +566,9 @@ def test_tile_defaults_per_page_format():
     assert tile(True, 64) == DecodeTile(
         128, programs_per_sm=8, tokens_m=False, max_registers=0, num_stages=3, prefetch_pages=True
     )
-    assert tile(True, 128) == DecodeTile(64, programs_per_sm=16, tokens_m=True, max_registers=128)
+    assert tile(True, 128) == DecodeTile(
+        64, programs_per_sm=16, tokens_m=True, max_registers=128, prefetch_scales=True
+    )
 
 
 def test_fp8_query_split_needs_fp8_pages_and_a_pool_needs_pages():
@@ -532,6 +595,7 @@ GPU_TOLERANCE = 8e-3
     [
         (FP8_DTYPE, False, False),
         (FP8_DTYPE, False, True),
+        (FP8_DTYPE, False, "scales"),
         (FP8_DTYPE, True, False),
         (torch.bfloat16, False, False),
     ],
@@ -551,14 +615,18 @@ def test_compiled_kernel_matches_reference_on_gpu(
     )
     args = [t.cuda() for t in batch.args()]
     scales = {k: v if v is None else v.cuda() for k, v in batch.scales().items()}
-    out, violations = paged_decode_attention(*args, **scales, q_fp8=q_fp8, prefetch_pages=prefetch)
+    out, violations = paged_decode_attention(
+        *args, **scales, q_fp8=q_fp8, **prefetch_options(prefetch)
+    )
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert violations.tolist() == [False] * 8
     assert relative_error(out, ref) < GPU_TOLERANCE
 
 
 @on_gpu
-@pytest.mark.parametrize(("block_n", "prefetch"), [(None, False), (16, False), (16, True)])
+@pytest.mark.parametrize(
+    ("block_n", "prefetch"), [(None, False), (16, False), (16, True), (16, "scales")]
+)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, prefetch):
     batch = fault_batch()
@@ -566,6 +634,6 @@ def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, p
     args = [t.cuda() for t in batch.args()]
     scales = {k: v.cuda() for k, v in batch.scales().items()}
     _, violations = paged_decode_attention(
-        *args, **scales, block_n=block_n, prefetch_pages=prefetch
+        *args, **scales, block_n=block_n, **prefetch_options(prefetch)
     )
     assert violations.tolist() == [i in bad for i in range(4)]
