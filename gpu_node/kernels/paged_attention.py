@@ -290,7 +290,8 @@ def _paged_decode_split_kernel(
     Q_FP8: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,  # fp8 full blocks: page ids one block ahead
     PREFETCH_SCALES: tl.constexpr,  # fp8 full blocks: page ids two ahead, scales one ahead
-    CHECK_BLOCK: tl.constexpr,  # block-table columns per step of the ownership check
+    HELD_BLOCK: tl.constexpr,  # block-table columns checked across the attention loop
+    CHECK_BLOCK: tl.constexpr,  # block-table columns per step of the check after it
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -299,17 +300,18 @@ def _paged_decode_split_kernel(
     start = split * split_size
     end = tl.minimum(start + split_size, context_len)
 
-    # The ownership check covers the split's block-table columns [first, last), in
-    # chunks of CHECK_BLOCK. The first chunk's loads are issued here and compared after
-    # the attention loop, so their latency hides behind it (a split rarely needs a
-    # second chunk: 4096 tokens at S = 16); the loop itself carries no owner loads.
+    # The ownership check covers the split's block-table columns [first, last). The
+    # first HELD_BLOCK columns' loads are issued here and compared after the attention
+    # loop, so their latency hides behind it (HELD_BLOCK is small: the owners stay in
+    # registers through the loop); the rest, if any, are checked after the loop in
+    # chunks of CHECK_BLOCK. The loop itself carries no owner loads.
     table_row = block_tables_ptr + seq * stride_bt
     first = start // PAGE_SIZE
     last = tl.minimum((end + PAGE_SIZE - 1) // PAGE_SIZE, max_pages)
     tag = tl.load(seq_tags_ptr + seq)
     if CHECK_OWNER:
         check_is_used, check_in_range, check_owners = _owners_tl(
-            table_row, page_owner_ptr, tag, first, last, num_pages, CHECK_BLOCK
+            table_row, page_owner_ptr, tag, first, last, num_pages, HELD_BLOCK
         )
 
     groups = tl.arange(0, BLOCK_G)
@@ -433,7 +435,7 @@ def _paged_decode_split_kernel(
     is_bad = (tl.reduce(num_bad, 0, maximum_tl) > 0) | (context_len > max_pages * PAGE_SIZE)
     if CHECK_OWNER:
         split_bad = _violations_tl(check_is_used, check_in_range, check_owners, tag)
-        for column in range(first + CHECK_BLOCK, last, CHECK_BLOCK):
+        for column in range(first + HELD_BLOCK, last, CHECK_BLOCK):
             is_used, is_in_range, owners = _owners_tl(
                 table_row, page_owner_ptr, tag, column, last, num_pages, CHECK_BLOCK
             )
@@ -640,6 +642,7 @@ def paged_decode_attention(
         Q_FP8=q_fp8,
         PREFETCH_PAGES=tile.prefetch_pages if prefetch_pages is None else prefetch_pages,
         PREFETCH_SCALES=tile.prefetch_scales if prefetch_scales is None else prefetch_scales,
+        HELD_BLOCK=_HELD_BLOCK,
         CHECK_BLOCK=_CHECK_BLOCK,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -665,7 +668,11 @@ def paged_decode_attention(
 
 
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl
-_CHECK_BLOCK = 256  # block-table columns per ownership-check chunk (4096 tokens at S = 16)
+# Ownership check: columns whose owners are loaded before the attention loop and held
+# through it (64: 1024 tokens at S = 16; with 256, bf16 pages at head dim 128 lost up to
+# 18% to the registers held), then chunks of the rest after the loop.
+_HELD_BLOCK = 64
+_CHECK_BLOCK = 256
 
 
 def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:

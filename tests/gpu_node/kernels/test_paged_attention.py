@@ -548,8 +548,10 @@ def test_ownership_faults_inside_multi_page_blocks_are_flagged(fault, block_n):
 @pytest.mark.parametrize("column", [None, 0, 3, 5, 6])
 def test_ownership_check_covers_every_chunk_of_a_long_split(column, monkeypatch):
     """The check runs over a split's block-table columns in chunks (the first loaded
-    before the attention loop, the rest after it): with 2 columns a chunk, the
-    100-token sequence's 7 columns are 4 chunks, and a foreign page in any is found."""
+    before the attention loop, the rest after it): with 2 columns held and chunks of 2
+    after, the 100-token sequence's 7 columns are 4 chunks, and a foreign page in any is
+    found."""
+    monkeypatch.setattr(paged_attention_module, "_HELD_BLOCK", 2)
     monkeypatch.setattr(paged_attention_module, "_CHECK_BLOCK", 2)
     batch = fault_batch()
     if column is not None:
