@@ -6,6 +6,7 @@ Run from the repository root (needs only torch, triton and numpy):
     PYTHONPATH=. python benchmarks/bench_paged_attention.py check    # GPU: kernels vs refs
     PYTHONPATH=. python benchmarks/bench_paged_attention.py decode   # GPU: timing tables
     PYTHONPATH=. python benchmarks/bench_paged_attention.py prefetch # GPU: fp8 page-id prefetch
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py check-cost  # GPU: paired on/off
     PYTHONPATH=. ncu --clock-control none -k regex:split_kernel -c 2 --section WarpStateStats \
         python benchmarks/bench_paged_attention.py profile            # GPU: one call each, for ncu
     PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
@@ -660,6 +661,45 @@ def part_prefetch(results: dict) -> None:
         )  # fmt: skip
 
 
+CHECK_COST_POINTS = [  # shape, batch, context
+    (shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)
+]
+
+
+def part_check_cost(results: dict, rounds: int) -> None:
+    """The ownership check's cost, measured harder than `decode` does: per point,
+    `rounds` pairs of timings (check on, check off; the order alternates by round), and
+    the median and spread of the per-pair ratios, so that drift between the two halves
+    of a pair mostly cancels."""
+    log(f"\n## ownership check cost, {rounds} paired rounds per point (tile defaults)\n")
+    log("| shape | B | L | pages | µs check on | µs check off | cost (median) | cost (25%-75%) |")
+    log("|---|---|---|---|---|---|---|---|")
+    rows = results.setdefault("check_cost", [])
+    for shape_name, batch, length in CHECK_COST_POINTS:
+        for cache_dtype in (torch.bfloat16, FP8_DTYPE):
+            calls, _ = timing_pool(batch, length, SHAPES[shape_name], cache_dtype)
+            on, off = [], []
+            for r in range(rounds):
+                order = (True, False) if r % 2 == 0 else (False, True)
+                for check in order:
+                    (on if check else off).append(time_calls(calls, check_owner=check))
+            ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
+            median = statistics.median(ratios)
+            low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+            name = "fp8" if cache_dtype == FP8_DTYPE else "bf16"
+            log(
+                f"| {shape_name} | {batch} | {length} | {name} | {statistics.median(on):.1f} | "
+                f"{statistics.median(off):.1f} | {100 * median:+.2f}% | "
+                f"{100 * low:+.2f}% .. {100 * high:+.2f}% |"
+            )
+            rows.append(
+                {"shape": shape_name, "batch": batch, "length": length, "kv": name,
+                 "on_us": on, "off_us": off, "median_cost": median}
+            )  # fmt: skip
+            del calls
+            torch.cuda.empty_cache()
+
+
 def part_profile(shape_name: str, batch: int, length: int) -> None:
     """One decode call on bf16 pages, then one on fp8 pages (tile defaults, check on), for a
     profiler such as Nsight Compute to capture; prints their times from a second call."""
@@ -710,7 +750,11 @@ def part_kv_write(results: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["scales", "check", "decode", "prefetch", "profile", "all"])
+    parser.add_argument(
+        "part",
+        choices=["scales", "check", "decode", "prefetch", "check-cost", "profile", "all"],
+    )
+    parser.add_argument("--rounds", type=int, default=11, help="check-cost: paired rounds")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     parser.add_argument("--shapes", default="smollm2,llama8b")
     parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
@@ -747,6 +791,8 @@ def main() -> int:
             part_decode(results, args.shapes.split(","), args.quick, save)
         if args.part == "prefetch":
             part_prefetch(results)
+        if args.part == "check-cost":
+            part_check_cost(results, args.rounds)
         if args.part == "profile":
             for shape_name in args.shapes.split(","):
                 part_profile(shape_name, batch=64, length=32768)
