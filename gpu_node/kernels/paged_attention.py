@@ -363,9 +363,11 @@ def _paged_decode_split_kernel(
         # start on a page boundary (page 48, block 64).
         # PREFETCH_SCALES: page ids two blocks ahead and each block's scales one block
         # ahead, so that neither the scale loads nor their addresses are waited for.
-        next_pages = _block_pages_tl(table_row, start, max_pages, PAGE_SIZE, BLOCK_N)
+        next_pages = tl.arange(0, BLOCK_N)  # unused without a prefetch
+        if PREFETCH_PAGES or PREFETCH_SCALES:
+            next_pages = _block_pages_tl(table_row, start, max_pages, PAGE_SIZE, BLOCK_N)
         after_pages = next_pages  # unused without the scale prefetch
-        k_scales = tl.zeros([BLOCK_N], k_scale_ptr.dtype.element_ty)  # likewise
+        k_scales = tl.full([BLOCK_N], 0.0, k_scale_ptr.dtype.element_ty)  # likewise
         v_scales = k_scales
         if PREFETCH_SCALES:
             after_pages = _block_pages_tl(table_row, start + BLOCK_N, max_pages, PAGE_SIZE, BLOCK_N)
