@@ -44,6 +44,13 @@ def round_to_bf16_tl(x):
 
 
 @triton.jit
+def scale_offset_tl(page, offset, head, NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offset of the scale of (page, token offset, head) in a `[P, H, S]` scale
+    tensor (the layout drawn in `gpu_node/kv_quant.py`)."""
+    return (page * NUM_KV_HEADS + head) * PAGE_SIZE + offset
+
+
+@triton.jit
 def row_scale_tl(amax):
     """Triton twin of `kv_quant.row_scale`, as fp32: bf16(max(amax / 448, 2**-126))."""
     scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2**-126
@@ -139,8 +146,9 @@ def _kv_write_kernel(
         v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, maximum_tl))
         tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_scale), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
-        # Scales are [P, H, S]: (page * H + head) * S + offset.
-        scale_offsets = ((slot // PAGE_SIZE) * NUM_KV_HEADS + heads) * PAGE_SIZE + slot % PAGE_SIZE
+        scale_offsets = scale_offset_tl(
+            slot // PAGE_SIZE, slot % PAGE_SIZE, heads, NUM_KV_HEADS, PAGE_SIZE
+        )  # [BLOCK_H]
         tl.store(k_scale_ptr + scale_offsets, k_scale.to(tl.bfloat16), mask=head_mask)
         tl.store(v_scale_ptr + scale_offsets, v_scale.to(tl.bfloat16), mask=head_mask)
     else:

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
-from gpu_node.kernels.kv_write import round_to_e4m3_tl
+from gpu_node.kernels.kv_write import round_to_e4m3_tl, scale_offset_tl
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE
 
@@ -146,7 +146,7 @@ def _attend_block_tl(
     offsets = tokens % PAGE_SIZE
     rows = (pages * PAGE_SIZE + offsets) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
     kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
-    scale_offsets = (pages * NUM_KV_HEADS + kv_head) * PAGE_SIZE + offsets  # [P, H, S] scales
+    scale_offsets = scale_offset_tl(pages, offsets, kv_head, NUM_KV_HEADS, PAGE_SIZE)
     if IS_PARTIAL or BLOCK_D != HEAD_DIM:
         kv_mask = is_loadable[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -228,7 +228,7 @@ def _block_scales_tl(
     # page 0's (the block flags it when it loads K/V).
     pages = tl.where((pages >= 0) & (pages < num_pages), pages, 0).to(tl.int64)
     offsets = (block_start + tl.arange(0, BLOCK_N)) % PAGE_SIZE
-    scale_offsets = (pages * NUM_KV_HEADS + kv_head) * PAGE_SIZE + offsets
+    scale_offsets = scale_offset_tl(pages, offsets, kv_head, NUM_KV_HEADS, PAGE_SIZE)
     return tl.load(k_scale_ptr + scale_offsets), tl.load(v_scale_ptr + scale_offsets)
 
 
