@@ -242,3 +242,103 @@ def from_kn(weight: Int4WeightKN) -> Int4Weight:
         shape=(n, k),
         group_size=weight.group_size,
     )
+
+
+MMA_ROWS = 16  # output rows per row block: the M side of one mma.sync m16n8k16
+MMA_CHUNK = 64  # k values per chunk: four k16 steps, one int32 word per lane and step
+
+
+@dataclass(frozen=True)
+class Int4WeightMMA:
+    """The same INT4 weight laid out as tensor-core fragments (gpu_node/kernels/w4a16_mma.py).
+
+    W [N, K] (N padded with zero rows to a multiple of 16) is cut into row blocks of
+    16 rows and chunks of 64 k. Within a (row block rb, chunk c), lane L = 4g + t of
+    a warp holds four words, one per k16 step s; each word is that lane's A fragment
+    of `mma.m16n8k16` (rows g and g + 8) for the 4 k values kb .. kb + 3,
+    kb = 64c + 16t + 4s:
+
+        words  int32 [N/16, K/64, 32, 4]     (rb, c, L, s), contiguous
+        nibble 0 | 4: W[16rb + g,     kb + 0 | 1]      1 | 5: W[16rb + g + 8, kb + 0 | 1]
+        nibble 2 | 6: W[16rb + g,     kb + 2 | 3]      3 | 7: W[16rb + g + 8, kb + 2 | 3]
+        scale_mins fp16 [K / G, N16 / 16, 8, 4]   (group, rb, g): scale and min of
+                   row 16rb + g, then scale and min of row 16rb + g + 8
+
+    so `(word >> 4r) & 0x000F000F` is A register r with the codes of two
+    neighbouring k in its two 16-bit halves, and lane t's activations for the whole
+    chunk are the 16 contiguous values x[64c + 16t .. 64c + 16t + 15], and its
+    scales and mins for a group are one 8-byte load.
+    The arithmetic is Int4Weight's: w = scale * q + min. Same bytes, plus the pad rows.
+    """
+
+    words: torch.Tensor
+    scale_mins: torch.Tensor
+    shape: tuple[int, int]
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scale_mins))
+
+
+def _mma_order(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N16, K] -> [N16/16, K/64, 8 (g), 4 (t), 4 (s), 8 (nibble)]."""
+    n16, k = codes.shape
+    # n = 16rb + 8hr + g; k = 64c + 16t + 4s + 2h + e; nibble = hr + 2h + 4e
+    v = codes.reshape(n16 // 16, 2, 8, k // 64, 4, 4, 2, 2)  # rb hr g c t s h e
+    v = v.permute(0, 3, 2, 4, 5, 7, 6, 1)  # rb c g t s e h hr
+    return v.reshape(n16 // 16, k // 64, 8, 4, 4, 8)
+
+
+def _mma_order_inverse(nib: torch.Tensor) -> torch.Tensor:
+    """[N16/16, K/64, 8, 4, 4, 8] -> codes [N16, K]: undoes `_mma_order`."""
+    rbs, chunks = nib.shape[:2]
+    v = nib.reshape(rbs, chunks, 8, 4, 4, 2, 2, 2)  # rb c g t s e h hr
+    v = v.permute(0, 7, 2, 1, 3, 4, 6, 5)  # rb hr g c t s h e
+    return v.reshape(rbs * 16, chunks * 64)
+
+
+def to_mma(weight: Int4Weight) -> Int4WeightMMA:
+    """Int4Weight [N, K] -> Int4WeightMMA (lossless; `from_mma` inverts it). K % 64 == 0."""
+    if len(weight.shape) != 2:
+        raise ValueError(f"to_mma takes a 2-D weight, got shape {weight.shape}")
+    n, k = weight.shape
+    if k % MMA_CHUNK or weight.group_size % MMA_CHUNK:
+        raise ValueError(f"to_mma needs K and the group size divisible by {MMA_CHUNK}")
+    n16 = -(-n // MMA_ROWS) * MMA_ROWS
+    codes = unpack_int4(weight.packed).reshape(n, k)  # uint8 [N, K]
+    scales, mins = weight.scales, weight.mins  # fp16 [N, K / G]
+    if n16 != n:
+        codes = torch.cat([codes, codes.new_zeros(n16 - n, k)])
+        scales = torch.cat([scales, scales.new_zeros(n16 - n, scales.shape[1])])
+        mins = torch.cat([mins, mins.new_zeros(n16 - n, mins.shape[1])])
+    # [N16, K/G] -> [K/G, rb, hr, g, scale|min] -> [K/G, rb, g, hr, scale|min]
+    pairs_sm = torch.stack([scales.T, mins.T], dim=-1).reshape(-1, n16 // 16, 2, 8, 2)
+    scale_mins = pairs_sm.transpose(2, 3).reshape(-1, n16 // 16, 8, 4).contiguous()
+    nib = _mma_order(codes)  # uint8 [..., 8]; byte b of a word = nibbles 2b | 2b + 1
+    pairs = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    words = pairs.contiguous().view(torch.int32).reshape(n16 // 16, k // 64, 32, 4)
+    return Int4WeightMMA(
+        words=words,
+        scale_mins=scale_mins,
+        shape=(n, k),
+        group_size=weight.group_size,
+    )
+
+
+def from_mma(weight: Int4WeightMMA) -> Int4Weight:
+    """Int4WeightMMA -> Int4Weight [N, K] (the pad rows dropped)."""
+    n, k = weight.shape
+    n16 = weight.words.shape[0] * MMA_ROWS
+    pairs = weight.words.contiguous().view(torch.uint8).reshape(n16 // 16, k // 64, 8, 4, 4, 4)
+    nib = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # [..., 8] by nibble
+    codes = _mma_order_inverse(nib)
+    sm = weight.scale_mins.reshape(-1, n16 // 16, 8, 2, 2).transpose(2, 3)  # [K/G, rb, hr, g, 2]
+    sm = sm.reshape(-1, n16, 2)[:, :n]  # [K/G, N, scale|min]
+    return Int4Weight(
+        packed=pack_int4(codes[:n].contiguous()),
+        scales=sm[..., 0].T.contiguous(),
+        mins=sm[..., 1].T.contiguous(),
+        shape=(n, k),
+        group_size=weight.group_size,
+    )

@@ -1,0 +1,151 @@
+"""Decode GEMV on the GPU: tensor-core W4A16 (Int4WeightMMA) vs the CUDA-core GEMV vs bf16.
+
+    python benchmarks/bench_w4a16_mma.py [--shapes 70b | 4096x4096,...] [--batches 1,4,8]
+                                         [--sweep] [--json out.json]
+
+For each layer shape (K in -> N out) and decode batch M it times, side by side in one
+run, with the CUDA-graph harness of bench_w4a16.py (each call on R weight copies that
+together span 4x the L2, replay time / R):
+  bf16      F.linear(x, W), W bf16 [N, K] (cuBLAS)
+  gemv      w4a16_gemv over Int4WeightKN (CUDA cores; what Int4Linear ran before)
+  mma       w4a16_mma_gemv over Int4WeightMMA (tensor cores), its heuristic config
+and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
+measured in the same run, and the relative error against the fp32 reference.
+--sweep also times the mma kernel over warps x row blocks per warp x groups per split
+at M = 1. INT4 is group 128, fp16 scale and min per group. Needs torch, triton, numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_w4a16 import (
+    GROUP,
+    SHAPES,
+    bench_graph,
+    copies_for,
+    copy_bandwidth,
+    parse_shapes,
+    read_floor_us,
+)
+
+from gpu_node.kernels.w4a16_gemv import w4a16_gemv
+from gpu_node.kernels.w4a16_mma import mma_gemv_config, w4a16_mma_gemv
+from gpu_node.quant.int4 import dequantize_int4, quantize_int4, to_kn, to_mma
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+def sweep(k: int, n: int, mmas: list, num_sms: int) -> None:
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    best = None
+    groups = k // GROUP
+    results = []
+    for warps in (1, 2, 4, 8):
+        for rows in (1, 2, 4):
+            for per_split in sorted({1, 2, 4, 8, 16, groups}):
+                if per_split > groups:
+                    continue
+                cfg = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split}
+                t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
+                results.append((t * 1e3, cfg))
+                if best is None or t * 1e3 < best[0]:
+                    best = (t * 1e3, cfg)
+    heuristic = mma_gemv_config(1, n, k, GROUP, num_sms)
+    t_h = bench_graph([lambda q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
+    results.sort(key=lambda r: r[0])
+    print(f"sweep {k}x{n} M=1: best {best[0]:.1f} us {best[1]}; heuristic {t_h:.1f} us {heuristic}")
+    for t, cfg in results[:8]:
+        print(f"  {t:.1f} us {cfg}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES)
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    print(
+        f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {bw / 1e12:.2f} TB/s"
+    )
+    rows = []
+    for k, n in args.shapes:
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        ws = [w0] + [torch.randn_like(w0) / k**0.5 for _ in range(copies_for(2 * n * k) - 1)]
+        q0 = quantize_int4(w0, GROUP)
+        qs = [q0] + [
+            quantize_int4(torch.randn_like(w0), GROUP) for _ in range(copies_for(q0.nbytes) - 1)
+        ]
+        kns = [to_kn(q) for q in qs]
+        mmas = [to_mma(q) for q in qs]
+        del qs[1:]
+        w_ref = dequantize_int4(q0)  # fp32 [N, K]
+        floor_us = read_floor_us(q0.nbytes)
+        print(f"{k}x{n}: INT4 {q0.nbytes / 1e6:.1f} MB, read floor {floor_us:.1f} us")
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w_ref.T
+            err_gemv = rel_err(w4a16_gemv(x, kns[0]), ref)
+            err_mma = rel_err(w4a16_mma_gemv(x, mmas[0]), ref)
+            t_bf16 = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws]) * 1e3
+            t_gemv = bench_graph([lambda x=x, q=q: w4a16_gemv(x, q) for q in kns]) * 1e3
+            t_mma = bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
+            io = 2 * m * (k + n)
+            row = {
+                "K": k,
+                "N": n,
+                "M": m,
+                "bf16_us": t_bf16,
+                "gemv_us": t_gemv,
+                "mma_us": t_mma,
+                "mma_vs_bf16": t_bf16 / t_mma,
+                "gemv_vs_bf16": t_bf16 / t_gemv,
+                "mma_vs_gemv": t_gemv / t_mma,
+                "bf16_bw": (2 * n * k + io) / (t_bf16 * 1e-6) / bw,
+                "gemv_bw": (q0.nbytes + io) / (t_gemv * 1e-6) / bw,
+                "mma_bw": (mmas[0].nbytes + io) / (t_mma * 1e-6) / bw,
+                "read_floor_us": floor_us,
+                "ideal_vs_bf16": (2 * n * k + io) / (q0.nbytes + io),
+                "err_gemv": err_gemv,
+                "err_mma": err_mma,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.sweep:
+            sweep(k, n, mmas, props.multi_processor_count)
+        del ws, kns, mmas, w_ref
+    print()
+    print(
+        "| K x N | M | bf16 us | GEMV us | MMA us | MMA vs bf16 | GEMV vs bf16 | MMA vs GEMV "
+        "| bf16 BW | GEMV BW | MMA BW | ideal | read floor us | rel err GEMV | rel err MMA |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['K']}x{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['gemv_us']:.1f} | "
+            f"{r['mma_us']:.1f} | **{r['mma_vs_bf16']:.2f}x** | {r['gemv_vs_bf16']:.2f}x | "
+            f"{r['mma_vs_gemv']:.2f}x | {r['bf16_bw']:.2f} | {r['gemv_bw']:.2f} | "
+            f"{r['mma_bw']:.2f} | {r['ideal_vs_bf16']:.2f}x | {r['read_floor_us']:.1f} | "
+            f"{r['err_gemv']:.1e} | {r['err_mma']:.1e} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

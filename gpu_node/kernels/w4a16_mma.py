@@ -1,0 +1,326 @@
+"""W4A16 decode GEMV on tensor cores over Int4WeightMMA: y = x @ W^T for M <= 8.
+
+Letters: M tokens, N out features, K in features, G group size, S split-K ways,
+W warps per program (one 16-row block each).
+
+The CUDA-core GEMV (w4a16_gemv.py) pays about four instructions a weight, as long
+as reading the weight takes. Here a weight costs about one: the packed words are
+already each lane's A fragment of `mma.sync.m16n8k16` (int4.py, Int4WeightMMA),
+so one LOP3 turns two nibbles into two bf16 (or fp16) values without a conversion,
+
+    (word >> 4r) & 0x000F000F | 0x43004300   ->  bf16 pair (128 + q_lo, 128 + q_hi)
+
+and the tensor core multiplies them by the activations and sums in fp32. The
+offset and the group's scale and min come out afterwards, once per group and row:
+
+    D[n, m] = sum_k x[m, k] (128 + q[n, k])     (mma over the group, fp32)
+    S[m]    = sum_k x[m, k]                     (mma with A = 1: the same sum, exact)
+    y[m, n] += scale[n] * D[n, m] + (min[n] - 128 scale[n]) * S[m]
+
+The B operand is the activations: column g of the mma is x row g (rows past M
+repeat row 0 and are never stored), so M = 1..8 cost the same. C fragment element
+j of lane 4g + t is output row 16rb + g + 8 (j // 2), activation row 2t + j % 2.
+
+The mma is a warp instruction, so the kernel's register tensors must map onto
+lanes exactly: every tensor in the loop is [32 W, 4] (row = lane of a warp, four
+consecutive elements per lane), the layout Triton gives a contiguous int32 load
+of that shape; the inline asm takes a lane's four elements at once (pack = 4).
+The GPU tests check the result against the torch reference; the interpreter
+cannot run inline asm, so this kernel is GPU-only (the layout has CPU tests).
+
+Split K (grid dim 1): each program writes an fp32 partial; the last program of a
+row block to finish (a release/acquire counter, as in w4a16_gemv.py) adds the S
+partials in a fixed order and writes y, so the result does not depend on timing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, _counters
+from gpu_node.quant.int4 import MMA_CHUNK, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
+
+_MAGIC = {
+    torch.bfloat16: (0x43004300, 128.0, 0x3F803F80),  # 128 + q; 1.0
+    torch.float16: (0x64006400, 1024.0, 0x3C003C00),  # 1024 + q; 1.0
+}
+
+
+def _mma(ab_type: str, d: str, a: str, b: str, c: str) -> str:
+    return f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32 {d}, {a}, {b}, {c};"
+
+
+def _d_asm(ab_type: str, magic: int) -> str:
+    """PTX for one 64-k chunk of one lane and row block: four words -> four mma into D.
+
+    Operands: $0-$3 D out, $4-$7 the words (k16 step s), $8-$11 and $12-$15 the
+    lane's eight activation pairs (step s takes pairs 2s and 2s + 1), $16-$19 D in.
+    """
+    lines = ["{", ".reg .b32 a<4>, sh<3>;"]
+    for s in range(4):
+        word = f"${4 + s}"
+        for r in range(4):
+            src = word
+            if r:
+                lines.append(f"shr.u32 sh{r - 1}, {word}, {4 * r};")
+                src = f"sh{r - 1}"
+            # (src & 0x000F000F) | magic: the LOP3 truth table 0xEA is (a & b) | c
+            lines.append(f"lop3.b32 a{r}, {src}, 0x000F000F, {magic:#x}, 0xEA;")
+        c = "{$16, $17, $18, $19}" if s == 0 else "{$0, $1, $2, $3}"
+        b = f"{{${8 + 2 * s}, ${9 + 2 * s}}}"
+        lines.append(_mma(ab_type, "{$0, $1, $2, $3}", "{a0, a1, a2, a3}", b, c))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _s_asm(ab_type: str, one: int) -> str:
+    """PTX for one 64-k chunk: S += 1 @ x (the activations' sum, every row alike).
+
+    Operands: $0-$3 S out, $4-$7 and $8-$11 the activation pairs, $12-$15 S in.
+    """
+    lines = ["{", ".reg .b32 one;", f"mov.b32 one, {one:#x};"]
+    for s in range(4):
+        c = "{$12, $13, $14, $15}" if s == 0 else "{$0, $1, $2, $3}"
+        b = f"{{${4 + 2 * s}, ${5 + 2 * s}}}"
+        lines.append(_mma(ab_type, "{$0, $1, $2, $3}", "{one, one, one, one}", b, c))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _ab_type(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "f16"
+
+
+_D_ASM = {dt: _d_asm(_ab_type(dt), magic) for dt, (magic, _, _) in _MAGIC.items()}
+_S_ASM = {dt: _s_asm(_ab_type(dt), one) for dt, (_, _, one) in _MAGIC.items()}
+_D_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 12 + ["f"] * 4)
+_S_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 8 + ["f"] * 4)
+
+
+@triton.jit
+def _d_chunk(words, x_lo, x_hi, d, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [words, x_lo, x_hi, d], dtype=tl.float32, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _s_chunk(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [x_lo, x_hi, s], dtype=tl.float32, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _expand_pairs(v):
+    """[R, E] with (a, b, c, d) per lane -> ((a, a, c, c), (b, b, d, d)), within each lane."""
+    lo, hi = tl.split(tl.reshape(v, (v.shape[0], v.shape[1] // 2, 2)))  # (a, c), (b, d)
+    lo = tl.reshape(tl.join(lo, lo), v.shape)
+    hi = tl.reshape(tl.join(hi, hi), v.shape)
+    return lo, hi
+
+
+@triton.jit
+def _gemv_mma_kernel(
+    x_ptr,  # int32 [M, K / 2]: bf16/fp16 pairs
+    words_ptr,  # int32 [N16 / 16, K / 64, 32, 4]
+    sm_ptr,  # fp16 [K / G, N16 / 16, 8, 4]
+    part_ptr,  # fp32 [S, programs along N, R, 128 W]
+    count_ptr,  # int32 [programs along N]: 0 between calls
+    out_ptr,  # [M, N]
+    M,
+    N,
+    num_row_blocks,
+    chunks,  # K / 64
+    stride_xm,  # in int32 pairs
+    stride_om,
+    num_groups,
+    groups_per_split,
+    GROUP_SIZE: tl.constexpr,
+    WARPS: tl.constexpr,
+    R: tl.constexpr,  # row blocks per warp
+    SPLIT_K: tl.constexpr,
+    OFFSET: tl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the magic's integer part
+    D_ASM: tl.constexpr,
+    D_CONSTRAINTS: tl.constexpr,
+    S_ASM: tl.constexpr,
+    S_CONSTRAINTS: tl.constexpr,
+):
+    CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
+    E: tl.constexpr = 128 * WARPS  # elements of a row-block slot: 32 lanes x 4 per warp
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    # Tensors are [R, E]: element e of slot i lives in lane (e // 4) % 32 of warp e // 128,
+    # four consecutive e per lane, the slots in registers. Written as one contiguous
+    # axis, it is the layout Triton gives a 16-byte-per-lane load, so the loads, the
+    # inline asm and the arithmetic share it and nothing moves between lanes.
+    i = tl.arange(0, R)[:, None]  # [R, 1]: row-block slot of the warp
+    e = tl.arange(0, E)[None, :]  # [1, E]
+    lane = (e // 4) % 32
+    j = e % 4  # k16 step (words), C element (results)
+    g = lane // 4
+    t = lane % 4
+    rb = (pid_n * R + i) * WARPS + e // 128  # [R, E]
+    rb_ok = rb < num_row_blocks
+    words_at = words_ptr + rb * (chunks * 128) + e % 128  # [R, E]; + 128 c
+    x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
+    sm_at = sm_ptr + (rb * 8 + g) * 4 + j  # [R, E]; + group * 32 * row blocks
+    sm_stride = num_row_blocks * 32
+
+    g_begin = pid_s * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, num_groups)
+    acc = tl.full((R, E), 0.0, tl.float32)
+    # The next group's words, activations, scales and mins are loaded before this
+    # group's math, so one group's loads are always in flight behind the tensor cores.
+    c0 = g_begin * CPG
+    w0 = tl.load(words_at + c0 * 128, mask=rb_ok, other=0)
+    xa0 = tl.load(x_at + c0 * 32)
+    xb0 = tl.load(x_at + c0 * 32 + 4)
+    if CPG == 2:
+        w1 = tl.load(words_at + (c0 + 1) * 128, mask=rb_ok, other=0)
+        xa1 = tl.load(x_at + (c0 + 1) * 32)
+        xb1 = tl.load(x_at + (c0 + 1) * 32 + 4)
+    sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
+    for grp in range(g_begin, g_end):
+        nxt = tl.minimum(grp + 1, g_end - 1)
+        c1 = nxt * CPG
+        w0_n = tl.load(words_at + c1 * 128, mask=rb_ok, other=0)
+        xa0_n = tl.load(x_at + c1 * 32)
+        xb0_n = tl.load(x_at + c1 * 32 + 4)
+        if CPG == 2:
+            w1_n = tl.load(words_at + (c1 + 1) * 128, mask=rb_ok, other=0)
+            xa1_n = tl.load(x_at + (c1 + 1) * 32)
+            xb1_n = tl.load(x_at + (c1 + 1) * 32 + 4)
+        sm_n = tl.load(sm_at + nxt * sm_stride, mask=rb_ok, other=0.0)
+
+        zero_d = tl.full((R, E), 0.0, tl.float32)
+        zero_s = tl.full((1, E), 0.0, tl.float32)
+        d = _d_chunk(w0, xa0, xb0, zero_d, D_ASM, D_CONSTRAINTS)
+        s = _s_chunk(xa0, xb0, zero_s, S_ASM, S_CONSTRAINTS)
+        if CPG == 2:
+            d = _d_chunk(w1, xa1, xb1, d, D_ASM, D_CONSTRAINTS)
+            s = _s_chunk(xa1, xb1, s, S_ASM, S_CONSTRAINTS)
+        scale, min_ = _expand_pairs(sm.to(tl.float32))
+        acc += d * scale + s * (min_ - OFFSET * scale)
+
+        w0, xa0, xb0, sm = w0_n, xa0_n, xb0_n, sm_n
+        if CPG == 2:
+            w1, xa1, xb1 = w1_n, xa1_n, xb1_n
+
+    n_of = rb * 16 + g + 8 * (j // 2)  # [R, E]: output row of C element j
+    m_of = 2 * t + (j % 2)  # [1, E]: activation row of C element j
+    out_mask = rb_ok & (n_of < N) & (m_of < M)
+    out_at = out_ptr + m_of * stride_om + n_of
+    if SPLIT_K == 1:
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = R * E
+        split_stride = tl.num_programs(0) * tile
+        part_at = part_ptr + pid_n * tile + i * E + e
+        tl.store(part_at + pid_s * split_stride, acc)
+        # As in w4a16_gemv.py: every partial written before the counter moves; the
+        # program that sees S - 1 came last and reads the partials from L2 (.cg).
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.full((R, E), 0.0, tl.float32)
+            for p in tl.static_range(SPLIT_K):
+                total += tl.load(part_at + p * split_stride, cache_modifier=".cg")
+            tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@functools.cache
+def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
+    """Warps, row blocks per warp and groups per split (a heuristic; see the benchmark)."""
+    num_groups = k // group_size
+    row_blocks = -(-n // MMA_ROWS)
+    warps, rows_per_warp = 4, 2
+    programs = -(-row_blocks // (warps * rows_per_warp))
+    # Enough warps to cover the memory latency: about 16 per multiprocessor.
+    splits = max(1, min(num_groups, -(-16 * num_sms // (programs * warps))))
+    return {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": -(-num_groups // splits)}
+
+
+def supports(x: torch.Tensor, weight: object) -> bool:
+    """Whether w4a16_mma_gemv takes this call (else callers use the CUDA-core GEMV)."""
+    return (
+        isinstance(weight, Int4WeightMMA)
+        and x.is_cuda
+        and x.dtype in _MAGIC
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_M
+        and weight.group_size % MMA_CHUNK == 0
+    )
+
+
+def w4a16_mma_gemv(
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None = None
+) -> torch.Tensor:
+    """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
+
+    `config` (WARPS, R, GROUPS_PER_SPLIT) overrides the heuristic; benchmarks sweep it.
+    """
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if not supports(x, weight):
+        raise ValueError(
+            f"w4a16_mma_gemv takes bf16/fp16 x of 1..{MAX_M} rows on CUDA and a group size "
+            f"divisible by {MMA_CHUNK}; got {x.dtype} {tuple(x.shape)} on {x.device}, "
+            f"group {weight.group_size}"
+        )
+    m = x.shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = dict(mma_gemv_config(m, n, k, weight.group_size, sms))
+    cfg.update(config or {})
+    warps, rows_per_warp = cfg["WARPS"], cfg["R"]
+    num_groups = k // weight.group_size
+    groups_per_split = cfg["GROUPS_PER_SPLIT"]
+    splits = triton.cdiv(num_groups, groups_per_split)
+    row_blocks = weight.words.shape[0]
+    programs = triton.cdiv(row_blocks, warps * rows_per_warp)
+    if programs > MAX_TILES:
+        raise ValueError(f"{programs} programs exceed {MAX_TILES}")
+    x = x.contiguous()
+    pairs = x.view(torch.int32)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    tile = (rows_per_warp, 128 * warps)
+    part = torch.empty(splits, programs, *tile, device=x.device) if splits > 1 else out
+    _gemv_mma_kernel[(programs, splits)](
+        pairs,
+        weight.words,
+        weight.scale_mins,
+        part,
+        _counters(x.device),
+        out,
+        m,
+        n,
+        row_blocks,
+        k // MMA_CHUNK,
+        pairs.stride(0),
+        out.stride(0),
+        num_groups,
+        groups_per_split,
+        GROUP_SIZE=weight.group_size,
+        WARPS=warps,
+        R=rows_per_warp,
+        SPLIT_K=splits,
+        OFFSET=_MAGIC[x.dtype][1],
+        D_ASM=_D_ASM[x.dtype],
+        D_CONSTRAINTS=_D_CONSTRAINTS,
+        S_ASM=_S_ASM[x.dtype],
+        S_CONSTRAINTS=_S_CONSTRAINTS,
+        num_warps=warps,
+    )
+    return out
+
+
+def w4a16_mma_ref(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
+    """Torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
+    return (x.float() @ dequantize_int4(from_mma(weight)).T).to(x.dtype)

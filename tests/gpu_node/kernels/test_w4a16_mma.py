@@ -1,0 +1,211 @@
+"""The tensor-core decode GEMV over Int4WeightMMA.
+
+On CPU: the layout is lossless and as documented, and an emulation of the kernel's
+arithmetic built from PTX's own fragment tables for mma.m16n8k16 (not from the
+kernel's code) equals the reference, so the layout, the LOP3 dequantization and
+the scale/offset algebra agree with what the tensor core does. On CUDA: the kernel
+itself equals the reference (the interpreter cannot run its inline asm).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_node.kernels.w4a16_mma import (
+    mma_gemv_config,
+    supports,
+    w4a16_mma_gemv,
+    w4a16_mma_ref,
+)
+from gpu_node.quant.int4 import (
+    Int4WeightMMA,
+    dequantize_int4,
+    from_mma,
+    quantize_int4,
+    to_mma,
+    unpack_int4,
+)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="the kernel's inline PTX runs on NVIDIA GPUs only")
+# Max |kernel - reference| over max |reference|: both sum in fp32; what is left is
+# the summation order, the offset's cancellation and one rounding of the output.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def mma_weight(n: int, k: int, group_size: int, seed: int, device: str = "cpu") -> Int4WeightMMA:
+    gen = torch.Generator().manual_seed(seed)
+    mma = to_mma(quantize_int4(torch.randn(n, k, generator=gen), group_size))
+    return Int4WeightMMA(mma.words.to(device), mma.scale_mins.to(device), mma.shape, group_size)
+
+
+def test_mma_layout_is_lossless_and_as_documented() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = quantize_int4(torch.randn(20, 128, generator=gen), 64)
+    mma = to_mma(weight)
+    assert mma.words.shape == (2, 2, 32, 4) and mma.words.dtype == torch.int32
+    assert mma.scale_mins.shape == (2, 2, 8, 4) and mma.scale_mins.dtype == torch.float16
+    back = from_mma(mma)
+    assert torch.equal(back.packed, weight.packed)
+    assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
+    codes = unpack_int4(weight.packed).reshape(20, 128)
+    # Lane 4g + t = 4 * 3 + 2 (g = 3, t = 2) of row block 1, chunk 1, step s = 3:
+    # kb = 64 + 32 + 12 = 108; rows 16 + 3 and 16 + 3 + 8 = 27 (a zero pad row).
+    word = int(mma.words[1, 1, 14, 3]) & 0xFFFFFFFF
+    nibbles = [(word >> (4 * p)) & 15 for p in range(8)]
+    assert nibbles == [
+        int(codes[19, 108]),
+        0,
+        int(codes[19, 110]),
+        0,
+        int(codes[19, 109]),
+        0,
+        int(codes[19, 111]),
+        0,
+    ]
+    # Scale and min of rows 16rb + g and 16rb + g + 8 (row block 0, g = 5, group 1).
+    assert mma.scale_mins[1, 0, 5].tolist() == [
+        float(weight.scales[5, 1]),
+        float(weight.mins[5, 1]),
+        float(weight.scales[13, 1]),
+        float(weight.mins[13, 1]),
+    ]
+    assert mma.scale_mins[1, 1, 4, 2:].tolist() == [0.0, 0.0]  # row 28: padding
+
+
+def test_to_mma_rejects_what_the_kernel_cannot_take() -> None:
+    with pytest.raises(ValueError, match="divisible by 64"):
+        to_mma(quantize_int4(torch.randn(16, 64), 32))
+
+
+def _halves(regs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 registers [...] -> their two 16-bit halves as floats [..., 2] (low, high)."""
+    return regs.contiguous().view(torch.int16).view(dtype).float().reshape(*regs.shape, 2)
+
+
+def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
+    """What the kernel computes, from PTX's fragment tables for mma.m16n8k16 (fp32 sums).
+
+    A (16 x 16): lane 4g + t, register r holds A[g + 8 (r % 2)][2t + 8 (r // 2) + {0, 1}];
+    B (16 x 8): register h holds B[2t + 8h + {0, 1}][g]; C (16 x 8): c_j = C[g + 8 (j // 2)][2t + j % 2].
+    """
+    magic, offset = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}[
+        x.dtype
+    ]
+    n, k = weight.shape
+    m = x.shape[0]
+    rbs = weight.words.shape[0]
+    pairs = x.contiguous().view(torch.int32)  # [M, K/2]
+    y = torch.zeros(m, rbs * 16)
+    g_of = torch.arange(32) // 4
+    t_of = torch.arange(32) % 4
+    per_group = weight.group_size // 64
+    for group in range(k // weight.group_size):
+        d = torch.zeros(rbs, 16, 8)  # C[row][col], per row block
+        s = torch.zeros(16, 8)
+        for c in range(group * per_group, (group + 1) * per_group):
+            for step in range(4):
+                a = torch.zeros(rbs, 16, 16)
+                words = weight.words[:, c, :, step]  # [rbs, 32 lanes]
+                for r in range(4):
+                    reg = ((words >> (4 * r)) & 0x000F000F) | magic
+                    vals = _halves(reg, x.dtype)  # [rbs, 32, 2]
+                    for lane in range(32):
+                        row = g_of[lane] + 8 * (r % 2)
+                        col = 2 * t_of[lane] + 8 * (r // 2)
+                        a[:, row, col : col + 2] = vals[:, lane]
+                b = torch.zeros(16, 8)
+                for lane in range(32):
+                    g, t = int(g_of[lane]), int(t_of[lane])
+                    x_row = g if g < m else 0
+                    for h in range(2):
+                        pair = pairs[x_row, 32 * c + 8 * t + 2 * step + h]
+                        b[2 * t + 8 * h : 2 * t + 8 * h + 2, g] = _halves(pair.reshape(1), x.dtype)[
+                            0
+                        ]
+                d += a @ b
+                s += torch.ones(16, 16) @ b
+        sm = weight.scale_mins[group].float()  # [rbs, 8, 4]
+        scale = torch.cat([sm[:, :, 0], sm[:, :, 2]], dim=1)  # [rbs, 16] by row g + 8h
+        min_ = torch.cat([sm[:, :, 1], sm[:, :, 3]], dim=1)
+        corr = min_ - offset * scale
+        out = scale[..., None] * d + corr[..., None] * s[0][None, None, :]  # [rbs, 16, 8]
+        y += out[..., :m].reshape(rbs * 16, m).T
+    return y[:, :n]
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, dtype",
+    [
+        (1, 16, 64, 64, torch.bfloat16),
+        (3, 40, 256, 128, torch.bfloat16),
+        (8, 32, 128, 64, torch.float16),
+    ],
+)
+def test_fragment_emulation_equals_reference(m, n, k, group_size, dtype) -> None:
+    weight = mma_weight(n, k, group_size, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    ref = x.float() @ dequantize_int4(from_mma(weight)).T
+    got = emulate_mma_gemv(x, weight)
+    assert got.shape == (m, n)
+    # fp32 on both sides: what differs is the order and the offset's cancellation,
+    # sum x (offset + q) - offset sum x, which costs log2(offset) bits of fp32's 24.
+    assert relative_error(got, ref) < {torch.bfloat16: 1e-5, torch.float16: 1e-4}[dtype]
+
+
+def test_supports_and_errors_on_cpu() -> None:
+    weight = mma_weight(16, 128, 128, seed=1)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    assert not supports(x, weight)  # CPU tensors: the kernel is CUDA-only
+    with pytest.raises(ValueError, match="on CUDA"):
+        w4a16_mma_gemv(x, weight)
+    with pytest.raises(ValueError, match=r"x must be \[M, 128\]"):
+        w4a16_mma_gemv(torch.randn(1, 64, dtype=torch.bfloat16), weight)
+
+
+def test_config_fills_the_gpu() -> None:
+    # 8192 rows: 512 row blocks, 64 programs of 4 warps x 2 row blocks; 132 SMs want
+    # about 16 warps each: 2112 / 256 warps -> 9 splits of the 64 groups -> 8 groups each.
+    assert mma_gemv_config(1, 8192, 8192, 128, 132) == {"WARPS": 4, "R": 2, "GROUPS_PER_SPLIT": 8}
+    # Few groups: never more splits than groups.
+    assert mma_gemv_config(1, 64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, k, group_size",
+    [
+        (1, 16, 64, 64),
+        (1, 4096, 4096, 128),
+        (3, 200, 1024, 64),
+        (8, 1000, 2048, 128),
+        (5, 96, 8192, 128),
+    ],
+)
+def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
+    weight = mma_weight(n, k, group_size, seed=k + n, device="cuda")
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+    ref = w4a16_mma_ref(x, weight)
+    for _ in range(2):  # the split-K counters are left at zero for the next call
+        got = w4a16_mma_gemv(x, weight)
+        assert got.shape == (m, n) and got.dtype == dtype
+        assert relative_error(got, ref) < TOLERANCE[dtype]
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "warps, rows_per_warp, groups_per_split", [(1, 1, 1), (2, 4, 3), (8, 2, 64), (4, 1, 5)]
+)
+def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
+    weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = w4a16_mma_ref(x, weight)
+    config = {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": groups_per_split}
+    got = w4a16_mma_gemv(x, weight, config=config)
+    assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
