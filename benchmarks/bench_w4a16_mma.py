@@ -47,26 +47,33 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sweep(k: int, n: int, mmas: list, num_sms: int) -> None:
+    """M = 1: warps x row blocks per warp x groups per step x groups per split, then the
+    best config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    best = None
     groups = k // GROUP
     results = []
-    for warps in (1, 2, 4, 8):
-        for rows in (1, 2, 4):
-            for per_split in sorted({1, 2, 4, 8, 16, groups}):
-                if per_split > groups:
-                    continue
-                cfg = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split}
-                t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
-                results.append((t * 1e3, cfg))
-                if best is None or t * 1e3 < best[0]:
-                    best = (t * 1e3, cfg)
+    for warps in (2, 4, 8):
+        for rows in (1, 2):
+            for step in (1, 2):
+                for per_split in (2, 4, 8, 16, 32):
+                    if per_split > groups or per_split < step:
+                        continue
+                    cfg = {"WARPS": warps, "R": rows, "GS": step, "GROUPS_PER_SPLIT": per_split}
+                    t = bench_graph(
+                        [lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas]
+                    )
+                    results.append((t * 1e3, cfg))
     heuristic = mma_gemv_config(1, n, k, GROUP, num_sms)
     t_h = bench_graph([lambda q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
     results.sort(key=lambda r: r[0])
-    print(f"sweep {k}x{n} M=1: best {best[0]:.1f} us {best[1]}; heuristic {t_h:.1f} us {heuristic}")
-    for t, cfg in results[:8]:
+    best_t, best = results[0]
+    print(f"sweep {k}x{n} M=1: best {best_t:.1f} us {best}; heuristic {t_h:.1f} us {heuristic}")
+    for t, cfg in results[:10]:
         print(f"  {t:.1f} us {cfg}")
+    for mode, what in ((1, "loads alone"), (2, "no activation sums")):
+        cfg = {**best, "MODE": mode}
+        t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas]) * 1e3
+        print(f"  best config, {what}: {t:.1f} us")
 
 
 def main() -> None:

@@ -126,6 +126,50 @@ def _expand_pairs(v):
 
 
 @triton.jit
+def _group(
+    w0,
+    w1,
+    sm,
+    x_at,
+    c0,
+    last_chunk,
+    OFFSET,
+    CPG: tl.constexpr,
+    MODE: tl.constexpr,
+    D_ASM: tl.constexpr,
+    D_CONSTRAINTS: tl.constexpr,
+    S_ASM: tl.constexpr,
+    S_CONSTRAINTS: tl.constexpr,
+):
+    """One group's share of y, [R, E]: scale * D + (min - OFFSET * scale) * S."""
+    if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
+        out = w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
+        if CPG == 2:
+            out += w1.to(tl.float32, bitcast=True)
+        return out
+    # Past the split's end the scale and min load as 0; the activations stay in range.
+    ca = tl.minimum(c0, last_chunk)
+    x_lo = tl.load(x_at + ca * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
+    x_hi = tl.load(x_at + ca * 32 + 4)  # pairs 8t + 4 .. 8t + 7
+    d = _d_chunk(w0, x_lo, x_hi, tl.full(w0.shape, 0.0, tl.float32), D_ASM, D_CONSTRAINTS)
+    if MODE != 2:  # MODE 2 (benchmarks): S left out
+        s = _s_chunk(x_lo, x_hi, tl.full(x_lo.shape, 0.0, tl.float32), S_ASM, S_CONSTRAINTS)
+    if CPG == 2:
+        cb = tl.minimum(c0 + 1, last_chunk)
+        x_lo = tl.load(x_at + cb * 32)
+        x_hi = tl.load(x_at + cb * 32 + 4)
+        d = _d_chunk(w1, x_lo, x_hi, d, D_ASM, D_CONSTRAINTS)
+        if MODE != 2:
+            s = _s_chunk(x_lo, x_hi, s, S_ASM, S_CONSTRAINTS)
+    scale, min_ = _expand_pairs(sm.to(tl.float32))
+    if MODE == 2:  # noqa: SIM108  (s does not exist in MODE 2: no ternary)
+        out = d * scale + min_
+    else:
+        out = d * scale + s * (min_ - OFFSET * scale)
+    return out
+
+
+@triton.jit
 def _gemv_mma_kernel(
     x_ptr,  # int32 [M, K / 2]: bf16/fp16 pairs
     words_ptr,  # int32 [N16 / 16, K / 64, 32, 4]
@@ -144,12 +188,14 @@ def _gemv_mma_kernel(
     GROUP_SIZE: tl.constexpr,
     WARPS: tl.constexpr,
     R: tl.constexpr,  # row blocks per warp
+    GS: tl.constexpr,  # groups per step: 1 or 2 (loaded one step ahead)
     SPLIT_K: tl.constexpr,
     OFFSET: tl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the magic's integer part
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
+    MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
 ):
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
     E: tl.constexpr = 128 * WARPS  # elements of a row-block slot: 32 lanes x 4 per warp
@@ -171,46 +217,68 @@ def _gemv_mma_kernel(
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
     sm_at = sm_ptr + (rb * 8 + g) * 4 + j  # [R, E]; + group * 32 * row blocks
     sm_stride = num_row_blocks * 32
+    last_chunk = chunks - 1
 
     g_begin = pid_s * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
     acc = tl.full((R, E), 0.0, tl.float32)
-    # The next group's words, activations, scales and mins are loaded before this
-    # group's math, so one group's loads are always in flight behind the tensor cores.
-    c0 = g_begin * CPG
-    w0 = tl.load(words_at + c0 * 128, mask=rb_ok, other=0)
-    xa0 = tl.load(x_at + c0 * 32)
-    xb0 = tl.load(x_at + c0 * 32 + 4)
-    if CPG == 2:
-        w1 = tl.load(words_at + (c0 + 1) * 128, mask=rb_ok, other=0)
-        xa1 = tl.load(x_at + (c0 + 1) * 32)
-        xb1 = tl.load(x_at + (c0 + 1) * 32 + 4)
-    sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
-    for grp in range(g_begin, g_end):
-        nxt = tl.minimum(grp + 1, g_end - 1)
-        c1 = nxt * CPG
-        w0_n = tl.load(words_at + c1 * 128, mask=rb_ok, other=0)
-        xa0_n = tl.load(x_at + c1 * 32)
-        xb0_n = tl.load(x_at + c1 * 32 + 4)
-        if CPG == 2:
-            w1_n = tl.load(words_at + (c1 + 1) * 128, mask=rb_ok, other=0)
-            xa1_n = tl.load(x_at + (c1 + 1) * 32)
-            xb1_n = tl.load(x_at + (c1 + 1) * 32 + 4)
-        sm_n = tl.load(sm_at + nxt * sm_stride, mask=rb_ok, other=0.0)
+    # A step's words, scales and mins are loaded one step ahead, so they are always in
+    # flight behind the tensor cores. Groups past the split's end load as zeros: a
+    # zero scale and min make their share exactly 0.
+    ok_a = rb_ok & (g_begin < g_end)
+    w0 = tl.load(words_at + g_begin * CPG * 128, mask=ok_a, other=0)
+    w1 = tl.load(words_at + (g_begin * CPG + 1) * 128, mask=ok_a & (CPG == 2), other=0)
+    sm_a = tl.load(sm_at + g_begin * sm_stride, mask=ok_a, other=0.0)
+    if GS == 2:
+        ok_b = rb_ok & (g_begin + 1 < g_end)
+        w2 = tl.load(words_at + (g_begin + 1) * CPG * 128, mask=ok_b, other=0)
+        w3 = tl.load(words_at + ((g_begin + 1) * CPG + 1) * 128, mask=ok_b & (CPG == 2), other=0)
+        sm_b = tl.load(sm_at + (g_begin + 1) * sm_stride, mask=ok_b, other=0.0)
+    for grp in range(g_begin, g_end, GS):
+        nxt = grp + GS
+        ok_a = rb_ok & (nxt < g_end)
+        w0_n = tl.load(words_at + nxt * CPG * 128, mask=ok_a, other=0)
+        w1_n = tl.load(words_at + (nxt * CPG + 1) * 128, mask=ok_a & (CPG == 2), other=0)
+        sm_a_n = tl.load(sm_at + nxt * sm_stride, mask=ok_a, other=0.0)
+        if GS == 2:
+            ok_b = rb_ok & (nxt + 1 < g_end)
+            w2_n = tl.load(words_at + (nxt + 1) * CPG * 128, mask=ok_b, other=0)
+            w3_n = tl.load(words_at + ((nxt + 1) * CPG + 1) * 128, mask=ok_b & (CPG == 2), other=0)
+            sm_b_n = tl.load(sm_at + (nxt + 1) * sm_stride, mask=ok_b, other=0.0)
 
-        zero_d = tl.full((R, E), 0.0, tl.float32)
-        zero_s = tl.full((1, E), 0.0, tl.float32)
-        d = _d_chunk(w0, xa0, xb0, zero_d, D_ASM, D_CONSTRAINTS)
-        s = _s_chunk(xa0, xb0, zero_s, S_ASM, S_CONSTRAINTS)
-        if CPG == 2:
-            d = _d_chunk(w1, xa1, xb1, d, D_ASM, D_CONSTRAINTS)
-            s = _s_chunk(xa1, xb1, s, S_ASM, S_CONSTRAINTS)
-        scale, min_ = _expand_pairs(sm.to(tl.float32))
-        acc += d * scale + s * (min_ - OFFSET * scale)
-
-        w0, xa0, xb0, sm = w0_n, xa0_n, xb0_n, sm_n
-        if CPG == 2:
-            w1, xa1, xb1 = w1_n, xa1_n, xb1_n
+        acc += _group(
+            w0,
+            w1,
+            sm_a,
+            x_at,
+            grp * CPG,
+            last_chunk,
+            OFFSET,
+            CPG,
+            MODE,
+            D_ASM,
+            D_CONSTRAINTS,
+            S_ASM,
+            S_CONSTRAINTS,
+        )
+        if GS == 2:
+            acc += _group(
+                w2,
+                w3,
+                sm_b,
+                x_at,
+                (grp + 1) * CPG,
+                last_chunk,
+                OFFSET,
+                CPG,
+                MODE,
+                D_ASM,
+                D_CONSTRAINTS,
+                S_ASM,
+                S_CONSTRAINTS,
+            )
+            w2, w3, sm_b = w2_n, w3_n, sm_b_n
+        w0, w1, sm_a = w0_n, w1_n, sm_a_n
 
     n_of = rb * 16 + g + 8 * (j // 2)  # [R, E]: output row of C element j
     m_of = 2 * t + (j % 2)  # [1, E]: activation row of C element j
@@ -240,11 +308,16 @@ def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> di
     """Warps, row blocks per warp and groups per split (a heuristic; see the benchmark)."""
     num_groups = k // group_size
     row_blocks = -(-n // MMA_ROWS)
-    warps, rows_per_warp = 4, 2
+    warps, rows_per_warp, step = 4, 2, 1
     programs = -(-row_blocks // (warps * rows_per_warp))
     # Enough warps to cover the memory latency: about 16 per multiprocessor.
     splits = max(1, min(num_groups, -(-16 * num_sms // (programs * warps))))
-    return {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": -(-num_groups // splits)}
+    return {
+        "WARPS": warps,
+        "R": rows_per_warp,
+        "GS": step,
+        "GROUPS_PER_SPLIT": -(-num_groups // splits),
+    }
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:
@@ -264,7 +337,7 @@ def w4a16_mma_gemv(
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
-    `config` (WARPS, R, GROUPS_PER_SPLIT) overrides the heuristic; benchmarks sweep it.
+    `config` (WARPS, R, GS, GROUPS_PER_SPLIT, MODE) overrides the heuristic; benchmarks sweep it.
     """
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -310,7 +383,9 @@ def w4a16_mma_gemv(
         GROUP_SIZE=weight.group_size,
         WARPS=warps,
         R=rows_per_warp,
+        GS=cfg["GS"],
         SPLIT_K=splits,
+        MODE=cfg.get("MODE", 0),
         OFFSET=_MAGIC[x.dtype][1],
         D_ASM=_D_ASM[x.dtype],
         D_CONSTRAINTS=_D_CONSTRAINTS,

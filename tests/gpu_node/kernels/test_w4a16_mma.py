@@ -171,7 +171,12 @@ def test_supports_and_errors_on_cpu() -> None:
 def test_config_fills_the_gpu() -> None:
     # 8192 rows: 512 row blocks, 64 programs of 4 warps x 2 row blocks; 132 SMs want
     # about 16 warps each: 2112 / 256 warps -> 9 splits of the 64 groups -> 8 groups each.
-    assert mma_gemv_config(1, 8192, 8192, 128, 132) == {"WARPS": 4, "R": 2, "GROUPS_PER_SPLIT": 8}
+    assert mma_gemv_config(1, 8192, 8192, 128, 132) == {
+        "WARPS": 4,
+        "R": 2,
+        "GS": 1,
+        "GROUPS_PER_SPLIT": 8,
+    }
     # Few groups: never more splits than groups.
     assert mma_gemv_config(1, 64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
 
@@ -200,12 +205,14 @@ def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "warps, rows_per_warp, groups_per_split", [(1, 1, 1), (2, 4, 3), (8, 2, 64), (4, 1, 5)]
+    "warps, rows_per_warp, step, groups_per_split",
+    [(1, 1, 1, 1), (2, 4, 2, 3), (8, 2, 1, 64), (4, 1, 2, 5), (4, 2, 2, 32)],
 )
-def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
+def test_kernel_configs_agree(warps, rows_per_warp, step, groups_per_split) -> None:
     weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
     x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
     ref = w4a16_mma_ref(x, weight)
-    config = {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": groups_per_split}
+    config = {"WARPS": warps, "R": rows_per_warp, "GS": step}
+    config["GROUPS_PER_SPLIT"] = groups_per_split
     got = w4a16_mma_gemv(x, weight, config=config)
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
