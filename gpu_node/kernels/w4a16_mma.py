@@ -172,15 +172,13 @@ def _group(
 @triton.jit
 def _gemv_mma_kernel(
     x_ptr,  # int32 [M, K / 2]: bf16/fp16 pairs
-    words_ptr,  # int32 [N16 / 16, K / 64, 32, 4]
-    sm_ptr,  # fp16 [K / G, N16 / 16, 8, 4]
-    part_ptr,  # fp32 [S, programs along N, R, 128 W]
+    tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]: words, then scales and mins
+    part_ptr,  # fp32 [S, M, N]
     count_ptr,  # int32 [programs along N]: 0 between calls
     out_ptr,  # [M, N]
     M,
     N,
     num_row_blocks,
-    chunks,  # K / 64
     stride_xm,  # in int32 pairs
     stride_om,
     num_groups,
@@ -213,11 +211,13 @@ def _gemv_mma_kernel(
     t = lane % 4
     rb = (pid_n * R + i) * WARPS + e // 128  # [R, E]
     rb_ok = rb < num_row_blocks
-    words_at = words_ptr + rb * (chunks * 128) + e % 128  # [R, E]; + 128 c
+    TILE: tl.constexpr = 2 * GROUP_SIZE + 16  # int32 per (row block, group)
+    tile_at = tiles_ptr + rb * (num_groups * TILE)  # [R, E]; + TILE * group
+    words_at = tile_at + e % 128  # + 128 * chunk of the group
+    sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j  # + 2 TILE grp
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
-    sm_at = sm_ptr + (rb * 8 + g) * 4 + j  # [R, E]; + group * 32 * row blocks
-    sm_stride = num_row_blocks * 32
-    last_chunk = chunks - 1
+    sm_stride = 2 * TILE
+    last_chunk = num_groups * CPG - 1
 
     g_begin = pid_s * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
@@ -226,24 +226,24 @@ def _gemv_mma_kernel(
     # flight behind the tensor cores. Groups past the split's end load as zeros: a
     # zero scale and min make their share exactly 0.
     ok_a = rb_ok & (g_begin < g_end)
-    w0 = tl.load(words_at + g_begin * CPG * 128, mask=ok_a, other=0)
-    w1 = tl.load(words_at + (g_begin * CPG + 1) * 128, mask=ok_a & (CPG == 2), other=0)
+    w0 = tl.load(words_at + g_begin * TILE, mask=ok_a, other=0)
+    w1 = tl.load(words_at + g_begin * TILE + 128, mask=ok_a & (CPG == 2), other=0)
     sm_a = tl.load(sm_at + g_begin * sm_stride, mask=ok_a, other=0.0)
     if GS == 2:
         ok_b = rb_ok & (g_begin + 1 < g_end)
-        w2 = tl.load(words_at + (g_begin + 1) * CPG * 128, mask=ok_b, other=0)
-        w3 = tl.load(words_at + ((g_begin + 1) * CPG + 1) * 128, mask=ok_b & (CPG == 2), other=0)
+        w2 = tl.load(words_at + (g_begin + 1) * TILE, mask=ok_b, other=0)
+        w3 = tl.load(words_at + (g_begin + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
         sm_b = tl.load(sm_at + (g_begin + 1) * sm_stride, mask=ok_b, other=0.0)
     for grp in range(g_begin, g_end, GS):
         nxt = grp + GS
         ok_a = rb_ok & (nxt < g_end)
-        w0_n = tl.load(words_at + nxt * CPG * 128, mask=ok_a, other=0)
-        w1_n = tl.load(words_at + (nxt * CPG + 1) * 128, mask=ok_a & (CPG == 2), other=0)
+        w0_n = tl.load(words_at + nxt * TILE, mask=ok_a, other=0)
+        w1_n = tl.load(words_at + nxt * TILE + 128, mask=ok_a & (CPG == 2), other=0)
         sm_a_n = tl.load(sm_at + nxt * sm_stride, mask=ok_a, other=0.0)
         if GS == 2:
             ok_b = rb_ok & (nxt + 1 < g_end)
-            w2_n = tl.load(words_at + (nxt + 1) * CPG * 128, mask=ok_b, other=0)
-            w3_n = tl.load(words_at + ((nxt + 1) * CPG + 1) * 128, mask=ok_b & (CPG == 2), other=0)
+            w2_n = tl.load(words_at + (nxt + 1) * TILE, mask=ok_b, other=0)
+            w3_n = tl.load(words_at + (nxt + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
             sm_b_n = tl.load(sm_at + (nxt + 1) * sm_stride, mask=ok_b, other=0.0)
 
         acc += _group(
@@ -287,10 +287,11 @@ def _gemv_mma_kernel(
     if SPLIT_K == 1:
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        tile = R * E
-        split_stride = tl.num_programs(0) * tile
-        part_at = part_ptr + pid_n * tile + i * E + e
-        tl.store(part_at + pid_s * split_stride, acc)
+        # Partials as [S, M, N] fp32, only the elements that hold results (a lane's
+        # c1, c3 repeat c0, c2 when M = 1, and lanes t >= M/2 hold padding columns).
+        part_at = part_ptr + m_of * N + n_of
+        split_stride = M * N
+        tl.store(part_at + pid_s * split_stride, acc, mask=out_mask)
         # As in w4a16_gemv.py: every partial written before the counter moves; the
         # program that sees S - 1 came last and reads the partials from L2 (.cg).
         tl.debug_barrier()
@@ -298,26 +299,29 @@ def _gemv_mma_kernel(
         if done == SPLIT_K - 1:
             total = tl.full((R, E), 0.0, tl.float32)
             for p in tl.static_range(SPLIT_K):
-                total += tl.load(part_at + p * split_stride, cache_modifier=".cg")
+                total += tl.load(
+                    part_at + p * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @functools.cache
 def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
-    """Warps, row blocks per warp and groups per split (a heuristic; see the benchmark)."""
+    """Warps, row blocks per warp, groups per step and per split (from the H200 sweeps).
+
+    4 warps of 2 row blocks, one group per step; splits as long as possible (up to 16
+    groups) while the GPU still gets about 12 warps per multiprocessor.
+    """
     num_groups = k // group_size
-    row_blocks = -(-n // MMA_ROWS)
-    warps, rows_per_warp, step = 4, 2, 1
-    programs = -(-row_blocks // (warps * rows_per_warp))
-    # Enough warps to cover the memory latency: about 16 per multiprocessor.
-    splits = max(1, min(num_groups, -(-16 * num_sms // (programs * warps))))
-    return {
-        "WARPS": warps,
-        "R": rows_per_warp,
-        "GS": step,
-        "GROUPS_PER_SPLIT": -(-num_groups // splits),
-    }
+    warps, rows_per_warp = 4, 2
+    warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
+    per_split = 1
+    for candidate in (16, 8, 4, 2):
+        if candidate <= num_groups and warp_rows * -(-num_groups // candidate) >= 12 * num_sms:
+            per_split = candidate
+            break
+    return {"WARPS": warps, "R": rows_per_warp, "GS": 1, "GROUPS_PER_SPLIT": per_split}
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:
@@ -356,26 +360,23 @@ def w4a16_mma_gemv(
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
     splits = triton.cdiv(num_groups, groups_per_split)
-    row_blocks = weight.words.shape[0]
+    row_blocks = weight.tiles.shape[0]
     programs = triton.cdiv(row_blocks, warps * rows_per_warp)
     if programs > MAX_TILES:
         raise ValueError(f"{programs} programs exceed {MAX_TILES}")
     x = x.contiguous()
     pairs = x.view(torch.int32)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    tile = (rows_per_warp, 128 * warps)
-    part = torch.empty(splits, programs, *tile, device=x.device) if splits > 1 else out
+    part = torch.empty(splits, m, n, device=x.device) if splits > 1 else out
     _gemv_mma_kernel[(programs, splits)](
         pairs,
-        weight.words,
-        weight.scale_mins,
+        weight.tiles,
         part,
         _counters(x.device),
         out,
         m,
         n,
         row_blocks,
-        k // MMA_CHUNK,
         pairs.stride(0),
         out.stride(0),
         num_groups,

@@ -258,27 +258,43 @@ class Int4WeightMMA:
     of `mma.m16n8k16` (rows g and g + 8) for the 4 k values kb .. kb + 3,
     kb = 64c + 16t + 4s:
 
-        words  int32 [N/16, K/64, 32, 4]     (rb, c, L, s), contiguous
         nibble 0 | 4: W[16rb + g,     kb + 0 | 1]      1 | 5: W[16rb + g + 8, kb + 0 | 1]
         nibble 2 | 6: W[16rb + g,     kb + 2 | 3]      3 | 7: W[16rb + g + 8, kb + 2 | 3]
-        scale_mins fp16 [K / G, N16 / 16, 8, 4]   (group, rb, g): scale and min of
-                   row 16rb + g, then scale and min of row 16rb + g + 8
 
     so `(word >> 4r) & 0x000F000F` is A register r with the codes of two
     neighbouring k in its two 16-bit halves, and lane t's activations for the whole
-    chunk are the 16 contiguous values x[64c + 16t .. 64c + 16t + 15], and its
-    scales and mins for a group are one 8-byte load.
+    chunk are the 16 contiguous values x[64c + 16t .. 64c + 16t + 15]. One tile per
+    (row block, group) holds the group's G / 64 chunks and then its scales and mins,
+    so a warp streams one contiguous run of bytes:
+
+        tiles  int32 [N16 / 16, K / G, 2G + 16]
+               [0, 2G):      words (chunk of the group, lane L, step s)
+               [2G, 2G + 16): fp16 (g, 4): scale, min of row 16rb + g, then of row 16rb + g + 8
+
     The arithmetic is Int4Weight's: w = scale * q + min. Same bytes, plus the pad rows.
     """
 
-    words: torch.Tensor
-    scale_mins: torch.Tensor
+    tiles: torch.Tensor
     shape: tuple[int, int]
     group_size: int
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.words, self.scale_mins))
+        return self.tiles.numel() * self.tiles.element_size()
+
+    @property
+    def words(self) -> torch.Tensor:
+        """int32 [N16 / 16, K / 64, 32, 4] (a copy): the words of every chunk."""
+        rbs, groups = self.tiles.shape[:2]
+        words = self.tiles[:, :, : 2 * self.group_size].contiguous()
+        return words.reshape(rbs, groups * self.group_size // MMA_CHUNK, 32, 4)
+
+    @property
+    def scale_mins(self) -> torch.Tensor:
+        """fp16 [N16 / 16, K / G, 8, 4] (a copy): per g, scale and min of rows g and g + 8."""
+        rbs, groups = self.tiles.shape[:2]
+        sm = self.tiles[:, :, 2 * self.group_size :].contiguous().view(torch.float16)
+        return sm.reshape(rbs, groups, 8, 4)
 
 
 def _mma_order(codes: torch.Tensor) -> torch.Tensor:
@@ -312,33 +328,32 @@ def to_mma(weight: Int4Weight) -> Int4WeightMMA:
         codes = torch.cat([codes, codes.new_zeros(n16 - n, k)])
         scales = torch.cat([scales, scales.new_zeros(n16 - n, scales.shape[1])])
         mins = torch.cat([mins, mins.new_zeros(n16 - n, mins.shape[1])])
-    # [N16, K/G] -> [K/G, rb, hr, g, scale|min] -> [K/G, rb, g, hr, scale|min]
-    pairs_sm = torch.stack([scales.T, mins.T], dim=-1).reshape(-1, n16 // 16, 2, 8, 2)
-    scale_mins = pairs_sm.transpose(2, 3).reshape(-1, n16 // 16, 8, 4).contiguous()
+    rbs, groups = n16 // 16, k // weight.group_size
+    # [N16, K/G] -> [rb, hr, g, K/G, scale|min] -> [rb, K/G, g, hr, scale|min]
+    sm = torch.stack([scales, mins], dim=-1).reshape(rbs, 2, 8, groups, 2)
+    sm = sm.permute(0, 3, 2, 1, 4).contiguous().view(torch.int32).reshape(rbs, groups, 16)
     nib = _mma_order(codes)  # uint8 [..., 8]; byte b of a word = nibbles 2b | 2b + 1
     pairs = nib[..., 0::2] | (nib[..., 1::2] << 4)
-    words = pairs.contiguous().view(torch.int32).reshape(n16 // 16, k // 64, 32, 4)
+    words = pairs.contiguous().view(torch.int32).reshape(rbs, groups, 2 * weight.group_size)
     return Int4WeightMMA(
-        words=words,
-        scale_mins=scale_mins,
-        shape=(n, k),
-        group_size=weight.group_size,
+        tiles=torch.cat([words, sm], dim=-1), shape=(n, k), group_size=weight.group_size
     )
 
 
 def from_mma(weight: Int4WeightMMA) -> Int4Weight:
     """Int4WeightMMA -> Int4Weight [N, K] (the pad rows dropped)."""
     n, k = weight.shape
-    n16 = weight.words.shape[0] * MMA_ROWS
-    pairs = weight.words.contiguous().view(torch.uint8).reshape(n16 // 16, k // 64, 8, 4, 4, 4)
+    n16 = weight.tiles.shape[0] * MMA_ROWS
+    pairs = weight.words.view(torch.uint8).reshape(n16 // 16, k // 64, 8, 4, 4, 4)
     nib = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # [..., 8] by nibble
     codes = _mma_order_inverse(nib)
-    sm = weight.scale_mins.reshape(-1, n16 // 16, 8, 2, 2).transpose(2, 3)  # [K/G, rb, hr, g, 2]
-    sm = sm.reshape(-1, n16, 2)[:, :n]  # [K/G, N, scale|min]
+    groups = k // weight.group_size
+    sm = weight.scale_mins.reshape(n16 // 16, groups, 8, 2, 2)  # rb, K/G, g, hr, scale|min
+    sm = sm.permute(0, 3, 2, 1, 4).reshape(n16, groups, 2)[:n]  # [N, K/G, scale|min]
     return Int4Weight(
         packed=pack_int4(codes[:n].contiguous()),
-        scales=sm[..., 0].T.contiguous(),
-        mins=sm[..., 1].T.contiguous(),
+        scales=sm[..., 0].contiguous(),
+        mins=sm[..., 1].contiguous(),
         shape=(n, k),
         group_size=weight.group_size,
     )

@@ -41,15 +41,19 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 def mma_weight(n: int, k: int, group_size: int, seed: int, device: str = "cpu") -> Int4WeightMMA:
     gen = torch.Generator().manual_seed(seed)
     mma = to_mma(quantize_int4(torch.randn(n, k, generator=gen), group_size))
-    return Int4WeightMMA(mma.words.to(device), mma.scale_mins.to(device), mma.shape, group_size)
+    return Int4WeightMMA(mma.tiles.to(device), mma.shape, group_size)
 
 
 def test_mma_layout_is_lossless_and_as_documented() -> None:
     gen = torch.Generator().manual_seed(0)
     weight = quantize_int4(torch.randn(20, 128, generator=gen), 64)
     mma = to_mma(weight)
+    assert mma.tiles.shape == (2, 2, 2 * 64 + 16) and mma.tiles.dtype == torch.int32
     assert mma.words.shape == (2, 2, 32, 4) and mma.words.dtype == torch.int32
     assert mma.scale_mins.shape == (2, 2, 8, 4) and mma.scale_mins.dtype == torch.float16
+    # 128 words and 16 int32 of scales and mins per (row block, group): 144 * 4 bytes
+    # for 16 x 64 values (512 bytes of codes and 64 of scales and mins).
+    assert mma.nbytes == 2 * 2 * 144 * 4
     back = from_mma(mma)
     assert torch.equal(back.packed, weight.packed)
     assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
@@ -68,8 +72,9 @@ def test_mma_layout_is_lossless_and_as_documented() -> None:
         int(codes[19, 111]),
         0,
     ]
-    # Scale and min of rows 16rb + g and 16rb + g + 8 (row block 0, g = 5, group 1).
-    assert mma.scale_mins[1, 0, 5].tolist() == [
+    assert torch.equal(mma.words[1, 1], mma.tiles[1, 1, :128].reshape(32, 4))
+    # Scale and min of rows 16rb + g and 16rb + g + 8 (row block 0, group 1, g = 5).
+    assert mma.scale_mins[0, 1, 5].tolist() == [
         float(weight.scales[5, 1]),
         float(weight.mins[5, 1]),
         float(weight.scales[13, 1]),
@@ -130,7 +135,7 @@ def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
                         ]
                 d += a @ b
                 s += torch.ones(16, 16) @ b
-        sm = weight.scale_mins[group].float()  # [rbs, 8, 4]
+        sm = weight.scale_mins[:, group].float()  # [rbs, 8, 4]
         scale = torch.cat([sm[:, :, 0], sm[:, :, 2]], dim=1)  # [rbs, 16] by row g + 8h
         min_ = torch.cat([sm[:, :, 1], sm[:, :, 3]], dim=1)
         corr = min_ - offset * scale
@@ -169,15 +174,17 @@ def test_supports_and_errors_on_cpu() -> None:
 
 
 def test_config_fills_the_gpu() -> None:
-    # 8192 rows: 512 row blocks, 64 programs of 4 warps x 2 row blocks; 132 SMs want
-    # about 16 warps each: 2112 / 256 warps -> 9 splits of the 64 groups -> 8 groups each.
+    # 8192 rows: 256 warps of 2 row blocks; 12 warps per SM are 1584: 16 groups a split
+    # give 4 x 256 = 1024 warps, 8 give 2048.
     assert mma_gemv_config(1, 8192, 8192, 128, 132) == {
         "WARPS": 4,
         "R": 2,
         "GS": 1,
         "GROUPS_PER_SPLIT": 8,
     }
-    # Few groups: never more splits than groups.
+    # 28672 rows (8192 in): 896 warps x 4 splits of 16 groups = 3584 warps: 16 a split.
+    assert mma_gemv_config(1, 28672, 8192, 128, 132)["GROUPS_PER_SPLIT"] == 16
+    # A small layer never fills the GPU: one group a split.
     assert mma_gemv_config(1, 64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
 
 
