@@ -173,7 +173,7 @@ def _group(
 def _gemv_mma_kernel(
     x_ptr,  # int32 [M, K / 2]: bf16/fp16 pairs
     tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]: words, then scales and mins
-    part_ptr,  # fp32 [S, M, N]
+    part_ptr,  # fp32 [S, programs along N, R, 128 W]
     count_ptr,  # int32 [programs along N]: 0 between calls
     out_ptr,  # [M, N]
     M,
@@ -287,11 +287,14 @@ def _gemv_mma_kernel(
     if SPLIT_K == 1:
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Partials as [S, M, N] fp32, only the elements that hold results (a lane's
-        # c1, c3 repeat c0, c2 when M = 1, and lanes t >= M/2 hold padding columns).
-        part_at = part_ptr + m_of * N + n_of
-        split_stride = M * N
-        tl.store(part_at + pid_s * split_stride, acc, mask=out_mask)
+        # Partials as [S, programs, R, E] fp32, each lane's four contiguous (16-byte
+        # loads and stores), written only by lanes that hold result columns: 2t < M
+        # (for odd M, column 2t + 1 repeats activation row 0 and is never stored).
+        tile = R * E
+        split_stride = tl.num_programs(0) * tile
+        part_at = part_ptr + pid_n * tile + i * E + e
+        part_mask = rb_ok & (2 * t < M)
+        tl.store(part_at + pid_s * split_stride, acc, mask=part_mask)
         # As in w4a16_gemv.py: every partial written before the counter moves; the
         # program that sees S - 1 came last and reads the partials from L2 (.cg).
         tl.debug_barrier()
@@ -300,7 +303,7 @@ def _gemv_mma_kernel(
             total = tl.full((R, E), 0.0, tl.float32)
             for p in tl.static_range(SPLIT_K):
                 total += tl.load(
-                    part_at + p * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg"
+                    part_at + p * split_stride, mask=part_mask, other=0.0, cache_modifier=".cg"
                 )
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
@@ -367,7 +370,8 @@ def w4a16_mma_gemv(
     x = x.contiguous()
     pairs = x.view(torch.int32)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    part = torch.empty(splits, m, n, device=x.device) if splits > 1 else out
+    tile = (rows_per_warp, 128 * warps)
+    part = torch.empty(splits, programs, *tile, device=x.device) if splits > 1 else out
     _gemv_mma_kernel[(programs, splits)](
         pairs,
         weight.tiles,
