@@ -46,7 +46,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).norm() / ref.norm())
 
 
-def sweep(k: int, n: int, mmas: list, num_sms: int) -> None:
+def sweep(k: int, n: int, mmas: list, num_sms: int, steps: tuple[int, ...]) -> None:
     """M = 1: warps x row blocks per warp x groups per step x groups per split, then the
     best config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -54,8 +54,8 @@ def sweep(k: int, n: int, mmas: list, num_sms: int) -> None:
     results = []
     for warps in (2, 4, 8):
         for rows in (1, 2):
-            for step in (1, 2):
-                for per_split in (2, 4, 8, 16, 32):
+            for step in steps:
+                for per_split in (1, 2, 4, 8, 16, 32):
                     if per_split > groups or per_split < step:
                         continue
                     cfg = {"WARPS": warps, "R": rows, "GS": step, "GROUPS_PER_SPLIT": per_split}
@@ -81,6 +81,9 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES)
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--sweep-steps", default="1,2", help="groups per step to sweep (1 and/or 2)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -134,7 +137,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.sweep:
-            sweep(k, n, mmas, props.multi_processor_count)
+            steps = tuple(int(v) for v in args.sweep_steps.split(","))
+            sweep(k, n, mmas, props.multi_processor_count, steps)
         del ws, kns, mmas, w_ref
     print()
     print(
