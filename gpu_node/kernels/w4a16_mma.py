@@ -313,18 +313,20 @@ def _gemv_mma_kernel(
 def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Warps, row blocks per warp, groups per step and per split (from the H200 sweeps).
 
-    4 warps of 2 row blocks, one group per step; splits as long as possible (up to 16
-    groups) while the GPU still gets about 12 warps per multiprocessor.
+    4 warps a program, one group a step. Splits as long as possible (16, 8, then 4
+    groups) while the GPU still gets about 12 warps per multiprocessor with 2 row
+    blocks a warp; failing that (small N), 1 row block a warp and splits of 8, 4, 2
+    groups. Short splits of 2-row-block warps measured slow (their warps end before
+    the loads one step ahead pay off), so that pair is never chosen.
     """
     num_groups = k // group_size
-    warps, rows_per_warp = 4, 2
-    warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
-    per_split = 1
-    for candidate in (16, 8, 4, 2):
-        if candidate <= num_groups and warp_rows * -(-num_groups // candidate) >= 12 * num_sms:
-            per_split = candidate
-            break
-    return {"WARPS": warps, "R": rows_per_warp, "GS": 1, "GROUPS_PER_SPLIT": per_split}
+    enough = 12 * num_sms
+    for rows_per_warp, lengths in ((2, (16, 8, 4)), (1, (8, 4, 2))):
+        warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
+        for per_split in lengths:
+            if per_split <= num_groups and warp_rows * -(-num_groups // per_split) >= enough:
+                return {"WARPS": 4, "R": rows_per_warp, "GS": 1, "GROUPS_PER_SPLIT": per_split}
+    return {"WARPS": 4, "R": 1, "GS": 1, "GROUPS_PER_SPLIT": min(2, num_groups)}
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:

@@ -174,17 +174,17 @@ def test_supports_and_errors_on_cpu() -> None:
 
 
 def test_config_fills_the_gpu() -> None:
+    base = {"WARPS": 4, "GS": 1}
     # 8192 rows: 256 warps of 2 row blocks; 12 warps per SM are 1584: 16 groups a split
     # give 4 x 256 = 1024 warps, 8 give 2048.
-    assert mma_gemv_config(1, 8192, 8192, 128, 132) == {
-        "WARPS": 4,
-        "R": 2,
-        "GS": 1,
-        "GROUPS_PER_SPLIT": 8,
-    }
-    # 28672 rows (8192 in): 896 warps x 4 splits of 16 groups = 3584 warps: 16 a split.
+    assert mma_gemv_config(1, 8192, 8192, 128, 132) == {**base, "R": 2, "GROUPS_PER_SPLIT": 8}
+    # 28672 rows (8192 in): 896 warps x 4 splits of 16 groups = 3584 warps.
     assert mma_gemv_config(1, 28672, 8192, 128, 132)["GROUPS_PER_SPLIT"] == 16
-    # A small layer never fills the GPU: one group a split.
+    # 4096 x 4096: 2-row-block warps never reach 1584 with splits >= 4 groups (1024 at
+    # 4); one row block a warp: 256 x 8 splits of 4 groups = 2048.
+    assert mma_gemv_config(1, 4096, 4096, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 4}
+    # A small layer never fills the GPU: splits of 2 groups (or 1 when there is 1).
+    assert mma_gemv_config(1, 64, 512, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 2}
     assert mma_gemv_config(1, 64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
 
 
