@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_node.kernels.w4a16 import is_interpreted
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, _counters
 from gpu_node.quant.int4 import MMA_CHUNK, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
 
@@ -401,6 +402,71 @@ def w4a16_mma_gemv(
         num_warps=warps,
     )
     return out
+
+
+@triton.jit
+def _dequant_mma_kernel(
+    tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]
+    out_ptr,  # [K, N]: W^T, dense
+    N,
+    num_groups,
+    GROUP_SIZE: tl.constexpr,
+):
+    """One (row block, group) tile -> its 16 x G values of W^T (pure tl: runs interpreted)."""
+    TILE: tl.constexpr = 2 * GROUP_SIZE + 16
+    rb = tl.program_id(0)
+    grp = tl.program_id(1)
+    tile = tiles_ptr + (rb * num_groups + grp) * TILE
+    w = tl.arange(0, 2 * GROUP_SIZE)  # word of the tile: (chunk, lane, step)
+    words = tl.load(tile + w)
+    lane = (w // 4) % 32
+    g = lane // 4
+    kb = grp * GROUP_SIZE + (w // 128) * 64 + (lane % 4) * 16 + (w % 4) * 4
+    sm = (tile + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4
+    for hr in tl.static_range(2):  # rows g, g + 8
+        scale = tl.load(sm + 2 * hr).to(tl.float32)
+        min_ = tl.load(sm + 2 * hr + 1).to(tl.float32)
+        n = rb * 16 + g + 8 * hr
+        for h in tl.static_range(2):
+            for e in tl.static_range(2):  # nibble hr + 2h + 4e holds W[n, kb + 2h + e]
+                q = (words >> (4 * (hr + 2 * h + 4 * e))) & 15
+                value = q.to(tl.float32) * scale + min_
+                at = out_ptr + (kb + 2 * h + e) * N + n
+                tl.store(at, value.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
+    n, k = weight.shape
+    # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
+    interpreted = is_interpreted(weight.tiles)
+    out = torch.empty(
+        k, n, device=weight.tiles.device, dtype=torch.float32 if interpreted else dtype
+    )
+    row_blocks, num_groups = weight.tiles.shape[:2]
+    _dequant_mma_kernel[(row_blocks, num_groups)](
+        weight.tiles, out, n, num_groups, GROUP_SIZE=weight.group_size
+    )
+    return out.to(dtype)
+
+
+def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, over Int4WeightMMA.
+
+    Up to 8 rows of bf16/fp16 on CUDA take the tensor-core GEMV; anything else
+    (more rows, fp32, the interpreter) dequantizes W^T into a transient dense
+    buffer and runs torch.matmul, as w4a16_kn_matmul does past its GEMV.
+    """
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, n)
+    if supports(x2, weight):
+        return w4a16_mma_gemv(x2, weight).reshape(*lead, n)
+    return torch.matmul(x2, dequantize_mma(weight, x2.dtype)).reshape(*lead, n)
 
 
 def w4a16_mma_ref(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:

@@ -7,8 +7,12 @@ The model code stays plain (`nn.Linear(in, out, bias=False)` everywhere);
     any module with `to_int4(group_size, symmetric)` (MoE experts) -> what that returns
 
 Int4Linear runs the Triton W4A16 kernels on CUDA. Its first CUDA call re-lays its
-buffers out, in place and losslessly, as Int4WeightKN (the transposed packing the
-GPU kernels read, same bytes; `weight_int4` converts back on demand). On a CPU it uses torch's own
+buffers out, in place and losslessly, for the GPU kernels (`weight_int4` converts
+back on demand): bf16/fp16 activations with a group size of 64 or 128 get
+Int4WeightMMA (the tensor-core decode GEMV of w4a16_mma.py; its tiles hold the
+scales and mins too, so `packed` holds them and `scales`/`mins` are left empty),
+anything else Int4WeightKN (the CUDA-core GEMV of w4a16_gemv.py, same bytes).
+The layout is chosen once, from the first CUDA call. On a CPU it uses torch's own
 int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations in, fp32 out)
 when torch has it: the weights stay 4-bit and a decode step reads a quarter of
 the bytes of fp32. That kernel wants its own packing and `(q - 8) * scale + zero`
@@ -26,13 +30,17 @@ import torch
 from torch import nn
 
 from gpu_node.quant.int4 import (
+    MMA_CHUNK,
     Int4Weight,
     Int4WeightKN,
+    Int4WeightMMA,
     dequantize_int4,
     from_kn,
+    from_mma,
     int4_from_gguf_q4_1,
     quantize_int4,
     to_kn,
+    to_mma,
     unpack_int4,
 )
 
@@ -58,6 +66,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
+        self.layout = "int4"  # "int4" (Int4Weight), "kn" (Int4WeightKN) or "mma" (Int4WeightMMA)
         self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -76,16 +85,28 @@ class Int4Linear(nn.Module):
     @property
     def is_kn(self) -> bool:
         """Buffers in Int4WeightKN's layout (int32 words) rather than Int4Weight's (uint8)."""
-        return self.packed.dtype == torch.int32
+        return self.layout == "kn"
 
     @property
     def weight_int4(self) -> Int4Weight:
-        if self.is_kn:
+        if self.layout == "kn":
             return from_kn(self.weight_kn)
+        if self.layout == "mma":
+            return from_mma(self.weight_mma)
         return Int4Weight(
             packed=self.packed,
             scales=self.scales,
             mins=self.mins,
+            shape=(self.out_features, self.in_features),
+            group_size=self.group_size,
+        )
+
+    @property
+    def weight_mma(self) -> Int4WeightMMA:
+        if self.layout != "mma":
+            return to_mma(self.weight_int4)
+        return Int4WeightMMA(
+            tiles=self.packed,
             shape=(self.out_features, self.in_features),
             group_size=self.group_size,
         )
@@ -103,18 +124,39 @@ class Int4Linear(nn.Module):
         )
 
     def use_kn_layout(self) -> None:
-        """Re-lay the buffers out as Int4WeightKN, in place (what the CUDA kernels read)."""
+        """Re-lay the buffers out as Int4WeightKN, in place (the CUDA-core GEMV's layout)."""
         if not self.is_kn:
             kn = to_kn(self.weight_int4)
             self.packed, self.scales, self.mins = kn.words, kn.scales, kn.mins
+            self.layout = "kn"
+            self._cpu_pack = None
+
+    def use_mma_layout(self) -> None:
+        """Re-lay the buffers out as Int4WeightMMA, in place (the tensor-core GEMV's layout)."""
+        if self.group_size % MMA_CHUNK:
+            raise ValueError(f"the MMA layout needs a group size divisible by {MMA_CHUNK}")
+        if self.layout != "mma":
+            mma = to_mma(self.weight_int4)
+            self.packed = mma.tiles
+            self.scales = self.mins = self.scales.new_empty(0)  # inside the tiles
+            self.layout = "mma"
             self._cpu_pack = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.is_cuda:
             from gpu_node.kernels.w4a16_gemv import w4a16_kn_matmul
+            from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
 
-            self.use_kn_layout()
-            y = w4a16_kn_matmul(x, self.weight_kn)
+            if self.layout == "int4":
+                tensor_cores = x.dtype in (torch.bfloat16, torch.float16)
+                if tensor_cores and self.group_size % MMA_CHUNK == 0:
+                    self.use_mma_layout()
+                else:
+                    self.use_kn_layout()
+            if self.layout == "mma":
+                y = w4a16_mma_matmul(x, self.weight_mma)
+            else:
+                y = w4a16_kn_matmul(x, self.weight_kn)
         elif _HAS_CPU_INT4:
             y = self._forward_cpu(x)
         else:

@@ -9,15 +9,16 @@ itself equals the reference (the interpreter cannot run its inline asm).
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import pytest
 import torch
 
-from gpu_node.kernels.w4a16_mma import (
-    mma_gemv_config,
-    supports,
-    w4a16_mma_gemv,
-    w4a16_mma_ref,
-)
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # the dequantize kernel runs interpreted on CPU
+
+import gpu_node.kernels.w4a16_mma as mma_module
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -26,6 +27,17 @@ from gpu_node.quant.int4 import (
     to_mma,
     unpack_int4,
 )
+from gpu_node.quant.linear import Int4Linear, model_bytes
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
+# imported the kernels before TRITON_INTERPRET was set: decorate them again.
+mma_module = importlib.reload(mma_module)
+dequantize_mma = mma_module.dequantize_mma
+mma_gemv_config = mma_module.mma_gemv_config
+supports = mma_module.supports
+w4a16_mma_gemv = mma_module.w4a16_mma_gemv
+w4a16_mma_matmul = mma_module.w4a16_mma_matmul
+w4a16_mma_ref = mma_module.w4a16_mma_ref
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="the kernel's inline PTX runs on NVIDIA GPUs only")
@@ -173,6 +185,45 @@ def test_supports_and_errors_on_cpu() -> None:
         w4a16_mma_gemv(torch.randn(1, 64, dtype=torch.bfloat16), weight)
 
 
+@pytest.mark.parametrize("n, k, group_size", [(16, 64, 64), (40, 256, 128), (33, 384, 64)])
+def test_dequantize_kernel_equals_reference(n, k, group_size) -> None:
+    device = "cuda" if CUDA else "cpu"
+    weight = mma_weight(n, k, group_size, seed=n, device=device)
+    expected = dequantize_int4(from_mma(weight)).T  # fp32 [K, N]
+    assert torch.equal(dequantize_mma(weight, torch.float32), expected)  # exact: same fp32 math
+    assert torch.equal(dequantize_mma(weight, torch.bfloat16), expected.to(torch.bfloat16))
+
+
+def test_matmul_takes_every_shape() -> None:
+    # On CPU (and for fp32 or more than 8 rows on CUDA): dequantize, then torch.matmul.
+    device = "cuda" if CUDA else "cpu"
+    weight = mma_weight(24, 128, 64, seed=2, device=device)
+    x = torch.randn(2, 10, 128, device=device)
+    y = w4a16_mma_matmul(x, weight)
+    assert y.shape == (2, 10, 24) and y.dtype == torch.float32
+    ref = x.reshape(20, 128) @ dequantize_int4(from_mma(weight)).T
+    assert relative_error(y.reshape(20, 24), ref) < 1e-5
+    assert w4a16_mma_matmul(torch.empty(0, 128, device=device), weight).shape == (0, 24)
+    with pytest.raises(ValueError, match="x has 64 features, weight expects 128"):
+        w4a16_mma_matmul(torch.randn(1, 64, device=device), weight)
+
+
+def test_int4_linear_relays_out_to_mma_without_loss() -> None:
+    gen = torch.Generator().manual_seed(4)
+    linear = Int4Linear(quantize_int4(torch.randn(48, 128, generator=gen), 64))
+    x = torch.randn(3, 128, generator=gen)
+    before = linear(x)
+    dense, size = dequantize_int4(linear.weight_int4), model_bytes(linear)
+    linear.use_mma_layout()
+    assert linear.layout == "mma" and linear.packed.shape == (3, 2, 144)
+    assert linear.scales.numel() == 0 and linear.mins.numel() == 0  # inside the tiles
+    assert torch.equal(dequantize_int4(linear.weight_int4), dense)
+    assert model_bytes(linear).total == size.total  # 48 rows: no pad rows
+    assert torch.equal(linear(x), before)  # the CPU path reads the re-laid weight
+    with pytest.raises(ValueError, match="group size divisible by 64"):
+        Int4Linear(quantize_int4(torch.randn(16, 64), 32)).use_mma_layout()
+
+
 def test_config_fills_the_gpu() -> None:
     base = {"WARPS": 4, "GS": 1}
     # 8192 rows: 256 warps of 2 row blocks; 12 warps per SM are 1584: 16 groups a split
@@ -223,3 +274,22 @@ def test_kernel_configs_agree(warps, rows_per_warp, step, groups_per_split) -> N
     config["GROUPS_PER_SPLIT"] = groups_per_split
     got = w4a16_mma_gemv(x, weight, config=config)
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
+
+
+@needs_cuda
+def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
+    gen = torch.Generator().manual_seed(9)
+    weight = quantize_int4(torch.randn(200, 512, generator=gen), 128)
+    tensor_cores = Int4Linear(weight).cuda()
+    x = torch.randn(3, 512, generator=gen).cuda()
+    for rows in (x[:1], x, torch.randn(20, 512, device="cuda")):  # GEMV, GEMV, dequantize
+        y = tensor_cores(rows.to(torch.bfloat16))
+        assert tensor_cores.layout == "mma"
+        ref = tensor_cores.forward_ref(rows.float())
+        assert relative_error(y, ref) < TOLERANCE[torch.bfloat16]
+    cuda_cores = Int4Linear(weight).cuda()
+    cuda_cores(x)  # fp32 activations: the CUDA-core GEMV's layout
+    assert cuda_cores.layout == "kn"
+    group_32 = Int4Linear(quantize_int4(torch.randn(64, 128, generator=gen), 32)).cuda()
+    group_32(x[:, :128].to(torch.bfloat16))  # group 32: no MMA layout
+    assert group_32.layout == "kn"
