@@ -46,19 +46,30 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).norm() / ref.norm())
 
 
-def sweep(k: int, n: int, mmas: list, num_sms: int, steps: tuple[int, ...]) -> None:
-    """M = 1: warps x row blocks per warp x groups per step x groups per split, then the
-    best config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
+def sweep(
+    k: int,
+    n: int,
+    mmas: list,
+    num_sms: int,
+    steps: tuple[int, ...],
+    stage_list: tuple[int, ...] = (),
+    warp_list: tuple[int, ...] = (2, 4, 8),
+    split_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+) -> None:
+    """M = 1: warps x row blocks per warp x (groups per step, or Triton's pipeline of
+    `stage_list` stages) x groups per split, then the best config with its loads alone
+    (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     groups = k // GROUP
     results = []
-    for warps in (2, 4, 8):
+    for warps in warp_list:
         for rows in (1, 2):
-            for step in steps:
-                for per_split in (1, 2, 4, 8, 16, 32):
+            for step, stages in [(s, 0) for s in steps] + [(1, st) for st in stage_list]:
+                for per_split in split_list:
                     if per_split > groups or per_split < step:
                         continue
                     cfg = {"WARPS": warps, "R": rows, "GS": step, "GROUPS_PER_SPLIT": per_split}
+                    cfg["STAGES"] = stages
                     t = bench_graph(
                         [lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas]
                     )
@@ -84,6 +95,9 @@ def main() -> None:
     parser.add_argument(
         "--sweep-steps", default="1,2", help="groups per step to sweep (1 and/or 2)"
     )
+    parser.add_argument("--sweep-stages", default="", help="pipeline stages to sweep, e.g. 3,4")
+    parser.add_argument("--sweep-warps", default="2,4,8")
+    parser.add_argument("--sweep-splits", default="1,2,4,8,16,32", help="groups per split")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -137,8 +151,20 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.sweep:
-            steps = tuple(int(v) for v in args.sweep_steps.split(","))
-            sweep(k, n, mmas, props.multi_processor_count, steps)
+
+            def ints(text: str) -> tuple[int, ...]:
+                return tuple(int(v) for v in text.split(",") if v)
+
+            sweep(
+                k,
+                n,
+                mmas,
+                props.multi_processor_count,
+                ints(args.sweep_steps),
+                ints(args.sweep_stages),
+                ints(args.sweep_warps),
+                ints(args.sweep_splits),
+            )
         del ws, kns, mmas, w_ref
     print()
     print(

@@ -194,6 +194,7 @@ def _gemv_mma_kernel(
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
+    STAGES: tl.constexpr = 0,  # > 0: Triton's pipelining instead of loads one step ahead
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
 ):
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
@@ -223,52 +224,19 @@ def _gemv_mma_kernel(
     g_begin = pid_s * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
     acc = tl.full((R, E), 0.0, tl.float32)
-    # A step's words, scales and mins are loaded one step ahead, so they are always in
-    # flight behind the tensor cores. Groups past the split's end load as zeros: a
-    # zero scale and min make their share exactly 0.
-    ok_a = rb_ok & (g_begin < g_end)
-    w0 = tl.load(words_at + g_begin * TILE, mask=ok_a, other=0)
-    w1 = tl.load(words_at + g_begin * TILE + 128, mask=ok_a & (CPG == 2), other=0)
-    sm_a = tl.load(sm_at + g_begin * sm_stride, mask=ok_a, other=0.0)
-    if GS == 2:
-        ok_b = rb_ok & (g_begin + 1 < g_end)
-        w2 = tl.load(words_at + (g_begin + 1) * TILE, mask=ok_b, other=0)
-        w3 = tl.load(words_at + (g_begin + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
-        sm_b = tl.load(sm_at + (g_begin + 1) * sm_stride, mask=ok_b, other=0.0)
-    for grp in range(g_begin, g_end, GS):
-        nxt = grp + GS
-        ok_a = rb_ok & (nxt < g_end)
-        w0_n = tl.load(words_at + nxt * TILE, mask=ok_a, other=0)
-        w1_n = tl.load(words_at + nxt * TILE + 128, mask=ok_a & (CPG == 2), other=0)
-        sm_a_n = tl.load(sm_at + nxt * sm_stride, mask=ok_a, other=0.0)
-        if GS == 2:
-            ok_b = rb_ok & (nxt + 1 < g_end)
-            w2_n = tl.load(words_at + (nxt + 1) * TILE, mask=ok_b, other=0)
-            w3_n = tl.load(words_at + (nxt + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
-            sm_b_n = tl.load(sm_at + (nxt + 1) * sm_stride, mask=ok_b, other=0.0)
-
-        acc += _group(
-            w0,
-            w1,
-            sm_a,
-            x_at,
-            grp * CPG,
-            last_chunk,
-            OFFSET,
-            CPG,
-            MODE,
-            D_ASM,
-            D_CONSTRAINTS,
-            S_ASM,
-            S_CONSTRAINTS,
-        )
-        if GS == 2:
+    if STAGES > 0:
+        # Triton's software pipeline: the loads of STAGES - 1 groups ahead go to shared
+        # memory by cp.async; each lane reads its own 16 bytes back (no shuffle).
+        for grp in tl.range(g_begin, g_end, num_stages=STAGES):
+            w0 = tl.load(words_at + grp * TILE, mask=rb_ok, other=0)
+            w1 = tl.load(words_at + grp * TILE + 128, mask=rb_ok & (CPG == 2), other=0)
+            sm_a = tl.load(sm_at + grp * sm_stride, mask=rb_ok, other=0.0)
             acc += _group(
-                w2,
-                w3,
-                sm_b,
+                w0,
+                w1,
+                sm_a,
                 x_at,
-                (grp + 1) * CPG,
+                grp * CPG,
                 last_chunk,
                 OFFSET,
                 CPG,
@@ -278,8 +246,64 @@ def _gemv_mma_kernel(
                 S_ASM,
                 S_CONSTRAINTS,
             )
-            w2, w3, sm_b = w2_n, w3_n, sm_b_n
-        w0, w1, sm_a = w0_n, w1_n, sm_a_n
+    else:
+        # A step's words, scales and mins are loaded one step ahead, so they are always in
+        # flight behind the tensor cores. Groups past the split's end load as zeros: a
+        # zero scale and min make their share exactly 0.
+        ok_a = rb_ok & (g_begin < g_end)
+        w0 = tl.load(words_at + g_begin * TILE, mask=ok_a, other=0)
+        w1 = tl.load(words_at + g_begin * TILE + 128, mask=ok_a & (CPG == 2), other=0)
+        sm_a = tl.load(sm_at + g_begin * sm_stride, mask=ok_a, other=0.0)
+        if GS == 2:
+            ok_b = rb_ok & (g_begin + 1 < g_end)
+            w2 = tl.load(words_at + (g_begin + 1) * TILE, mask=ok_b, other=0)
+            w3 = tl.load(words_at + (g_begin + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
+            sm_b = tl.load(sm_at + (g_begin + 1) * sm_stride, mask=ok_b, other=0.0)
+        for grp in range(g_begin, g_end, GS):
+            nxt = grp + GS
+            ok_a = rb_ok & (nxt < g_end)
+            w0_n = tl.load(words_at + nxt * TILE, mask=ok_a, other=0)
+            w1_n = tl.load(words_at + nxt * TILE + 128, mask=ok_a & (CPG == 2), other=0)
+            sm_a_n = tl.load(sm_at + nxt * sm_stride, mask=ok_a, other=0.0)
+            if GS == 2:
+                ok_b = rb_ok & (nxt + 1 < g_end)
+                w2_n = tl.load(words_at + (nxt + 1) * TILE, mask=ok_b, other=0)
+                w3_n = tl.load(words_at + (nxt + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
+                sm_b_n = tl.load(sm_at + (nxt + 1) * sm_stride, mask=ok_b, other=0.0)
+
+            acc += _group(
+                w0,
+                w1,
+                sm_a,
+                x_at,
+                grp * CPG,
+                last_chunk,
+                OFFSET,
+                CPG,
+                MODE,
+                D_ASM,
+                D_CONSTRAINTS,
+                S_ASM,
+                S_CONSTRAINTS,
+            )
+            if GS == 2:
+                acc += _group(
+                    w2,
+                    w3,
+                    sm_b,
+                    x_at,
+                    (grp + 1) * CPG,
+                    last_chunk,
+                    OFFSET,
+                    CPG,
+                    MODE,
+                    D_ASM,
+                    D_CONSTRAINTS,
+                    S_ASM,
+                    S_CONSTRAINTS,
+                )
+                w2, w3, sm_b = w2_n, w3_n, sm_b_n
+            w0, w1, sm_a = w0_n, w1_n, sm_a_n
 
     n_of = rb * 16 + g + 8 * (j // 2)  # [R, E]: output row of C element j
     m_of = 2 * t + (j % 2)  # [1, E]: activation row of C element j
@@ -393,6 +417,7 @@ def w4a16_mma_gemv(
         R=rows_per_warp,
         GS=cfg["GS"],
         SPLIT_K=splits,
+        STAGES=cfg.get("STAGES", 0),
         MODE=cfg.get("MODE", 0),
         OFFSET=_MAGIC[x.dtype][1],
         D_ASM=_D_ASM[x.dtype],

@@ -263,14 +263,22 @@ def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "warps, rows_per_warp, step, groups_per_split",
-    [(1, 1, 1, 1), (2, 4, 2, 3), (8, 2, 1, 64), (4, 1, 2, 5), (4, 2, 2, 32)],
+    "warps, rows_per_warp, step, groups_per_split, stages",
+    [
+        (1, 1, 1, 1, 0),
+        (2, 4, 2, 3, 0),
+        (8, 2, 1, 64, 0),
+        (4, 1, 2, 5, 0),
+        (4, 2, 2, 32, 0),
+        (4, 2, 1, 8, 3),
+        (8, 1, 1, 5, 4),
+    ],
 )
-def test_kernel_configs_agree(warps, rows_per_warp, step, groups_per_split) -> None:
+def test_kernel_configs_agree(warps, rows_per_warp, step, groups_per_split, stages) -> None:
     weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
     x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
     ref = w4a16_mma_ref(x, weight)
-    config = {"WARPS": warps, "R": rows_per_warp, "GS": step}
+    config = {"WARPS": warps, "R": rows_per_warp, "GS": step, "STAGES": stages}
     config["GROUPS_PER_SPLIT"] = groups_per_split
     got = w4a16_mma_gemv(x, weight, config=config)
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
