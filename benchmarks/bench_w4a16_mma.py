@@ -51,29 +51,22 @@ def sweep(
     n: int,
     mmas: list,
     num_sms: int,
-    steps: tuple[int, ...],
-    stage_list: tuple[int, ...] = (),
     warp_list: tuple[int, ...] = (2, 4, 8),
     split_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
 ) -> None:
-    """M = 1: warps x row blocks per warp x (groups per step, or Triton's pipeline of
-    `stage_list` stages) x groups per split, then the best config with its loads alone
-    (MODE 1) and without the activation sums (MODE 2)."""
+    """M = 1: warps x row blocks per warp x groups per split, then the best config with
+    its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     groups = k // GROUP
     results = []
     for warps in warp_list:
         for rows in (1, 2):
-            for step, stages in [(s, 0) for s in steps] + [(1, st) for st in stage_list]:
-                for per_split in split_list:
-                    if per_split > groups or per_split < step:
-                        continue
-                    cfg = {"WARPS": warps, "R": rows, "GS": step, "GROUPS_PER_SPLIT": per_split}
-                    cfg["STAGES"] = stages
-                    t = bench_graph(
-                        [lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas]
-                    )
-                    results.append((t * 1e3, cfg))
+            for per_split in split_list:
+                if per_split > groups:
+                    continue
+                cfg = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split}
+                t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
+                results.append((t * 1e3, cfg))
     heuristic = mma_gemv_config(1, n, k, GROUP, num_sms)
     t_h = bench_graph([lambda q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
     results.sort(key=lambda r: r[0])
@@ -92,10 +85,6 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES)
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument(
-        "--sweep-steps", default="1,2", help="groups per step to sweep (1 and/or 2)"
-    )
-    parser.add_argument("--sweep-stages", default="", help="pipeline stages to sweep, e.g. 3,4")
     parser.add_argument("--sweep-warps", default="2,4,8")
     parser.add_argument("--sweep-splits", default="1,2,4,8,16,32", help="groups per split")
     parser.add_argument("--json", type=Path)
@@ -160,8 +149,6 @@ def main() -> None:
                 n,
                 mmas,
                 props.multi_processor_count,
-                ints(args.sweep_steps),
-                ints(args.sweep_stages),
                 ints(args.sweep_warps),
                 ints(args.sweep_splits),
             )

@@ -118,12 +118,15 @@ def _s_chunk(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
 
 
 @triton.jit
-def _expand_pairs(v):
-    """[R, E] with (a, b, c, d) per lane -> ((a, a, c, c), (b, b, d, d)), within each lane."""
-    lo, hi = tl.split(tl.reshape(v, (v.shape[0], v.shape[1] // 2, 2)))  # (a, c), (b, d)
-    lo = tl.reshape(tl.join(lo, lo), v.shape)
-    hi = tl.reshape(tl.join(hi, hi), v.shape)
-    return lo, hi
+def _scale_and_correction(sm, OFFSET):
+    """sm [R, E]: (scale, min) of rows g and g + 8 per lane -> scale, min - OFFSET * scale
+    per C element (rows g, g, g + 8, g + 8), all within the lane."""
+    sm = sm.to(tl.float32)
+    scale, min_ = tl.split(tl.reshape(sm, (sm.shape[0], sm.shape[1] // 2, 2)))  # rows g, g + 8
+    corr = min_ - OFFSET * scale
+    scale = tl.reshape(tl.join(scale, scale), sm.shape)
+    corr = tl.reshape(tl.join(corr, corr), sm.shape)
+    return scale, corr
 
 
 @triton.jit
@@ -133,7 +136,6 @@ def _group(
     sm,
     x_at,
     c0,
-    last_chunk,
     OFFSET,
     CPG: tl.constexpr,
     MODE: tl.constexpr,
@@ -148,25 +150,22 @@ def _group(
         if CPG == 2:
             out += w1.to(tl.float32, bitcast=True)
         return out
-    # Past the split's end the scale and min load as 0; the activations stay in range.
-    ca = tl.minimum(c0, last_chunk)
-    x_lo = tl.load(x_at + ca * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
-    x_hi = tl.load(x_at + ca * 32 + 4)  # pairs 8t + 4 .. 8t + 7
+    x_lo = tl.load(x_at + c0 * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
+    x_hi = tl.load(x_at + c0 * 32 + 4)  # pairs 8t + 4 .. 8t + 7
     d = _d_chunk(w0, x_lo, x_hi, tl.full(w0.shape, 0.0, tl.float32), D_ASM, D_CONSTRAINTS)
     if MODE != 2:  # MODE 2 (benchmarks): S left out
         s = _s_chunk(x_lo, x_hi, tl.full(x_lo.shape, 0.0, tl.float32), S_ASM, S_CONSTRAINTS)
     if CPG == 2:
-        cb = tl.minimum(c0 + 1, last_chunk)
-        x_lo = tl.load(x_at + cb * 32)
-        x_hi = tl.load(x_at + cb * 32 + 4)
+        x_lo = tl.load(x_at + (c0 + 1) * 32)
+        x_hi = tl.load(x_at + (c0 + 1) * 32 + 4)
         d = _d_chunk(w1, x_lo, x_hi, d, D_ASM, D_CONSTRAINTS)
         if MODE != 2:
             s = _s_chunk(x_lo, x_hi, s, S_ASM, S_CONSTRAINTS)
-    scale, min_ = _expand_pairs(sm.to(tl.float32))
+    scale, corr = _scale_and_correction(sm, OFFSET)
     if MODE == 2:  # noqa: SIM108  (s does not exist in MODE 2: no ternary)
-        out = d * scale + min_
+        out = d * scale + corr
     else:
-        out = d * scale + s * (min_ - OFFSET * scale)
+        out = d * scale + s * corr
     return out
 
 
@@ -187,14 +186,12 @@ def _gemv_mma_kernel(
     GROUP_SIZE: tl.constexpr,
     WARPS: tl.constexpr,
     R: tl.constexpr,  # row blocks per warp
-    GS: tl.constexpr,  # groups per step: 1 or 2 (loaded one step ahead)
     SPLIT_K: tl.constexpr,
     OFFSET: tl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the magic's integer part
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
-    STAGES: tl.constexpr = 0,  # > 0: Triton's pipelining instead of loads one step ahead
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
 ):
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
@@ -219,91 +216,27 @@ def _gemv_mma_kernel(
     sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j  # + 2 TILE grp
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
     sm_stride = 2 * TILE
-    last_chunk = num_groups * CPG - 1
 
     g_begin = pid_s * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
     acc = tl.full((R, E), 0.0, tl.float32)
-    if STAGES > 0:
-        # Triton's software pipeline: the loads of STAGES - 1 groups ahead go to shared
-        # memory by cp.async; each lane reads its own 16 bytes back (no shuffle).
-        for grp in tl.range(g_begin, g_end, num_stages=STAGES):
-            w0 = tl.load(words_at + grp * TILE, mask=rb_ok, other=0)
-            w1 = tl.load(words_at + grp * TILE + 128, mask=rb_ok & (CPG == 2), other=0)
-            sm_a = tl.load(sm_at + grp * sm_stride, mask=rb_ok, other=0.0)
-            acc += _group(
-                w0,
-                w1,
-                sm_a,
-                x_at,
-                grp * CPG,
-                last_chunk,
-                OFFSET,
-                CPG,
-                MODE,
-                D_ASM,
-                D_CONSTRAINTS,
-                S_ASM,
-                S_CONSTRAINTS,
-            )
-    else:
-        # A step's words, scales and mins are loaded one step ahead, so they are always in
-        # flight behind the tensor cores. Groups past the split's end load as zeros: a
-        # zero scale and min make their share exactly 0.
-        ok_a = rb_ok & (g_begin < g_end)
-        w0 = tl.load(words_at + g_begin * TILE, mask=ok_a, other=0)
-        w1 = tl.load(words_at + g_begin * TILE + 128, mask=ok_a & (CPG == 2), other=0)
-        sm_a = tl.load(sm_at + g_begin * sm_stride, mask=ok_a, other=0.0)
-        if GS == 2:
-            ok_b = rb_ok & (g_begin + 1 < g_end)
-            w2 = tl.load(words_at + (g_begin + 1) * TILE, mask=ok_b, other=0)
-            w3 = tl.load(words_at + (g_begin + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
-            sm_b = tl.load(sm_at + (g_begin + 1) * sm_stride, mask=ok_b, other=0.0)
-        for grp in range(g_begin, g_end, GS):
-            nxt = grp + GS
-            ok_a = rb_ok & (nxt < g_end)
-            w0_n = tl.load(words_at + nxt * TILE, mask=ok_a, other=0)
-            w1_n = tl.load(words_at + nxt * TILE + 128, mask=ok_a & (CPG == 2), other=0)
-            sm_a_n = tl.load(sm_at + nxt * sm_stride, mask=ok_a, other=0.0)
-            if GS == 2:
-                ok_b = rb_ok & (nxt + 1 < g_end)
-                w2_n = tl.load(words_at + (nxt + 1) * TILE, mask=ok_b, other=0)
-                w3_n = tl.load(words_at + (nxt + 1) * TILE + 128, mask=ok_b & (CPG == 2), other=0)
-                sm_b_n = tl.load(sm_at + (nxt + 1) * sm_stride, mask=ok_b, other=0.0)
-
-            acc += _group(
-                w0,
-                w1,
-                sm_a,
-                x_at,
-                grp * CPG,
-                last_chunk,
-                OFFSET,
-                CPG,
-                MODE,
-                D_ASM,
-                D_CONSTRAINTS,
-                S_ASM,
-                S_CONSTRAINTS,
-            )
-            if GS == 2:
-                acc += _group(
-                    w2,
-                    w3,
-                    sm_b,
-                    x_at,
-                    (grp + 1) * CPG,
-                    last_chunk,
-                    OFFSET,
-                    CPG,
-                    MODE,
-                    D_ASM,
-                    D_CONSTRAINTS,
-                    S_ASM,
-                    S_CONSTRAINTS,
-                )
-                w2, w3, sm_b = w2_n, w3_n, sm_b_n
-            w0, w1, sm_a = w0_n, w1_n, sm_a_n
+    # A group's words, scales and mins are loaded one group ahead, so they are always
+    # in flight behind the tensor cores. Past the split's end they load as zeros: a
+    # zero scale and min make that share exactly 0.
+    ok = rb_ok & (g_begin < g_end)
+    w0 = tl.load(words_at + g_begin * TILE, mask=ok, other=0)
+    w1 = tl.load(words_at + g_begin * TILE + 128, mask=ok & (CPG == 2), other=0)
+    sm = tl.load(sm_at + g_begin * sm_stride, mask=ok, other=0.0)
+    for grp in range(g_begin, g_end):
+        ok = rb_ok & (grp + 1 < g_end)
+        w0_n = tl.load(words_at + (grp + 1) * TILE, mask=ok, other=0)
+        w1_n = tl.load(words_at + (grp + 1) * TILE + 128, mask=ok & (CPG == 2), other=0)
+        sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
+        acc += _group(
+            w0, w1, sm, x_at, grp * CPG, OFFSET, CPG, MODE,
+            D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
+        )  # fmt: skip
+        w0, w1, sm = w0_n, w1_n, sm_n
 
     n_of = rb * 16 + g + 8 * (j // 2)  # [R, E]: output row of C element j
     m_of = 2 * t + (j % 2)  # [1, E]: activation row of C element j
@@ -350,8 +283,8 @@ def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> di
         warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
         for per_split in lengths:
             if per_split <= num_groups and warp_rows * -(-num_groups // per_split) >= enough:
-                return {"WARPS": 4, "R": rows_per_warp, "GS": 1, "GROUPS_PER_SPLIT": per_split}
-    return {"WARPS": 4, "R": 1, "GS": 1, "GROUPS_PER_SPLIT": min(2, num_groups)}
+                return {"WARPS": 4, "R": rows_per_warp, "GROUPS_PER_SPLIT": per_split}
+    return {"WARPS": 4, "R": 1, "GROUPS_PER_SPLIT": min(2, num_groups)}
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:
@@ -371,7 +304,7 @@ def w4a16_mma_gemv(
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
-    `config` (WARPS, R, GS, GROUPS_PER_SPLIT, MODE) overrides the heuristic; benchmarks sweep it.
+    `config` (WARPS, R, GROUPS_PER_SPLIT, MODE) overrides the heuristic; benchmarks sweep it.
     """
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -415,9 +348,7 @@ def w4a16_mma_gemv(
         GROUP_SIZE=weight.group_size,
         WARPS=warps,
         R=rows_per_warp,
-        GS=cfg["GS"],
         SPLIT_K=splits,
-        STAGES=cfg.get("STAGES", 0),
         MODE=cfg.get("MODE", 0),
         OFFSET=_MAGIC[x.dtype][1],
         D_ASM=_D_ASM[x.dtype],

@@ -225,7 +225,7 @@ def test_int4_linear_relays_out_to_mma_without_loss() -> None:
 
 
 def test_config_fills_the_gpu() -> None:
-    base = {"WARPS": 4, "GS": 1}
+    base = {"WARPS": 4}
     # 8192 rows: 256 warps of 2 row blocks; 12 warps per SM are 1584: 16 groups a split
     # give 4 x 256 = 1024 warps, 8 give 2048.
     assert mma_gemv_config(1, 8192, 8192, 128, 132) == {**base, "R": 2, "GROUPS_PER_SPLIT": 8}
@@ -263,23 +263,14 @@ def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "warps, rows_per_warp, step, groups_per_split, stages",
-    [
-        (1, 1, 1, 1, 0),
-        (2, 4, 2, 3, 0),
-        (8, 2, 1, 64, 0),
-        (4, 1, 2, 5, 0),
-        (4, 2, 2, 32, 0),
-        (4, 2, 1, 8, 3),
-        (8, 1, 1, 5, 4),
-    ],
+    "warps, rows_per_warp, groups_per_split",
+    [(1, 1, 1), (2, 4, 3), (8, 2, 64), (4, 1, 5), (4, 2, 32)],
 )
-def test_kernel_configs_agree(warps, rows_per_warp, step, groups_per_split, stages) -> None:
+def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
     weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
     x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
     ref = w4a16_mma_ref(x, weight)
-    config = {"WARPS": warps, "R": rows_per_warp, "GS": step, "STAGES": stages}
-    config["GROUPS_PER_SPLIT"] = groups_per_split
+    config = {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": groups_per_split}
     got = w4a16_mma_gemv(x, weight, config=config)
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
 
