@@ -173,6 +173,8 @@ def _group(
 def _gemv_mma_kernel(
     x_ptr,  # int32 [M, K / 2]: bf16/fp16 pairs
     tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]: words, then scales and mins
+    stride_tr,  # tiles' strides (int32) along row blocks and groups; the last is 1
+    stride_tg,
     part_ptr,  # fp32 [S, programs along N, R, 128 W]
     count_ptr,  # int32 [programs along N]: 0 between calls
     out_ptr,  # [M, N]
@@ -210,12 +212,11 @@ def _gemv_mma_kernel(
     t = lane % 4
     rb = (pid_n * R + i) * WARPS + e // 128  # [R, E]
     rb_ok = rb < num_row_blocks
-    TILE: tl.constexpr = 2 * GROUP_SIZE + 16  # int32 per (row block, group)
-    tile_at = tiles_ptr + rb * (num_groups * TILE)  # [R, E]; + TILE * group
+    tile_at = tiles_ptr + rb * stride_tr  # [R, E]; + stride_tg * group
     words_at = tile_at + e % 128  # + 128 * chunk of the group
-    sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j  # + 2 TILE grp
+    sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
-    sm_stride = 2 * TILE
+    sm_stride = 2 * stride_tg  # in fp16
 
     g_begin = pid_s * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
@@ -224,13 +225,13 @@ def _gemv_mma_kernel(
     # in flight behind the tensor cores. Past the split's end they load as zeros: a
     # zero scale and min make that share exactly 0.
     ok = rb_ok & (g_begin < g_end)
-    w0 = tl.load(words_at + g_begin * TILE, mask=ok, other=0)
-    w1 = tl.load(words_at + g_begin * TILE + 128, mask=ok & (CPG == 2), other=0)
+    w0 = tl.load(words_at + g_begin * stride_tg, mask=ok, other=0)
+    w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=ok & (CPG == 2), other=0)
     sm = tl.load(sm_at + g_begin * sm_stride, mask=ok, other=0.0)
     for grp in range(g_begin, g_end):
         ok = rb_ok & (grp + 1 < g_end)
-        w0_n = tl.load(words_at + (grp + 1) * TILE, mask=ok, other=0)
-        w1_n = tl.load(words_at + (grp + 1) * TILE + 128, mask=ok & (CPG == 2), other=0)
+        w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
+        w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
         sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
         acc += _group(
             w0, w1, sm, x_at, grp * CPG, OFFSET, CPG, MODE,
@@ -287,6 +288,11 @@ def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> di
     return {"WARPS": 4, "R": 1, "GROUPS_PER_SPLIT": min(2, num_groups)}
 
 
+def _check_tiles(weight: Int4WeightMMA) -> None:
+    if weight.tiles.dim() != 3 or weight.tiles.stride(2) != 1:
+        raise ValueError("Int4WeightMMA.tiles must be [N/16, K/G, 2G + 16] with unit last stride")
+
+
 def supports(x: torch.Tensor, weight: object) -> bool:
     """Whether w4a16_mma_gemv takes this call (else callers use the CUDA-core GEMV)."""
     return (
@@ -315,6 +321,7 @@ def w4a16_mma_gemv(
             f"divisible by {MMA_CHUNK}; got {x.dtype} {tuple(x.shape)} on {x.device}, "
             f"group {weight.group_size}"
         )
+    _check_tiles(weight)
     m = x.shape[0]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     cfg = dict(mma_gemv_config(m, n, k, weight.group_size, sms))
@@ -335,6 +342,8 @@ def w4a16_mma_gemv(
     _gemv_mma_kernel[(programs, splits)](
         pairs,
         weight.tiles,
+        weight.tiles.stride(0),
+        weight.tiles.stride(1),
         part,
         _counters(x.device),
         out,
@@ -363,16 +372,16 @@ def w4a16_mma_gemv(
 @triton.jit
 def _dequant_mma_kernel(
     tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]
+    stride_tr,
+    stride_tg,
     out_ptr,  # [K, N]: W^T, dense
     N,
-    num_groups,
     GROUP_SIZE: tl.constexpr,
 ):
     """One (row block, group) tile -> its 16 x G values of W^T (pure tl: runs interpreted)."""
-    TILE: tl.constexpr = 2 * GROUP_SIZE + 16
     rb = tl.program_id(0)
     grp = tl.program_id(1)
-    tile = tiles_ptr + (rb * num_groups + grp) * TILE
+    tile = tiles_ptr + rb * stride_tr + grp * stride_tg
     w = tl.arange(0, 2 * GROUP_SIZE)  # word of the tile: (chunk, lane, step)
     words = tl.load(tile + w)
     lane = (w // 4) % 32
@@ -394,6 +403,7 @@ def _dequant_mma_kernel(
 def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
     """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
     n, k = weight.shape
+    _check_tiles(weight)
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
     interpreted = is_interpreted(weight.tiles)
     out = torch.empty(
@@ -401,7 +411,12 @@ def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
     )
     row_blocks, num_groups = weight.tiles.shape[:2]
     _dequant_mma_kernel[(row_blocks, num_groups)](
-        weight.tiles, out, n, num_groups, GROUP_SIZE=weight.group_size
+        weight.tiles,
+        weight.tiles.stride(0),
+        weight.tiles.stride(1),
+        out,
+        n,
+        GROUP_SIZE=weight.group_size,
     )
     return out.to(dtype)
 

@@ -264,12 +264,14 @@ class Int4WeightMMA:
     so `(word >> 4r) & 0x000F000F` is A register r with the codes of two
     neighbouring k in its two 16-bit halves, and lane t's activations for the whole
     chunk are the 16 contiguous values x[64c + 16t .. 64c + 16t + 15]. One tile per
-    (row block, group) holds the group's G / 64 chunks and then its scales and mins,
-    so a warp streams one contiguous run of bytes:
+    (row block, group) holds the group's G / 64 chunks and then its scales and mins:
 
-        tiles  int32 [N16 / 16, K / G, 2G + 16]
+        tiles  int32 [N16 / 16, K / G, 2G + 16]   a view of storage [K / G, N16 / 16, 2G + 16]
                [0, 2G):      words (chunk of the group, lane L, step s)
                [2G, 2G + 16): fp16 (g, 4): scale, min of row 16rb + g, then of row 16rb + g + 8
+
+    The storage is group-major: the warps of a split, which walk the groups together,
+    read neighbouring row blocks' tiles from one region of memory at a time.
 
     The arithmetic is Int4Weight's: w = scale * q + min. Same bytes, plus the pad rows.
     """
@@ -335,9 +337,8 @@ def to_mma(weight: Int4Weight) -> Int4WeightMMA:
     nib = _mma_order(codes)  # uint8 [..., 8]; byte b of a word = nibbles 2b | 2b + 1
     pairs = nib[..., 0::2] | (nib[..., 1::2] << 4)
     words = pairs.contiguous().view(torch.int32).reshape(rbs, groups, 2 * weight.group_size)
-    return Int4WeightMMA(
-        tiles=torch.cat([words, sm], dim=-1), shape=(n, k), group_size=weight.group_size
-    )
+    storage = torch.cat([words, sm], dim=-1).transpose(0, 1).contiguous()  # group-major
+    return Int4WeightMMA(tiles=storage.transpose(0, 1), shape=(n, k), group_size=weight.group_size)
 
 
 def from_mma(weight: Int4WeightMMA) -> Int4Weight:

@@ -61,6 +61,7 @@ def test_mma_layout_is_lossless_and_as_documented() -> None:
     weight = quantize_int4(torch.randn(20, 128, generator=gen), 64)
     mma = to_mma(weight)
     assert mma.tiles.shape == (2, 2, 2 * 64 + 16) and mma.tiles.dtype == torch.int32
+    assert mma.tiles.stride() == (144, 2 * 144, 1)  # stored group-major
     assert mma.words.shape == (2, 2, 32, 4) and mma.words.dtype == torch.int32
     assert mma.scale_mins.shape == (2, 2, 8, 4) and mma.scale_mins.dtype == torch.float16
     # 128 words and 16 int32 of scales and mins per (row block, group): 144 * 4 bytes
@@ -192,6 +193,9 @@ def test_dequantize_kernel_equals_reference(n, k, group_size) -> None:
     expected = dequantize_int4(from_mma(weight)).T  # fp32 [K, N]
     assert torch.equal(dequantize_mma(weight, torch.float32), expected)  # exact: same fp32 math
     assert torch.equal(dequantize_mma(weight, torch.bfloat16), expected.to(torch.bfloat16))
+    # The kernels take the tiles' strides: row-block-major storage reads the same.
+    rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, group_size)
+    assert torch.equal(dequantize_mma(rb_major, torch.float32), expected)
 
 
 def test_matmul_takes_every_shape() -> None:
@@ -273,6 +277,8 @@ def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
     config = {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": groups_per_split}
     got = w4a16_mma_gemv(x, weight, config=config)
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
+    rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, 128)
+    assert torch.equal(w4a16_mma_gemv(x, rb_major, config=config), got)
 
 
 @needs_cuda
