@@ -309,12 +309,9 @@ def _paged_decode_split_kernel(
     first = start // PAGE_SIZE
     last = tl.minimum((end + PAGE_SIZE - 1) // PAGE_SIZE, max_pages)
     tag = tl.load(seq_tags_ptr + seq)
-    # Every kv head reads the same pages and kv head 0 reports for all of them, so only
-    # kv head 0 checks owners; the others' column range is empty (no loads issued).
-    last_checked = tl.where(kv_head == 0, last, first)
     if CHECK_OWNER:
         check_is_used, check_in_range, check_owners = _owners_tl(
-            table_row, page_owner_ptr, tag, first, last_checked, num_pages, HELD_BLOCK
+            table_row, page_owner_ptr, tag, first, last, num_pages, HELD_BLOCK
         )
 
     groups = tl.arange(0, BLOCK_G)
@@ -436,13 +433,13 @@ def _paged_decode_split_kernel(
         acc,
         mask=head_mask[:, None] & dim_mask[None, :],
     )
-    # Kv head 0 reports (its range checks saw the same pages as every other head's).
+    # Every kv head checks the same pages; kv head 0 reports.
     is_bad = (tl.reduce(num_bad, 0, maximum_tl) > 0) | (context_len > max_pages * PAGE_SIZE)
     if CHECK_OWNER:
         split_bad = _violations_tl(check_is_used, check_in_range, check_owners, tag)
-        for column in range(first + HELD_BLOCK, last_checked, CHECK_BLOCK):
+        for column in range(first + HELD_BLOCK, last, CHECK_BLOCK):
             is_used, is_in_range, owners = _owners_tl(
-                table_row, page_owner_ptr, tag, column, last_checked, num_pages, CHECK_BLOCK
+                table_row, page_owner_ptr, tag, column, last, num_pages, CHECK_BLOCK
             )
             split_bad = tl.maximum(split_bad, _violations_tl(is_used, is_in_range, owners, tag))
         is_bad = is_bad | (split_bad > 0)
