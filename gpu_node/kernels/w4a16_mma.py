@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_node.kernels.w4a16 import is_interpreted
+from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, _counters
 from gpu_node.quant.int4 import MMA_CHUNK, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
 
@@ -323,8 +323,7 @@ def w4a16_mma_gemv(
         )
     _check_tiles(weight)
     m = x.shape[0]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    cfg = dict(mma_gemv_config(m, n, k, weight.group_size, sms))
+    cfg = dict(mma_gemv_config(m, n, k, weight.group_size, num_sms(x.device)))
     cfg.update(config or {})
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
     num_groups = k // weight.group_size
