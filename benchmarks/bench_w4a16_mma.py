@@ -67,7 +67,7 @@ def sweep(
                 cfg = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split}
                 t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
                 results.append((t * 1e3, cfg))
-    heuristic = mma_gemv_config(1, n, k, GROUP, num_sms)
+    heuristic = mma_gemv_config(n, k, GROUP, num_sms)
     t_h = bench_graph([lambda q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
     results.sort(key=lambda r: r[0])
     best_t, best = results[0]

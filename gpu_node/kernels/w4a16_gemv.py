@@ -207,7 +207,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[s
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
+def split_counters(device: torch.device) -> torch.Tensor:
     """The device's split-K counters: zero between calls (each call leaves them so).
 
     One buffer per device, so GEMV calls on one device must not run concurrently on
@@ -259,6 +259,8 @@ def w4a16_gemv(
         raise ValueError(f"{row_blocks} row blocks exceed {MAX_TILES}")
     x = x.contiguous()
     pairs = x.dtype == torch.bfloat16
+    if pairs and x.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
+        x = x.clone()
     x_arg = x.view(torch.int32) if pairs else x
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
     out_dtype = torch.float32 if is_interpreted(x) else x.dtype
@@ -271,7 +273,7 @@ def w4a16_gemv(
         weight.scales,
         weight.mins,
         part,
-        _counters(x.device),
+        split_counters(x.device),
         out,
         m,
         n,

@@ -1,36 +1,39 @@
 """W4A16 decode GEMV on tensor cores over Int4WeightMMA: y = x @ W^T for M <= 8.
 
-Letters: M tokens, N out features, K in features, G group size, S split-K ways,
-W warps per program (one 16-row block each).
+Letters: M tokens, N out features, K in features, G group size (64 or 128),
+S split-K ways, W warps per program, R row blocks (16 rows) per warp.
 
-The CUDA-core GEMV (w4a16_gemv.py) pays about four instructions a weight, as long
-as reading the weight takes. Here a weight costs about one: the packed words are
-already each lane's A fragment of `mma.sync.m16n8k16` (int4.py, Int4WeightMMA),
-so one LOP3 turns two nibbles into two bf16 (or fp16) values without a conversion,
+The CUDA-core GEMV (w4a16_gemv.py) spends about five instructions a weight, so its
+arithmetic takes as long as reading the weight. Here a weight costs about two: the
+packed words are already each lane's A fragment of `mma.sync.m16n8k16` (int4.py,
+Int4WeightMMA), so one LOP3 turns two nibbles into two bf16 (or fp16) values
+without a conversion instruction,
 
     (word >> 4r) & 0x000F000F | 0x43004300   ->  bf16 pair (128 + q_lo, 128 + q_hi)
 
 and the tensor core multiplies them by the activations and sums in fp32. The
 offset and the group's scale and min come out afterwards, once per group and row:
 
-    D[n, m] = sum_k x[m, k] (128 + q[n, k])     (mma over the group, fp32)
-    S[m]    = sum_k x[m, k]                     (mma with A = 1: the same sum, exact)
-    y[m, n] += scale[n] * D[n, m] + (min[n] - 128 scale[n]) * S[m]
+    D[n, m]     = sum_k x[m, k] (128 + q[n, k])    (mma over the group, fp32 sums)
+    x_sum[m]    = sum_k x[m, k]                    (mma with A = 1: exact products, fp32 sums)
+    y[m, n]    += scale[n] D[n, m] + (min[n] - 128 scale[n]) x_sum[m]
 
 The B operand is the activations: column g of the mma is x row g (rows past M
-repeat row 0 and are never stored), so M = 1..8 cost the same. C fragment element
-j of lane 4g + t is output row 16rb + g + 8 (j // 2), activation row 2t + j % 2.
+repeat row 0 and are never stored), so M = 1..8 issue the same instructions. C
+fragment element j of lane 4g + t is output row 16rb + g + 8 (j // 2), activation
+row 2t + j % 2.
 
 The mma is a warp instruction, so the kernel's register tensors must map onto
-lanes exactly: every tensor in the loop is [32 W, 4] (row = lane of a warp, four
-consecutive elements per lane), the layout Triton gives a contiguous int32 load
-of that shape; the inline asm takes a lane's four elements at once (pack = 4).
-The GPU tests check the result against the torch reference; the interpreter
-cannot run inline asm, so this kernel is GPU-only (the layout has CPU tests).
+lanes exactly: every tensor in the loop is [R, 128 W] with four consecutive
+elements per lane (the layout Triton gives a 16-byte-per-lane load of that shape),
+and the inline asm takes a lane's four elements at once (pack = 4). The GPU tests
+check the result against the torch reference; the interpreter cannot run inline
+asm, so this kernel is GPU-only (the layout and its arithmetic have CPU tests).
 
-Split K (grid dim 1): each program writes an fp32 partial; the last program of a
-row block to finish (a release/acquire counter, as in w4a16_gemv.py) adds the S
-partials in a fixed order and writes y, so the result does not depend on timing.
+Split K (grid dim 1): each program writes an fp32 partial; the last of a column of
+programs (same row blocks) to finish (a release/acquire counter, as in
+w4a16_gemv.py) adds the S partials in a fixed order and writes y, so the result
+does not depend on timing.
 """
 
 from __future__ import annotations
@@ -43,8 +46,15 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
-from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, _counters
-from gpu_node.quant.int4 import MMA_CHUNK, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
+from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
+from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
+from gpu_node.quant.int4 import (
+    MMA_GROUP_SIZES,
+    MMA_ROWS,
+    Int4WeightMMA,
+    dequantize_int4,
+    from_mma,
+)
 
 _MAGIC = {
     torch.bfloat16: (0x43004300, 128.0, 0x3F803F80),  # 128 + q; 1.0
@@ -80,9 +90,9 @@ def _d_asm(ab_type: str, magic: int) -> str:
 
 
 def _s_asm(ab_type: str, one: int) -> str:
-    """PTX for one 64-k chunk: S += 1 @ x (the activations' sum, every row alike).
+    """PTX for one 64-k chunk: x_sum += 1 @ x (the activations' sum, every row alike).
 
-    Operands: $0-$3 S out, $4-$7 and $8-$11 the activation pairs, $12-$15 S in.
+    Operands: $0-$3 x_sum out, $4-$7 and $8-$11 the activation pairs, $12-$15 x_sum in.
     """
     lines = ["{", ".reg .b32 one;", f"mov.b32 one, {one:#x};"]
     for s in range(4):
@@ -144,7 +154,7 @@ def _group(
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
 ):
-    """One group's share of y, [R, E]: scale * D + (min - OFFSET * scale) * S."""
+    """One group's share of y, [R, E]: scale * D + (min - OFFSET * scale) * x_sum."""
     if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
         out = w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
         if CPG == 2:
@@ -153,7 +163,7 @@ def _group(
     x_lo = tl.load(x_at + c0 * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
     x_hi = tl.load(x_at + c0 * 32 + 4)  # pairs 8t + 4 .. 8t + 7
     d = _d_chunk(w0, x_lo, x_hi, tl.full(w0.shape, 0.0, tl.float32), D_ASM, D_CONSTRAINTS)
-    if MODE != 2:  # MODE 2 (benchmarks): S left out
+    if MODE != 2:  # MODE 2 (benchmarks): x_sum left out
         s = _s_chunk(x_lo, x_hi, tl.full(x_lo.shape, 0.0, tl.float32), S_ASM, S_CONSTRAINTS)
     if CPG == 2:
         x_lo = tl.load(x_at + (c0 + 1) * 32)
@@ -196,6 +206,7 @@ def _gemv_mma_kernel(
     S_CONSTRAINTS: tl.constexpr,
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
 ):
+    tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
     E: tl.constexpr = 128 * WARPS  # elements of a row-block slot: 32 lanes x 4 per warp
     pid_n = tl.program_id(0)
@@ -222,12 +233,11 @@ def _gemv_mma_kernel(
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
     acc = tl.full((R, E), 0.0, tl.float32)
     # A group's words, scales and mins are loaded one group ahead, so they are always
-    # in flight behind the tensor cores. Past the split's end they load as zeros: a
-    # zero scale and min make that share exactly 0.
-    ok = rb_ok & (g_begin < g_end)
-    w0 = tl.load(words_at + g_begin * stride_tg, mask=ok, other=0)
-    w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=ok & (CPG == 2), other=0)
-    sm = tl.load(sm_at + g_begin * sm_stride, mask=ok, other=0.0)
+    # in flight behind the tensor cores (the load past the split's last group is
+    # masked off and its values never used). Splits are never empty.
+    w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
+    w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
+    sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
     for grp in range(g_begin, g_end):
         ok = rb_ok & (grp + 1 < g_end)
         w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
@@ -255,7 +265,7 @@ def _gemv_mma_kernel(
         part_mask = rb_ok & (2 * t < M)
         tl.store(part_at + pid_s * split_stride, acc, mask=part_mask)
         # As in w4a16_gemv.py: every partial written before the counter moves; the
-        # program that sees S - 1 came last and reads the partials from L2 (.cg).
+        # program that sees SPLIT_K - 1 came last and reads the partials from L2 (.cg).
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
@@ -269,39 +279,54 @@ def _gemv_mma_kernel(
 
 
 @functools.cache
-def mma_gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
-    """Warps, row blocks per warp, groups per step and per split (from the H200 sweeps).
-
-    4 warps a program, one group a step. Splits as long as possible (16, 8, then 4
-    groups) while the GPU still gets about 12 warps per multiprocessor with 2 row
-    blocks a warp; failing that (small N), 1 row block a warp and splits of 8, 4, 2
-    groups. Short splits of 2-row-block warps measured slow (their warps end before
-    the loads one step ahead pay off), so that pair is never chosen.
-    """
+def _cached_config(n: int, k: int, group_size: int, num_sms: int) -> tuple[tuple[str, int], ...]:
     num_groups = k // group_size
     enough = 12 * num_sms
     for rows_per_warp, lengths in ((2, (16, 8, 4)), (1, (8, 4, 2))):
         warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
         for per_split in lengths:
             if per_split <= num_groups and warp_rows * -(-num_groups // per_split) >= enough:
-                return {"WARPS": 4, "R": rows_per_warp, "GROUPS_PER_SPLIT": per_split}
-    return {"WARPS": 4, "R": 1, "GROUPS_PER_SPLIT": min(2, num_groups)}
+                return (("WARPS", 4), ("R", rows_per_warp), ("GROUPS_PER_SPLIT", per_split))
+    return (("WARPS", 4), ("R", 1), ("GROUPS_PER_SPLIT", min(2, num_groups)))
+
+
+def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
+    """Warps, row blocks per warp and groups per split (from the H200 sweeps); M does not matter.
+
+    4 warps a program. Splits as long as possible (16, 8, then 4 groups) while the GPU
+    still gets about 12 warps per multiprocessor with 2 row blocks a warp; failing
+    that (small N), 1 row block a warp and splits of 8, 4, 2 groups. Splits of 2
+    groups for 2-row-block warps measured slow (their warps end before the loads one
+    group ahead pay off), so that pair is never chosen.
+    """
+    return dict(_cached_config(n, k, group_size, num_sms))
 
 
 def _check_tiles(weight: Int4WeightMMA) -> None:
-    if weight.tiles.dim() != 3 or weight.tiles.stride(2) != 1:
-        raise ValueError("Int4WeightMMA.tiles must be [N/16, K/G, 2G + 16] with unit last stride")
+    """The tiles the kernels can read: int32 [N16 / 16, K / G, 2G + 16], unit last stride."""
+    n, k = weight.shape
+    group_size = weight.group_size
+    if group_size not in MMA_GROUP_SIZES:
+        raise ValueError(f"Int4WeightMMA takes group sizes {MMA_GROUP_SIZES}, got {group_size}")
+    expected = (-(-n // MMA_ROWS), k // group_size, 2 * group_size + 16)
+    tiles = weight.tiles
+    if tiles.dtype != torch.int32 or tuple(tiles.shape) != expected or tiles.stride(2) != 1:
+        raise ValueError(
+            f"Int4WeightMMA.tiles must be int32 {list(expected)} with unit last stride, "
+            f"got {tiles.dtype} {list(tiles.shape)} strides {tiles.stride()}"
+        )
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:
-    """Whether w4a16_mma_gemv takes this call (else callers use the CUDA-core GEMV)."""
+    """Whether w4a16_mma_gemv takes this call (else callers dequantize, or use the GEMV)."""
     return (
         isinstance(weight, Int4WeightMMA)
         and x.is_cuda
+        and not is_interpreted(x)
         and x.dtype in _MAGIC
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_M
-        and weight.group_size % MMA_CHUNK == 0
+        and weight.group_size in MMA_GROUP_SIZES
     )
 
 
@@ -315,16 +340,20 @@ def w4a16_mma_gemv(
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.device != weight.tiles.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.tiles.device}")
     if not supports(x, weight):
         raise ValueError(
-            f"w4a16_mma_gemv takes bf16/fp16 x of 1..{MAX_M} rows on CUDA and a group size "
-            f"divisible by {MMA_CHUNK}; got {x.dtype} {tuple(x.shape)} on {x.device}, "
-            f"group {weight.group_size}"
+            f"w4a16_mma_gemv takes bf16/fp16 x of 1..{MAX_M} rows on CUDA (compiled, not "
+            f"interpreted) and a group size in {MMA_GROUP_SIZES}; got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}, group {weight.group_size}"
         )
     _check_tiles(weight)
     m = x.shape[0]
-    cfg = dict(mma_gemv_config(m, n, k, weight.group_size, num_sms(x.device)))
+    cfg = mma_gemv_config(n, k, weight.group_size, num_sms(x.device))
     cfg.update(config or {})
+    if cfg["GROUPS_PER_SPLIT"] < 1:
+        raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
@@ -334,6 +363,8 @@ def w4a16_mma_gemv(
     if programs > MAX_TILES:
         raise ValueError(f"{programs} programs exceed {MAX_TILES}")
     x = x.contiguous()
+    if x.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
+        x = x.clone()
     pairs = x.view(torch.int32)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     tile = (rows_per_warp, 128 * warps)
@@ -344,7 +375,7 @@ def w4a16_mma_gemv(
         weight.tiles.stride(0),
         weight.tiles.stride(1),
         part,
-        _counters(x.device),
+        split_counters(x.device),
         out,
         m,
         n,
@@ -368,64 +399,13 @@ def w4a16_mma_gemv(
     return out
 
 
-@triton.jit
-def _dequant_mma_kernel(
-    tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]
-    stride_tr,
-    stride_tg,
-    out_ptr,  # [K, N]: W^T, dense
-    N,
-    GROUP_SIZE: tl.constexpr,
-):
-    """One (row block, group) tile -> its 16 x G values of W^T (pure tl: runs interpreted)."""
-    rb = tl.program_id(0)
-    grp = tl.program_id(1)
-    tile = tiles_ptr + rb * stride_tr + grp * stride_tg
-    w = tl.arange(0, 2 * GROUP_SIZE)  # word of the tile: (chunk, lane, step)
-    words = tl.load(tile + w)
-    lane = (w // 4) % 32
-    g = lane // 4
-    kb = grp * GROUP_SIZE + (w // 128) * 64 + (lane % 4) * 16 + (w % 4) * 4
-    sm = (tile + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4
-    for hr in tl.static_range(2):  # rows g, g + 8
-        scale = tl.load(sm + 2 * hr).to(tl.float32)
-        min_ = tl.load(sm + 2 * hr + 1).to(tl.float32)
-        n = rb * 16 + g + 8 * hr
-        for h in tl.static_range(2):
-            for e in tl.static_range(2):  # nibble hr + 2h + 4e holds W[n, kb + 2h + e]
-                q = (words >> (4 * (hr + 2 * h + 4 * e))) & 15
-                value = q.to(tl.float32) * scale + min_
-                at = out_ptr + (kb + 2 * h + e) * N + n
-                tl.store(at, value.to(out_ptr.dtype.element_ty), mask=n < N)
-
-
-def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
-    """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
-    n, k = weight.shape
-    _check_tiles(weight)
-    # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
-    interpreted = is_interpreted(weight.tiles)
-    out = torch.empty(
-        k, n, device=weight.tiles.device, dtype=torch.float32 if interpreted else dtype
-    )
-    row_blocks, num_groups = weight.tiles.shape[:2]
-    _dequant_mma_kernel[(row_blocks, num_groups)](
-        weight.tiles,
-        weight.tiles.stride(0),
-        weight.tiles.stride(1),
-        out,
-        n,
-        GROUP_SIZE=weight.group_size,
-    )
-    return out.to(dtype)
-
-
 def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, over Int4WeightMMA.
 
     Up to 8 rows of bf16/fp16 on CUDA take the tensor-core GEMV; anything else
-    (more rows, fp32, the interpreter) dequantizes W^T into a transient dense
-    buffer and runs torch.matmul, as w4a16_kn_matmul does past its GEMV.
+    (more rows, fp32, a CPU, the interpreter) dequantizes W^T into a transient dense
+    buffer (w4a16_mma_dequant.py) and runs torch.matmul, as w4a16_kn_matmul does
+    past its GEMV.
     """
     n, k = weight.shape
     if x.shape[-1] != k:

@@ -184,7 +184,7 @@ def int4_from_gguf_q4_1(raw_blocks: Any, shape: tuple[int, ...]) -> Int4Weight:
 
 @dataclass(frozen=True)
 class Int4WeightKN:
-    """The same INT4 weight laid out for the GPU's decode kernels (gpu_node/kernels/w4a16_gemv.py).
+    """The same INT4 weight laid out for the CUDA-core decode GEMV (gpu_node/kernels/w4a16_gemv.py).
 
     W [N, K] is stored transposed, eight consecutive k of one row per int32 word:
 
@@ -246,6 +246,7 @@ def from_kn(weight: Int4WeightKN) -> Int4Weight:
 
 MMA_ROWS = 16  # output rows per row block: the M side of one mma.sync m16n8k16
 MMA_CHUNK = 64  # k values per chunk: four k16 steps, one int32 word per lane and step
+MMA_GROUP_SIZES = (64, 128)  # one or two chunks per group: what the kernels handle
 
 
 @dataclass(frozen=True)
@@ -317,12 +318,12 @@ def _mma_order_inverse(nib: torch.Tensor) -> torch.Tensor:
 
 
 def to_mma(weight: Int4Weight) -> Int4WeightMMA:
-    """Int4Weight [N, K] -> Int4WeightMMA (lossless; `from_mma` inverts it). K % 64 == 0."""
+    """Int4Weight [N, K] -> Int4WeightMMA (lossless; `from_mma` inverts it). Groups of 64 or 128."""
     if len(weight.shape) != 2:
         raise ValueError(f"to_mma takes a 2-D weight, got shape {weight.shape}")
     n, k = weight.shape
-    if k % MMA_CHUNK or weight.group_size % MMA_CHUNK:
-        raise ValueError(f"to_mma needs K and the group size divisible by {MMA_CHUNK}")
+    if weight.group_size not in MMA_GROUP_SIZES:
+        raise ValueError(f"to_mma takes group sizes {MMA_GROUP_SIZES}, got {weight.group_size}")
     n16 = -(-n // MMA_ROWS) * MMA_ROWS
     codes = unpack_int4(weight.packed).reshape(n, k)  # uint8 [N, K]
     scales, mins = weight.scales, weight.mins  # fp16 [N, K / G]

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from gpu_node.quant.int4 import (
-    MMA_CHUNK,
+    MMA_GROUP_SIZES,
     Int4Weight,
     Int4WeightKN,
     Int4WeightMMA,
@@ -66,7 +67,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
-        self.layout = "int4"  # "int4" (Int4Weight), "kn" (Int4WeightKN) or "mma" (Int4WeightMMA)
+        # Int4Weight's, Int4WeightKN's or Int4WeightMMA's; set when the buffers are re-laid.
+        self.layout: Literal["int4", "kn", "mma"] = "int4"
         self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -84,7 +86,7 @@ class Int4Linear(nn.Module):
 
     @property
     def is_kn(self) -> bool:
-        """Buffers in Int4WeightKN's layout (int32 words) rather than Int4Weight's (uint8)."""
+        """Buffers in Int4WeightKN's layout (the CUDA-core GEMV's)."""
         return self.layout == "kn"
 
     @property
@@ -113,7 +115,7 @@ class Int4Linear(nn.Module):
 
     @property
     def weight_kn(self) -> Int4WeightKN:
-        if not self.is_kn:
+        if self.layout != "kn":
             return to_kn(self.weight_int4)
         return Int4WeightKN(
             words=self.packed,
@@ -125,7 +127,7 @@ class Int4Linear(nn.Module):
 
     def use_kn_layout(self) -> None:
         """Re-lay the buffers out as Int4WeightKN, in place (the CUDA-core GEMV's layout)."""
-        if not self.is_kn:
+        if self.layout != "kn":
             kn = to_kn(self.weight_int4)
             self.packed, self.scales, self.mins = kn.words, kn.scales, kn.mins
             self.layout = "kn"
@@ -133,8 +135,8 @@ class Int4Linear(nn.Module):
 
     def use_mma_layout(self) -> None:
         """Re-lay the buffers out as Int4WeightMMA, in place (the tensor-core GEMV's layout)."""
-        if self.group_size % MMA_CHUNK:
-            raise ValueError(f"the MMA layout needs a group size divisible by {MMA_CHUNK}")
+        if self.group_size not in MMA_GROUP_SIZES:
+            raise ValueError(f"the MMA layout takes group sizes {MMA_GROUP_SIZES}")
         if self.layout != "mma":
             mma = to_mma(self.weight_int4)
             self.packed = mma.tiles
@@ -149,7 +151,7 @@ class Int4Linear(nn.Module):
 
             if self.layout == "int4":
                 tensor_cores = x.dtype in (torch.bfloat16, torch.float16)
-                if tensor_cores and self.group_size % MMA_CHUNK == 0:
+                if tensor_cores and self.group_size in MMA_GROUP_SIZES:
                     self.use_mma_layout()
                 else:
                     self.use_kn_layout()
@@ -224,7 +226,12 @@ def quantize_model(
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """Bytes of a model's weights by kind; tied tensors count once."""
+    """Bytes of a model's weights by kind; tied tensors count once.
+
+    An Int4Linear re-laid for the tensor-core GEMV (layout "mma") keeps its scales and
+    mins inside the `packed` tiles, with its rows padded to a multiple of 16: there
+    `packed` counts all of it and `scales`/`mins` count 0.
+    """
 
     packed: int  # INT4 codes
     scales: int

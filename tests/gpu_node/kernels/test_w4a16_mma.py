@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the dequantize kernel runs interpreted on CPU
 
 import gpu_node.kernels.w4a16_mma as mma_module
+import gpu_node.kernels.w4a16_mma_dequant as dequant_module
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -31,8 +32,9 @@ from gpu_node.quant.linear import Int4Linear, model_bytes
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
 # imported the kernels before TRITON_INTERPRET was set: decorate them again.
+dequant_module = importlib.reload(dequant_module)
 mma_module = importlib.reload(mma_module)
-dequantize_mma = mma_module.dequantize_mma
+dequantize_mma = dequant_module.dequantize_mma
 mma_gemv_config = mma_module.mma_gemv_config
 supports = mma_module.supports
 w4a16_mma_gemv = mma_module.w4a16_mma_gemv
@@ -40,7 +42,10 @@ w4a16_mma_matmul = mma_module.w4a16_mma_matmul
 w4a16_mma_ref = mma_module.w4a16_mma_ref
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="the kernel's inline PTX runs on NVIDIA GPUs only")
+needs_cuda = pytest.mark.skipif(
+    not CUDA or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="the kernel's inline PTX runs on NVIDIA GPUs only, compiled (TRITON_INTERPRET=0)",
+)
 # Max |kernel - reference| over max |reference|: both sum in fp32; what is left is
 # the summation order, the offset's cancellation and one rounding of the output.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -97,7 +102,7 @@ def test_mma_layout_is_lossless_and_as_documented() -> None:
 
 
 def test_to_mma_rejects_what_the_kernel_cannot_take() -> None:
-    with pytest.raises(ValueError, match="divisible by 64"):
+    with pytest.raises(ValueError, match=r"takes group sizes \(64, 128\), got 32"):
         to_mma(quantize_int4(torch.randn(16, 64), 32))
 
 
@@ -176,6 +181,23 @@ def test_fragment_emulation_equals_reference(m, n, k, group_size, dtype) -> None
     assert relative_error(got, ref) < {torch.bfloat16: 1e-5, torch.float16: 1e-4}[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_asm_operands_match_their_constraints(dtype) -> None:
+    # Every $i the PTX uses exists, and every operand is used: outputs, then inputs.
+    import re
+
+    for asm, constraints, outputs in (
+        (mma_module._D_ASM[dtype], mma_module._D_CONSTRAINTS, 4),
+        (mma_module._S_ASM[dtype], mma_module._S_CONSTRAINTS, 4),
+    ):
+        used = {int(v) for v in re.findall(r"\$(\d+)", asm)}
+        kinds = constraints.split(",")
+        assert used == set(range(len(kinds)))
+        assert kinds[:outputs] == ["=f"] * outputs and "=f" not in kinds[outputs:]
+        assert asm.count("mma.sync.aligned.m16n8k16.row.col.f32.") == 4  # one per k16 step
+    assert ("bf16.bf16" in mma_module._D_ASM[dtype]) == (dtype == torch.bfloat16)
+
+
 def test_supports_and_errors_on_cpu() -> None:
     weight = mma_weight(16, 128, 128, seed=1)
     x = torch.randn(1, 128, dtype=torch.bfloat16)
@@ -224,7 +246,7 @@ def test_int4_linear_relays_out_to_mma_without_loss() -> None:
     assert torch.equal(dequantize_int4(linear.weight_int4), dense)
     assert model_bytes(linear).total == size.total  # 48 rows: no pad rows
     assert torch.equal(linear(x), before)  # the CPU path reads the re-laid weight
-    with pytest.raises(ValueError, match="group size divisible by 64"):
+    with pytest.raises(ValueError, match=r"takes group sizes \(64, 128\)"):
         Int4Linear(quantize_int4(torch.randn(16, 64), 32)).use_mma_layout()
 
 
@@ -232,15 +254,15 @@ def test_config_fills_the_gpu() -> None:
     base = {"WARPS": 4}
     # 8192 rows: 256 warps of 2 row blocks; 12 warps per SM are 1584: 16 groups a split
     # give 4 x 256 = 1024 warps, 8 give 2048.
-    assert mma_gemv_config(1, 8192, 8192, 128, 132) == {**base, "R": 2, "GROUPS_PER_SPLIT": 8}
+    assert mma_gemv_config(8192, 8192, 128, 132) == {**base, "R": 2, "GROUPS_PER_SPLIT": 8}
     # 28672 rows (8192 in): 896 warps x 4 splits of 16 groups = 3584 warps.
-    assert mma_gemv_config(1, 28672, 8192, 128, 132)["GROUPS_PER_SPLIT"] == 16
+    assert mma_gemv_config(28672, 8192, 128, 132)["GROUPS_PER_SPLIT"] == 16
     # 4096 x 4096: 2-row-block warps never reach 1584 with splits >= 4 groups (1024 at
     # 4); one row block a warp: 256 x 8 splits of 4 groups = 2048.
-    assert mma_gemv_config(1, 4096, 4096, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 4}
+    assert mma_gemv_config(4096, 4096, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 4}
     # A small layer never fills the GPU: splits of 2 groups (or 1 when there is 1).
-    assert mma_gemv_config(1, 64, 512, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 2}
-    assert mma_gemv_config(1, 64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
+    assert mma_gemv_config(64, 512, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 2}
+    assert mma_gemv_config(64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
 
 
 @needs_cuda
@@ -272,7 +294,8 @@ def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
 )
 def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
     weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
-    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(11)
+    x = torch.randn(2, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     ref = w4a16_mma_ref(x, weight)
     config = {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": groups_per_split}
     got = w4a16_mma_gemv(x, weight, config=config)
@@ -282,12 +305,26 @@ def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
 
 
 @needs_cuda
+def test_kernel_takes_any_rows_and_views() -> None:
+    gen = torch.Generator("cuda").manual_seed(12)
+    weight = mma_weight(10, 256, 64, seed=10, device="cuda")  # N < 16: one padded row block
+    x = torch.randn(3, 257, device="cuda", generator=gen).to(torch.bfloat16)[:, 1:]
+    assert x.storage_offset() % 2 == 1  # a row view at an odd element
+    got = w4a16_mma_matmul(x, weight)
+    assert got.shape == (3, 10)
+    assert relative_error(got, w4a16_mma_ref(x.contiguous(), weight)) < TOLERANCE[torch.bfloat16]
+    three_d = w4a16_mma_matmul(x.contiguous().reshape(3, 1, 256), weight)
+    assert torch.equal(three_d.reshape(3, 10), got)
+
+
+@needs_cuda
 def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
     gen = torch.Generator().manual_seed(9)
     weight = quantize_int4(torch.randn(200, 512, generator=gen), 128)
     tensor_cores = Int4Linear(weight).cuda()
     x = torch.randn(3, 512, generator=gen).cuda()
-    for rows in (x[:1], x, torch.randn(20, 512, device="cuda")):  # GEMV, GEMV, dequantize
+    more = torch.randn(20, 512, generator=gen).cuda()
+    for rows in (x[:1], x, more):  # GEMV, GEMV, dequantize + matmul
         y = tensor_cores(rows.to(torch.bfloat16))
         assert tensor_cores.layout == "mma"
         ref = tensor_cores.forward_ref(rows.float())

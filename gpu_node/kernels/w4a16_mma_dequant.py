@@ -1,0 +1,68 @@
+"""Int4WeightMMA -> dense W^T, for the matmuls the tensor-core GEMV does not take.
+
+Letters: N out features, K in features, G group size (64 or 128).
+
+One program per (row block, group) tile: its 16 x G values, computed in fp32 as
+scale * q + min and stored into W^T [K, N]. Plain tl operations only, so the
+interpreter runs it too (the CPU tests, and torch.matmul past 8 rows on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.kernels.w4a16 import is_interpreted
+from gpu_node.quant.int4 import Int4WeightMMA
+
+
+@triton.jit
+def _dequant_mma_kernel(
+    tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]
+    stride_tr,  # along row blocks and groups, in int32; the last stride is 1
+    stride_tg,
+    out_ptr,  # [K, N]: W^T, dense
+    N,
+    GROUP_SIZE: tl.constexpr,
+):
+    tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
+    rb = tl.program_id(0)
+    grp = tl.program_id(1)
+    tile = tiles_ptr + rb * stride_tr + grp * stride_tg
+    # The tile's words taken in the order (chunk, t, s, g), g fastest, so neighbouring
+    # lanes store neighbouring output rows n = 16rb + g (+ 8): eight n per k.
+    v = tl.arange(0, 2 * GROUP_SIZE)
+    chunk = v // 128
+    t = (v // 32) % 4
+    s = (v // 8) % 4
+    g = v % 8
+    words = tl.load(tile + chunk * 128 + (4 * g + t) * 4 + s)  # lane 4g + t, step s
+    kb = grp * GROUP_SIZE + chunk * 64 + t * 16 + s * 4
+    sm = (tile + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4
+    for hr in tl.static_range(2):  # rows g, g + 8
+        scale = tl.load(sm + 2 * hr).to(tl.float32)
+        min_ = tl.load(sm + 2 * hr + 1).to(tl.float32)
+        n = rb * 16 + g + 8 * hr
+        for h in tl.static_range(2):
+            for e in tl.static_range(2):  # nibble hr + 2h + 4e holds W[n, kb + 2h + e]
+                q = (words >> (4 * (hr + 2 * h + 4 * e))) & 15
+                value = q.to(tl.float32) * scale + min_
+                at = out_ptr + (kb + 2 * h + e) * N + n
+                tl.store(at, value.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
+    n, k = weight.shape
+    tiles = weight.tiles
+    if tiles.dim() != 3 or tiles.stride(2) != 1:
+        raise ValueError("Int4WeightMMA.tiles must be 3-D with unit last stride")
+    # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
+    interpreted = is_interpreted(tiles)
+    out = torch.empty(k, n, device=tiles.device, dtype=torch.float32 if interpreted else dtype)
+    row_blocks, num_groups = tiles.shape[:2]
+    _dequant_mma_kernel[(row_blocks, num_groups)](
+        tiles, tiles.stride(0), tiles.stride(1), out, n, GROUP_SIZE=weight.group_size
+    )
+    return out.to(dtype)
