@@ -81,7 +81,9 @@ def fleet(engine: Any, tmp_path: Path) -> Iterator[list[str]]:
     ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        deadline = time.monotonic() + 60
+        # Three processes import the whole stack at once; on a 2-core machine with other
+        # work that once took over a minute (readiness, not behaviour, so be patient).
+        deadline = time.monotonic() + 180
         for url in urls:
             while True:
                 assert time.monotonic() < deadline, f"gateway {url} never became ready"
