@@ -26,7 +26,8 @@ row 2t + j % 2.
 The mma is a warp instruction, so the kernel's register tensors must map onto
 lanes exactly: every tensor in the loop is [R, 128 W] with four consecutive
 elements per lane (the layout Triton gives a 16-byte-per-lane load of that shape),
-and the inline asm takes a lane's four elements at once (pack = 4). The GPU tests
+and the inline asm (w4a16_mma_asm.py) takes a lane's four elements at once
+(pack = 4). The GPU tests
 check the result against the torch reference; the interpreter cannot run inline
 asm, so this kernel is GPU-only (the layout and its arithmetic have CPU tests).
 
@@ -47,6 +48,7 @@ import triton.language as tl
 
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
+from gpu_node.kernels.w4a16_mma_asm import D_ASM, D_CONSTRAINTS, MAGIC, S_ASM, S_CONSTRAINTS
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
 from gpu_node.quant.int4 import (
     MMA_GROUP_SIZES,
@@ -55,62 +57,6 @@ from gpu_node.quant.int4 import (
     dequantize_int4,
     from_mma,
 )
-
-_MAGIC = {
-    torch.bfloat16: (0x43004300, 128.0, 0x3F803F80),  # 128 + q; 1.0
-    torch.float16: (0x64006400, 1024.0, 0x3C003C00),  # 1024 + q; 1.0
-}
-
-
-def _mma(ab_type: str, d: str, a: str, b: str, c: str) -> str:
-    return f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32 {d}, {a}, {b}, {c};"
-
-
-def _d_asm(ab_type: str, magic: int) -> str:
-    """PTX for one 64-k chunk of one lane and row block: four words -> four mma into D.
-
-    Operands: $0-$3 D out, $4-$7 the words (k16 step s), $8-$11 and $12-$15 the
-    lane's eight activation pairs (step s takes pairs 2s and 2s + 1), $16-$19 D in.
-    """
-    lines = ["{", ".reg .b32 a<4>, sh<3>;"]
-    for s in range(4):
-        word = f"${4 + s}"
-        for r in range(4):
-            src = word
-            if r:
-                lines.append(f"shr.u32 sh{r - 1}, {word}, {4 * r};")
-                src = f"sh{r - 1}"
-            # (src & 0x000F000F) | magic: the LOP3 truth table 0xEA is (a & b) | c
-            lines.append(f"lop3.b32 a{r}, {src}, 0x000F000F, {magic:#x}, 0xEA;")
-        c = "{$16, $17, $18, $19}" if s == 0 else "{$0, $1, $2, $3}"
-        b = f"{{${8 + 2 * s}, ${9 + 2 * s}}}"
-        lines.append(_mma(ab_type, "{$0, $1, $2, $3}", "{a0, a1, a2, a3}", b, c))
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _s_asm(ab_type: str, one: int) -> str:
-    """PTX for one 64-k chunk: x_sum += 1 @ x (the activations' sum, every row alike).
-
-    Operands: $0-$3 x_sum out, $4-$7 and $8-$11 the activation pairs, $12-$15 x_sum in.
-    """
-    lines = ["{", ".reg .b32 one;", f"mov.b32 one, {one:#x};"]
-    for s in range(4):
-        c = "{$12, $13, $14, $15}" if s == 0 else "{$0, $1, $2, $3}"
-        b = f"{{${4 + 2 * s}, ${5 + 2 * s}}}"
-        lines.append(_mma(ab_type, "{$0, $1, $2, $3}", "{one, one, one, one}", b, c))
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _ab_type(dtype: torch.dtype) -> str:
-    return "bf16" if dtype == torch.bfloat16 else "f16"
-
-
-_D_ASM = {dt: _d_asm(_ab_type(dt), magic) for dt, (magic, _, _) in _MAGIC.items()}
-_S_ASM = {dt: _s_asm(_ab_type(dt), one) for dt, (_, _, one) in _MAGIC.items()}
-_D_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 12 + ["f"] * 4)
-_S_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 8 + ["f"] * 4)
 
 
 @triton.jit
@@ -323,7 +269,7 @@ def supports(x: torch.Tensor, weight: object) -> bool:
         isinstance(weight, Int4WeightMMA)
         and x.is_cuda
         and not is_interpreted(x)
-        and x.dtype in _MAGIC
+        and x.dtype in MAGIC
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_M
         and weight.group_size in MMA_GROUP_SIZES
@@ -389,11 +335,11 @@ def w4a16_mma_gemv(
         R=rows_per_warp,
         SPLIT_K=splits,
         MODE=cfg.get("MODE", 0),
-        OFFSET=_MAGIC[x.dtype][1],
-        D_ASM=_D_ASM[x.dtype],
-        D_CONSTRAINTS=_D_CONSTRAINTS,
-        S_ASM=_S_ASM[x.dtype],
-        S_CONSTRAINTS=_S_CONSTRAINTS,
+        OFFSET=MAGIC[x.dtype][1],
+        D_ASM=D_ASM[x.dtype],
+        D_CONSTRAINTS=D_CONSTRAINTS,
+        S_ASM=S_ASM[x.dtype],
+        S_CONSTRAINTS=S_CONSTRAINTS,
         num_warps=warps,
     )
     return out

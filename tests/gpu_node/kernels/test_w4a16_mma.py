@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.w4a16_mma as mma_module
 import gpu_node.kernels.w4a16_mma_dequant as dequant_module
+from gpu_node.kernels.w4a16_mma_asm import D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -187,15 +188,15 @@ def test_asm_operands_match_their_constraints(dtype) -> None:
     import re
 
     for asm, constraints, outputs in (
-        (mma_module._D_ASM[dtype], mma_module._D_CONSTRAINTS, 4),
-        (mma_module._S_ASM[dtype], mma_module._S_CONSTRAINTS, 4),
+        (D_ASM[dtype], D_CONSTRAINTS, 4),
+        (S_ASM[dtype], S_CONSTRAINTS, 4),
     ):
         used = {int(v) for v in re.findall(r"\$(\d+)", asm)}
         kinds = constraints.split(",")
         assert used == set(range(len(kinds)))
         assert kinds[:outputs] == ["=f"] * outputs and "=f" not in kinds[outputs:]
         assert asm.count("mma.sync.aligned.m16n8k16.row.col.f32.") == 4  # one per k16 step
-    assert ("bf16.bf16" in mma_module._D_ASM[dtype]) == (dtype == torch.bfloat16)
+    assert ("bf16.bf16" in D_ASM[dtype]) == (dtype == torch.bfloat16)
 
 
 def test_supports_and_errors_on_cpu() -> None:
