@@ -27,9 +27,9 @@ The mma is a warp instruction, so the kernel's register tensors must map onto
 lanes exactly: every tensor in the loop is [R, 128 W] with four consecutive
 elements per lane (the layout Triton gives a 16-byte-per-lane load of that shape),
 and the inline asm (w4a16_mma_asm.py) takes a lane's four elements at once
-(pack = 4). The GPU tests
-check the result against the torch reference; the interpreter cannot run inline
-asm, so this kernel is GPU-only (the layout and its arithmetic have CPU tests).
+(pack = 4). The GPU tests check the result against the torch reference; the
+interpreter cannot run inline asm, so this kernel is GPU-only (the layout and its
+arithmetic have CPU tests).
 
 Split K (grid dim 1): each program writes an fp32 partial; the last of a column of
 programs (same row blocks) to finish (a release/acquire counter, as in
@@ -50,13 +50,7 @@ from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma_asm import D_ASM, D_CONSTRAINTS, MAGIC, S_ASM, S_CONSTRAINTS
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
-from gpu_node.quant.int4 import (
-    MMA_GROUP_SIZES,
-    MMA_ROWS,
-    Int4WeightMMA,
-    dequantize_int4,
-    from_mma,
-)
+from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
 
 
 @triton.jit
@@ -248,21 +242,6 @@ def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, 
     return dict(_cached_config(n, k, group_size, num_sms))
 
 
-def _check_tiles(weight: Int4WeightMMA) -> None:
-    """The tiles the kernels can read: int32 [N16 / 16, K / G, 2G + 16], unit last stride."""
-    n, k = weight.shape
-    group_size = weight.group_size
-    if group_size not in MMA_GROUP_SIZES:
-        raise ValueError(f"Int4WeightMMA takes group sizes {MMA_GROUP_SIZES}, got {group_size}")
-    expected = (-(-n // MMA_ROWS), k // group_size, 2 * group_size + 16)
-    tiles = weight.tiles
-    if tiles.dtype != torch.int32 or tuple(tiles.shape) != expected or tiles.stride(2) != 1:
-        raise ValueError(
-            f"Int4WeightMMA.tiles must be int32 {list(expected)} with unit last stride, "
-            f"got {tiles.dtype} {list(tiles.shape)} strides {tiles.stride()}"
-        )
-
-
 def supports(x: torch.Tensor, weight: object) -> bool:
     """Whether w4a16_mma_gemv takes this call (else callers dequantize, or use the GEMV)."""
     return (
@@ -283,7 +262,7 @@ def w4a16_mma_gemv(
 
     `config` (WARPS, R, GROUPS_PER_SPLIT, MODE) overrides the heuristic; benchmarks sweep it.
     """
-    n, k = weight.shape
+    k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     if x.device != weight.tiles.device:
@@ -294,7 +273,14 @@ def w4a16_mma_gemv(
             f"interpreted) and a group size in {MMA_GROUP_SIZES}; got {x.dtype} "
             f"{tuple(x.shape)} on {x.device}, group {weight.group_size}"
         )
-    _check_tiles(weight)
+    return _launch(x, weight, config)
+
+
+def _launch(
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None
+) -> torch.Tensor:
+    """w4a16_mma_gemv once its checks passed (w4a16_mma_matmul comes here directly)."""
+    n, k = weight.shape
     m = x.shape[0]
     cfg = mma_gemv_config(n, k, weight.group_size, num_sms(x.device))
     cfg.update(config or {})
@@ -356,12 +342,14 @@ def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    if x.device != weight.tiles.device:
+        raise ValueError(f"x on {x.device}, weight on {weight.tiles.device}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*lead, n)
     if supports(x2, weight):
-        return w4a16_mma_gemv(x2, weight).reshape(*lead, n)
+        return _launch(x2, weight, None).reshape(*lead, n)
     return torch.matmul(x2, dequantize_mma(weight, x2.dtype)).reshape(*lead, n)
 
 

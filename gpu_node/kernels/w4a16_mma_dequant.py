@@ -55,9 +55,7 @@ def _dequant_mma_kernel(
 def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
     """W^T [K, N] dense in `dtype` (computed in fp32: scale * q + min), by one kernel."""
     n, k = weight.shape
-    tiles = weight.tiles
-    if tiles.dim() != 3 or tiles.stride(2) != 1:
-        raise ValueError("Int4WeightMMA.tiles must be 3-D with unit last stride")
+    tiles = weight.tiles  # checked by Int4WeightMMA itself
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
     interpreted = is_interpreted(tiles)
     out = torch.empty(k, n, device=tiles.device, dtype=torch.float32 if interpreted else dtype)

@@ -281,6 +281,20 @@ class Int4WeightMMA:
     shape: tuple[int, int]
     group_size: int
 
+    def __post_init__(self) -> None:
+        # What the kernels can read (they take the tiles' strides; the last must be 1).
+        n, k = self.shape
+        if self.group_size not in MMA_GROUP_SIZES:
+            message = f"Int4WeightMMA takes group sizes {MMA_GROUP_SIZES}, got {self.group_size}"
+            raise ValueError(message)
+        expected = (-(-n // MMA_ROWS), k // self.group_size, 2 * self.group_size + 16)
+        tiles = self.tiles
+        if tiles.dtype != torch.int32 or tuple(tiles.shape) != expected or tiles.stride(2) != 1:
+            raise ValueError(
+                f"Int4WeightMMA.tiles must be int32 {list(expected)} with unit last stride, "
+                f"got {tiles.dtype} {list(tiles.shape)} strides {tiles.stride()}"
+            )
+
     @property
     def nbytes(self) -> int:
         return self.tiles.numel() * self.tiles.element_size()

@@ -67,8 +67,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
-        # Int4Weight's, Int4WeightKN's or Int4WeightMMA's; set when the buffers are re-laid.
-        self.layout: Literal["int4", "kn", "mma"] = "int4"
         self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -83,6 +81,14 @@ class Int4Linear(nn.Module):
     def from_q4_1(cls, raw_blocks: object, shape: tuple[int, int]) -> Int4Linear:
         """Straight from GGUF Q4_1 blocks (`shape` in torch order [out, in]); no float copy."""
         return cls(int4_from_gguf_q4_1(raw_blocks, shape))
+
+    @property
+    def layout(self) -> Literal["int4", "kn", "mma"]:
+        """Whose layout the buffers hold, read off `packed`: Int4Weight's (uint8 codes),
+        Int4WeightKN's (int32 words [K/8, N]) or Int4WeightMMA's (int32 tiles, 3-D)."""
+        if self.packed.dtype != torch.int32:
+            return "int4"
+        return "mma" if self.packed.dim() == 3 else "kn"
 
     @property
     def is_kn(self) -> bool:
@@ -130,18 +136,14 @@ class Int4Linear(nn.Module):
         if self.layout != "kn":
             kn = to_kn(self.weight_int4)
             self.packed, self.scales, self.mins = kn.words, kn.scales, kn.mins
-            self.layout = "kn"
             self._cpu_pack = None
 
     def use_mma_layout(self) -> None:
         """Re-lay the buffers out as Int4WeightMMA, in place (the tensor-core GEMV's layout)."""
-        if self.group_size not in MMA_GROUP_SIZES:
-            raise ValueError(f"the MMA layout takes group sizes {MMA_GROUP_SIZES}")
-        if self.layout != "mma":
+        if self.layout != "mma":  # to_mma refuses group sizes the kernels cannot take
             mma = to_mma(self.weight_int4)
             self.packed = mma.tiles
             self.scales = self.mins = self.scales.new_empty(0)  # inside the tiles
-            self.layout = "mma"
             self._cpu_pack = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
