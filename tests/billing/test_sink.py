@@ -122,7 +122,10 @@ async def test_after_a_failure_the_sink_journals_without_waiting_on_redis_then_r
 ) -> None:
     client = client_for(redis_server)
     journal = tmp_path / "gateway.journal"
-    sink = RedisUsageSink(client, STREAM, journal, skip_redis_s=60, replay_interval_s=0.05)
+    # The replay loop's first tick must come after the five records below, or it closes the
+    # skip window early: Redis's restart blocks the event loop, so a short interval (it
+    # was 0.05 s) elapsed during it on a slow machine and the tick ran at the first await.
+    sink = RedisUsageSink(client, STREAM, journal, skip_redis_s=60, replay_interval_s=2.0)
     await sink.start()
     redis_server.stop()
     await sink.record(make_event("first"))  # fails against Redis, opens the skip window
@@ -131,7 +134,7 @@ async def test_after_a_failure_the_sink_journals_without_waiting_on_redis_then_r
         await sink.record(make_event(f"skipped-{i}"))  # journaled without trying Redis
     assert (sink.num_streamed, sink.num_journaled) == (0, 6)
     # No request ends from here on: the replay loop alone empties the journal.
-    for _ in range(200):
+    for _ in range(400):
         if sink.num_replayed == 6:
             break
         await asyncio.sleep(0.02)
