@@ -35,6 +35,7 @@ import triton
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import paged_decode_attention
+from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
 from gpu_node.kv_quant import (
     FP8_DTYPE,
@@ -433,12 +434,13 @@ def timing_pool(batch: int, length: int, shape, cache_dtype):
     return calls, moved
 
 
-def time_calls(calls, **options) -> float:
+def time_calls(calls, attention=None, **options) -> float:
     """Mean µs per call under CUDA-graph replay (launch overhead out, as in a real step)."""
+    attention = attention or paged_decode_attention
 
     def run() -> None:
         for call in calls:
-            paged_decode_attention(**call, **options)
+            attention(**call, **options)
 
     run()  # compile outside the capture
     torch.cuda.synchronize()
@@ -700,6 +702,102 @@ def part_check_cost(results: dict, rounds: int) -> None:
             torch.cuda.empty_cache()
 
 
+MMA_POINTS = [  # shape, batch, context
+    (shape, batch, length)
+    for shape in ("smollm2", "llama8b")
+    for batch, length in ((1, 32768), (8, 32768), (64, 8192), (64, 32768), (1, 1024), (8, 1024))
+]
+
+
+MMA_TUNE_POINTS = [(1, 32768), (8, 32768), (64, 32768)]
+MMA_CONFIGS = {  # head dim -> [(max registers, warps per SM, min split)]
+    64: [(r, w, m) for r in (0, 144, 128) for w in (16, 32) for m in (64, 256)],
+    128: [(r, w, m) for r in (0, 208, 192) for w in (16, 32) for m in (64, 256)],
+}
+
+
+def part_mma(results: dict, rounds: int, points=None) -> None:
+    """fp8 pages through the register-resident mma kernel (paged_attention_mma.py): its
+    config tuned per shape (least total time over MMA_TUNE_POINTS), then timed beside
+    the tl.dot kernel on fp8 and on bf16 pages, check on; and its check cost in `rounds`
+    alternating on/off pairs (median of the per-pair ratios)."""
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
+    record = results.setdefault("mma", {"copy_bandwidth_Bps": copy_bw, "rows": [], "tune": {}})
+    best_config = {}
+    for shape_name in ("smollm2", "llama8b"):
+        shape = SHAPES[shape_name]
+        totals: dict = {}
+        for batch, length in MMA_TUNE_POINTS:
+            calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
+            for config in MMA_CONFIGS[shape[2]]:
+                regs, warps, min_split = config
+                us = time_calls(
+                    calls, paged_decode_attention_mma, max_registers=regs, warps_per_sm=warps,
+                    min_split=min_split,
+                )  # fmt: skip
+                totals[config] = totals.get(config, 0.0) + us
+                log(f"tune {shape_name} B={batch} L={length} regs={regs} warps/SM={warps} "
+                    f"min_split={min_split}: {us:.1f} µs")  # fmt: skip
+            del calls
+            torch.cuda.empty_cache()
+        best_config[shape_name] = min(totals, key=totals.get)
+        record["tune"][shape_name] = {str(k): v for k, v in totals.items()}
+        log(f"best {shape_name}: regs, warps/SM, min split = {best_config[shape_name]}")
+    log("\n| shape | B | L | bf16 µs | fp8 tl.dot µs | fp8 mma µs | mma % of copy | mma vs bf16 "
+        "| mma vs fp8 tl.dot | mma check cost (IQR) |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    for shape_name, batch, length in points or MMA_POINTS:
+        shape = SHAPES[shape_name]
+        regs, warps, min_split = best_config[shape_name]
+        options = {"max_registers": regs, "warps_per_sm": warps, "min_split": min_split}
+        calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
+        bf16_us = time_calls(calls)
+        del calls
+        torch.cuda.empty_cache()
+        calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
+        dot_us = time_calls(calls)
+        on, off = [], []
+        for r in range(rounds):
+            for check in (True, False) if r % 2 == 0 else (False, True):
+                us = time_calls(calls, paged_decode_attention_mma, check_owner=check, **options)
+                (on if check else off).append(us)
+        ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
+        cost = statistics.median(ratios)
+        low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        mma_us = statistics.median(on)
+        del calls
+        torch.cuda.empty_cache()
+        log(
+            f"| {shape_name} | {batch} | {length} | {bf16_us:.1f} | {dot_us:.1f} | {mma_us:.1f} | "
+            f"{100 * moved / (mma_us * 1e-6) / copy_bw:.0f}% | {bf16_us / mma_us:.2f}x | "
+            f"{dot_us / mma_us:.2f}x | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+        )
+        record["rows"].append(
+            {"shape": shape_name, "batch": batch, "length": length, "bf16_us": bf16_us,
+             "fp8_dot_us": dot_us, "mma_on_us": on, "mma_off_us": off, "fp8_bytes": moved,
+             "options": options}
+        )  # fmt: skip
+
+
+def part_mma_check(results: dict) -> bool:
+    """The mma kernel against the fp32 reference on random_batch sequences (both shapes)."""
+    ok = True
+    lens = [1, 15, 16, 17, 33, 64, 100, 700, 2000, 4097, 9000]
+    for shape_name in ("smollm2", "llama8b"):
+        batch = random_batch(lens, SHAPES[shape_name], FP8_DTYPE, "cuda", seed=7)
+        scales = {"k_scale": batch.pop("k_scale"), "v_scale": batch.pop("v_scale")}
+        out, flags = paged_decode_attention_mma(**batch, **scales, min_split=32)
+        ref, _ = paged_decode_attention_ref(**batch, **scales)
+        dot, _ = paged_decode_attention(**batch, **scales)
+        err, dot_err = rel_err(out, ref), rel_err(dot, ref)
+        ok &= err < CHECK_TOLERANCE and not flags.any()
+        log(f"mma check {shape_name}: rel err {err:.2e} (tl.dot kernel {dot_err:.2e}), flags {flags.any()}")
+        results.setdefault("mma_check", []).append({"shape": shape_name, "err": err, "dot_err": dot_err})
+    return ok
+
+
 def part_profile(shape_name: str, batch: int, length: int) -> None:
     """One decode call on bf16 pages, then one on fp8 pages (tile defaults, check on), for a
     profiler such as Nsight Compute to capture; prints their times from a second call."""
@@ -752,7 +850,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "part",
-        choices=["scales", "check", "decode", "prefetch", "check-cost", "profile", "all"],
+        choices=[
+            "scales", "check", "decode", "prefetch", "check-cost", "profile", "mma", "all"
+        ],
     )
     parser.add_argument("--rounds", type=int, default=11, help="check-cost: paired rounds")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
@@ -791,6 +891,10 @@ def main() -> int:
             part_decode(results, args.shapes.split(","), args.quick, save)
         if args.part == "prefetch":
             part_prefetch(results)
+        if args.part == "mma":
+            ok = part_mma_check(results)
+            save()
+            part_mma(results, args.rounds)
         if args.part == "check-cost":
             part_check_cost(results, args.rounds)
         if args.part == "profile":

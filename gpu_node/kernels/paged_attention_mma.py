@@ -1,0 +1,622 @@
+"""fp8 paged decode attention in registers: mma.sync on the pages as loaded, one warp a split.
+
+Same contract as `paged_decode_attention` (paged_attention.py), for fp8 pages with
+head dim 64 or 128 and at most 8 query heads per kv head, on sm_89 or newer. Letters
+as there: B sequences, Q query heads, H kv heads, G = Q / H, D head dim, S page size.
+
+Why another kernel: the tl.dot kernel moves every fp8 tile global -> registers ->
+(convert) -> shared memory -> registers, with barriers, and its softmax reductions
+cross warps (docs/bench/fp8_kv.md, fifth session: ~39 instructions a token where the
+bandwidth needs ~19). Here a program is one warp that never touches shared memory:
+each lane loads exactly the bytes its mma fragments hold, so the loads feed the
+tensor cores directly, and the softmax state of query head g lives in lanes 4g..4g+3.
+
+Per 32-token step, in two 16-token halves (a half never straddles a page, S % 16 == 0):
+
+    S = q K^T    mma.m16n8k32 e4m3: rows 0-7 q's high e4m3 part, rows 8-15 its low
+                 part (q * 2^k = hi + lo, ~8 significant bits, k per head so that
+                 max |q| 2^k is in (224, 448]); B = K as stored: column n is token n,
+                 lane t's k slots are its own D / 4 contiguous dims, so a lane reads
+                 D / 4 bytes of tokens g and g + 8 (16-byte loads). hi + lo rows summed.
+    O^T += V^T P^T   mma.m16n8k16 fp16: A = V^T (rows: the lane's D / 8 dims, paired
+                 two tokens a register and converted e4m3 -> fp16 in registers), B = P
+                 (head g's probabilities of the lane's tokens, as the QK^T output left
+                 them: no shuffle), so O^T's columns are heads and every accumulator
+                 register is used.
+
+Element j of a lane (e = 4 lane + j) is: in scores and probabilities, token
+tau(j) = 2t + j % 2 + 8 (j // 2) of the half; in the accumulator tensor of m-tile i,
+head 2t + j % 2 and dim g D / 8 + 2i + j // 2.
+
+Softmax: scores are in log2 units. Each token's V scale is folded into P as
+exp2(s + log2 v_scale - m2), m2 the running max of s + log2 v_scale, so P is in
+(0, 1] whatever the scales, and the sum l uses the running max m of s alone; a
+split stores (m, l, O exp2(m2 - m)) for the merge kernel of paged_attention.py.
+
+Integrity: each half's page id is range-checked (out of range: flagged, page 0 read)
+and its owner compared with the sequence's tag, as the page ids are loaded a step
+ahead; context longer than the block table is flagged too. kv head 0's programs report.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.kernels import paged_attention_mma_asm as asm
+from gpu_node.kernels.paged_attention import _paged_decode_merge_kernel
+from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
+from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX
+
+STEP = 32  # tokens per loop step: two 16-token halves
+MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
+DEFAULT_MAX_REGISTERS = {64: 0, 128: 0}  # per head dim; 0: as many as the compiler wants
+
+
+@triton.jit
+def _quad(x, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _unary(x, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pair(lo, hi, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _pair2(a, b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    # A two-input, four-wide asm block (EXP2_DIFF, SPREAD_EXP2_DIFF).
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [a, b], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _step_pages(table_row, step_start, end, num_pages, max_pages, PAGE_SIZE: tl.constexpr):
+    """Page ids of a step's two halves (page 0 where out of range) and whether a live
+    half's id was out of range. A column past the block table reads page 0: the
+    context-longer-than-table check flags that sequence."""
+    column_a = step_start // PAGE_SIZE
+    column_b = (step_start + 16) // PAGE_SIZE
+    live_a = step_start < end
+    live_b = step_start + 16 < end
+    page_a = tl.load(table_row + column_a, mask=live_a & (column_a < max_pages), other=0)
+    page_b = tl.load(table_row + column_b, mask=live_b & (column_b < max_pages), other=0)
+    ok_a = (page_a >= 0) & (page_a < num_pages)
+    ok_b = (page_b >= 0) & (page_b < num_pages)
+    is_bad = (live_a & (ok_a == 0)) | (live_b & (ok_b == 0))
+    return tl.where(ok_a, page_a, 0).to(tl.int64), tl.where(ok_b, page_b, 0).to(tl.int64), is_bad
+
+
+@triton.jit
+def _half_data(
+    k_addr, v_addr, ks_addr, vs_addr, page, half_start, end, kv_head,
+    k_lane, k_token, v_lane, v_token, s_lane,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    LOAD_K: tl.constexpr, LOAD_K_CONSTRAINTS: tl.constexpr,
+    LOAD_V: tl.constexpr, LOAD_V_CONSTRAINTS: tl.constexpr,
+    LOAD_SCALES: tl.constexpr, LOAD_SCALES_CONSTRAINTS: tl.constexpr,
+):  # fmt: skip
+    """One half's K (tokens pi(g), pi(g) + 2), V and packed scales (tokens 4t .. 4t + 3);
+    nothing is loaded for tokens past `end`."""
+    left = tl.full((128,), 0, tl.int32) + (end - half_start)
+    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # bytes per token
+    base = (page * PAGE_SIZE + half_start % PAGE_SIZE) * ROW + kv_head * HEAD_DIM
+    k_base = tl.full((128,), 0, tl.int64) + (k_addr + base)
+    v_base = tl.full((128,), 0, tl.int64) + (v_addr + base)
+    if HEAD_DIM == 128:
+        ka0, ka1, kb0, kb1 = tl.inline_asm_elementwise(
+            LOAD_K, LOAD_K_CONSTRAINTS, [k_base, k_lane, k_token, left],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
+        )  # fmt: skip
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            LOAD_V, LOAD_V_CONSTRAINTS, [v_base, v_lane, v_token, left],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        ka0, kb0 = tl.inline_asm_elementwise(
+            LOAD_K, LOAD_K_CONSTRAINTS, [k_base, k_lane, k_token, left],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
+        )  # fmt: skip
+        ka1 = ka0
+        kb1 = kb0
+        v0, v1 = tl.inline_asm_elementwise(
+            LOAD_V, LOAD_V_CONSTRAINTS, [v_base, v_lane, v_token, left],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
+        )  # fmt: skip
+        v2 = v0
+        v3 = v1
+    # scales of tokens 4t + j: [P, H, S] bf16, four consecutive, K's and V's packed
+    scale_base = ((page * NUM_KV_HEADS + kv_head) * PAGE_SIZE + half_start % PAGE_SIZE) * 2
+    scales = tl.inline_asm_elementwise(
+        LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        [tl.full((128,), 0, tl.int64) + (ks_addr + scale_base),
+         tl.full((128,), 0, tl.int64) + (vs_addr + scale_base), s_lane, v_token, left],
+        dtype=tl.int32, is_pure=True, pack=4,
+    )  # fmt: skip
+    return ka0, ka1, kb0, kb1, v0, v1, v2, v3, scales
+
+
+@triton.jit
+def _owners(page_owner_ptr, tag, page_a, page_b, step_start, end, CHECK_OWNER: tl.constexpr):
+    # The owners of a step's two pages (the tag where a half is past `end` or unchecked).
+    if CHECK_OWNER:
+        owner_a = tl.load(page_owner_ptr + page_a, mask=step_start < end, other=tag)
+        owner_b = tl.load(page_owner_ptr + page_b, mask=step_start + 16 < end, other=tag)
+    else:
+        owner_a = tag
+        owner_b = tag
+    return owner_a, owner_b
+
+
+@triton.jit
+def _pv(o, p, v0, v1, v2, v3, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, VW: tl.constexpr):
+    if VW == 4:
+        out = tl.inline_asm_elementwise(
+            ASM, CONSTRAINTS, [p, v0, v1, v2, v3, o], dtype=tl.float32, is_pure=True, pack=4
+        )
+    else:
+        out = tl.inline_asm_elementwise(
+            ASM, CONSTRAINTS, [p, v0, v1, o], dtype=tl.float32, is_pure=True, pack=4
+        )
+    return out
+
+
+@triton.jit
+def _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, KW: tl.constexpr):
+    if KW == 8:
+        out = tl.inline_asm_elementwise(
+            ASM, CONSTRAINTS, [q0, q1, q2, q3, ka0, ka1, kb0, kb1],
+            dtype=tl.float32, is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        out = tl.inline_asm_elementwise(
+            ASM, CONSTRAINTS, [q0, q1, ka0, kb0], dtype=tl.float32, is_pure=True, pack=4
+        )
+    return out
+
+
+@triton.jit
+def _scores(raw, scales, left, v_token, j, score_scale, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
+    # s = q.k in log2 units and u = s + log2(v_scale); -inf for tokens past the context
+    # (their bytes and scales may be anything). scales: K's bf16 << 16 | V's bf16.
+    is_valid = v_token + j < left
+    k_scale = (scales & -65536).to(tl.float32, bitcast=True)
+    v_scale = (scales << 16).to(tl.float32, bitcast=True)
+    s = tl.where(is_valid, raw * k_scale * score_scale, float("-inf"))
+    u = tl.where(
+        is_valid,
+        s + tl.inline_asm_elementwise(LOG2, UNARY_CONSTRAINTS, [v_scale], dtype=tl.float32, is_pure=True, pack=1),
+        float("-inf"),
+    )  # fmt: skip
+    return s, u
+
+
+@triton.jit
+def _exp2(x, EXP2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(EXP2, UNARY_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _attend_step(
+    m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
+    ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, lefta,
+    kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, leftb,
+    KW: tl.constexpr, VW: tl.constexpr, QK_ASM: tl.constexpr, QK_CONSTRAINTS: tl.constexpr,
+    PV0: tl.constexpr, PV1: tl.constexpr, PV2: tl.constexpr, PV3: tl.constexpr,
+    PV4: tl.constexpr, PV5: tl.constexpr, PV6: tl.constexpr, PV7: tl.constexpr,
+    PV_CONSTRAINTS: tl.constexpr, QUAD_MAX: tl.constexpr, QUAD_CONSTRAINTS: tl.constexpr,
+    EXP2_DIFF: tl.constexpr, SPREAD_EXP2_DIFF: tl.constexpr, DIFF_CONSTRAINTS: tl.constexpr,
+    EXP2: tl.constexpr, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr,
+    P_F16: tl.constexpr, P_CONSTRAINTS: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over one 32-token step (halves a and b) for head g of the lane."""
+    sa, ua = _scores(
+        _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, QK_ASM, QK_CONSTRAINTS, KW),
+        sca, lefta, v_token, j, score_scale, LOG2, UNARY_CONSTRAINTS,
+    )  # fmt: skip
+    sb, ub = _scores(
+        _qk(q0, q1, q2, q3, kc0, kc1, kd0, kd1, QK_ASM, QK_CONSTRAINTS, KW),
+        scb, leftb, v_token, j, score_scale, LOG2, UNARY_CONSTRAINTS,
+    )  # fmt: skip
+    m_new = tl.maximum(m, _quad(tl.maximum(sa, sb), QUAD_MAX, QUAD_CONSTRAINTS))
+    l_sum = (
+        l_sum * _pair2(m, m_new, EXP2_DIFF, DIFF_CONSTRAINTS)
+        + _exp2(sa - m_new, EXP2, UNARY_CONSTRAINTS)
+        + _exp2(sb - m_new, EXP2, UNARY_CONSTRAINTS)
+    )
+    m2_new = tl.maximum(m2, _quad(tl.maximum(ua, ub), QUAD_MAX, QUAD_CONSTRAINTS))
+    alpha = _pair2(m2, m2_new, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS)  # heads 2t, 2t + 1
+    pa = tl.inline_asm_elementwise(
+        P_F16, P_CONSTRAINTS, [_exp2(ua - m2_new, EXP2, UNARY_CONSTRAINTS)],
+        dtype=tl.int32, is_pure=True, pack=4,
+    )  # fmt: skip
+    pb = tl.inline_asm_elementwise(
+        P_F16, P_CONSTRAINTS, [_exp2(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
+        dtype=tl.int32, is_pure=True, pack=4,
+    )  # fmt: skip
+    o0 = _pv(_pv(o0 * alpha, pa, va0, va1, va2, va3, PV0, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV0, PV_CONSTRAINTS, VW)
+    o1 = _pv(_pv(o1 * alpha, pa, va0, va1, va2, va3, PV1, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV1, PV_CONSTRAINTS, VW)
+    o2 = _pv(_pv(o2 * alpha, pa, va0, va1, va2, va3, PV2, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV2, PV_CONSTRAINTS, VW)
+    o3 = _pv(_pv(o3 * alpha, pa, va0, va1, va2, va3, PV3, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV3, PV_CONSTRAINTS, VW)
+    if VW == 4:
+        o4 = _pv(_pv(o4 * alpha, pa, va0, va1, va2, va3, PV4, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV4, PV_CONSTRAINTS, VW)
+        o5 = _pv(_pv(o5 * alpha, pa, va0, va1, va2, va3, PV5, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV5, PV_CONSTRAINTS, VW)
+        o6 = _pv(_pv(o6 * alpha, pa, va0, va1, va2, va3, PV6, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV6, PV_CONSTRAINTS, VW)
+        o7 = _pv(_pv(o7 * alpha, pa, va0, va1, va2, va3, PV7, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV7, PV_CONSTRAINTS, VW)
+    return m_new, m2_new, l_sum, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def _decode_mma_kernel(
+    q_ptr,
+    k_addr,  # int64 addresses: fp8 pages [P, S, H, D], bf16 scales [P, H, S]
+    v_addr,
+    ks_addr,
+    vs_addr,
+    block_tables_ptr,
+    context_lens_ptr,
+    page_owner_ptr,
+    seq_tags_ptr,
+    part_max_ptr,  # fp32 [B, Q, N]
+    part_sum_ptr,
+    part_acc_ptr,  # fp32 [B, Q, N, D]
+    part_bad_ptr,  # int8 [B, N]
+    qk_scale,  # sm_scale * log2(e)
+    split_size,  # tokens per split, a multiple of 32
+    num_pages,
+    max_pages,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    CHECK_OWNER: tl.constexpr,
+    QK_ASM: tl.constexpr,
+    QK_CONSTRAINTS: tl.constexpr,
+    PV0: tl.constexpr,
+    PV1: tl.constexpr,
+    PV2: tl.constexpr,
+    PV3: tl.constexpr,
+    PV4: tl.constexpr,
+    PV5: tl.constexpr,
+    PV6: tl.constexpr,
+    PV7: tl.constexpr,
+    PV_CONSTRAINTS: tl.constexpr,
+    QUAD_MAX: tl.constexpr,
+    QUAD_SUM: tl.constexpr,
+    QUAD_CONSTRAINTS: tl.constexpr,
+    SPREAD: tl.constexpr,
+    SPREAD_CONSTRAINTS: tl.constexpr,
+    EXP2_DIFF: tl.constexpr,
+    SPREAD_EXP2_DIFF: tl.constexpr,
+    DIFF_CONSTRAINTS: tl.constexpr,
+    PAIR: tl.constexpr,
+    PAIR_CONSTRAINTS: tl.constexpr,
+    EXP2: tl.constexpr,
+    LOG2: tl.constexpr,
+    UNARY_CONSTRAINTS: tl.constexpr,
+    P_F16: tl.constexpr,
+    P_CONSTRAINTS: tl.constexpr,
+    LOAD_K: tl.constexpr,
+    LOAD_K_CONSTRAINTS: tl.constexpr,
+    LOAD_V: tl.constexpr,
+    LOAD_V_CONSTRAINTS: tl.constexpr,
+    LOAD_SCALES: tl.constexpr,
+    LOAD_SCALES_CONSTRAINTS: tl.constexpr,
+):
+    KW: tl.constexpr = HEAD_DIM // 16  # K words per lane and token (dims t D/4 ..)
+    VW: tl.constexpr = HEAD_DIM // 32  # V words per lane and token (dims g D/8 ..)
+    seq_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = seq_head // NUM_KV_HEADS
+    kv_head = seq_head % NUM_KV_HEADS
+    # Element e is in lane e % 32, register j = e // 32: the layout Triton gives a [128]
+    # tensor in one warp when no load asks for another (the K/V loads are inline asm).
+    e = tl.arange(0, 128)
+    lane = e % 32
+    j = e // 32
+    g = lane // 4
+    t = lane % 4
+    context_len = tl.load(context_lens_ptr + seq)
+    tag = tl.load(seq_tags_ptr + seq)
+    start = split * split_size
+    end = tl.minimum(start + split_size, context_len)
+    table_row = block_tables_ptr + seq * stride_bt
+
+    # q of head g, lane t's dims as fp16 pairs times a power of two that puts max |q| in
+    # (8192, 16384]: pair tensor c, element j = dims t D/4 + 8c + 2j, + 1.
+    head_ok = g < GROUP
+    q_at = q_ptr + seq * stride_qb + (kv_head * GROUP + g) * stride_qh + t * (HEAD_DIM // 4) + 2 * j
+    lo0 = tl.load(q_at, mask=head_ok, other=0.0).to(tl.float32)
+    hi0 = tl.load(q_at + 1, mask=head_ok, other=0.0).to(tl.float32)
+    lo1 = tl.load(q_at + 8, mask=head_ok, other=0.0).to(tl.float32)
+    hi1 = tl.load(q_at + 9, mask=head_ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.abs(lo0), tl.abs(hi0)), tl.maximum(tl.abs(lo1), tl.abs(hi1)))
+    if KW == 8:
+        lo2 = tl.load(q_at + 16, mask=head_ok, other=0.0).to(tl.float32)
+        hi2 = tl.load(q_at + 17, mask=head_ok, other=0.0).to(tl.float32)
+        lo3 = tl.load(q_at + 24, mask=head_ok, other=0.0).to(tl.float32)
+        hi3 = tl.load(q_at + 25, mask=head_ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(
+            amax, tl.maximum(tl.maximum(tl.abs(lo2), tl.abs(hi2)), tl.maximum(tl.abs(lo3), tl.abs(hi3)))
+        )
+    amax = _quad(amax, QUAD_MAX, QUAD_CONSTRAINTS)
+    q_scale = tl.where(amax > 0.0, tl.exp2(tl.floor(tl.log2(16384.0 / amax))), 1.0)
+    q0 = _pair(lo0 * q_scale, hi0 * q_scale, PAIR, PAIR_CONSTRAINTS)
+    q1 = _pair(lo1 * q_scale, hi1 * q_scale, PAIR, PAIR_CONSTRAINTS)
+    if KW == 8:
+        q2 = _pair(lo2 * q_scale, hi2 * q_scale, PAIR, PAIR_CONSTRAINTS)
+        q3 = _pair(lo3 * q_scale, hi3 * q_scale, PAIR, PAIR_CONSTRAINTS)
+    else:
+        q2 = q0
+        q3 = q1
+    score_scale = qk_scale / q_scale
+
+    # Loop-invariant parts of the lane's load addresses (bytes within a half's page)
+    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    k_token = 4 * (g // 2) + g % 2  # pi(g); the second K token is pi(g) + 2
+    k_lane = k_token * ROW + t * (HEAD_DIM // 4)
+    v_token = 4 * t
+    v_lane = v_token * ROW + g * (HEAD_DIM // 8)
+    s_lane = v_token * 2
+
+    m = tl.full((128,), float("-inf"), tl.float32)  # head g's running max of s
+    m2 = tl.full((128,), float("-inf"), tl.float32)  # ... of s + log2(v_scale)
+    l_sum = tl.full((128,), 0.0, tl.float32)  # per element; summed over the quad at the end
+    o0 = tl.full((128,), 0.0, tl.float32)
+    o1 = tl.full((128,), 0.0, tl.float32)
+    o2 = tl.full((128,), 0.0, tl.float32)
+    o3 = tl.full((128,), 0.0, tl.float32)
+    o4 = tl.full((128,), 0.0, tl.float32)
+    o5 = tl.full((128,), 0.0, tl.float32)
+    o6 = tl.full((128,), 0.0, tl.float32)
+    o7 = tl.full((128,), 0.0, tl.float32)
+    bad = context_len > max_pages * PAGE_SIZE
+
+    # Pipeline: each iteration loads the next step's data (page ids loaded an iteration
+    # before), the page ids of the step after it, and attends over the current step; a
+    # page's owner is compared an iteration after its load, so no step waits for it.
+    pa, pb, range_bad = _step_pages(table_row, start, end, num_pages, max_pages, PAGE_SIZE)
+    bad = bad | range_bad
+    ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = _half_data(
+        k_addr, v_addr, ks_addr, vs_addr, pa, start, end, kv_head, k_lane, k_token, v_lane,
+        v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K, LOAD_K_CONSTRAINTS,
+        LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+    )  # fmt: skip
+    kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = _half_data(
+        k_addr, v_addr, ks_addr, vs_addr, pb, start + 16, end, kv_head, k_lane, k_token,
+        v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K, LOAD_K_CONSTRAINTS,
+        LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+    )  # fmt: skip
+    owner_a, owner_b = _owners(page_owner_ptr, tag, pa, pb, start, end, CHECK_OWNER)
+    pa, pb, range_bad = _step_pages(table_row, start + 32, end, num_pages, max_pages, PAGE_SIZE)
+    bad = bad | range_bad
+    for step in range(start, end, 32):
+        n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca = _half_data(
+            k_addr, v_addr, ks_addr, vs_addr, pa, step + 32, end, kv_head, k_lane, k_token,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
+            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        )  # fmt: skip
+        n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb = _half_data(
+            k_addr, v_addr, ks_addr, vs_addr, pb, step + 48, end, kv_head, k_lane, k_token,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
+            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        )  # fmt: skip
+        n_owner_a, n_owner_b = _owners(page_owner_ptr, tag, pa, pb, step + 32, end, CHECK_OWNER)
+        pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
+        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
+            m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
+            ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, end - step,
+            kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, end - step - 16,
+            KW, VW, QK_ASM, QK_CONSTRAINTS, PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7,
+            PV_CONSTRAINTS, QUAD_MAX, QUAD_CONSTRAINTS, EXP2_DIFF, SPREAD_EXP2_DIFF,
+            DIFF_CONSTRAINTS, EXP2, LOG2, UNARY_CONSTRAINTS, P_F16, P_CONSTRAINTS,
+        )  # fmt: skip
+        bad = bad | range_bad | (owner_a != tag) | (owner_b != tag)
+        ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = (
+            n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca
+        )  # fmt: skip
+        kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = (
+            n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb
+        )  # fmt: skip
+        owner_a, owner_b = n_owner_a, n_owner_b
+
+    # Partials: head g's (m, l) from lane 4g, register 0; O of heads 2t, 2t + 1 times
+    # exp2(m2 - m) of its head (0 for an empty split: m = -inf, O = 0).
+    l_sum = _quad(l_sum, QUAD_SUM, QUAD_CONSTRAINTS)
+    part = (seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + g) * NUM_SPLITS + split
+    first = (t == 0) & (j == 0) & head_ok
+    tl.store(part_max_ptr + part, m, mask=first)
+    tl.store(part_sum_ptr + part, l_sum, mask=first)
+    factor = tl.where(m == float("-inf"), 0.0, tl.exp2(m2 - m))
+    factor = tl.inline_asm_elementwise(
+        SPREAD, SPREAD_CONSTRAINTS, [factor], dtype=tl.float32, is_pure=True, pack=4
+    )
+    o_head = 2 * t + j % 2
+    o_part = (seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + o_head) * NUM_SPLITS + split
+    o_at = part_acc_ptr + o_part * HEAD_DIM + g * (HEAD_DIM // 8) + j // 2  # + 2i: m-tile i
+    o_ok = o_head < GROUP
+    tl.store(o_at, o0 * factor, mask=o_ok)
+    tl.store(o_at + 2, o1 * factor, mask=o_ok)
+    tl.store(o_at + 4, o2 * factor, mask=o_ok)
+    tl.store(o_at + 6, o3 * factor, mask=o_ok)
+    if VW == 4:
+        tl.store(o_at + 8, o4 * factor, mask=o_ok)
+        tl.store(o_at + 10, o5 * factor, mask=o_ok)
+        tl.store(o_at + 12, o6 * factor, mask=o_ok)
+        tl.store(o_at + 14, o7 * factor, mask=o_ok)
+    is_bad = tl.full((128,), 0, tl.int8) + bad.to(tl.int8)
+    tl.store(part_bad_ptr + seq * NUM_SPLITS + split + e * 0, is_bad, mask=(e == 0) & (kv_head == 0))
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel takes the call: fp8 pages, head dim 64/128, G <= 8, sm_89+ GPU."""
+    if k_cache.dtype != FP8_DTYPE or q.device.type != "cuda":
+        return False
+    if k_cache.shape[-1] not in asm.HEAD_DIMS or q.shape[1] // k_cache.shape[2] > MAX_GROUP:
+        return False
+    return _has_fp8_mma(q.device)
+
+
+@functools.cache
+def _has_fp8_mma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_decode_attention_mma(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_owner: torch.Tensor,
+    seq_tags: torch.Tensor,
+    sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    max_context_len: int | None = None,
+    check_owner: bool = True,
+    warps_per_sm: int = 32,
+    min_split: int = 64,
+    max_registers: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
+
+    The split count aims at `warps_per_sm` one-warp programs a multiprocessor, each
+    split at least `min_split` tokens (rounded up to a multiple of 32). `max_registers`
+    caps the registers per thread (0: none; None: the default for the head dim).
+    """
+    num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
+        q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
+    )
+    if not supports(q, k_cache):
+        raise ValueError(
+            "paged_decode_attention_mma needs fp8 pages with head dim 64 or 128, at most "
+            f"{MAX_GROUP} query heads per kv head, on an sm_89+ GPU"
+        )
+    batch, num_heads, _ = q.shape
+    out = torch.empty_like(q)
+    violations = torch.zeros(batch, dtype=torch.int8, device=q.device)
+    if batch == 0:
+        return out, violations.bool()
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    group = num_heads // num_kv_heads
+    if max_registers is None:
+        max_registers = DEFAULT_MAX_REGISTERS[head_dim]
+    num_steps = max(1, math.ceil(max_context_len / STEP))
+    target = warps_per_sm * _num_sms(q.device)
+    num_splits = max(1, min(num_steps, math.ceil(target / (batch * num_kv_heads))))
+    steps_per_split = max(math.ceil(num_steps / num_splits), math.ceil(min_split / STEP))
+    split_size = steps_per_split * STEP
+    num_splits = max(1, math.ceil(max_context_len / split_size))
+
+    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    pv = asm.PV[head_dim] + asm.PV[head_dim][:1] * (8 - len(asm.PV[head_dim]))  # 8 slots
+    load_k = asm.load_k(head_dim, num_kv_heads * head_dim)
+    load_v = asm.load_v(head_dim, num_kv_heads * head_dim)
+    _decode_mma_kernel[(batch * num_kv_heads, num_splits)](
+        q,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_scale.data_ptr(),
+        v_scale.data_ptr(),
+        block_tables,
+        context_lens,
+        page_owner,
+        seq_tags,
+        part_max,
+        part_sum,
+        part_acc,
+        part_bad,
+        scale * math.log2(math.e),
+        split_size,
+        num_pages,
+        block_tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        CHECK_OWNER=check_owner,
+        QK_ASM=asm.QK[head_dim],
+        QK_CONSTRAINTS=asm.QK_CONSTRAINTS[head_dim],
+        PV0=pv[0],
+        PV1=pv[1],
+        PV2=pv[2],
+        PV3=pv[3],
+        PV4=pv[4],
+        PV5=pv[5],
+        PV6=pv[6],
+        PV7=pv[7],
+        PV_CONSTRAINTS=asm.PV_CONSTRAINTS[head_dim],
+        QUAD_MAX=asm.QUAD_MAX,
+        EXP2_DIFF=asm.EXP2_DIFF,
+        SPREAD_EXP2_DIFF=asm.SPREAD_EXP2_DIFF,
+        DIFF_CONSTRAINTS=asm.EXP2_DIFF_CONSTRAINTS,
+        QUAD_SUM=asm.QUAD_SUM,
+        QUAD_CONSTRAINTS=asm.QUAD_CONSTRAINTS,
+        SPREAD=asm.SPREAD,
+        SPREAD_CONSTRAINTS=asm.SPREAD_CONSTRAINTS,
+        PAIR=asm.PAIR_F16,
+        PAIR_CONSTRAINTS=asm.PAIR_CONSTRAINTS,
+        EXP2=asm.EXP2,
+        LOG2=asm.LOG2,
+        UNARY_CONSTRAINTS=asm.UNARY_CONSTRAINTS,
+        P_F16=asm.P_F16,
+        P_CONSTRAINTS=asm.P_CONSTRAINTS,
+        LOAD_K=load_k[0],
+        LOAD_K_CONSTRAINTS=load_k[1],
+        LOAD_V=load_v[0],
+        LOAD_V_CONSTRAINTS=load_v[1],
+        LOAD_SCALES=asm.LOAD_SCALES,
+        LOAD_SCALES_CONSTRAINTS=asm.LOAD_SCALES_CONSTRAINTS,
+        num_warps=1,
+        num_stages=1,
+        **({"maxnreg": max_registers} if max_registers else {}),
+    )
+    _paged_decode_merge_kernel[(batch, num_heads)](
+        part_max,
+        part_sum,
+        part_acc,
+        part_bad,
+        out,
+        violations,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_splits * head_dim <= 4096 else 4,
+    )
+    return out, violations.bool()
+
+
+__all__ = ["FP8_MAX", "paged_decode_attention_mma", "supports"]
