@@ -35,6 +35,7 @@ import triton
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import paged_decode_attention
+from gpu_node.kernels.paged_attention_mma import DEFAULTS as MMA_KERNEL_DEFAULTS
 from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
 from gpu_node.kv_quant import (
@@ -710,23 +711,29 @@ MMA_POINTS = [  # shape, batch, context
 
 
 MMA_TUNE_POINTS = [(1, 32768), (8, 32768), (64, 32768)]
+MMA_DEFAULTS = MMA_KERNEL_DEFAULTS
+# Register caps at which the mma kernel compiles without spills with the check on and
+# off alike (offline, Triton 3.6 for sm_90): head dim 64 137/138 registers, 128 212/211.
+CHECK_COST_CAPS = {64: 144, 128: 216}
 MMA_CONFIGS = {  # head dim -> [(max registers, warps per SM, min split)]
     64: [(r, w, m) for r in (0, 144, 128) for w in (16, 32) for m in (64, 256)],
     128: [(r, w, m) for r in (0, 208, 192) for w in (16, 32) for m in (64, 256)],
 }
 
 
-def part_mma(results: dict, rounds: int, points=None) -> None:
-    """fp8 pages through the register-resident mma kernel (paged_attention_mma.py): its
-    config tuned per shape (least total time over MMA_TUNE_POINTS), then timed beside
-    the tl.dot kernel on fp8 and on bf16 pages, check on; and its check cost in `rounds`
-    alternating on/off pairs (median of the per-pair ratios)."""
+def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
+    """fp8 pages through the register-resident mma kernel (paged_attention_mma.py), with
+    its defaults or (`tune`) the config of least total time over MMA_TUNE_POINTS per
+    shape, timed beside the tl.dot kernel on fp8 and on bf16 pages, check on; its check
+    cost in `rounds` alternating on/off pairs (median of the per-pair ratios); then the
+    check cost at a register cap under which neither variant spills (CHECK_COST_CAPS),
+    so both run at the same occupancy."""
     copy_bw = copy_bandwidth()
     torch.cuda.empty_cache()
     log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
     record = results.setdefault("mma", {"copy_bandwidth_Bps": copy_bw, "rows": [], "tune": {}})
-    best_config = {}
-    for shape_name in ("smollm2", "llama8b"):
+    best_config = {name: MMA_DEFAULTS[SHAPES[name][2]] for name in ("smollm2", "llama8b")}
+    for shape_name in ("smollm2", "llama8b") if tune else ():
         shape = SHAPES[shape_name]
         totals: dict = {}
         for batch, length in MMA_TUNE_POINTS:
@@ -757,7 +764,7 @@ def part_mma(results: dict, rounds: int, points=None) -> None:
         del calls
         torch.cuda.empty_cache()
         calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
-        dot_us = time_calls(calls)
+        dot_us = time_calls(calls, kernel="dot")
         on, off = [], []
         for r in range(rounds):
             for check in (True, False) if r % 2 == 0 else (False, True):
@@ -779,6 +786,32 @@ def part_mma(results: dict, rounds: int, points=None) -> None:
              "fp8_dot_us": dot_us, "mma_on_us": on, "mma_off_us": off, "fp8_bytes": moved,
              "options": options}
         )  # fmt: skip
+    log("\n| shape | B | L | register cap | µs check on | µs check off | check cost (IQR) |")
+    log("|---|---|---|---|---|---|---|")
+    for shape_name, batch, length in CHECK_COST_POINTS:
+        shape = SHAPES[shape_name]
+        cap = CHECK_COST_CAPS[shape[2]]
+        calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
+        on, off = [], []
+        for r in range(rounds):
+            for check in (True, False) if r % 2 == 0 else (False, True):
+                us = time_calls(
+                    calls, paged_decode_attention_mma, check_owner=check, max_registers=cap
+                )
+                (on if check else off).append(us)
+        del calls
+        torch.cuda.empty_cache()
+        ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
+        cost = statistics.median(ratios)
+        low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        log(
+            f"| {shape_name} | {batch} | {length} | {cap} | {statistics.median(on):.1f} | "
+            f"{statistics.median(off):.1f} | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+        )
+        record.setdefault("check_cost_equal_caps", []).append(
+            {"shape": shape_name, "batch": batch, "length": length, "cap": cap, "on_us": on,
+             "off_us": off}
+        )  # fmt: skip
 
 
 def part_mma_check(results: dict) -> bool:
@@ -790,7 +823,7 @@ def part_mma_check(results: dict) -> bool:
         scales = {"k_scale": batch.pop("k_scale"), "v_scale": batch.pop("v_scale")}
         out, flags = paged_decode_attention_mma(**batch, **scales, min_split=32)
         ref, _ = paged_decode_attention_ref(**batch, **scales)
-        dot, _ = paged_decode_attention(**batch, **scales)
+        dot, _ = paged_decode_attention(**batch, **scales, kernel="dot")
         err, dot_err = rel_err(out, ref), rel_err(dot, ref)
         ok &= err < CHECK_TOLERANCE and not flags.any()
         log(f"mma check {shape_name}: rel err {err:.2e} (tl.dot kernel {dot_err:.2e}), flags {flags.any()}")
@@ -858,6 +891,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     parser.add_argument("--shapes", default="smollm2,llama8b")
     parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
+    parser.add_argument("--tune", action="store_true", help="mma: tune the config per shape")
     parser.add_argument(
         "--device", default="cuda", help="for `check`: cpu needs TRITON_INTERPRET=1"
     )
@@ -894,7 +928,7 @@ def main() -> int:
         if args.part == "mma":
             ok = part_mma_check(results)
             save()
-            part_mma(results, args.rounds)
+            part_mma(results, args.rounds, args.tune)
         if args.part == "check-cost":
             part_check_cost(results, args.rounds)
         if args.part == "profile":

@@ -54,7 +54,12 @@ from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX
 
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
-DEFAULT_MAX_REGISTERS = {64: 0, 128: 0}  # per head dim; 0: as many as the compiler wants
+
+# Per head dim: (register cap, one-warp programs aimed at per multiprocessor, least
+# tokens per split), the least total time at 32K context, B = 1, 8, 64 on an H200
+# (docs/bench/fp8_kv.md, seventh session). 128 registers at head dim 64: 16 warps a
+# multiprocessor instead of 11.
+DEFAULTS = {64: (128, 16, 64), 128: (0, 16, 256)}
 
 
 @triton.jit
@@ -462,13 +467,26 @@ def _decode_mma_kernel(
     tl.store(part_bad_ptr + seq * NUM_SPLITS + split + e * 0, is_bad, mask=(e == 0) & (kv_head == 0))
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this kernel takes the call: fp8 pages, head dim 64/128, G <= 8, sm_89+ GPU."""
-    if k_cache.dtype != FP8_DTYPE or q.device.type != "cuda":
+def supports(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> bool:
+    """Whether this kernel takes the call: fp8 pages with head dim 64 or 128, G <= 8, on an
+    sm_89+ GPU, pages 16-byte aligned and scales 8-byte aligned (its vector loads)."""
+    if k_cache.dtype != FP8_DTYPE or q.device.type != "cuda" or q.dim() != 3:
         return False
-    if k_cache.shape[-1] not in asm.HEAD_DIMS or q.shape[1] // k_cache.shape[2] > MAX_GROUP:
+    if k_cache.dim() != 4 or k_cache.shape[-1] not in asm.HEAD_DIMS:
         return False
-    return _has_fp8_mma(q.device)
+    if q.shape[1] // k_cache.shape[2] > MAX_GROUP:
+        return False
+    aligned = all(
+        t is None or t.data_ptr() % align == 0
+        for t, align in ((k_cache, 16), (v_cache, 16), (k_scale, 8), (v_scale, 8))
+    )
+    return aligned and _has_fp8_mma(q.device)
 
 
 @functools.cache
@@ -494,23 +512,23 @@ def paged_decode_attention_mma(
     v_scale: torch.Tensor | None = None,
     max_context_len: int | None = None,
     check_owner: bool = True,
-    warps_per_sm: int = 32,
-    min_split: int = 64,
+    warps_per_sm: int | None = None,
+    min_split: int | None = None,
     max_registers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
 
     The split count aims at `warps_per_sm` one-warp programs a multiprocessor, each
-    split at least `min_split` tokens (rounded up to a multiple of 32). `max_registers`
-    caps the registers per thread (0: none; None: the default for the head dim).
+    split at least `min_split` tokens (rounded up to a multiple of 32); `max_registers`
+    caps the registers per thread (0: none). None takes the head dim's DEFAULTS.
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
     )
-    if not supports(q, k_cache):
+    if not supports(q, k_cache, v_cache, k_scale, v_scale):
         raise ValueError(
             "paged_decode_attention_mma needs fp8 pages with head dim 64 or 128, at most "
-            f"{MAX_GROUP} query heads per kv head, on an sm_89+ GPU"
+            f"{MAX_GROUP} query heads per kv head, on an sm_89+ GPU, pages 16-byte aligned"
         )
     batch, num_heads, _ = q.shape
     out = torch.empty_like(q)
@@ -520,8 +538,10 @@ def paged_decode_attention_mma(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
-    if max_registers is None:
-        max_registers = DEFAULT_MAX_REGISTERS[head_dim]
+    default_registers, default_warps, default_split = DEFAULTS[head_dim]
+    max_registers = default_registers if max_registers is None else max_registers
+    warps_per_sm = default_warps if warps_per_sm is None else warps_per_sm
+    min_split = default_split if min_split is None else min_split
     num_steps = max(1, math.ceil(max_context_len / STEP))
     target = warps_per_sm * _num_sms(q.device)
     num_splits = max(1, min(num_steps, math.ceil(target / (batch * num_kv_heads))))

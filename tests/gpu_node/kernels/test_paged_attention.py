@@ -618,7 +618,7 @@ def test_compiled_kernel_matches_reference_on_gpu(
     args = [t.cuda() for t in batch.args()]
     scales = {k: v if v is None else v.cuda() for k, v in batch.scales().items()}
     out, violations = paged_decode_attention(
-        *args, **scales, q_fp8=q_fp8, **prefetch_options(prefetch)
+        *args, **scales, q_fp8=q_fp8, kernel="dot", **prefetch_options(prefetch)
     )
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert violations.tolist() == [False] * 8
@@ -636,6 +636,6 @@ def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, p
     args = [t.cuda() for t in batch.args()]
     scales = {k: v.cuda() for k, v in batch.scales().items()}
     _, violations = paged_decode_attention(
-        *args, **scales, block_n=block_n, **prefetch_options(prefetch)
+        *args, **scales, block_n=block_n, kernel="dot", **prefetch_options(prefetch)
     )
     assert violations.tolist() == [i in bad for i in range(4)]

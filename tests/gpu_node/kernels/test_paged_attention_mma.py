@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
+from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma, supports
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
 from gpu_node.kv_quant import FP8_DTYPE
@@ -117,6 +118,38 @@ def test_empty_batch_and_errors():
     with pytest.raises(ValueError, match="at most 8 query heads per kv head"):
         q = torch.zeros(1, 16, 64, dtype=torch.bfloat16, device="cuda")
         paged_decode_attention_mma(q, *args[1:], **scales)
+
+
+@on_gpu
+def test_default_decode_attention_takes_fp8_pages_here():
+    """paged_decode_attention runs this kernel for fp8 pages unless told otherwise."""
+    batch = build_batch(
+        [300, 5, 64], cache_dtype=FP8_DTYPE, q_dtype=torch.bfloat16, num_heads=32,
+        num_kv_heads=8, head_dim=128, page_size=16,
+    )  # fmt: skip
+    args, scales = _on_cuda(batch)
+    auto, _ = paged_decode_attention(*args, **scales)
+    mma, _ = paged_decode_attention_mma(*args, **scales)
+    dot, _ = paged_decode_attention(*args, **scales, kernel="dot")
+    assert torch.equal(auto, mma)
+    assert not torch.equal(dot, mma)  # a different kernel, both close to the reference
+    ref, _ = paged_decode_attention_ref(*args, **scales)
+    assert relative_error(dot, ref) < 8e-3 and relative_error(mma, ref) < TOLERANCE
+    numel = args[1].numel()
+    misaligned = torch.empty(numel + 16, dtype=FP8_DTYPE, device="cuda")[1 : numel + 1]
+    misaligned = misaligned.view(args[1].shape)  # 1 byte off 16-byte alignment
+    assert not supports(args[0], misaligned, args[2], **scales)
+
+
+def test_kernel_choice_is_checked():
+    batch = build_batch(
+        [5], cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, num_heads=4, num_kv_heads=1,
+        head_dim=64, page_size=16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'dot' or 'mma', got 'fast'"):
+        paged_decode_attention(*batch.args(), kernel="fast")
+    with pytest.raises(ValueError, match="needs fp8 pages"):
+        paged_decode_attention(*batch.args(), kernel="mma")
 
 
 def test_refuses_what_it_does_not_take():
