@@ -713,11 +713,11 @@ MMA_POINTS = [  # shape, batch, context
 MMA_TUNE_POINTS = [(1, 32768), (8, 32768), (64, 32768)]
 MMA_DEFAULTS = MMA_KERNEL_DEFAULTS
 # Register caps at which the mma kernel compiles without spills with the check on and
-# off alike (offline, Triton 3.6 for sm_90): head dim 64 137/138 registers, 128 212/211.
+# off alike (offline, Triton 3.6 for sm_90): head dim 64 137/138 registers, 128 211/211.
 CHECK_COST_CAPS = {64: 144, 128: 216}
-MMA_CONFIGS = {  # head dim -> [(max registers, warps per SM, min split)]
-    64: [(r, w, m) for r in (0, 144, 128) for w in (16, 32) for m in (64, 256)],
-    128: [(r, w, m) for r in (0, 208, 192) for w in (16, 32) for m in (64, 256)],
+MMA_CONFIGS = {  # head dim -> [(max registers, warps per SM, min split, max splits)]
+    64: [(r, w, 64, s) for r in (0, 144, 128) for w in (16, 32) for s in (128, 512)],
+    128: [(r, w, 64, s) for r in (0, 216) for w in (16, 32) for s in (128, 512)],
 }
 
 
@@ -739,26 +739,27 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         for batch, length in MMA_TUNE_POINTS:
             calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
             for config in MMA_CONFIGS[shape[2]]:
-                regs, warps, min_split = config
+                regs, warps, min_split, max_splits = config
                 us = time_calls(
                     calls, paged_decode_attention_mma, max_registers=regs, warps_per_sm=warps,
-                    min_split=min_split,
+                    min_split=min_split, max_splits=max_splits,
                 )  # fmt: skip
                 totals[config] = totals.get(config, 0.0) + us
                 log(f"tune {shape_name} B={batch} L={length} regs={regs} warps/SM={warps} "
-                    f"min_split={min_split}: {us:.1f} µs")  # fmt: skip
+                    f"min_split={min_split} max_splits={max_splits}: {us:.1f} µs")  # fmt: skip
             del calls
             torch.cuda.empty_cache()
         best_config[shape_name] = min(totals, key=totals.get)
         record["tune"][shape_name] = {str(k): v for k, v in totals.items()}
-        log(f"best {shape_name}: regs, warps/SM, min split = {best_config[shape_name]}")
+        log(f"best {shape_name}: regs, warps/SM, min split, max splits = {best_config[shape_name]}")
     log("\n| shape | B | L | bf16 µs | fp8 tl.dot µs | fp8 mma µs | mma % of copy | mma vs bf16 "
         "| mma vs fp8 tl.dot | mma check cost (IQR) |")  # fmt: skip
     log("|---|---|---|---|---|---|---|---|---|---|")
     for shape_name, batch, length in points or MMA_POINTS:
         shape = SHAPES[shape_name]
-        regs, warps, min_split = best_config[shape_name]
-        options = {"max_registers": regs, "warps_per_sm": warps, "min_split": min_split}
+        regs, warps, min_split, max_splits = best_config[shape_name]
+        options = {"max_registers": regs, "warps_per_sm": warps, "min_split": min_split,
+                   "max_splits": max_splits}  # fmt: skip
         calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
         bf16_us = time_calls(calls)
         del calls

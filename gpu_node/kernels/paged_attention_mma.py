@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
+from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kernels.paged_attention import _paged_decode_merge_kernel
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX
@@ -56,10 +57,11 @@ STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 
 # Per head dim: (register cap, one-warp programs aimed at per multiprocessor, least
-# tokens per split), the least total time at 32K context, B = 1, 8, 64 on an H200
-# (docs/bench/fp8_kv.md, seventh session). 128 registers at head dim 64: 16 warps a
-# multiprocessor instead of 11.
-DEFAULTS = {64: (128, 16, 64), 128: (0, 16, 256)}
+# tokens per split, most splits per sequence), from a sweep at 32K context, B = 1, 8,
+# 64 on an H200 (docs/bench/fp8_kv.md, seventh session). 128 registers at head dim 64:
+# 16 warps a multiprocessor instead of 11. The split cap bounds the merge kernel's
+# work at batch 1 (head dim 128: 512 splits of 64 tokens took 38 µs, 128 of 256 took 31).
+DEFAULTS = {64: (128, 16, 64, 512), 128: (0, 16, 64, 128)}
 
 
 @triton.jit
@@ -152,15 +154,19 @@ def _half_data(
 
 
 @triton.jit
-def _owners(page_owner_ptr, tag, page_a, page_b, step_start, end, CHECK_OWNER: tl.constexpr):
-    # The owners of a step's two pages (the tag where a half is past `end` or unchecked).
-    if CHECK_OWNER:
-        owner_a = tl.load(page_owner_ptr + page_a, mask=step_start < end, other=tag)
-        owner_b = tl.load(page_owner_ptr + page_b, mask=step_start + 16 < end, other=tag)
-    else:
-        owner_a = tag
-        owner_b = tag
-    return owner_a, owner_b
+def _foreign_pages(table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e):
+    """1 if a page id in block-table columns [first_column, first_column + 128) below
+    `end_column` belongs to another tag (out-of-range ids are the loop's to flag), else 0.
+    One page id and owner per element: vector loads, then a reduction over the warp."""
+    columns = first_column + e
+    is_used = columns < end_column
+    pages = tl.load(table_row + columns, mask=is_used, other=0)
+    in_range = (pages >= 0) & (pages < num_pages)
+    owners = tl.load(
+        page_owner_ptr + tl.where(in_range, pages, 0).to(tl.int64), mask=is_used & in_range,
+        other=tag,
+    )  # fmt: skip
+    return tl.reduce((owners != tag).to(tl.int32), 0, maximum_tl)
 
 
 @triton.jit
@@ -406,7 +412,15 @@ def _decode_mma_kernel(
         v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K, LOAD_K_CONSTRAINTS,
         LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
     )  # fmt: skip
-    owner_a, owner_b = _owners(page_owner_ptr, tag, pa, pb, start, end, CHECK_OWNER)
+    # Ownership of the split's pages, 128 block-table columns a round: the first round's
+    # loads go out now and are compared after the attention loop (their latency hides
+    # behind it; the loop itself is the same with the check on or off), the rest after.
+    first_column = start // PAGE_SIZE
+    end_column = (end + PAGE_SIZE - 1) // PAGE_SIZE
+    if CHECK_OWNER:
+        foreign = _foreign_pages(
+            table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e
+        )
     pa, pb, range_bad = _step_pages(table_row, start + 32, end, num_pages, max_pages, PAGE_SIZE)
     bad = bad | range_bad
     for step in range(start, end, 32):
@@ -420,7 +434,6 @@ def _decode_mma_kernel(
             v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
             LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
-        n_owner_a, n_owner_b = _owners(page_owner_ptr, tag, pa, pb, step + 32, end, CHECK_OWNER)
         pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
         m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
             m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
@@ -430,14 +443,13 @@ def _decode_mma_kernel(
             PV_CONSTRAINTS, QUAD_MAX, QUAD_CONSTRAINTS, EXP2_DIFF, SPREAD_EXP2_DIFF,
             DIFF_CONSTRAINTS, EXP2, LOG2, UNARY_CONSTRAINTS, P_F16, P_CONSTRAINTS,
         )  # fmt: skip
-        bad = bad | range_bad | (owner_a != tag) | (owner_b != tag)
+        bad = bad | range_bad
         ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = (
             n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca
         )  # fmt: skip
         kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = (
             n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb
         )  # fmt: skip
-        owner_a, owner_b = n_owner_a, n_owner_b
 
     # Partials: head g's (m, l) from lane 4g, register 0; O of heads 2t, 2t + 1 times
     # exp2(m2 - m) of its head (0 for an empty split: m = -inf, O = 0).
@@ -463,6 +475,13 @@ def _decode_mma_kernel(
         tl.store(o_at + 10, o5 * factor, mask=o_ok)
         tl.store(o_at + 12, o6 * factor, mask=o_ok)
         tl.store(o_at + 14, o7 * factor, mask=o_ok)
+    if CHECK_OWNER:
+        for column in range(first_column + 128, end_column, 128):
+            foreign = tl.maximum(
+                foreign,
+                _foreign_pages(table_row, page_owner_ptr, tag, column, end_column, num_pages, e),
+            )
+        bad = bad | (foreign > 0)
     is_bad = tl.full((128,), 0, tl.int8) + bad.to(tl.int8)
     tl.store(part_bad_ptr + seq * NUM_SPLITS + split + e * 0, is_bad, mask=(e == 0) & (kv_head == 0))
 
@@ -515,12 +534,14 @@ def paged_decode_attention_mma(
     warps_per_sm: int | None = None,
     min_split: int | None = None,
     max_registers: int | None = None,
+    max_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
 
     The split count aims at `warps_per_sm` one-warp programs a multiprocessor, each
-    split at least `min_split` tokens (rounded up to a multiple of 32); `max_registers`
-    caps the registers per thread (0: none). None takes the head dim's DEFAULTS.
+    split at least `min_split` tokens (rounded up to a multiple of 32) and at most
+    `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
+    none). None takes the head dim's DEFAULTS.
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -538,13 +559,14 @@ def paged_decode_attention_mma(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
-    default_registers, default_warps, default_split = DEFAULTS[head_dim]
+    default_registers, default_warps, default_split, default_max_splits = DEFAULTS[head_dim]
     max_registers = default_registers if max_registers is None else max_registers
     warps_per_sm = default_warps if warps_per_sm is None else warps_per_sm
     min_split = default_split if min_split is None else min_split
+    max_splits = default_max_splits if max_splits is None else max_splits
     num_steps = max(1, math.ceil(max_context_len / STEP))
     target = warps_per_sm * _num_sms(q.device)
-    num_splits = max(1, min(num_steps, math.ceil(target / (batch * num_kv_heads))))
+    num_splits = max(1, min(num_steps, max_splits, math.ceil(target / (batch * num_kv_heads))))
     steps_per_split = max(math.ceil(num_steps / num_splits), math.ceil(min_split / STEP))
     split_size = steps_per_split * STEP
     num_splits = max(1, math.ceil(max_context_len / split_size))
