@@ -716,8 +716,8 @@ MMA_DEFAULTS = MMA_KERNEL_DEFAULTS
 # off alike (offline, Triton 3.6 for sm_90): head dim 64 137/138 registers, 128 211/211.
 CHECK_COST_CAPS = {64: 144, 128: 216}
 MMA_CONFIGS = {  # head dim -> [(max registers, warps per SM, min split, max splits)]
-    64: [(r, w, 64, s) for r in (0, 144, 128) for w in (16, 32) for s in (128, 512)],
-    128: [(r, w, 64, s) for r in (0, 216) for w in (16, 32) for s in (128, 512)],
+    64: [(r, w, 64, 512) for r in (0, 160, 144, 128) for w in (16, 24, 32)],
+    128: [(r, w, 64, 128) for r in (0, 216) for w in (16, 32)],
 }
 
 
