@@ -35,7 +35,6 @@ import triton
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import paged_decode_attention
-from gpu_node.kernels.paged_attention_mma import DEFAULTS as MMA_KERNEL_DEFAULTS
 from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
 from gpu_node.kv_quant import (
@@ -711,7 +710,6 @@ MMA_POINTS = [  # shape, batch, context
 
 
 MMA_TUNE_POINTS = [(1, 32768), (8, 32768), (64, 32768)]
-MMA_DEFAULTS = MMA_KERNEL_DEFAULTS
 # Register caps at which the mma kernel compiles without spills with the check on and
 # off alike (offline, Triton 3.6 for sm_90): head dim 64 137/138 registers, 128 211/211.
 CHECK_COST_CAPS = {64: 144, 128: 216}
@@ -732,7 +730,7 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
     torch.cuda.empty_cache()
     log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
     record = results.setdefault("mma", {"copy_bandwidth_Bps": copy_bw, "rows": [], "tune": {}})
-    best_config = {name: MMA_DEFAULTS[SHAPES[name][2]] for name in ("smollm2", "llama8b")}
+    best_config = {name: None for name in ("smollm2", "llama8b")}  # None: the kernel's defaults
     for shape_name in ("smollm2", "llama8b") if tune else ():
         shape = SHAPES[shape_name]
         totals: dict = {}
@@ -757,9 +755,11 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
     log("|---|---|---|---|---|---|---|---|---|---|")
     for shape_name, batch, length in points or MMA_POINTS:
         shape = SHAPES[shape_name]
-        regs, warps, min_split, max_splits = best_config[shape_name]
-        options = {"max_registers": regs, "warps_per_sm": warps, "min_split": min_split,
-                   "max_splits": max_splits}  # fmt: skip
+        options = {}
+        if best_config[shape_name] is not None:
+            regs, warps, min_split, max_splits = best_config[shape_name]
+            options = {"max_registers": regs, "warps_per_sm": warps, "min_split": min_split,
+                       "max_splits": max_splits}  # fmt: skip
         calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
         bf16_us = time_calls(calls)
         del calls

@@ -56,12 +56,15 @@ from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 
-# Per head dim: (register cap, one-warp programs aimed at per multiprocessor, least
-# tokens per split, most splits per sequence), from a sweep at 32K context, B = 1, 8,
-# 64 on an H200 (docs/bench/fp8_kv.md, seventh session). 128 registers at head dim 64:
-# 16 warps a multiprocessor instead of 11. The split cap bounds the merge kernel's
-# work at batch 1 (head dim 128: 512 splits of 64 tokens took 38 µs, 128 of 256 took 31).
-DEFAULTS = {64: (128, 16, 64, 512), 128: (0, 16, 64, 128)}
+# Per head dim: (register cap, one-warp programs aimed at per multiprocessor below and
+# at LARGE_BATCH (sequences x kv heads), least tokens per split, most splits per
+# sequence), from sweeps at 32K context, B = 1, 8, 64 on an H200 (docs/bench/fp8_kv.md,
+# seventh session). Small batches gain from fewer, longer splits, large ones from two
+# waves of programs; 128 registers at head dim 64 fit 16 warps a multiprocessor; the
+# split cap bounds the merge kernel's work at batch 1 (head dim 128: 512 splits of 64
+# tokens took 38 µs, 128 of 256 took 31).
+DEFAULTS = {64: (128, 16, 32, 64, 512), 128: (216, 16, 32, 64, 128)}
+LARGE_BATCH = 128
 
 
 @triton.jit
@@ -559,9 +562,12 @@ def paged_decode_attention_mma(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
-    default_registers, default_warps, default_split, default_max_splits = DEFAULTS[head_dim]
+    default_registers, few_warps, many_warps, default_split, default_max_splits = DEFAULTS[
+        head_dim
+    ]
     max_registers = default_registers if max_registers is None else max_registers
-    warps_per_sm = default_warps if warps_per_sm is None else warps_per_sm
+    if warps_per_sm is None:
+        warps_per_sm = many_warps if batch * num_kv_heads >= LARGE_BATCH else few_warps
     min_split = default_split if min_split is None else min_split
     max_splits = default_max_splits if max_splits is None else max_splits
     num_steps = max(1, math.ceil(max_context_len / STEP))
