@@ -86,7 +86,7 @@ def _pair(lo, hi, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
 
 @triton.jit
 def _pair2(a, b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    # A two-input, four-wide asm block (EXP2_DIFF).
+    # A two-input, four-wide asm block (EXP2_DIFF, SPREAD_EXP2_DIFF).
     return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [a, b], dtype=tl.float32, is_pure=True, pack=4)
 
 
@@ -200,14 +200,19 @@ def _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, ASM: tl.constexpr, CONSTRAINTS: tl.c
 
 
 @triton.jit
-def _scores(raw, scales, left, v_token, j, score_scale):
-    # s = q.k in log2 units, -inf for tokens past the context (their bytes and scales
-    # may be anything); and the V scales. scales: K's bf16 << 16 | V's bf16.
-    s = tl.where(
-        v_token + j < left, raw * (scales & -65536).to(tl.float32, bitcast=True) * score_scale,
+def _scores(raw, scales, left, v_token, j, score_scale, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
+    # s = q.k in log2 units and u = s + log2(v_scale); -inf for tokens past the context
+    # (their bytes and scales may be anything). scales: K's bf16 << 16 | V's bf16.
+    is_valid = v_token + j < left
+    k_scale = (scales & -65536).to(tl.float32, bitcast=True)
+    v_scale = (scales << 16).to(tl.float32, bitcast=True)
+    s = tl.where(is_valid, raw * k_scale * score_scale, float("-inf"))
+    u = tl.where(
+        is_valid,
+        s + tl.inline_asm_elementwise(LOG2, UNARY_CONSTRAINTS, [v_scale], dtype=tl.float32, is_pure=True, pack=1),
         float("-inf"),
     )  # fmt: skip
-    return s, (scales << 16).to(tl.float32, bitcast=True)
+    return s, u
 
 
 @triton.jit
@@ -217,62 +222,52 @@ def _exp2(x, EXP2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
 
 @triton.jit
 def _attend_step(
-    m, w_max, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
+    m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
     ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, lefta,
     kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, leftb,
     KW: tl.constexpr, VW: tl.constexpr, QK_ASM: tl.constexpr, QK_CONSTRAINTS: tl.constexpr,
     PV0: tl.constexpr, PV1: tl.constexpr, PV2: tl.constexpr, PV3: tl.constexpr,
     PV4: tl.constexpr, PV5: tl.constexpr, PV6: tl.constexpr, PV7: tl.constexpr,
     PV_CONSTRAINTS: tl.constexpr, QUAD_MAX: tl.constexpr, QUAD_CONSTRAINTS: tl.constexpr,
-    EXP2_DIFF: tl.constexpr, DIFF_CONSTRAINTS: tl.constexpr, SPREAD: tl.constexpr,
-    SPREAD_CONSTRAINTS: tl.constexpr, RCP: tl.constexpr,
-    EXP2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr,
+    EXP2_DIFF: tl.constexpr, SPREAD_EXP2_DIFF: tl.constexpr, DIFF_CONSTRAINTS: tl.constexpr,
+    EXP2: tl.constexpr, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr,
     P_F16: tl.constexpr, P_CONSTRAINTS: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over one 32-token step (halves a and b) for head g of the lane.
-
-    p = exp2(s - m) makes the sum l; the P.V operand is w = p * v_scale divided by
-    w_max, the largest w so far (in the current m's units), so it lies in [0, 1] in
-    fp16 whatever the scales; O carries that 1 / w_max, undone at the end.
-    """
-    sa, vsa = _scores(
+    """Online softmax over one 32-token step (halves a and b) for head g of the lane."""
+    sa, ua = _scores(
         _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, QK_ASM, QK_CONSTRAINTS, KW),
-        sca, lefta, v_token, j, score_scale,
+        sca, lefta, v_token, j, score_scale, LOG2, UNARY_CONSTRAINTS,
     )  # fmt: skip
-    sb, vsb = _scores(
+    sb, ub = _scores(
         _qk(q0, q1, q2, q3, kc0, kc1, kd0, kd1, QK_ASM, QK_CONSTRAINTS, KW),
-        scb, leftb, v_token, j, score_scale,
+        scb, leftb, v_token, j, score_scale, LOG2, UNARY_CONSTRAINTS,
     )  # fmt: skip
     m_new = tl.maximum(m, _quad(tl.maximum(sa, sb), QUAD_MAX, QUAD_CONSTRAINTS))
-    alpha = _pair2(m, m_new, EXP2_DIFF, DIFF_CONSTRAINTS)  # head g's, replicated
-    pa = _exp2(sa - m_new, EXP2, UNARY_CONSTRAINTS)
-    pb = _exp2(sb - m_new, EXP2, UNARY_CONSTRAINTS)
-    l_sum = l_sum * alpha + pa + pb
-    wa = pa * vsa
-    wb = pb * vsb
-    w_old = w_max * alpha
-    # floored: where every w flushed to zero the output is zero anyway, and 1 / w stays finite
-    w_max = tl.maximum(tl.maximum(w_old, _quad(tl.maximum(wa, wb), QUAD_MAX, QUAD_CONSTRAINTS)), 1e-30)
-    inv_w = tl.inline_asm_elementwise(RCP, QUAD_CONSTRAINTS, [w_max], dtype=tl.float32, is_pure=True, pack=4)
-    rescale = tl.inline_asm_elementwise(
-        SPREAD, SPREAD_CONSTRAINTS, [w_old * inv_w], dtype=tl.float32, is_pure=True, pack=4
-    )  # heads 2t, 2t + 1
+    l_sum = (
+        l_sum * _pair2(m, m_new, EXP2_DIFF, DIFF_CONSTRAINTS)
+        + _exp2(sa - m_new, EXP2, UNARY_CONSTRAINTS)
+        + _exp2(sb - m_new, EXP2, UNARY_CONSTRAINTS)
+    )
+    m2_new = tl.maximum(m2, _quad(tl.maximum(ua, ub), QUAD_MAX, QUAD_CONSTRAINTS))
+    alpha = _pair2(m2, m2_new, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS)  # heads 2t, 2t + 1
     pa = tl.inline_asm_elementwise(
-        P_F16, P_CONSTRAINTS, [wa * inv_w], dtype=tl.int32, is_pure=True, pack=4
-    )
+        P_F16, P_CONSTRAINTS, [_exp2(ua - m2_new, EXP2, UNARY_CONSTRAINTS)],
+        dtype=tl.int32, is_pure=True, pack=4,
+    )  # fmt: skip
     pb = tl.inline_asm_elementwise(
-        P_F16, P_CONSTRAINTS, [wb * inv_w], dtype=tl.int32, is_pure=True, pack=4
-    )
-    o0 = _pv(_pv(o0 * rescale, pa, va0, va1, va2, va3, PV0, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV0, PV_CONSTRAINTS, VW)
-    o1 = _pv(_pv(o1 * rescale, pa, va0, va1, va2, va3, PV1, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV1, PV_CONSTRAINTS, VW)
-    o2 = _pv(_pv(o2 * rescale, pa, va0, va1, va2, va3, PV2, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV2, PV_CONSTRAINTS, VW)
-    o3 = _pv(_pv(o3 * rescale, pa, va0, va1, va2, va3, PV3, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV3, PV_CONSTRAINTS, VW)
+        P_F16, P_CONSTRAINTS, [_exp2(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
+        dtype=tl.int32, is_pure=True, pack=4,
+    )  # fmt: skip
+    o0 = _pv(_pv(o0 * alpha, pa, va0, va1, va2, va3, PV0, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV0, PV_CONSTRAINTS, VW)
+    o1 = _pv(_pv(o1 * alpha, pa, va0, va1, va2, va3, PV1, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV1, PV_CONSTRAINTS, VW)
+    o2 = _pv(_pv(o2 * alpha, pa, va0, va1, va2, va3, PV2, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV2, PV_CONSTRAINTS, VW)
+    o3 = _pv(_pv(o3 * alpha, pa, va0, va1, va2, va3, PV3, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV3, PV_CONSTRAINTS, VW)
     if VW == 4:
-        o4 = _pv(_pv(o4 * rescale, pa, va0, va1, va2, va3, PV4, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV4, PV_CONSTRAINTS, VW)
-        o5 = _pv(_pv(o5 * rescale, pa, va0, va1, va2, va3, PV5, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV5, PV_CONSTRAINTS, VW)
-        o6 = _pv(_pv(o6 * rescale, pa, va0, va1, va2, va3, PV6, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV6, PV_CONSTRAINTS, VW)
-        o7 = _pv(_pv(o7 * rescale, pa, va0, va1, va2, va3, PV7, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV7, PV_CONSTRAINTS, VW)
-    return m_new, w_max, l_sum, o0, o1, o2, o3, o4, o5, o6, o7
+        o4 = _pv(_pv(o4 * alpha, pa, va0, va1, va2, va3, PV4, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV4, PV_CONSTRAINTS, VW)
+        o5 = _pv(_pv(o5 * alpha, pa, va0, va1, va2, va3, PV5, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV5, PV_CONSTRAINTS, VW)
+        o6 = _pv(_pv(o6 * alpha, pa, va0, va1, va2, va3, PV6, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV6, PV_CONSTRAINTS, VW)
+        o7 = _pv(_pv(o7 * alpha, pa, va0, va1, va2, va3, PV7, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV7, PV_CONSTRAINTS, VW)
+    return m_new, m2_new, l_sum, o0, o1, o2, o3, o4, o5, o6, o7
 
 
 @triton.jit
@@ -320,11 +315,12 @@ def _decode_mma_kernel(
     SPREAD: tl.constexpr,
     SPREAD_CONSTRAINTS: tl.constexpr,
     EXP2_DIFF: tl.constexpr,
+    SPREAD_EXP2_DIFF: tl.constexpr,
     DIFF_CONSTRAINTS: tl.constexpr,
-    RCP: tl.constexpr,
     PAIR: tl.constexpr,
     PAIR_CONSTRAINTS: tl.constexpr,
     EXP2: tl.constexpr,
+    LOG2: tl.constexpr,
     UNARY_CONSTRAINTS: tl.constexpr,
     P_F16: tl.constexpr,
     P_CONSTRAINTS: tl.constexpr,
@@ -392,7 +388,7 @@ def _decode_mma_kernel(
     s_lane = v_token * 2
 
     m = tl.full((128,), float("-inf"), tl.float32)  # head g's running max of s
-    w_max = tl.full((128,), 0.0, tl.float32)  # ... of exp2(s - m) * v_scale
+    m2 = tl.full((128,), float("-inf"), tl.float32)  # ... of s + log2(v_scale)
     l_sum = tl.full((128,), 0.0, tl.float32)  # per element; summed over the quad at the end
     o0 = tl.full((128,), 0.0, tl.float32)
     o1 = tl.full((128,), 0.0, tl.float32)
@@ -442,13 +438,13 @@ def _decode_mma_kernel(
             LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
         pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
-        m, w_max, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
-            m, w_max, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
+        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
+            m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
             ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, end - step,
             kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, end - step - 16,
             KW, VW, QK_ASM, QK_CONSTRAINTS, PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7,
-            PV_CONSTRAINTS, QUAD_MAX, QUAD_CONSTRAINTS, EXP2_DIFF, DIFF_CONSTRAINTS, SPREAD,
-            SPREAD_CONSTRAINTS, RCP, EXP2, UNARY_CONSTRAINTS, P_F16, P_CONSTRAINTS,
+            PV_CONSTRAINTS, QUAD_MAX, QUAD_CONSTRAINTS, EXP2_DIFF, SPREAD_EXP2_DIFF,
+            DIFF_CONSTRAINTS, EXP2, LOG2, UNARY_CONSTRAINTS, P_F16, P_CONSTRAINTS,
         )  # fmt: skip
         bad = bad | range_bad
         ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = (
@@ -459,13 +455,13 @@ def _decode_mma_kernel(
         )  # fmt: skip
 
     # Partials: head g's (m, l) from lane 4g, register 0; O of heads 2t, 2t + 1 times
-    # w_max of its head (0 for an empty split: m = -inf, O = 0).
+    # exp2(m2 - m) of its head (0 for an empty split: m = -inf, O = 0).
     l_sum = _quad(l_sum, QUAD_SUM, QUAD_CONSTRAINTS)
     part = (seq * NUM_KV_HEADS * GROUP + kv_head * GROUP + g) * NUM_SPLITS + split
     first = (t == 0) & (j == 0) & head_ok
     tl.store(part_max_ptr + part, m, mask=first)
     tl.store(part_sum_ptr + part, l_sum, mask=first)
-    factor = tl.where(m == float("-inf"), 0.0, w_max)
+    factor = tl.where(m == float("-inf"), 0.0, tl.exp2(m2 - m))
     factor = tl.inline_asm_elementwise(
         SPREAD, SPREAD_CONSTRAINTS, [factor], dtype=tl.float32, is_pure=True, pack=4
     )
@@ -629,8 +625,8 @@ def paged_decode_attention_mma(
         PV_CONSTRAINTS=asm.PV_CONSTRAINTS[head_dim],
         QUAD_MAX=asm.QUAD_MAX,
         EXP2_DIFF=asm.EXP2_DIFF,
+        SPREAD_EXP2_DIFF=asm.SPREAD_EXP2_DIFF,
         DIFF_CONSTRAINTS=asm.EXP2_DIFF_CONSTRAINTS,
-        RCP=asm.RCP,
         QUAD_SUM=asm.QUAD_SUM,
         QUAD_CONSTRAINTS=asm.QUAD_CONSTRAINTS,
         SPREAD=asm.SPREAD,
@@ -638,6 +634,7 @@ def paged_decode_attention_mma(
         PAIR=asm.PAIR_F16,
         PAIR_CONSTRAINTS=asm.PAIR_CONSTRAINTS,
         EXP2=asm.EXP2,
+        LOG2=asm.LOG2,
         UNARY_CONSTRAINTS=asm.UNARY_CONSTRAINTS,
         P_F16=asm.P_F16,
         P_CONSTRAINTS=asm.P_CONSTRAINTS,

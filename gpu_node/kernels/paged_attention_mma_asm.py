@@ -64,15 +64,22 @@ SPREAD = "\n".join(
     ]
 )
 SPREAD_CONSTRAINTS = _constraints("f", ["f"])
-# 1 / x of a lane's first element (replicated in the lane), replicated.
-RCP = "\n".join(["{", ".reg .f32 r;", "rcp.approx.ftz.f32 r, $4;", *_replicate("r"), "}"])
+# SPREAD of exp2(a - b): the rescale factor of the accumulator's heads.
+SPREAD_EXP2_DIFF = SPREAD.replace(
+    "mov.u32 lane, %laneid;",
+    ".reg .f32 d;\nsub.f32 d, $4, $8;\nex2.approx.ftz.f32 d, d;\nmov.u32 lane, %laneid;",
+).replace("shfl.sync.idx.b32 a, $4,", "shfl.sync.idx.b32 a, d,").replace(
+    "shfl.sync.idx.b32 b, $4,", "shfl.sync.idx.b32 b, d,"
+)
+SPREAD_EXP2_DIFF_CONSTRAINTS = _constraints("f", ["f", "f"])
 
 
 # Two fp32 -> one fp16 pair (elementwise, pack = 1): $0 = (lo: $1, hi: $2).
 PAIR_F16 = "cvt.rn.f16x2.f32 $0, $2, $1;"
 PAIR_CONSTRAINTS = "=r,f,f"
-# Fast base-2 exp (elementwise); subnormal results flush to zero.
+# Fast base-2 exp and log (elementwise); subnormal results flush to zero.
 EXP2 = "ex2.approx.ftz.f32 $0, $1;"
+LOG2 = "lg2.approx.ftz.f32 $0, $1;"
 UNARY_CONSTRAINTS = "=f,f"
 
 # Four probabilities (tokens 4t .. 4t + 3 of a half) -> the fp16 pairs of the P.V B

@@ -183,7 +183,7 @@ def test_asm_operands_match_their_constraints(head_dim):
         asm.load_k(head_dim, 3 * head_dim),
         asm.load_v(head_dim, 3 * head_dim),
         (asm.EXP2_DIFF, asm.EXP2_DIFF_CONSTRAINTS),
-        (asm.RCP, asm.QUAD_CONSTRAINTS),
+        (asm.SPREAD_EXP2_DIFF, asm.SPREAD_EXP2_DIFF_CONSTRAINTS),
         (asm.LOAD_SCALES, asm.LOAD_SCALES_CONSTRAINTS),
     ]
     for text, constraints in blocks:
