@@ -827,8 +827,12 @@ def part_mma_check(results: dict) -> bool:
         dot, _ = paged_decode_attention(**batch, **scales, kernel="dot")
         err, dot_err = rel_err(out, ref), rel_err(dot, ref)
         ok &= err < CHECK_TOLERANCE and not flags.any()
-        log(f"mma check {shape_name}: rel err {err:.2e} (tl.dot kernel {dot_err:.2e}), flags {flags.any()}")
-        results.setdefault("mma_check", []).append({"shape": shape_name, "err": err, "dot_err": dot_err})
+        log(
+            f"mma check {shape_name}: rel err {err:.2e} (tl.dot kernel {dot_err:.2e}), flags {flags.any()}"
+        )
+        results.setdefault("mma_check", []).append(
+            {"shape": shape_name, "err": err, "dot_err": dot_err}
+        )
     return ok
 
 
@@ -884,9 +888,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "part",
-        choices=[
-            "scales", "check", "decode", "prefetch", "check-cost", "profile", "mma", "all"
-        ],
+        choices=["scales", "check", "decode", "prefetch", "check-cost", "profile", "mma", "all"],
     )
     parser.add_argument("--rounds", type=int, default=11, help="check-cost: paired rounds")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")

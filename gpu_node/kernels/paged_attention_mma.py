@@ -11,31 +11,40 @@ bandwidth needs ~19). Here a program is one warp that never touches shared memor
 each lane loads exactly the bytes its mma fragments hold, so the loads feed the
 tensor cores directly, and the softmax state of query head g lives in lanes 4g..4g+3.
 
-Per 32-token step, in two 16-token halves (a half never straddles a page, S % 16 == 0):
+Lane 4g + t (g = 0..7, t = 0..3: the mma fragments' group and thread) works on query
+head g. Per 32-token step, in two 16-token halves (a half never straddles a page,
+S % 16 == 0), all mma.sync.m16n8k16 with fp32 sums:
 
-    S = q K^T    mma.m16n8k32 e4m3: rows 0-7 q's high e4m3 part, rows 8-15 its low
-                 part (q * 2^k = hi + lo, ~8 significant bits, k per head so that
-                 max |q| 2^k is in (224, 448]); B = K as stored: column n is token n,
-                 lane t's k slots are its own D / 4 contiguous dims, so a lane reads
-                 D / 4 bytes of tokens g and g + 8 (16-byte loads). hi + lo rows summed.
-    O^T += V^T P^T   mma.m16n8k16 fp16: A = V^T (rows: the lane's D / 8 dims, paired
-                 two tokens a register and converted e4m3 -> fp16 in registers), B = P
-                 (head g's probabilities of the lane's tokens, as the QK^T output left
-                 them: no shuffle), so O^T's columns are heads and every accumulator
-                 register is used.
+    S = q K^T        A = q in fp16 (head g in row g, rows 8-15 zero; q times a power of
+                     two per head that puts max |q| in (8192, 16384]); B = K as stored,
+                     converted e4m3 -> fp16 in registers: the k slots of lane t are its
+                     own D / 4 contiguous dims, and column n of the two n-tiles is token
+                     pi(n) and pi(n) + 2 of the half, pi(n) = 4 (n // 2) + n % 2, so a
+                     lane loads D / 4 bytes of two tokens (16-byte loads), and the scores
+                     it gets back are those of tokens 4t .. 4t + 3.
+    O^T += V^T P^T   A = V^T: rows are the lane's D / 8 dims, k its tokens 4t .. 4t + 3
+                     (paired two tokens a register by PRMT, converted in registers);
+                     B = P exactly as the QK^T product left it (no shuffle), so O^T's
+                     columns are heads and every accumulator register is used.
 
-Element j of a lane (e = 4 lane + j) is: in scores and probabilities, token
-tau(j) = 2t + j % 2 + 8 (j // 2) of the half; in the accumulator tensor of m-tile i,
-head 2t + j % 2 and dim g D / 8 + 2i + j // 2.
+Element j of a lane is register j of a [128] tensor (element e = 32 j + lane, the
+layout Triton gives a one-warp [128] tensor): in scores and probabilities, token 4t + j
+of the half; in the accumulator tensor of m-tile i, head 2t + j % 2 and dim
+g D / 8 + 2i + j // 2. The K/V/scale loads are inline asm (16-byte vectors with the
+half's address added once), so no tl.load asks Triton for another layout.
 
 Softmax: scores are in log2 units. Each token's V scale is folded into P as
 exp2(s + log2 v_scale - m2), m2 the running max of s + log2 v_scale, so P is in
 (0, 1] whatever the scales, and the sum l uses the running max m of s alone; a
 split stores (m, l, O exp2(m2 - m)) for the merge kernel of paged_attention.py.
+Each step's data is loaded a step ahead, its page ids two.
 
-Integrity: each half's page id is range-checked (out of range: flagged, page 0 read)
-and its owner compared with the sequence's tag, as the page ids are loaded a step
-ahead; context longer than the block table is flagged too. kv head 0's programs report.
+Integrity: every page id the loop loads is range-checked (out of range: flagged, page
+0 read); a context longer than the block table is flagged; and, with the check on,
+the owners of all the split's block-table columns are compared with the sequence's
+tag by vector loads outside the loop (the first 128 columns' loads go out before it
+and are compared after it), so the attention loop is the same with the check on or
+off. kv head 0's programs report.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kernels.paged_attention import _paged_decode_merge_kernel
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
-from gpu_node.kv_quant import FP8_DTYPE, FP8_MAX
+from gpu_node.kv_quant import FP8_DTYPE
 
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
@@ -87,7 +96,9 @@ def _pair(lo, hi, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
 @triton.jit
 def _pair2(a, b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
     # A two-input, four-wide asm block (EXP2_DIFF, SPREAD_EXP2_DIFF).
-    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [a, b], dtype=tl.float32, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [a, b], dtype=tl.float32, is_pure=True, pack=4
+    )
 
 
 @triton.jit
@@ -186,7 +197,19 @@ def _pv(o, p, v0, v1, v2, v3, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, VW: 
 
 
 @triton.jit
-def _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, KW: tl.constexpr):
+def _qk(
+    q0,
+    q1,
+    q2,
+    q3,
+    ka0,
+    ka1,
+    kb0,
+    kb1,
+    ASM: tl.constexpr,
+    CONSTRAINTS: tl.constexpr,
+    KW: tl.constexpr,
+):
     if KW == 8:
         out = tl.inline_asm_elementwise(
             ASM, CONSTRAINTS, [q0, q1, q2, q3, ka0, ka1, kb0, kb1],
@@ -200,7 +223,9 @@ def _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, ASM: tl.constexpr, CONSTRAINTS: tl.c
 
 
 @triton.jit
-def _scores(raw, scales, left, v_token, j, score_scale, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
+def _scores(
+    raw, scales, left, v_token, j, score_scale, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr
+):
     # s = q.k in log2 units and u = s + log2(v_scale); -inf for tokens past the context
     # (their bytes and scales may be anything). scales: K's bf16 << 16 | V's bf16.
     is_valid = v_token + j < left
@@ -217,7 +242,9 @@ def _scores(raw, scales, left, v_token, j, score_scale, LOG2: tl.constexpr, UNAR
 
 @triton.jit
 def _exp2(x, EXP2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(EXP2, UNARY_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        EXP2, UNARY_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -258,15 +285,95 @@ def _attend_step(
         P_F16, P_CONSTRAINTS, [_exp2(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
         dtype=tl.int32, is_pure=True, pack=4,
     )  # fmt: skip
-    o0 = _pv(_pv(o0 * alpha, pa, va0, va1, va2, va3, PV0, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV0, PV_CONSTRAINTS, VW)
-    o1 = _pv(_pv(o1 * alpha, pa, va0, va1, va2, va3, PV1, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV1, PV_CONSTRAINTS, VW)
-    o2 = _pv(_pv(o2 * alpha, pa, va0, va1, va2, va3, PV2, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV2, PV_CONSTRAINTS, VW)
-    o3 = _pv(_pv(o3 * alpha, pa, va0, va1, va2, va3, PV3, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV3, PV_CONSTRAINTS, VW)
+    o0 = _pv(
+        _pv(o0 * alpha, pa, va0, va1, va2, va3, PV0, PV_CONSTRAINTS, VW),
+        pb,
+        vb0,
+        vb1,
+        vb2,
+        vb3,
+        PV0,
+        PV_CONSTRAINTS,
+        VW,
+    )
+    o1 = _pv(
+        _pv(o1 * alpha, pa, va0, va1, va2, va3, PV1, PV_CONSTRAINTS, VW),
+        pb,
+        vb0,
+        vb1,
+        vb2,
+        vb3,
+        PV1,
+        PV_CONSTRAINTS,
+        VW,
+    )
+    o2 = _pv(
+        _pv(o2 * alpha, pa, va0, va1, va2, va3, PV2, PV_CONSTRAINTS, VW),
+        pb,
+        vb0,
+        vb1,
+        vb2,
+        vb3,
+        PV2,
+        PV_CONSTRAINTS,
+        VW,
+    )
+    o3 = _pv(
+        _pv(o3 * alpha, pa, va0, va1, va2, va3, PV3, PV_CONSTRAINTS, VW),
+        pb,
+        vb0,
+        vb1,
+        vb2,
+        vb3,
+        PV3,
+        PV_CONSTRAINTS,
+        VW,
+    )
     if VW == 4:
-        o4 = _pv(_pv(o4 * alpha, pa, va0, va1, va2, va3, PV4, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV4, PV_CONSTRAINTS, VW)
-        o5 = _pv(_pv(o5 * alpha, pa, va0, va1, va2, va3, PV5, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV5, PV_CONSTRAINTS, VW)
-        o6 = _pv(_pv(o6 * alpha, pa, va0, va1, va2, va3, PV6, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV6, PV_CONSTRAINTS, VW)
-        o7 = _pv(_pv(o7 * alpha, pa, va0, va1, va2, va3, PV7, PV_CONSTRAINTS, VW), pb, vb0, vb1, vb2, vb3, PV7, PV_CONSTRAINTS, VW)
+        o4 = _pv(
+            _pv(o4 * alpha, pa, va0, va1, va2, va3, PV4, PV_CONSTRAINTS, VW),
+            pb,
+            vb0,
+            vb1,
+            vb2,
+            vb3,
+            PV4,
+            PV_CONSTRAINTS,
+            VW,
+        )
+        o5 = _pv(
+            _pv(o5 * alpha, pa, va0, va1, va2, va3, PV5, PV_CONSTRAINTS, VW),
+            pb,
+            vb0,
+            vb1,
+            vb2,
+            vb3,
+            PV5,
+            PV_CONSTRAINTS,
+            VW,
+        )
+        o6 = _pv(
+            _pv(o6 * alpha, pa, va0, va1, va2, va3, PV6, PV_CONSTRAINTS, VW),
+            pb,
+            vb0,
+            vb1,
+            vb2,
+            vb3,
+            PV6,
+            PV_CONSTRAINTS,
+            VW,
+        )
+        o7 = _pv(
+            _pv(o7 * alpha, pa, va0, va1, va2, va3, PV7, PV_CONSTRAINTS, VW),
+            pb,
+            vb0,
+            vb1,
+            vb2,
+            vb3,
+            PV7,
+            PV_CONSTRAINTS,
+            VW,
+        )
     return m_new, m2_new, l_sum, o0, o1, o2, o3, o4, o5, o6, o7
 
 
@@ -365,7 +472,8 @@ def _decode_mma_kernel(
         lo3 = tl.load(q_at + 24, mask=head_ok, other=0.0).to(tl.float32)
         hi3 = tl.load(q_at + 25, mask=head_ok, other=0.0).to(tl.float32)
         amax = tl.maximum(
-            amax, tl.maximum(tl.maximum(tl.abs(lo2), tl.abs(hi2)), tl.maximum(tl.abs(lo3), tl.abs(hi3)))
+            amax,
+            tl.maximum(tl.maximum(tl.abs(lo2), tl.abs(hi2)), tl.maximum(tl.abs(lo3), tl.abs(hi3))),
         )
     amax = _quad(amax, QUAD_MAX, QUAD_CONSTRAINTS)
     q_scale = tl.where(amax > 0.0, tl.exp2(tl.floor(tl.log2(16384.0 / amax))), 1.0)
@@ -486,7 +594,9 @@ def _decode_mma_kernel(
             )
         bad = bad | (foreign > 0)
     is_bad = tl.full((128,), 0, tl.int8) + bad.to(tl.int8)
-    tl.store(part_bad_ptr + seq * NUM_SPLITS + split + e * 0, is_bad, mask=(e == 0) & (kv_head == 0))
+    tl.store(
+        part_bad_ptr + seq * NUM_SPLITS + split + e * 0, is_bad, mask=(e == 0) & (kv_head == 0)
+    )
 
 
 def supports(
@@ -562,9 +672,7 @@ def paged_decode_attention_mma(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
-    default_registers, few_warps, many_warps, default_split, default_max_splits = DEFAULTS[
-        head_dim
-    ]
+    default_registers, few_warps, many_warps, default_split, default_max_splits = DEFAULTS[head_dim]
     max_registers = default_registers if max_registers is None else max_registers
     if warps_per_sm is None:
         warps_per_sm = many_warps if batch * num_kv_heads >= LARGE_BATCH else few_warps
@@ -579,7 +687,9 @@ def paged_decode_attention_mma(
 
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(
+        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
     part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     pv = asm.PV[head_dim] + asm.PV[head_dim][:1] * (8 - len(asm.PV[head_dim]))  # 8 slots
@@ -667,4 +777,4 @@ def paged_decode_attention_mma(
     return out, violations.bool()
 
 
-__all__ = ["FP8_MAX", "paged_decode_attention_mma", "supports"]
+__all__ = ["DEFAULTS", "paged_decode_attention_mma", "supports"]

@@ -30,7 +30,7 @@ def _quad(op: str) -> str:
     for offset in (1, 2):
         lines.append(f"shfl.sync.bfly.b32 o, m, {offset}, 0x1f, {FULL_MASK};")
         lines.append(f"{op}.f32 m, m, o;")
-    lines += _replicate("m") + ["}"]
+    lines += [*_replicate("m"), "}"]
     return "\n".join(lines)
 
 
@@ -65,11 +65,13 @@ SPREAD = "\n".join(
 )
 SPREAD_CONSTRAINTS = _constraints("f", ["f"])
 # SPREAD of exp2(a - b): the rescale factor of the accumulator's heads.
-SPREAD_EXP2_DIFF = SPREAD.replace(
-    "mov.u32 lane, %laneid;",
-    ".reg .f32 d;\nsub.f32 d, $4, $8;\nex2.approx.ftz.f32 d, d;\nmov.u32 lane, %laneid;",
-).replace("shfl.sync.idx.b32 a, $4,", "shfl.sync.idx.b32 a, d,").replace(
-    "shfl.sync.idx.b32 b, $4,", "shfl.sync.idx.b32 b, d,"
+SPREAD_EXP2_DIFF = (
+    SPREAD.replace(
+        "mov.u32 lane, %laneid;",
+        ".reg .f32 d;\nsub.f32 d, $4, $8;\nex2.approx.ftz.f32 d, d;\nmov.u32 lane, %laneid;",
+    )
+    .replace("shfl.sync.idx.b32 a, $4,", "shfl.sync.idx.b32 a, d,")
+    .replace("shfl.sync.idx.b32 b, $4,", "shfl.sync.idx.b32 b, d,")
 )
 SPREAD_EXP2_DIFF_CONSTRAINTS = _constraints("f", ["f", "f"])
 

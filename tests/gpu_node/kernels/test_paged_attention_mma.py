@@ -198,3 +198,183 @@ def test_asm_operands_match_their_constraints(head_dim):
     for mtile, pv in enumerate(asm.PV[head_dim]):
         v_words = sorted(n for n in _operands(pv) if 8 <= n < 8 + 4 * words)
         assert v_words == [8 + token * words + (2 * mtile) // 4 for token in range(4)]
+
+
+# --- CPU: the QK^T and P.V asm blocks run on an emulated warp --------------------------
+# A few PTX instructions are interpreted per lane (mov, cvt, prmt) and mma.sync through
+# PTX's fragment tables for m16n8k16 (not through the kernel's code):
+#   A (16 x 16): register r of lane 4g + t holds A[g + 8 (r % 2)][2t + 8 (r // 2) + {0, 1}]
+#   B (16 x 8):  register h holds B[2t + 8h + {0, 1}][g]
+#   C (16 x 8):  element i holds C[g + 8 (i // 2)][2t + i % 2]
+# The lanes' operands are placed as the kernel's loads place them (its docstring), so
+# the tests check that the token and dim permutations, the byte selections and the
+# operand numbering compose into q K^T and P V.
+
+LANES = torch.arange(32)
+G_OF, T_OF = LANES // 4, LANES % 4
+
+
+def _f16_pairs(reg: torch.Tensor) -> torch.Tensor:
+    """[32] 32-bit registers (int64 bits) -> their (low, high) fp16 halves as float [32, 2]."""
+    halves = torch.stack([reg & 0xFFFF, (reg >> 16) & 0xFFFF], dim=1)
+    return ((halves + 0x8000) % 0x10000 - 0x8000).to(torch.int16).view(torch.float16).float()
+
+
+def _f16_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _e4m3_to_f16x2(half: torch.Tensor) -> torch.Tensor:
+    # cvt.rn.f16x2.e4m3x2: low byte -> low fp16, high byte -> high fp16 (exact)
+    lo = (half & 0xFF).to(torch.uint8).view(FP8_DTYPE)
+    hi = ((half >> 8) & 0xFF).to(torch.uint8).view(FP8_DTYPE)
+    return _f16_bits(lo.float()) | (_f16_bits(hi.float()) << 16)
+
+
+def _mma(a: list, b: list, c: list) -> list:
+    mat_a, mat_b = torch.zeros(16, 16), torch.zeros(16, 8)
+    for lane in range(32):
+        g, t = int(G_OF[lane]), int(T_OF[lane])
+        for r in range(4):
+            row, col = g + 8 * (r % 2), 2 * t + 8 * (r // 2)
+            mat_a[row, col : col + 2] = _f16_pairs(a[r])[lane]
+        for h in range(2):
+            mat_b[2 * t + 8 * h : 2 * t + 8 * h + 2, g] = _f16_pairs(b[h])[lane]
+    mat_c = torch.zeros(16, 8)
+    for lane in range(32):
+        g, t = int(G_OF[lane]), int(T_OF[lane])
+        for i in range(4):
+            mat_c[g + 8 * (i // 2), 2 * t + i % 2] = c[i][lane]
+    mat_d = mat_a @ mat_b + mat_c
+    return [mat_d[G_OF + 8 * (i // 2), 2 * T_OF + i % 2] for i in range(4)]
+
+
+def run_asm(text: str, operands: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """Interpret a QK / PV / P_F16 block: operands $n -> [32] per-lane values (int64 bits,
+    or fp32 for f32 operands); returns $0-$3 ([32] each, fp32 or int64 bits)."""
+    regs: dict[str, torch.Tensor] = {f"${n}": v for n, v in operands.items()}
+
+    def val(name: str) -> torch.Tensor:
+        return regs[name.strip()]
+
+    def names(group: str) -> list[str]:
+        return [x.strip() for x in group.strip("{} ").split(",")]
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, _, rest = line.partition(" ")
+        if op == "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32":
+            groups = [g + "}" for g in rest.split("}")[:4]]
+            d, a, b, c = (names(g.strip(", ")) for g in groups)
+            out = _mma([val(x) for x in a], [val(x) for x in b], [val(x).float() for x in c])
+            for name, v in zip(d, out, strict=True):
+                regs[name] = v
+            continue
+        if op == "mov.b32" and rest.startswith("{"):
+            lo, hi = names(rest.split("}")[0])
+            src = val(rest.split("}")[1].strip(", "))
+            regs[lo], regs[hi] = src & 0xFFFF, (src >> 16) & 0xFFFF
+            continue
+        args = [x.strip() for x in rest.split(",")]
+        if op in ("mov.f32", "mov.b32"):
+            regs[args[0]] = (
+                torch.zeros(32, dtype=torch.int64)
+                if args[1] in ("0", "0f00000000")
+                else val(args[1])
+            )
+        elif op == "cvt.rn.f16x2.e4m3x2":
+            regs[args[0]] = _e4m3_to_f16x2(val(args[1]))
+        elif op == "cvt.rn.f16x2.f32":  # d = (hi: a, lo: b)
+            regs[args[0]] = _f16_bits(val(args[2]).float()) | (
+                _f16_bits(val(args[1]).float()) << 16
+            )
+        elif op == "prmt.b32":
+            a, b, sel = val(args[1]), val(args[2]), int(args[3], 16)
+            pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [
+                (b >> (8 * i)) & 0xFF for i in range(4)
+            ]
+            regs[args[0]] = sum(pool[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+        else:
+            raise AssertionError(f"not emulated: {line}")
+    return [regs[f"${i}"] for i in range(4)]
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """fp8 bytes [..., 4n] -> their little-endian 32-bit words [..., n] (int64)."""
+    b = rows.view(torch.uint8).to(torch.int64).reshape(*rows.shape[:-1], -1, 4)
+    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+
+
+@pytest.mark.parametrize("head_dim", asm.HEAD_DIMS)
+def test_emulated_warp_computes_q_k_and_p_v(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    keys = (torch.randn(16, head_dim, generator=gen) * 40).to(FP8_DTYPE)  # one half
+    values = (torch.randn(16, head_dim, generator=gen) * 40).to(FP8_DTYPE)
+    q = torch.randn(8, head_dim, generator=gen).to(torch.float16)  # rows: heads g
+    # q pairs of lane t: dims t D/4 + 2p, + 1 -> operand tensor p // 4, element p % 4
+    q_pairs = _f16_bits(q[G_OF].float()).reshape(32, -1, 2)  # [lane, D/2, 2]
+    q_pairs = q_pairs[:, :, 0] | q_pairs[:, :, 1] << 16  # [lane, D/2]
+    lane_pairs = torch.stack(
+        [
+            q_pairs[lane, T_OF[lane] * head_dim // 8 : (T_OF[lane] + 1) * head_dim // 8]
+            for lane in range(32)
+        ]
+    )  # [32, D/8]
+    k_token = 4 * (G_OF // 2) + G_OF % 2
+    k_words = _words(keys)  # [16, D/4]
+    words = head_dim // 16
+    lane_k = [
+        torch.stack(
+            [
+                k_words[
+                    int(k_token[n]) + 2 * tok, int(T_OF[n]) * words : (int(T_OF[n]) + 1) * words
+                ]
+                for n in range(32)
+            ]
+        )
+        for tok in range(2)
+    ]  # 2 x [32, D/16]
+    operands = {}
+    flat = [lane_pairs[:, i] for i in range(head_dim // 8)]
+    flat += [lane_k[0][:, i] for i in range(words)] + [lane_k[1][:, i] for i in range(words)]
+    for n, v in enumerate(flat):
+        operands[4 + n] = v
+    scores = run_asm(asm.QK[head_dim], operands)  # element j: token 4t + j, head g
+    want = q.float() @ keys.float().T  # [8 heads, 16 tokens]
+    for j in range(4):
+        torch.testing.assert_close(
+            scores[j].float(), want[G_OF, 4 * T_OF + j], rtol=1e-5, atol=1e-3
+        )
+
+    # P.V: P[head g, token 4t + j] as the kernel packs it; V bytes of tokens 4t + i, dims g D/8 ..
+    p = torch.rand(8, 16, generator=gen)
+    packed = run_asm(asm.P_F16, {4 + j: p[G_OF, 4 * T_OF + j] for j in range(4)})
+    v_words = _words(values)  # [16, D/4]
+    vw = head_dim // 32
+    lane_v = torch.stack(
+        [
+            torch.cat(
+                [
+                    v_words[4 * int(T_OF[n]) + i, int(G_OF[n]) * vw : (int(G_OF[n]) + 1) * vw]
+                    for i in range(4)
+                ]
+            )
+            for n in range(32)
+        ]
+    )  # [32, 4 tokens x D/32 words] in token order
+    want = p.half().float() @ values.float()  # [8 heads, D]
+    for mtile, text in enumerate(asm.PV[head_dim]):
+        ops = {4 + j: packed[j] for j in range(4)}
+        for n in range(4 * vw):
+            ops[8 + n] = lane_v[:, n]
+        acc = 8 + 4 * vw
+        for j in range(4):
+            ops[acc + j] = torch.zeros(32)
+        out = run_asm(text, ops)
+        for j in range(4):  # head 2t + j % 2, dim g D/8 + 2 mtile + j // 2
+            dim = G_OF * (head_dim // 8) + 2 * mtile + j // 2
+            torch.testing.assert_close(
+                out[j].float(), want[2 * T_OF + j % 2, dim], rtol=1e-5, atol=1e-3
+            )
