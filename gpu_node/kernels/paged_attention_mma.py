@@ -631,6 +631,34 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def split_plan(
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context_len: int,
+    num_sms: int,
+    warps_per_sm: int | None = None,
+    min_split: int | None = None,
+    max_splits: int | None = None,
+    max_registers: int | None = None,
+) -> tuple[int, int, int]:
+    """(splits per sequence, tokens per split, register cap) of a call; None takes the
+    head dim's DEFAULTS. Splits are whole 32-token steps; none is empty for the longest
+    sequence."""
+    cap, few_warps, many_warps, default_split, default_max_splits = DEFAULTS[head_dim]
+    if warps_per_sm is None:
+        warps_per_sm = many_warps if batch * num_kv_heads >= LARGE_BATCH else few_warps
+    min_split = default_split if min_split is None else min_split
+    max_splits = default_max_splits if max_splits is None else max_splits
+    num_steps = max(1, math.ceil(max_context_len / STEP))
+    target = warps_per_sm * num_sms
+    num_splits = max(1, min(num_steps, max_splits, math.ceil(target / (batch * num_kv_heads))))
+    steps_per_split = max(math.ceil(num_steps / num_splits), math.ceil(min_split / STEP))
+    split_size = steps_per_split * STEP
+    num_splits = max(1, math.ceil(max_context_len / split_size))
+    return num_splits, split_size, cap if max_registers is None else max_registers
+
+
 def paged_decode_attention_mma(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -672,18 +700,10 @@ def paged_decode_attention_mma(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
-    default_registers, few_warps, many_warps, default_split, default_max_splits = DEFAULTS[head_dim]
-    max_registers = default_registers if max_registers is None else max_registers
-    if warps_per_sm is None:
-        warps_per_sm = many_warps if batch * num_kv_heads >= LARGE_BATCH else few_warps
-    min_split = default_split if min_split is None else min_split
-    max_splits = default_max_splits if max_splits is None else max_splits
-    num_steps = max(1, math.ceil(max_context_len / STEP))
-    target = warps_per_sm * _num_sms(q.device)
-    num_splits = max(1, min(num_steps, max_splits, math.ceil(target / (batch * num_kv_heads))))
-    steps_per_split = max(math.ceil(num_steps / num_splits), math.ceil(min_split / STEP))
-    split_size = steps_per_split * STEP
-    num_splits = max(1, math.ceil(max_context_len / split_size))
+    num_splits, split_size, max_registers = split_plan(
+        batch, num_kv_heads, head_dim, max_context_len, _num_sms(q.device), warps_per_sm,
+        min_split, max_splits, max_registers,
+    )  # fmt: skip
 
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -777,4 +797,4 @@ def paged_decode_attention_mma(
     return out, violations.bool()
 
 
-__all__ = ["DEFAULTS", "paged_decode_attention_mma", "supports"]
+__all__ = ["DEFAULTS", "paged_decode_attention_mma", "split_plan", "supports"]

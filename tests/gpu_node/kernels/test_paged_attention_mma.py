@@ -16,7 +16,11 @@ import torch
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.paged_attention import paged_decode_attention
-from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma, supports
+from gpu_node.kernels.paged_attention_mma import (
+    paged_decode_attention_mma,
+    split_plan,
+    supports,
+)
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
 from gpu_node.kv_quant import FP8_DTYPE
 from tests.gpu_node.kernels.test_paged_attention import (
@@ -150,6 +154,33 @@ def test_kernel_choice_is_checked():
         paged_decode_attention(*batch.args(), kernel="fast")
     with pytest.raises(ValueError, match="needs fp8 pages"):
         paged_decode_attention(*batch.args(), kernel="mma")
+
+
+@pytest.mark.parametrize(
+    ("batch", "kv_heads", "head_dim", "length", "expected"),
+    [
+        # 192 (sequence, kv head) pairs: 32 warps a multiprocessor, 4224 / 192 = 22 splits
+        (64, 3, 64, 32768, (22, 1504, 128)),
+        # 64 pairs: 16 warps, 2112 / 64 = 33 splits -> 32 steps each -> 32 splits of 1024
+        (8, 8, 128, 32768, (32, 1024, 216)),
+        # batch 1: capped at 128 splits (head dim 128) / 512 (64) a sequence
+        (1, 8, 128, 32768, (128, 256, 216)),
+        (1, 3, 64, 32768, (512, 64, 128)),
+        # short contexts: splits of at least 64 tokens
+        (1, 8, 128, 1024, (16, 64, 216)),
+        (2, 3, 64, 1, (1, 64, 128)),
+    ],
+)
+def test_split_plan(batch, kv_heads, head_dim, length, expected):
+    assert split_plan(batch, kv_heads, head_dim, length, num_sms=132) == expected
+    splits, size, _ = expected
+    assert (splits - 1) * size < length <= splits * size or length < size
+
+
+def test_split_plan_takes_explicit_options():
+    assert split_plan(
+        4, 2, 64, 10000, 132, warps_per_sm=8, min_split=1000, max_splits=3, max_registers=0
+    ) == (3, 3360, 0)  # fmt: skip
 
 
 def test_refuses_what_it_does_not_take():
