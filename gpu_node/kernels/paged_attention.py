@@ -674,6 +674,21 @@ def paged_decode_attention(
         num_stages=num_stages,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
+    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
+    return out, violations.bool()
+
+
+def merge_splits(
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
+    part_acc: torch.Tensor,
+    part_bad: torch.Tensor,
+    out: torch.Tensor,
+    violations: torch.Tensor,
+) -> None:
+    """Merge a split kernel's partials ([B, Q, N] max and sum, [B, Q, N, D] sums, [B, N]
+    flags) into `out` [B, Q, D] and `violations` [B], in place."""
+    batch, num_heads, num_splits, head_dim = part_acc.shape
     _paged_decode_merge_kernel[(batch, num_heads)](
         part_max,
         part_sum,
@@ -690,7 +705,6 @@ def paged_decode_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1 if num_splits * head_dim <= 4096 else 4,
     )
-    return out, violations.bool()
 
 
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.combine import maximum_tl
-from gpu_node.kernels.paged_attention import _paged_decode_merge_kernel
+from gpu_node.kernels.paged_attention import merge_splits
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE
 
@@ -197,6 +197,29 @@ def _pv(o, p, v0, v1, v2, v3, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, VW: 
 
 
 @triton.jit
+def _pv_step(
+    o,
+    alpha,
+    pa,
+    pb,
+    va0,
+    va1,
+    va2,
+    va3,
+    vb0,
+    vb1,
+    vb2,
+    vb3,
+    ASM: tl.constexpr,
+    CONSTRAINTS: tl.constexpr,
+    VW: tl.constexpr,
+):
+    # One m-tile's accumulator over a step: rescaled, then both halves' P.V.
+    o = _pv(o * alpha, pa, va0, va1, va2, va3, ASM, CONSTRAINTS, VW)
+    return _pv(o, pb, vb0, vb1, vb2, vb3, ASM, CONSTRAINTS, VW)
+
+
+@triton.jit
 def _qk(
     q0,
     q1,
@@ -285,94 +308,30 @@ def _attend_step(
         P_F16, P_CONSTRAINTS, [_exp2(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
         dtype=tl.int32, is_pure=True, pack=4,
     )  # fmt: skip
-    o0 = _pv(
-        _pv(o0 * alpha, pa, va0, va1, va2, va3, PV0, PV_CONSTRAINTS, VW),
-        pb,
-        vb0,
-        vb1,
-        vb2,
-        vb3,
-        PV0,
-        PV_CONSTRAINTS,
-        VW,
+    o0 = _pv_step(
+        o0, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV0, PV_CONSTRAINTS, VW
     )
-    o1 = _pv(
-        _pv(o1 * alpha, pa, va0, va1, va2, va3, PV1, PV_CONSTRAINTS, VW),
-        pb,
-        vb0,
-        vb1,
-        vb2,
-        vb3,
-        PV1,
-        PV_CONSTRAINTS,
-        VW,
+    o1 = _pv_step(
+        o1, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV1, PV_CONSTRAINTS, VW
     )
-    o2 = _pv(
-        _pv(o2 * alpha, pa, va0, va1, va2, va3, PV2, PV_CONSTRAINTS, VW),
-        pb,
-        vb0,
-        vb1,
-        vb2,
-        vb3,
-        PV2,
-        PV_CONSTRAINTS,
-        VW,
+    o2 = _pv_step(
+        o2, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV2, PV_CONSTRAINTS, VW
     )
-    o3 = _pv(
-        _pv(o3 * alpha, pa, va0, va1, va2, va3, PV3, PV_CONSTRAINTS, VW),
-        pb,
-        vb0,
-        vb1,
-        vb2,
-        vb3,
-        PV3,
-        PV_CONSTRAINTS,
-        VW,
+    o3 = _pv_step(
+        o3, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV3, PV_CONSTRAINTS, VW
     )
     if VW == 4:
-        o4 = _pv(
-            _pv(o4 * alpha, pa, va0, va1, va2, va3, PV4, PV_CONSTRAINTS, VW),
-            pb,
-            vb0,
-            vb1,
-            vb2,
-            vb3,
-            PV4,
-            PV_CONSTRAINTS,
-            VW,
+        o4 = _pv_step(
+            o4, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV4, PV_CONSTRAINTS, VW
         )
-        o5 = _pv(
-            _pv(o5 * alpha, pa, va0, va1, va2, va3, PV5, PV_CONSTRAINTS, VW),
-            pb,
-            vb0,
-            vb1,
-            vb2,
-            vb3,
-            PV5,
-            PV_CONSTRAINTS,
-            VW,
+        o5 = _pv_step(
+            o5, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV5, PV_CONSTRAINTS, VW
         )
-        o6 = _pv(
-            _pv(o6 * alpha, pa, va0, va1, va2, va3, PV6, PV_CONSTRAINTS, VW),
-            pb,
-            vb0,
-            vb1,
-            vb2,
-            vb3,
-            PV6,
-            PV_CONSTRAINTS,
-            VW,
+        o6 = _pv_step(
+            o6, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV6, PV_CONSTRAINTS, VW
         )
-        o7 = _pv(
-            _pv(o7 * alpha, pa, va0, va1, va2, va3, PV7, PV_CONSTRAINTS, VW),
-            pb,
-            vb0,
-            vb1,
-            vb2,
-            vb3,
-            PV7,
-            PV_CONSTRAINTS,
-            VW,
+        o7 = _pv_step(
+            o7, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV7, PV_CONSTRAINTS, VW
         )
     return m_new, m2_new, l_sum, o0, o1, o2, o3, o4, o5, o6, o7
 
@@ -778,22 +737,7 @@ def paged_decode_attention_mma(
         num_stages=1,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
-    _paged_decode_merge_kernel[(batch, num_heads)](
-        part_max,
-        part_sum,
-        part_acc,
-        part_bad,
-        out,
-        violations,
-        out.stride(0),
-        out.stride(1),
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_splits * head_dim <= 4096 else 4,
-    )
+    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
     return out, violations.bool()
 
 
