@@ -467,9 +467,9 @@ def _decode_mma_kernel(
     o7 = tl.full((128,), 0.0, tl.float32)
     bad = context_len > max_pages * PAGE_SIZE
 
-    # Pipeline: each iteration loads the next step's data (page ids loaded an iteration
-    # before), the page ids of the step after it, and attends over the current step; a
-    # page's owner is compared an iteration after its load, so no step waits for it.
+    # Pipeline: each iteration loads the next step's data (its page ids loaded an
+    # iteration before) and the page ids of the step after it, then attends over the
+    # current step, whose data arrived while the previous one was computed.
     pa, pb, range_bad = _step_pages(table_row, start, end, num_pages, max_pages, PAGE_SIZE)
     bad = bad | range_bad
     ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = _half_data(
