@@ -25,6 +25,7 @@ from billing.events import Status, UsageEvent
 
 # The UTC day is stored as 'YYYY-MM-DD' text in both stores: it compares in
 # date order, groups without time-zone functions, and reads the same in SQL.
+_SCHEMA_LOCK = 0x6564676573657276  # "edgeserv": the advisory lock around schema creation
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_ledger (
     request_id    TEXT PRIMARY KEY,
@@ -279,6 +280,10 @@ class PostgresLedger(_SqlLedger):
         # autocommit: reads take no transaction; writes open one explicitly in insert_many.
         conn = self._connect(self._url, autocommit=True)
         with conn.transaction():
+            # Processes starting together (three gateways on a fresh database) would race
+            # in CREATE ... IF NOT EXISTS, which is not atomic in PostgreSQL: one wins, the
+            # others fail on pg_type's unique index. The lock makes them take turns.
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             conn.execute(_SCHEMA)
             conn.execute(_INDEX)
         return conn

@@ -646,6 +646,8 @@ def paged_decode_attention_mma(
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
     )
+    if k_scale is None or v_scale is None:
+        raise ValueError("fp8 pages need k_scale and v_scale")
     if not supports(q, k_cache, v_cache, k_scale, v_scale):
         raise ValueError(
             "paged_decode_attention_mma needs fp8 pages with head dim 64 or 128, at most "

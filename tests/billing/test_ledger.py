@@ -117,3 +117,43 @@ def test_postgres_ledger_reconnects_after_its_connection_is_killed(postgres_url:
     assert ledger.insert(make_event("req-2")) is True
     assert ledger.count() == 2
     ledger.close()
+
+
+def _open_together(url: str, count: int) -> tuple[list, list[BaseException]]:
+    """`count` PostgresLedgers opened at once from as many threads: (opened, errors)."""
+    from billing.ledger import PostgresLedger
+
+    start = threading.Barrier(count)
+    opened: list[PostgresLedger] = []
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        start.wait()
+        try:
+            opened.append(PostgresLedger(url))
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=open_one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return opened, errors
+
+
+def test_postgres_ledgers_opened_together_on_a_fresh_database(postgres_url: str) -> None:
+    """Eight ledgers creating the schema at once (three gateways starting on a fresh
+    database once failed here: CREATE ... IF NOT EXISTS races in PostgreSQL)."""
+    import psycopg
+
+    for _ in range(3):  # the race needs a fresh schema: drop it between rounds
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS usage_ledger")
+        opened, errors = _open_together(postgres_url, 8)
+        assert [type(e).__name__ for e in errors] == []
+        assert len(opened) == 8
+        assert opened[0].insert(make_event("req-1")) is True
+        assert opened[7].insert(make_event("req-1")) is False  # one table, shared
+        for ledger in opened:
+            ledger.close()
