@@ -646,13 +646,13 @@ def paged_decode_attention_mma(
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
     )
-    if k_scale is None or v_scale is None:
-        raise ValueError("fp8 pages need k_scale and v_scale")
     if not supports(q, k_cache, v_cache, k_scale, v_scale):
         raise ValueError(
             "paged_decode_attention_mma needs fp8 pages with head dim 64 or 128, at most "
             f"{MAX_GROUP} query heads per kv head, on an sm_89+ GPU, pages 16-byte aligned"
         )
+    if k_scale is None or v_scale is None:  # validate_decode_inputs refused this already
+        raise ValueError("fp8 pages need k_scale and v_scale")
     batch, num_heads, _ = q.shape
     out = torch.empty_like(q)
     violations = torch.zeros(batch, dtype=torch.int8, device=q.device)
