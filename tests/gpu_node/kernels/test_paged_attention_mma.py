@@ -280,10 +280,19 @@ def _mma(a: list, b: list, c: list) -> list:
     return [mat_d[G_OF + 8 * (i // 2), 2 * T_OF + i % 2] for i in range(4)]
 
 
-def run_asm(text: str, operands: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-    """Interpret a QK / PV / P_F16 block: operands $n -> [32] per-lane values (int64 bits,
-    or fp32 for f32 operands); returns $0-$3 ([32] each, fp32 or int64 bits)."""
+def run_asm(
+    text: str,
+    operands: dict[int, torch.Tensor],
+    memory: torch.Tensor | None = None,
+    outputs: int = 4,
+) -> list[torch.Tensor]:
+    """Interpret a QK / PV / P_F16 / load block: operands $n -> [32] per-lane values (int64
+    bits, or fp32 for f32 operands); `memory` the bytes that addresses index (uint8);
+    returns $0 .. $(outputs - 1) ([32] each). A predicated-off load leaves its
+    registers as they were: -1 (all ones) unless the block wrote them."""
     regs: dict[str, torch.Tensor] = {f"${n}": v for n, v in operands.items()}
+    for n in range(outputs):
+        regs.setdefault(f"${n}", torch.full((32,), -1, dtype=torch.int64))
 
     def val(name: str) -> torch.Tensor:
         return regs[name.strip()]
@@ -308,8 +317,31 @@ def run_asm(text: str, operands: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             src = val(rest.split("}")[1].strip(", "))
             regs[lo], regs[hi] = src & 0xFFFF, (src >> 16) & 0xFFFF
             continue
+        if op.startswith("@"):  # @p ld.global.nc.v{n}.b32 {regs}, [a+imm]
+            pred, (load, _, rest) = regs[op[1:]], rest.partition(" ")
+            assert load.startswith("ld.global.nc.v") and memory is not None, line
+            dests = names(rest.split("}")[0])
+            base, _, imm = rest.split("[")[1].rstrip("]").partition("+")
+            address = val(base) + int(imm or 0)
+            for i, dest in enumerate(dests):
+                word = _words(
+                    torch.stack([memory[int(a) + 4 * i : int(a) + 4 * i + 4] for a in address])
+                )[:, 0]
+                regs[dest] = torch.where(pred, word, regs.get(dest, torch.full((32,), -1)))
+            continue
         args = [x.strip() for x in rest.split(",")]
-        if op in ("mov.f32", "mov.b32"):
+        if op == "setp.lt.s32":
+            regs[args[0]] = val(args[1]) < val(args[2])
+        elif op == "cvt.s64.s32":
+            regs[args[0]] = val(args[1])
+        elif op in ("add.s64", "add.s32"):
+            right = val(args[2]) if args[2].startswith(("$", "o", "a")) else int(args[2])
+            regs[args[0]] = val(args[1]) + right
+        elif op == "shl.b32":
+            regs[args[0]] = (val(args[1]) << int(args[2])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & int(args[2], 16)
+        elif op in ("mov.f32", "mov.b32"):
             regs[args[0]] = (
                 torch.zeros(32, dtype=torch.int64)
                 if args[1] in ("0", "0f00000000")
@@ -329,7 +361,7 @@ def run_asm(text: str, operands: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             regs[args[0]] = sum(pool[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
         else:
             raise AssertionError(f"not emulated: {line}")
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outputs)]
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -405,6 +437,100 @@ def test_emulated_warp_computes_q_k_and_p_v(head_dim):
             ops[acc + j] = torch.zeros(32)
         out = run_asm(text, ops)
         for j in range(4):  # head 2t + j % 2, dim g D/8 + 2 mtile + j // 2
+            dim = G_OF * (head_dim // 8) + 2 * mtile + j // 2
+            torch.testing.assert_close(
+                out[j].float(), want[2 * T_OF + j % 2, dim], rtol=1e-5, atol=1e-3
+            )
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "page_size", "left"), [(64, 32, 11), (128, 16, 16), (128, 48, 3)]
+)
+def test_emulated_loads_feed_the_products(head_dim, page_size, left):
+    """One half through the kernel's load blocks (addresses as the kernel forms them) from
+    a paged pool, then QK^T and P.V: the right tokens' scores and sums; tokens at or past
+    `left` are not loaded (V reads zero)."""
+    gen = torch.Generator().manual_seed(head_dim + left)
+    pages, kv_heads, kv_head, page, offset = 4, 2, 1, 2, page_size - 16
+    shape = (pages, page_size, kv_heads, head_dim)
+    k_cache = (torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE)
+    v_cache = (torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE)
+    k_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
+    v_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
+    row = kv_heads * head_dim
+    # the kernel's loop-invariant lane offsets and the half's base (_half_data)
+    k_token = 4 * (G_OF // 2) + G_OF % 2
+    k_lane = k_token * row + T_OF * (head_dim // 4)
+    v_token = 4 * T_OF
+    v_lane = v_token * row + G_OF * (head_dim // 8)
+    base = torch.full((32,), (page * page_size + offset) * row + kv_head * head_dim)
+    scale_base = torch.full((32,), ((page * kv_heads + kv_head) * page_size + offset) * 2)
+    full_left = torch.full((32,), left)
+    k_bytes = k_cache.view(torch.uint8).reshape(-1)
+    v_bytes = v_cache.view(torch.uint8).reshape(-1)
+
+    text, constraints = asm.load_k(head_dim, row)
+    k_out = 4 * (constraints.count("=") // 4)
+    ops = {k_out + 4 * i: x for i, x in enumerate([base, k_lane, k_token, full_left])}
+    k_regs = run_asm(text, ops, k_bytes, outputs=k_out)
+    text, constraints = asm.load_v(head_dim, row)
+    v_out = 4 * (constraints.count("=") // 4)
+    ops = {v_out + 4 * i: x for i, x in enumerate([base, v_lane, v_token, full_left])}
+    v_regs = run_asm(text, ops, v_bytes, outputs=v_out)
+    # scales: K's and V's bf16 of tokens 4t + j packed; the K-scale pool first, then V's
+    pool = torch.cat([k_scale.view(torch.uint8).reshape(-1), v_scale.view(torch.uint8).reshape(-1)])
+    ops = {
+        4: scale_base,
+        8: scale_base + k_scale.numel() * 2,
+        12: 2 * v_token,
+        16: v_token,
+        20: full_left,
+    }
+    packed = run_asm(asm.LOAD_SCALES, ops, pool)
+
+    tokens = slice(page * page_size + offset, page * page_size + offset + 16)
+    keys = k_cache.view(-1, kv_heads, head_dim)[tokens, kv_head]
+    values = v_cache.view(-1, kv_heads, head_dim)[tokens, kv_head]
+    ks = k_scale[page, kv_head, offset : offset + 16].float()
+    vs = v_scale[page, kv_head, offset : offset + 16].float()
+    for j in range(4):  # element j: token 4t + j (masked by the caller past `left`)
+        valid = 4 * T_OF + j < left
+        got_k = ((packed[j] & 0xFFFF0000).to(torch.int32)).view(torch.float32)
+        got_v = ((packed[j] << 16) & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        assert torch.equal(got_k[valid], ks[(4 * T_OF + j)[valid]])
+        assert torch.equal(got_v[valid], vs[(4 * T_OF + j)[valid]])
+
+    q = torch.randn(8, head_dim, generator=gen).to(torch.float16)
+    q_bits = _f16_bits(q[G_OF].float()).reshape(32, -1, 2)
+    q_bits = q_bits[:, :, 0] | q_bits[:, :, 1] << 16  # [lane, D / 2] pairs
+    lane_pairs = torch.stack(
+        [
+            q_bits[n, int(T_OF[n]) * head_dim // 8 : (int(T_OF[n]) + 1) * head_dim // 8]
+            for n in range(32)
+        ]
+    )
+    operands = {4 + i: lane_pairs[:, i] for i in range(head_dim // 8)}
+    for i, reg in enumerate(k_regs):  # load order: token a's vectors, then token b's
+        operands[4 + head_dim // 8 + i] = reg
+    scores = run_asm(asm.QK[head_dim], operands)
+    want = q.float() @ keys.float().T
+    for j in range(4):
+        valid = 4 * T_OF + j < left
+        torch.testing.assert_close(
+            scores[j][valid].float(), want[G_OF, 4 * T_OF + j][valid], rtol=1e-5, atol=1e-3
+        )
+
+    p = torch.rand(8, 16, generator=gen) * (torch.arange(16) < left)  # 0 past the context
+    packed_p = run_asm(asm.P_F16, {4 + j: p[G_OF, 4 * T_OF + j] for j in range(4)})
+    want = p.half().float() @ values.float().nan_to_num()
+    for mtile, text in enumerate(asm.PV[head_dim]):
+        ops = {4 + j: packed_p[j] for j in range(4)}
+        for n, reg in enumerate(v_regs):
+            ops[8 + n] = reg
+        for j in range(4):
+            ops[8 + len(v_regs) + j] = torch.zeros(32)
+        out = run_asm(text, ops)
+        for j in range(4):
             dim = G_OF * (head_dim // 8) + 2 * mtile + j // 2
             torch.testing.assert_close(
                 out[j].float(), want[2 * T_OF + j % 2, dim], rtol=1e-5, atol=1e-3
