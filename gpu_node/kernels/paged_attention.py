@@ -574,9 +574,8 @@ def paged_decode_attention(
     `kernel`: "dot" this module's tl.dot kernel; "mma" the register-resident fp8 kernel
     of paged_attention_mma.py (1.57-1.76x faster than bf16 pages at 32K context and
     batch 8-64 on an H200, where the tl.dot kernel is slower than bf16 pages); "auto" the
-    mma kernel
-    wherever it takes the call (`paged_attention_mma.supports`) and no tl.dot tile
-    option is given, else the tl.dot kernel.
+    mma kernel wherever it takes the call (`paged_attention_mma.supports`) and no tl.dot
+    tile option is given, else the tl.dot kernel.
     """
     if kernel not in ("auto", "dot", "mma"):
         raise ValueError(f"kernel must be 'auto', 'dot' or 'mma', got {kernel!r}")
