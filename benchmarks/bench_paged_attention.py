@@ -668,6 +668,20 @@ CHECK_COST_POINTS = [  # shape, batch, context
 ]
 
 
+def paired_check_timings(calls, rounds: int, attention=None, **options):
+    """`rounds` pairs of timings, check on and off back to back (the order alternating by
+    round) -> (on µs, off µs, median per-pair cost, its 25% and 75% quantiles)."""
+    on, off = [], []
+    for r in range(rounds):
+        for check in (True, False) if r % 2 == 0 else (False, True):
+            (on if check else off).append(
+                time_calls(calls, attention, check_owner=check, **options)
+            )
+    ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
+    low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+    return on, off, statistics.median(ratios), low, high
+
+
 def part_check_cost(results: dict, rounds: int) -> None:
     """The ownership check's cost, measured harder than `decode` does: per point,
     `rounds` pairs of timings (check on, check off; the order alternates by round), and
@@ -680,14 +694,7 @@ def part_check_cost(results: dict, rounds: int) -> None:
     for shape_name, batch, length in CHECK_COST_POINTS:
         for cache_dtype in (torch.bfloat16, FP8_DTYPE):
             calls, _ = timing_pool(batch, length, SHAPES[shape_name], cache_dtype)
-            on, off = [], []
-            for r in range(rounds):
-                order = (True, False) if r % 2 == 0 else (False, True)
-                for check in order:
-                    (on if check else off).append(time_calls(calls, check_owner=check))
-            ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
-            median = statistics.median(ratios)
-            low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+            on, off, median, low, high = paired_check_timings(calls, rounds)
             name = "fp8" if cache_dtype == FP8_DTYPE else "bf16"
             log(
                 f"| {shape_name} | {batch} | {length} | {name} | {statistics.median(on):.1f} | "
@@ -766,14 +773,9 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         torch.cuda.empty_cache()
         calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
         dot_us = time_calls(calls, kernel="dot")
-        on, off = [], []
-        for r in range(rounds):
-            for check in (True, False) if r % 2 == 0 else (False, True):
-                us = time_calls(calls, paged_decode_attention_mma, check_owner=check, **options)
-                (on if check else off).append(us)
-        ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
-        cost = statistics.median(ratios)
-        low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+        on, off, cost, low, high = paired_check_timings(
+            calls, rounds, paged_decode_attention_mma, **options
+        )
         mma_us = statistics.median(on)
         del calls
         torch.cuda.empty_cache()
@@ -793,18 +795,11 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         shape = SHAPES[shape_name]
         cap = CHECK_COST_CAPS[shape[2]]
         calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
-        on, off = [], []
-        for r in range(rounds):
-            for check in (True, False) if r % 2 == 0 else (False, True):
-                us = time_calls(
-                    calls, paged_decode_attention_mma, check_owner=check, max_registers=cap
-                )
-                (on if check else off).append(us)
+        on, off, cost, low, high = paired_check_timings(
+            calls, rounds, paged_decode_attention_mma, max_registers=cap
+        )
         del calls
         torch.cuda.empty_cache()
-        ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
-        cost = statistics.median(ratios)
-        low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
         log(
             f"| {shape_name} | {batch} | {length} | {cap} | {statistics.median(on):.1f} | "
             f"{statistics.median(off):.1f} | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"

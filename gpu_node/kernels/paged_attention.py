@@ -622,12 +622,9 @@ def paged_decode_attention(
     split_size = math.ceil(num_blocks / num_splits) * block_n
     num_splits = max(1, math.ceil(max_context_len / split_size))
 
-    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty(
-        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    part_max, part_sum, part_acc, part_bad = split_partials(
+        batch, num_heads, num_splits, head_dim, q.device
     )
-    part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
     if dot_dtype is None:
         dot_dtype = default_dot_dtype(q, k_cache)
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -676,6 +673,19 @@ def paged_decode_attention(
     )
     merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
     return out, violations.bool()
+
+
+def split_partials(
+    batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty partials of a split kernel, as merge_splits takes them: running max and sum
+    [B, Q, N], output sums [B, Q, N, D] (fp32), violation flags [B, N] (int8)."""
+    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
+    part_acc = torch.empty(
+        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
+    )
+    part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=device)
+    return part_max, torch.empty_like(part_max), part_acc, part_bad
 
 
 def merge_splits(
@@ -733,8 +743,7 @@ def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 def _mma_takes(q, k_cache, v_cache, k_scale, v_scale) -> bool:
-    if k_cache.dtype != FP8_DTYPE or q.device.type != "cuda":
-        return False  # before importing the mma module: CPU and 16-bit calls never need it
+    # imported here: paged_attention_mma imports this module's merge kernel
     from gpu_node.kernels.paged_attention_mma import supports
 
     return supports(q, k_cache, v_cache, k_scale, v_scale)

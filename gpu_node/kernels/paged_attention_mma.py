@@ -58,7 +58,7 @@ import triton.language as tl
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.combine import maximum_tl
-from gpu_node.kernels.paged_attention import merge_splits
+from gpu_node.kernels.paged_attention import merge_splits, split_partials
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE
 
@@ -257,17 +257,10 @@ def _scores(
     s = tl.where(is_valid, raw * k_scale * score_scale, float("-inf"))
     u = tl.where(
         is_valid,
-        s + tl.inline_asm_elementwise(LOG2, UNARY_CONSTRAINTS, [v_scale], dtype=tl.float32, is_pure=True, pack=1),
+        s + _unary(v_scale, LOG2, UNARY_CONSTRAINTS),
         float("-inf"),
     )  # fmt: skip
     return s, u
-
-
-@triton.jit
-def _exp2(x, EXP2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        EXP2, UNARY_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=1
-    )
 
 
 @triton.jit
@@ -295,17 +288,17 @@ def _attend_step(
     m_new = tl.maximum(m, _quad(tl.maximum(sa, sb), QUAD_MAX, QUAD_CONSTRAINTS))
     l_sum = (
         l_sum * _pair2(m, m_new, EXP2_DIFF, DIFF_CONSTRAINTS)
-        + _exp2(sa - m_new, EXP2, UNARY_CONSTRAINTS)
-        + _exp2(sb - m_new, EXP2, UNARY_CONSTRAINTS)
+        + _unary(sa - m_new, EXP2, UNARY_CONSTRAINTS)
+        + _unary(sb - m_new, EXP2, UNARY_CONSTRAINTS)
     )
     m2_new = tl.maximum(m2, _quad(tl.maximum(ua, ub), QUAD_MAX, QUAD_CONSTRAINTS))
     alpha = _pair2(m2, m2_new, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS)  # heads 2t, 2t + 1
     pa = tl.inline_asm_elementwise(
-        P_F16, P_CONSTRAINTS, [_exp2(ua - m2_new, EXP2, UNARY_CONSTRAINTS)],
+        P_F16, P_CONSTRAINTS, [_unary(ua - m2_new, EXP2, UNARY_CONSTRAINTS)],
         dtype=tl.int32, is_pure=True, pack=4,
     )  # fmt: skip
     pb = tl.inline_asm_elementwise(
-        P_F16, P_CONSTRAINTS, [_exp2(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
+        P_F16, P_CONSTRAINTS, [_unary(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
         dtype=tl.int32, is_pure=True, pack=4,
     )  # fmt: skip
     o0 = _pv_step(
@@ -666,12 +659,9 @@ def paged_decode_attention_mma(
         min_split, max_splits, max_registers,
     )  # fmt: skip
 
-    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty(
-        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    part_max, part_sum, part_acc, part_bad = split_partials(
+        batch, num_heads, num_splits, head_dim, q.device
     )
-    part_bad = torch.empty(batch, num_splits, dtype=torch.int8, device=q.device)
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     pv = asm.PV[head_dim] + asm.PV[head_dim][:1] * (8 - len(asm.PV[head_dim]))  # 8 slots
     load_k = asm.load_k(head_dim, num_kv_heads * head_dim)

@@ -44,35 +44,22 @@ EXP2_DIFF = "\n".join(
 )
 EXP2_DIFF_CONSTRAINTS = _constraints("f", ["f", "f"])
 
-# Head g's value (replicated in lane 4g + t) -> (head 2t, head 2t + 1, head 2t, head 2t + 1):
-# the heads of the lane's P.V accumulator elements.
-SPREAD = "\n".join(
-    [
-        "{",
-        ".reg .b32 lane, src, a, b;",
-        "mov.u32 lane, %laneid;",
-        "and.b32 src, lane, 3;",
-        "shl.b32 src, src, 3;",
-        f"shfl.sync.idx.b32 a, $4, src, 0x1f, {FULL_MASK};",
-        "add.u32 src, src, 4;",
-        f"shfl.sync.idx.b32 b, $4, src, 0x1f, {FULL_MASK};",
-        "mov.b32 $0, a;",
-        "mov.b32 $1, b;",
-        "mov.b32 $2, a;",
-        "mov.b32 $3, b;",
-        "}",
-    ]
-)
+
+def _spread(prologue: list[str], value: str) -> str:
+    """Head g's `value` (replicated in lane 4g + t) -> (head 2t, head 2t + 1, head 2t,
+    head 2t + 1): the heads of the lane's P.V accumulator elements."""
+    lines = ["{", ".reg .b32 lane, src, a, b;", *prologue, "mov.u32 lane, %laneid;"]
+    lines += ["and.b32 src, lane, 3;", "shl.b32 src, src, 3;"]
+    lines += [f"shfl.sync.idx.b32 a, {value}, src, 0x1f, {FULL_MASK};", "add.u32 src, src, 4;"]
+    lines += [f"shfl.sync.idx.b32 b, {value}, src, 0x1f, {FULL_MASK};"]
+    lines += ["mov.b32 $0, a;", "mov.b32 $1, b;", "mov.b32 $2, a;", "mov.b32 $3, b;", "}"]
+    return "\n".join(lines)
+
+
+SPREAD = _spread([], "$4")
 SPREAD_CONSTRAINTS = _constraints("f", ["f"])
 # SPREAD of exp2(a - b): the rescale factor of the accumulator's heads.
-SPREAD_EXP2_DIFF = (
-    SPREAD.replace(
-        "mov.u32 lane, %laneid;",
-        ".reg .f32 d;\nsub.f32 d, $4, $8;\nex2.approx.ftz.f32 d, d;\nmov.u32 lane, %laneid;",
-    )
-    .replace("shfl.sync.idx.b32 a, $4,", "shfl.sync.idx.b32 a, d,")
-    .replace("shfl.sync.idx.b32 b, $4,", "shfl.sync.idx.b32 b, d,")
-)
+SPREAD_EXP2_DIFF = _spread([".reg .f32 d;", "sub.f32 d, $4, $8;", "ex2.approx.ftz.f32 d, d;"], "d")
 SPREAD_EXP2_DIFF_CONSTRAINTS = _constraints("f", ["f", "f"])
 
 
@@ -131,9 +118,9 @@ def _qk_asm(head_dim: int) -> str:
 
 def _pv_asm(head_dim: int, mtile: int) -> str:
     """O^T[dims of m-tile mtile] += V^T P^T for one half: fp16 m16n8k16, the lane's V
-    bytes of tokens T0..T3 (2t, 2t + 1, 2t + 8, 2t + 9) paired and converted in place.
+    bytes of tokens 4t .. 4t + 3 paired two tokens a register and converted in place.
 
-    Inputs: the P pairs (P_F16's output), the lane's V words (tokens T0..T3, D / 32
+    Inputs: the P pairs (P_F16's output), the lane's V words (tokens 4t .. 4t + 3, D / 32
     words each, four per tensor), the accumulator. Row g of the tile is the lane's dim
     2 mtile, row g + 8 dim 2 mtile + 1 (of its D / 8).
     """

@@ -9,6 +9,7 @@ operands line up with their constraints (the interpreter cannot run inline asm).
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -34,7 +35,7 @@ from tests.gpu_node.kernels.test_paged_attention import (
 on_gpu = pytest.mark.skipif(
     not torch.cuda.is_available()
     or torch.cuda.get_device_capability() < (8, 9)
-    or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+    or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs an sm_89+ CUDA GPU, not interpreted (inline PTX)",
 )
 
