@@ -810,6 +810,70 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         )  # fmt: skip
 
 
+MMA_VARIANT_POINTS = [
+    (shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)
+]
+MMA_VARIANTS = {  # head dim -> [(name, kernel options)]
+    64: [
+        ("guarded log2 r128", {"linear_v": False, "full_steps": False, "max_registers": 128}),
+        ("full log2 r128", {"linear_v": False, "full_steps": True, "max_registers": 128}),
+        ("full log2 r144", {"linear_v": False, "full_steps": True, "max_registers": 144}),
+        ("full linear r128", {"linear_v": True, "full_steps": True, "max_registers": 128}),
+        ("full linear r144", {"linear_v": True, "full_steps": True, "max_registers": 144}),
+        (
+            "full linear r144 deferred",
+            {"linear_v": True, "full_steps": True, "max_registers": 144, "defer_owners": True},
+        ),
+    ],
+    128: [
+        ("guarded log2 r216", {"linear_v": False, "full_steps": False, "max_registers": 216}),
+        ("full log2 r216", {"linear_v": False, "full_steps": True, "max_registers": 216}),
+        ("full linear r216", {"linear_v": True, "full_steps": True, "max_registers": 216}),
+        (
+            "full linear r232 deferred",
+            {"linear_v": True, "full_steps": True, "max_registers": 232, "defer_owners": True},
+        ),
+    ],
+}
+
+
+def part_mma_variants(results: dict, rounds: int) -> None:
+    """The mma kernel's variants side by side (MMA_VARIANTS: softmax form of the V scale,
+    unguarded full steps, register cap, owners compared after the loop), each with the
+    check on and off in `rounds` alternating pairs, beside bf16 pages."""
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
+    log("| shape | B | L | variant | µs check on | vs bf16 | % of copy | check cost (IQR) |")
+    log("|---|---|---|---|---|---|---|---|")
+    rows = results.setdefault("mma_variants", {"copy_bandwidth_Bps": copy_bw, "rows": []})
+    for shape_name, batch, length in MMA_VARIANT_POINTS:
+        shape = SHAPES[shape_name]
+        calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
+        bf16_us = time_calls(calls)
+        del calls
+        torch.cuda.empty_cache()
+        log(f"| {shape_name} | {batch} | {length} | bf16 pages | {bf16_us:.1f} | 1.00x | | |")
+        calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
+        for name, options in MMA_VARIANTS[shape[2]]:
+            on, off, cost, low, high = paired_check_timings(
+                calls, rounds, paged_decode_attention_mma, **options
+            )
+            us = statistics.median(on)
+            log(
+                f"| {shape_name} | {batch} | {length} | {name} | {us:.1f} | "
+                f"{bf16_us / us:.2f}x | {100 * moved / (us * 1e-6) / copy_bw:.0f}% | "
+                f"{100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+            )
+            rows["rows"].append(
+                {"shape": shape_name, "batch": batch, "length": length, "variant": name,
+                 "options": options, "bf16_us": bf16_us, "on_us": on, "off_us": off,
+                 "fp8_bytes": moved}
+            )  # fmt: skip
+        del calls
+        torch.cuda.empty_cache()
+
+
 def part_mma_check(results: dict) -> bool:
     """The mma kernel against the fp32 reference on random_batch sequences (both shapes)."""
     ok = True
@@ -883,7 +947,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "part",
-        choices=["scales", "check", "decode", "prefetch", "check-cost", "profile", "mma", "all"],
+        choices=[
+            "scales",
+            "check",
+            "decode",
+            "prefetch",
+            "check-cost",
+            "profile",
+            "mma",
+            "mma-variants",
+            "all",
+        ],
     )
     parser.add_argument("--rounds", type=int, default=11, help="check-cost: paired rounds")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
@@ -927,6 +1001,10 @@ def main() -> int:
             ok = part_mma_check(results)
             save()
             part_mma(results, args.rounds, args.tune)
+        if args.part == "mma-variants":
+            ok = part_mma_check(results)
+            save()
+            part_mma_variants(results, args.rounds)
         if args.part == "check-cost":
             part_check_cost(results, args.rounds)
         if args.part == "profile":

@@ -74,11 +74,25 @@ MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 # tokens took 38 µs, 128 of 256 took 31).
 DEFAULTS = {64: (128, 16, 32, 64, 512), 128: (216, 16, 32, 64, 128)}
 LARGE_BATCH = 128
+# Variants: P's V scale as p * v_scale / max (True) or through log2 and a second running
+# max; the owners of a split's first 128 columns compared after the loop (True) or before.
+V_LINEAR = True
+DEFER_OWNERS = False
+# Steps wholly inside the context run unguarded loads and unmasked scores (True), or
+# every step is guarded.
+FULL_STEPS = True
 
 
 @triton.jit
 def _quad(x, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _run_max(a, b, running, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [a, b, running], dtype=tl.float32, is_pure=True, pack=4
+    )
 
 
 @triton.jit
@@ -98,6 +112,13 @@ def _pair2(a, b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
     # A two-input, four-wide asm block (EXP2_DIFF, SPREAD_EXP2_DIFF).
     return tl.inline_asm_elementwise(
         ASM, CONSTRAINTS, [a, b], dtype=tl.float32, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _q_quads(pairs, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [pairs], dtype=(tl.int32, tl.int32), is_pure=True, pack=4
     )
 
 
@@ -168,18 +189,23 @@ def _half_data(
 
 
 @triton.jit
-def _foreign_pages(table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e):
-    """1 if a page id in block-table columns [first_column, first_column + 128) below
-    `end_column` belongs to another tag (out-of-range ids are the loop's to flag), else 0.
-    One page id and owner per element: vector loads, then a reduction over the warp."""
+def _column_owners(table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e):
+    """The owners of the page ids in block-table columns [first_column, first_column + 128)
+    below `end_column`, `tag` for unused columns and out-of-range ids (those are the
+    loop's to flag). One page id and owner per element: two vector loads."""
     columns = first_column + e
     is_used = columns < end_column
     pages = tl.load(table_row + columns, mask=is_used, other=0)
     in_range = (pages >= 0) & (pages < num_pages)
-    owners = tl.load(
+    return tl.load(
         page_owner_ptr + tl.where(in_range, pages, 0).to(tl.int64), mask=is_used & in_range,
         other=tag,
     )  # fmt: skip
+
+
+@triton.jit
+def _foreign(owners, tag):
+    """1 if any of the owners is not `tag`, else 0 (a reduction over the warp)."""
     return tl.reduce((owners != tag).to(tl.int32), 0, maximum_tl)
 
 
@@ -221,86 +247,109 @@ def _pv_step(
 
 @triton.jit
 def _qk(
-    q0,
-    q1,
-    q2,
-    q3,
-    ka0,
-    ka1,
-    kb0,
-    kb1,
-    ASM: tl.constexpr,
-    CONSTRAINTS: tl.constexpr,
-    KW: tl.constexpr,
-):
+    f0, f1, f2, f3, f4, f5, f6, f7, ka0, ka1, kb0, kb1,
+    ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, KW: tl.constexpr,
+):  # fmt: skip
     if KW == 8:
         out = tl.inline_asm_elementwise(
-            ASM, CONSTRAINTS, [q0, q1, q2, q3, ka0, ka1, kb0, kb1],
+            ASM, CONSTRAINTS, [f0, f1, f2, f3, f4, f5, f6, f7, ka0, ka1, kb0, kb1],
             dtype=tl.float32, is_pure=True, pack=4,
         )  # fmt: skip
     else:
         out = tl.inline_asm_elementwise(
-            ASM, CONSTRAINTS, [q0, q1, ka0, kb0], dtype=tl.float32, is_pure=True, pack=4
+            ASM, CONSTRAINTS, [f0, f1, f2, f3, ka0, kb0], dtype=tl.float32, is_pure=True, pack=4
         )
     return out
 
 
 @triton.jit
 def _scores(
-    raw, scales, left, v_token, j, score_scale, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr
-):
-    # s = q.k in log2 units and u = s + log2(v_scale); -inf for tokens past the context
-    # (their bytes and scales may be anything). scales: K's bf16 << 16 | V's bf16.
-    is_valid = v_token + j < left
+    raw, scales, left, v_token, j, score_scale, V_LINEAR: tl.constexpr, FULL: tl.constexpr,
+    LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr,
+):  # fmt: skip
+    """s = q.k in log2 units, -inf for tokens past the context (their bytes and scales
+    may be anything), and the V scale's term: u = s + log2(v_scale) (-inf past the
+    context), or with V_LINEAR the V scale itself (0 past the context). scales: K's bf16
+    << 16 | V's bf16. FULL: every token is in the context (nothing masked)."""
     k_scale = (scales & -65536).to(tl.float32, bitcast=True)
     v_scale = (scales << 16).to(tl.float32, bitcast=True)
-    s = tl.where(is_valid, raw * k_scale * score_scale, float("-inf"))
-    u = tl.where(
-        is_valid,
-        s + _unary(v_scale, LOG2, UNARY_CONSTRAINTS),
-        float("-inf"),
-    )  # fmt: skip
+    s = raw * k_scale * score_scale
+    if V_LINEAR:  # noqa: SIM108 (a static branch on a constexpr)
+        u = v_scale
+    else:
+        u = s + _unary(v_scale, LOG2, UNARY_CONSTRAINTS)
+    if not FULL:
+        is_valid = v_token + j < left
+        s = tl.where(is_valid, s, float("-inf"))
+        u = tl.where(is_valid, u, 0.0 if V_LINEAR else float("-inf"))
     return s, u
 
 
 @triton.jit
 def _attend_step(
-    m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
+    m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale, v_token, j,
     ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, lefta,
     kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, leftb,
     KW: tl.constexpr, VW: tl.constexpr, QK_ASM: tl.constexpr, QK_CONSTRAINTS: tl.constexpr,
     PV0: tl.constexpr, PV1: tl.constexpr, PV2: tl.constexpr, PV3: tl.constexpr,
     PV4: tl.constexpr, PV5: tl.constexpr, PV6: tl.constexpr, PV7: tl.constexpr,
-    PV_CONSTRAINTS: tl.constexpr, QUAD_MAX: tl.constexpr, QUAD_CONSTRAINTS: tl.constexpr,
+    PV_CONSTRAINTS: tl.constexpr, RUN_MAX: tl.constexpr, RUN_MAX_CONSTRAINTS: tl.constexpr,
     EXP2_DIFF: tl.constexpr, SPREAD_EXP2_DIFF: tl.constexpr, DIFF_CONSTRAINTS: tl.constexpr,
     EXP2: tl.constexpr, LOG2: tl.constexpr, UNARY_CONSTRAINTS: tl.constexpr,
-    P_F16: tl.constexpr, P_CONSTRAINTS: tl.constexpr,
+    P_F16: tl.constexpr, P_CONSTRAINTS: tl.constexpr, V_LINEAR: tl.constexpr,
+    RCP: tl.constexpr, SPREAD: tl.constexpr, SPREAD_CONSTRAINTS: tl.constexpr,
+    FULL: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over one 32-token step (halves a and b) for head g of the lane."""
+    """Online softmax over one 32-token step (halves a and b) for head g of the lane.
+
+    m2 is the V scale's state: with V_LINEAR, n, the running max of p * v_scale (p =
+    exp2(s - m)), and P = p * v_scale / n; otherwise the running max of s + log2(v_scale)
+    and P = exp2(s + log2(v_scale) - m2). Both put P in [0, 1] whatever the scales;
+    the linear form needs one exp2 a token instead of two and a log2."""
     sa, ua = _scores(
-        _qk(q0, q1, q2, q3, ka0, ka1, kb0, kb1, QK_ASM, QK_CONSTRAINTS, KW),
-        sca, lefta, v_token, j, score_scale, LOG2, UNARY_CONSTRAINTS,
+        _qk(f0, f1, f2, f3, f4, f5, f6, f7, ka0, ka1, kb0, kb1, QK_ASM, QK_CONSTRAINTS, KW),
+        sca, lefta, v_token, j, score_scale, V_LINEAR, FULL, LOG2, UNARY_CONSTRAINTS,
     )  # fmt: skip
     sb, ub = _scores(
-        _qk(q0, q1, q2, q3, kc0, kc1, kd0, kd1, QK_ASM, QK_CONSTRAINTS, KW),
-        scb, leftb, v_token, j, score_scale, LOG2, UNARY_CONSTRAINTS,
+        _qk(f0, f1, f2, f3, f4, f5, f6, f7, kc0, kc1, kd0, kd1, QK_ASM, QK_CONSTRAINTS, KW),
+        scb, leftb, v_token, j, score_scale, V_LINEAR, FULL, LOG2, UNARY_CONSTRAINTS,
     )  # fmt: skip
-    m_new = tl.maximum(m, _quad(tl.maximum(sa, sb), QUAD_MAX, QUAD_CONSTRAINTS))
-    l_sum = (
-        l_sum * _pair2(m, m_new, EXP2_DIFF, DIFF_CONSTRAINTS)
-        + _unary(sa - m_new, EXP2, UNARY_CONSTRAINTS)
-        + _unary(sb - m_new, EXP2, UNARY_CONSTRAINTS)
-    )
-    m2_new = tl.maximum(m2, _quad(tl.maximum(ua, ub), QUAD_MAX, QUAD_CONSTRAINTS))
-    alpha = _pair2(m2, m2_new, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS)  # heads 2t, 2t + 1
-    pa = tl.inline_asm_elementwise(
-        P_F16, P_CONSTRAINTS, [_unary(ua - m2_new, EXP2, UNARY_CONSTRAINTS)],
-        dtype=tl.int32, is_pure=True, pack=4,
-    )  # fmt: skip
-    pb = tl.inline_asm_elementwise(
-        P_F16, P_CONSTRAINTS, [_unary(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
-        dtype=tl.int32, is_pure=True, pack=4,
-    )  # fmt: skip
+    m_new = _run_max(sa, sb, m, RUN_MAX, RUN_MAX_CONSTRAINTS)
+    decay = _pair2(m, m_new, EXP2_DIFF, DIFF_CONSTRAINTS)  # exp2(m - m_new), 0 at first
+    if V_LINEAR:
+        p_a = _unary(sa - m_new, EXP2, UNARY_CONSTRAINTS)
+        p_b = _unary(sb - m_new, EXP2, UNARY_CONSTRAINTS)
+        l_sum = l_sum * decay + p_a + p_b
+        za = p_a * ua  # 0 past the context: exp2(-inf) * 0
+        zb = p_b * ub
+        n_old = m2 * decay
+        m2_new = _run_max(za, zb, n_old, RUN_MAX, RUN_MAX_CONSTRAINTS)
+        inv = tl.where(m2_new > 0.0, _unary(m2_new, RCP, UNARY_CONSTRAINTS), 0.0)
+        alpha = tl.inline_asm_elementwise(
+            SPREAD, SPREAD_CONSTRAINTS, [n_old * inv], dtype=tl.float32, is_pure=True, pack=4
+        )  # heads 2t, 2t + 1
+        pa = tl.inline_asm_elementwise(
+            P_F16, P_CONSTRAINTS, [za * inv], dtype=tl.int32, is_pure=True, pack=4
+        )
+        pb = tl.inline_asm_elementwise(
+            P_F16, P_CONSTRAINTS, [zb * inv], dtype=tl.int32, is_pure=True, pack=4
+        )
+    else:
+        l_sum = (
+            l_sum * decay
+            + _unary(sa - m_new, EXP2, UNARY_CONSTRAINTS)
+            + _unary(sb - m_new, EXP2, UNARY_CONSTRAINTS)
+        )
+        m2_new = _run_max(ua, ub, m2, RUN_MAX, RUN_MAX_CONSTRAINTS)
+        alpha = _pair2(m2, m2_new, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS)  # heads 2t, 2t + 1
+        pa = tl.inline_asm_elementwise(
+            P_F16, P_CONSTRAINTS, [_unary(ua - m2_new, EXP2, UNARY_CONSTRAINTS)],
+            dtype=tl.int32, is_pure=True, pack=4,
+        )  # fmt: skip
+        pb = tl.inline_asm_elementwise(
+            P_F16, P_CONSTRAINTS, [_unary(ub - m2_new, EXP2, UNARY_CONSTRAINTS)],
+            dtype=tl.int32, is_pure=True, pack=4,
+        )  # fmt: skip
     o0 = _pv_step(
         o0, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV0, PV_CONSTRAINTS, VW
     )
@@ -327,6 +376,66 @@ def _attend_step(
             o7, alpha, pa, pb, va0, va1, va2, va3, vb0, vb1, vb2, vb3, PV7, PV_CONSTRAINTS, VW
         )
     return m_new, m2_new, l_sum, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def _steps(
+    lo, hi, end, FULL: tl.constexpr,
+    m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale,
+    ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca,
+    kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
+    k_addr, v_addr, ks_addr, vs_addr, table_row, kv_head, num_pages, max_pages,
+    k_lane, k_token, v_lane, v_token, s_lane, j,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KW: tl.constexpr, VW: tl.constexpr, QK_ASM: tl.constexpr, QK_CONSTRAINTS: tl.constexpr,
+    PV0: tl.constexpr, PV1: tl.constexpr, PV2: tl.constexpr, PV3: tl.constexpr,
+    PV4: tl.constexpr, PV5: tl.constexpr, PV6: tl.constexpr, PV7: tl.constexpr,
+    PV_CONSTRAINTS: tl.constexpr, RUN_MAX: tl.constexpr, RUN_MAX_CONSTRAINTS: tl.constexpr,
+    EXP2_DIFF: tl.constexpr, SPREAD_EXP2_DIFF: tl.constexpr, DIFF_CONSTRAINTS: tl.constexpr,
+    EXP2: tl.constexpr, LOG2: tl.constexpr, RCP: tl.constexpr,
+    UNARY_CONSTRAINTS: tl.constexpr, P_F16: tl.constexpr, P_CONSTRAINTS: tl.constexpr,
+    SPREAD: tl.constexpr, SPREAD_CONSTRAINTS: tl.constexpr, V_LINEAR: tl.constexpr,
+    LOAD_K: tl.constexpr, LOAD_K_CONSTRAINTS: tl.constexpr,
+    LOAD_V: tl.constexpr, LOAD_V_CONSTRAINTS: tl.constexpr,
+    LOAD_SCALES: tl.constexpr, LOAD_SCALES_CONSTRAINTS: tl.constexpr,
+):  # fmt: skip
+    """The attention loop over steps [lo, hi) of a split ending at `end`: each iteration
+    loads the next step's data (its page ids loaded an iteration before) and the page ids
+    of the step after it, then attends over the current step, whose data arrived while
+    the previous one was computed. FULL: the current and the next step lie wholly inside
+    the context (the loads are unguarded, the scores unmasked)."""
+    for step in range(lo, hi, 32):
+        n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca = _half_data(
+            k_addr, v_addr, ks_addr, vs_addr, pa, step + 32, end, kv_head, k_lane, k_token,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
+            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        )  # fmt: skip
+        n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb = _half_data(
+            k_addr, v_addr, ks_addr, vs_addr, pb, step + 48, end, kv_head, k_lane, k_token,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
+            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        )  # fmt: skip
+        pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
+        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
+            m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale, v_token, j,
+            ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, end - step,
+            kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, end - step - 16,
+            KW, VW, QK_ASM, QK_CONSTRAINTS, PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7,
+            PV_CONSTRAINTS, RUN_MAX, RUN_MAX_CONSTRAINTS, EXP2_DIFF, SPREAD_EXP2_DIFF,
+            DIFF_CONSTRAINTS, EXP2, LOG2, UNARY_CONSTRAINTS, P_F16, P_CONSTRAINTS, V_LINEAR,
+            RCP, SPREAD, SPREAD_CONSTRAINTS, FULL,
+        )  # fmt: skip
+        bad = bad | range_bad
+        ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = (
+            n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca
+        )  # fmt: skip
+        kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = (
+            n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb
+        )  # fmt: skip
+    return (
+        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, ka0, ka1, kb0, kb1, va0, va1, va2, va3,
+        sca, kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -357,8 +466,13 @@ def _decode_mma_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     CHECK_OWNER: tl.constexpr,
+    DEFER_OWNERS: tl.constexpr,
+    FULL_STEPS: tl.constexpr,
+    V_LINEAR: tl.constexpr,
     QK_ASM: tl.constexpr,
     QK_CONSTRAINTS: tl.constexpr,
+    Q_QUADS: tl.constexpr,
+    Q_QUADS_CONSTRAINTS: tl.constexpr,
     PV0: tl.constexpr,
     PV1: tl.constexpr,
     PV2: tl.constexpr,
@@ -371,6 +485,8 @@ def _decode_mma_kernel(
     QUAD_MAX: tl.constexpr,
     QUAD_SUM: tl.constexpr,
     QUAD_CONSTRAINTS: tl.constexpr,
+    RUN_MAX: tl.constexpr,
+    RUN_MAX_CONSTRAINTS: tl.constexpr,
     SPREAD: tl.constexpr,
     SPREAD_CONSTRAINTS: tl.constexpr,
     EXP2_DIFF: tl.constexpr,
@@ -380,6 +496,7 @@ def _decode_mma_kernel(
     PAIR_CONSTRAINTS: tl.constexpr,
     EXP2: tl.constexpr,
     LOG2: tl.constexpr,
+    RCP: tl.constexpr,
     UNARY_CONSTRAINTS: tl.constexpr,
     P_F16: tl.constexpr,
     P_CONSTRAINTS: tl.constexpr,
@@ -389,6 +506,9 @@ def _decode_mma_kernel(
     LOAD_V_CONSTRAINTS: tl.constexpr,
     LOAD_SCALES: tl.constexpr,
     LOAD_SCALES_CONSTRAINTS: tl.constexpr,
+    LOAD_K_FULL: tl.constexpr,
+    LOAD_V_FULL: tl.constexpr,
+    LOAD_SCALES_FULL: tl.constexpr,
 ):
     KW: tl.constexpr = HEAD_DIM // 16  # K words per lane and token (dims t D/4 ..)
     VW: tl.constexpr = HEAD_DIM // 32  # V words per lane and token (dims g D/8 ..)
@@ -431,12 +551,16 @@ def _decode_mma_kernel(
     q_scale = tl.where(amax > 0.0, tl.exp2(tl.floor(tl.log2(16384.0 / amax))), 1.0)
     q0 = _pair(lo0 * q_scale, hi0 * q_scale, PAIR, PAIR_CONSTRAINTS)
     q1 = _pair(lo1 * q_scale, hi1 * q_scale, PAIR, PAIR_CONSTRAINTS)
+    # the mma's A fragments of q, one a k step (f_s: pairs 2s, 2s + 1 of the lane)
+    f0, f1 = _q_quads(q0, Q_QUADS, Q_QUADS_CONSTRAINTS)
+    f2, f3 = _q_quads(q1, Q_QUADS, Q_QUADS_CONSTRAINTS)
     if KW == 8:
         q2 = _pair(lo2 * q_scale, hi2 * q_scale, PAIR, PAIR_CONSTRAINTS)
         q3 = _pair(lo3 * q_scale, hi3 * q_scale, PAIR, PAIR_CONSTRAINTS)
+        f4, f5 = _q_quads(q2, Q_QUADS, Q_QUADS_CONSTRAINTS)
+        f6, f7 = _q_quads(q3, Q_QUADS, Q_QUADS_CONSTRAINTS)
     else:
-        q2 = q0
-        q3 = q1
+        f4, f5, f6, f7 = f0, f1, f2, f3
     score_scale = qk_scale / q_scale
 
     # Loop-invariant parts of the lane's load addresses (bytes within a half's page)
@@ -448,7 +572,11 @@ def _decode_mma_kernel(
     s_lane = v_token * 2
 
     m = tl.full((128,), float("-inf"), tl.float32)  # head g's running max of s
-    m2 = tl.full((128,), float("-inf"), tl.float32)  # ... of s + log2(v_scale)
+    # the V scale's state (see _attend_step): n = 0, or max of s + log2(v_scale) = -inf
+    if V_LINEAR:
+        m2 = tl.full((128,), 0.0, tl.float32)
+    else:
+        m2 = tl.full((128,), float("-inf"), tl.float32)
     l_sum = tl.full((128,), 0.0, tl.float32)  # per element; summed over the quad at the end
     o0 = tl.full((128,), 0.0, tl.float32)
     o1 = tl.full((128,), 0.0, tl.float32)
@@ -481,38 +609,49 @@ def _decode_mma_kernel(
     first_column = start // PAGE_SIZE
     end_column = (end + PAGE_SIZE - 1) // PAGE_SIZE
     if CHECK_OWNER:
-        foreign = _foreign_pages(
+        owners = _column_owners(
             table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e
         )
+        if not DEFER_OWNERS:
+            foreign = _foreign(owners, tag)
     pa, pb, range_bad = _step_pages(table_row, start + 32, end, num_pages, max_pages, PAGE_SIZE)
     bad = bad | range_bad
-    for step in range(start, end, 32):
-        n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca = _half_data(
-            k_addr, v_addr, ks_addr, vs_addr, pa, step + 32, end, kv_head, k_lane, k_token,
-            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
-            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+    # Steps wholly inside the context whose next step is too run with unguarded loads and
+    # unmasked scores (FULL); the last one or two with guards.
+    tail_start = start
+    if FULL_STEPS:
+        full_end = start + (end - start) // 32 * 32
+        tail_start = tl.maximum(start, full_end - 32)
+        (m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, ka0, ka1, kb0, kb1, va0, va1, va2,
+         va3, sca, kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad) = _steps(
+            start, tail_start, end, True,
+            m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale,
+            ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca,
+            kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
+            k_addr, v_addr, ks_addr, vs_addr, table_row, kv_head, num_pages, max_pages,
+            k_lane, k_token, v_lane, v_token, s_lane, j,
+            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, KW, VW, QK_ASM, QK_CONSTRAINTS,
+            PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7, PV_CONSTRAINTS, RUN_MAX, RUN_MAX_CONSTRAINTS,
+            EXP2_DIFF, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS, EXP2, LOG2, RCP, UNARY_CONSTRAINTS,
+            P_F16, P_CONSTRAINTS, SPREAD, SPREAD_CONSTRAINTS, V_LINEAR,
+            LOAD_K_FULL, LOAD_K_CONSTRAINTS, LOAD_V_FULL, LOAD_V_CONSTRAINTS,
+            LOAD_SCALES_FULL, LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
-        n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb = _half_data(
-            k_addr, v_addr, ks_addr, vs_addr, pb, step + 48, end, kv_head, k_lane, k_token,
-            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
-            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
-        )  # fmt: skip
-        pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
-        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
-            m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, q0, q1, q2, q3, score_scale, v_token, j,
-            ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca, end - step,
-            kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, end - step - 16,
-            KW, VW, QK_ASM, QK_CONSTRAINTS, PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7,
-            PV_CONSTRAINTS, QUAD_MAX, QUAD_CONSTRAINTS, EXP2_DIFF, SPREAD_EXP2_DIFF,
-            DIFF_CONSTRAINTS, EXP2, LOG2, UNARY_CONSTRAINTS, P_F16, P_CONSTRAINTS,
-        )  # fmt: skip
-        bad = bad | range_bad
-        ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = (
-            n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca
-        )  # fmt: skip
-        kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = (
-            n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb
-        )  # fmt: skip
+    (m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, ka0, ka1, kb0, kb1, va0, va1, va2,
+     va3, sca, kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad) = _steps(
+        tail_start, end, end, False,
+        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale,
+        ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca,
+        kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
+        k_addr, v_addr, ks_addr, vs_addr, table_row, kv_head, num_pages, max_pages,
+        k_lane, k_token, v_lane, v_token, s_lane, j,
+        NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, KW, VW, QK_ASM, QK_CONSTRAINTS,
+        PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7, PV_CONSTRAINTS, RUN_MAX, RUN_MAX_CONSTRAINTS,
+        EXP2_DIFF, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS, EXP2, LOG2, RCP, UNARY_CONSTRAINTS,
+        P_F16, P_CONSTRAINTS, SPREAD, SPREAD_CONSTRAINTS, V_LINEAR,
+        LOAD_K, LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS,
+        LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+    )  # fmt: skip
 
     # Partials: head g's (m, l) from lane 4g, register 0; O of heads 2t, 2t + 1 times
     # exp2(m2 - m) of its head (0 for an empty split: m = -inf, O = 0).
@@ -521,7 +660,10 @@ def _decode_mma_kernel(
     first = (t == 0) & (j == 0) & head_ok
     tl.store(part_max_ptr + part, m, mask=first)
     tl.store(part_sum_ptr + part, l_sum, mask=first)
-    factor = tl.where(m == float("-inf"), 0.0, tl.exp2(m2 - m))
+    if V_LINEAR:
+        factor = tl.where(m == float("-inf"), 0.0, m2)
+    else:
+        factor = tl.where(m == float("-inf"), 0.0, tl.exp2(m2 - m))
     factor = tl.inline_asm_elementwise(
         SPREAD, SPREAD_CONSTRAINTS, [factor], dtype=tl.float32, is_pure=True, pack=4
     )
@@ -539,10 +681,17 @@ def _decode_mma_kernel(
         tl.store(o_at + 12, o6 * factor, mask=o_ok)
         tl.store(o_at + 14, o7 * factor, mask=o_ok)
     if CHECK_OWNER:
+        if DEFER_OWNERS:
+            foreign = _foreign(owners, tag)
         for column in range(first_column + 128, end_column, 128):
             foreign = tl.maximum(
                 foreign,
-                _foreign_pages(table_row, page_owner_ptr, tag, column, end_column, num_pages, e),
+                _foreign(
+                    _column_owners(
+                        table_row, page_owner_ptr, tag, column, end_column, num_pages, e
+                    ),
+                    tag,
+                ),
             )
         bad = bad | (foreign > 0)
     is_bad = tl.full((128,), 0, tl.int8) + bad.to(tl.int8)
@@ -628,13 +777,17 @@ def paged_decode_attention_mma(
     min_split: int | None = None,
     max_registers: int | None = None,
     max_splits: int | None = None,
+    linear_v: bool | None = None,
+    defer_owners: bool | None = None,
+    full_steps: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
 
     The split count aims at `warps_per_sm` one-warp programs a multiprocessor, each
     split at least `min_split` tokens (rounded up to a multiple of 32) and at most
     `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
-    none). None takes the head dim's DEFAULTS.
+    none). None takes the head dim's DEFAULTS. `linear_v`, `defer_owners` and
+    `full_steps` pick the kernel's variants (None: V_LINEAR, DEFER_OWNERS, FULL_STEPS).
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -693,8 +846,13 @@ def paged_decode_attention_mma(
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         CHECK_OWNER=check_owner,
+        DEFER_OWNERS=DEFER_OWNERS if defer_owners is None else defer_owners,
+        V_LINEAR=V_LINEAR if linear_v is None else linear_v,
+        FULL_STEPS=FULL_STEPS if full_steps is None else full_steps,
         QK_ASM=asm.QK[head_dim],
         QK_CONSTRAINTS=asm.QK_CONSTRAINTS[head_dim],
+        Q_QUADS=asm.Q_QUADS,
+        Q_QUADS_CONSTRAINTS=asm.Q_QUADS_CONSTRAINTS,
         PV0=pv[0],
         PV1=pv[1],
         PV2=pv[2],
@@ -710,12 +868,15 @@ def paged_decode_attention_mma(
         DIFF_CONSTRAINTS=asm.EXP2_DIFF_CONSTRAINTS,
         QUAD_SUM=asm.QUAD_SUM,
         QUAD_CONSTRAINTS=asm.QUAD_CONSTRAINTS,
+        RUN_MAX=asm.RUN_MAX,
+        RUN_MAX_CONSTRAINTS=asm.RUN_MAX_CONSTRAINTS,
         SPREAD=asm.SPREAD,
         SPREAD_CONSTRAINTS=asm.SPREAD_CONSTRAINTS,
         PAIR=asm.PAIR_F16,
         PAIR_CONSTRAINTS=asm.PAIR_CONSTRAINTS,
         EXP2=asm.EXP2,
         LOG2=asm.LOG2,
+        RCP=asm.RCP,
         UNARY_CONSTRAINTS=asm.UNARY_CONSTRAINTS,
         P_F16=asm.P_F16,
         P_CONSTRAINTS=asm.P_CONSTRAINTS,
@@ -725,6 +886,9 @@ def paged_decode_attention_mma(
         LOAD_V_CONSTRAINTS=load_v[1],
         LOAD_SCALES=asm.LOAD_SCALES,
         LOAD_SCALES_CONSTRAINTS=asm.LOAD_SCALES_CONSTRAINTS,
+        LOAD_K_FULL=asm.load_k(head_dim, num_kv_heads * head_dim, guarded=False)[0],
+        LOAD_V_FULL=asm.load_v(head_dim, num_kv_heads * head_dim, guarded=False)[0],
+        LOAD_SCALES_FULL=asm.LOAD_SCALES_FULL,
         num_warps=1,
         num_stages=1,
         **({"maxnreg": max_registers} if max_registers else {}),

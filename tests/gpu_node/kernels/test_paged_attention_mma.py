@@ -43,6 +43,14 @@ on_gpu = pytest.mark.skipif(
 # probabilities to fp16 (2**-11 relative) and sums in fp32 on the tensor cores.
 TOLERANCE = 2e-3
 
+# The kernel's variants (module defaults and their alternatives), each tested.
+VARIANTS = [
+    {},
+    {"linear_v": False, "full_steps": False, "defer_owners": False},
+    {"linear_v": True, "full_steps": True, "defer_owners": True},
+]
+VARIANT_IDS = ["defaults", "log2_guarded", "linear_full_deferred"]
+
 
 def _on_cuda(batch):
     args = [t.cuda() for t in batch.args()]
@@ -62,14 +70,15 @@ def _on_cuda(batch):
     ],
 )
 @pytest.mark.parametrize("min_split", [32, 256])
-def test_matches_reference(num_heads, num_kv_heads, head_dim, page, q_dtype, min_split):
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_matches_reference(num_heads, num_kv_heads, head_dim, page, q_dtype, min_split, variant):
     lens = [1, 17, 100, 4097, 33, 2000, 15, 16, 64, 31, 40, 96]
     batch = build_batch(
         lens, cache_dtype=FP8_DTYPE, q_dtype=q_dtype, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page,
     )  # fmt: skip
     args, scales = _on_cuda(batch)
-    out, violations = paged_decode_attention_mma(*args, **scales, min_split=min_split)
+    out, violations = paged_decode_attention_mma(*args, **scales, min_split=min_split, **variant)
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert out.dtype == q_dtype
     assert violations.tolist() == [False] * len(lens)
@@ -78,9 +87,11 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, page, q_dtype, min
 
 
 @on_gpu
-def test_tiny_and_huge_value_scales():
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_tiny_and_huge_value_scales(variant):
     """V rows scaled down to 2**-100 and up to 2**20 next to ordinary ones: the per-token
-    scale is folded into P as log2, so neither underflows fp16 nor overflows it."""
+    scale is folded into P normalised by the running max of p * v_scale, so neither
+    underflows fp16 nor overflows it."""
     batch = build_batch(
         [300, 77], cache_dtype=FP8_DTYPE, q_dtype=torch.bfloat16, num_heads=9,
         num_kv_heads=3, head_dim=64, page_size=16,
@@ -88,7 +99,7 @@ def test_tiny_and_huge_value_scales():
     batch.v_scale[::3] = batch.v_scale[::3] * 2.0**-100
     batch.v_scale[1::5] = batch.v_scale[1::5] * 2.0**20
     args, scales = _on_cuda(batch)
-    out, _ = paged_decode_attention_mma(*args, **scales, min_split=32)
+    out, _ = paged_decode_attention_mma(*args, **scales, min_split=32, **variant)
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert relative_error(out, ref) < TOLERANCE
 
@@ -96,13 +107,14 @@ def test_tiny_and_huge_value_scales():
 @on_gpu
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("check_owner", [True, False])
-def test_flags_exactly_the_bad_sequence(fault, check_owner):
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_flags_exactly_the_bad_sequence(fault, check_owner, variant):
     batch = fault_batch()
     clean, _ = paged_decode_attention_ref(*_on_cuda(batch)[0], **_on_cuda(batch)[1])
     bad = inject(batch, fault)
     args, scales = _on_cuda(batch)
     out, violations = paged_decode_attention_mma(
-        *args, **scales, min_split=32, check_owner=check_owner
+        *args, **scales, min_split=32, check_owner=check_owner, **variant
     )
     owner_faults = {"foreign_page", "freed_page", "stale_generation", "two_sequences"}
     if check_owner or fault not in owner_faults:
@@ -210,10 +222,15 @@ def test_asm_operands_match_their_constraints(head_dim):
         (asm.QK[head_dim], asm.QK_CONSTRAINTS[head_dim]),
         *((pv, asm.PV_CONSTRAINTS[head_dim]) for pv in asm.PV[head_dim]),
         (asm.QUAD_MAX, asm.QUAD_CONSTRAINTS),
+        (asm.RUN_MAX, asm.RUN_MAX_CONSTRAINTS),
+        (asm.Q_QUADS, asm.Q_QUADS_CONSTRAINTS),
         (asm.SPREAD, asm.SPREAD_CONSTRAINTS),
         (asm.P_F16, asm.P_CONSTRAINTS),
         asm.load_k(head_dim, 3 * head_dim),
         asm.load_v(head_dim, 3 * head_dim),
+        asm.load_k(head_dim, 3 * head_dim, guarded=False),
+        asm.load_v(head_dim, 3 * head_dim, guarded=False),
+        (asm.LOAD_SCALES_FULL, asm.LOAD_SCALES_CONSTRAINTS),
         (asm.EXP2_DIFF, asm.EXP2_DIFF_CONSTRAINTS),
         (asm.SPREAD_EXP2_DIFF, asm.SPREAD_EXP2_DIFF_CONSTRAINTS),
         (asm.LOAD_SCALES, asm.LOAD_SCALES_CONSTRAINTS),
@@ -224,7 +241,8 @@ def test_asm_operands_match_their_constraints(head_dim):
         assert outputs % 4 == 0 and all(kind.startswith("=") for kind in kinds[:outputs])
         assert max(_operands(text)) < len(kinds)
         assert set(range(outputs)) <= _operands(text)  # every output written
-    # the QK block reads every q pair and K word; each PV block one V word per token
+    # the QK block reads every q fragment register and K word; each PV block one V word
+    # per token
     assert _operands(asm.QK[head_dim]) == set(range(len(asm.QK_CONSTRAINTS[head_dim].split(","))))
     words = head_dim // 32
     for mtile, pv in enumerate(asm.PV[head_dim]):
@@ -318,8 +336,11 @@ def run_asm(
             src = val(rest.split("}")[1].strip(", "))
             regs[lo], regs[hi] = src & 0xFFFF, (src >> 16) & 0xFFFF
             continue
-        if op.startswith("@"):  # @p ld.global.nc.v{n}.b32 {regs}, [a+imm]
-            pred, (load, _, rest) = regs[op[1:]], rest.partition(" ")
+        if op.startswith(("@", "ld.global")):  # [@p] ld.global.nc.v{n}.b32 {regs}, [a+imm]
+            if op.startswith("@"):
+                pred, (load, _, rest) = regs[op[1:]], rest.partition(" ")
+            else:
+                pred, load = torch.ones(32, dtype=torch.bool), op
             assert load.startswith("ld.global.nc.v") and memory is not None, line
             dests = names(rest.split("}")[0])
             base, _, imm = rest.split("[")[1].rstrip("]").partition("+")
@@ -340,6 +361,12 @@ def run_asm(
             regs[args[0]] = val(args[1]) + right
         elif op == "shl.b32":
             regs[args[0]] = (val(args[1]) << int(args[2])) & 0xFFFFFFFF
+        elif op == "xor.b32":
+            regs[args[0]] = val(args[1]) ^ int(args[2], 16)
+        elif op == "max.f32":
+            regs[args[0]] = torch.maximum(val(args[1]).float(), val(args[2]).float())
+        elif op == "shfl.sync.bfly.b32":  # d, a, lane mask, clamp, member mask
+            regs[args[0]] = val(args[1])[LANES ^ int(args[2])]
         elif op == "and.b32":
             regs[args[0]] = val(args[1]) & int(args[2], 16)
         elif op in ("mov.f32", "mov.b32"):
@@ -363,6 +390,18 @@ def run_asm(
         else:
             raise AssertionError(f"not emulated: {line}")
     return [regs[f"${i}"] for i in range(outputs)]
+
+
+def _q_fragments(lane_pairs: torch.Tensor, head_dim: int) -> dict[int, torch.Tensor]:
+    """The lanes' q pairs [32, D/8] (pair p: operand tensor p // 4, element p % 4) through
+    Q_QUADS -> the QK block's A-fragment operands ($4 + 4 s + r: k step s, register r)."""
+    operands = {}
+    for c in range(head_dim // 32):
+        ops = {8 + j: lane_pairs[:, 4 * c + j] for j in range(4)}
+        quads = run_asm(asm.Q_QUADS, ops, outputs=8)
+        for n, reg in enumerate(quads):
+            operands[4 + 8 * c + n] = reg
+    return operands
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -400,11 +439,10 @@ def test_emulated_warp_computes_q_k_and_p_v(head_dim):
         )
         for tok in range(2)
     ]  # 2 x [32, D/16]
-    operands = {}
-    flat = [lane_pairs[:, i] for i in range(head_dim // 8)]
-    flat += [lane_k[0][:, i] for i in range(words)] + [lane_k[1][:, i] for i in range(words)]
+    operands = _q_fragments(lane_pairs, head_dim)
+    flat = [lane_k[0][:, i] for i in range(words)] + [lane_k[1][:, i] for i in range(words)]
     for n, v in enumerate(flat):
-        operands[4 + n] = v
+        operands[4 + 4 * words + n] = v
     scores = run_asm(asm.QK[head_dim], operands)  # element j: token 4t + j, head g
     want = q.float() @ keys.float().T  # [8 heads, 16 tokens]
     for j in range(4):
@@ -445,12 +483,15 @@ def test_emulated_warp_computes_q_k_and_p_v(head_dim):
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "page_size", "left"), [(64, 32, 11), (128, 16, 16), (128, 48, 3)]
-)
-def test_emulated_loads_feed_the_products(head_dim, page_size, left):
+    ("head_dim", "page_size", "left", "guarded"),
+    [(64, 32, 11, True), (128, 16, 16, True), (128, 48, 3, True), (64, 48, 16, False),
+     (128, 32, 16, False)],
+)  # fmt: skip
+def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded):
     """One half through the kernel's load blocks (addresses as the kernel forms them) from
     a paged pool, then QK^T and P.V: the right tokens' scores and sums; tokens at or past
-    `left` are not loaded (V reads zero)."""
+    `left` are not loaded (V reads zero). Unguarded blocks (a half wholly in the context)
+    load all 16 tokens."""
     gen = torch.Generator().manual_seed(head_dim + left)
     pages, kv_heads, kv_head, page, offset = 4, 2, 1, 2, page_size - 16
     shape = (pages, page_size, kv_heads, head_dim)
@@ -470,11 +511,11 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left):
     k_bytes = k_cache.view(torch.uint8).reshape(-1)
     v_bytes = v_cache.view(torch.uint8).reshape(-1)
 
-    text, constraints = asm.load_k(head_dim, row)
+    text, constraints = asm.load_k(head_dim, row, guarded)
     k_out = 4 * (constraints.count("=") // 4)
     ops = {k_out + 4 * i: x for i, x in enumerate([base, k_lane, k_token, full_left])}
     k_regs = run_asm(text, ops, k_bytes, outputs=k_out)
-    text, constraints = asm.load_v(head_dim, row)
+    text, constraints = asm.load_v(head_dim, row, guarded)
     v_out = 4 * (constraints.count("=") // 4)
     ops = {v_out + 4 * i: x for i, x in enumerate([base, v_lane, v_token, full_left])}
     v_regs = run_asm(text, ops, v_bytes, outputs=v_out)
@@ -487,7 +528,7 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left):
         16: v_token,
         20: full_left,
     }
-    packed = run_asm(asm.LOAD_SCALES, ops, pool)
+    packed = run_asm(asm.LOAD_SCALES if guarded else asm.LOAD_SCALES_FULL, ops, pool)
 
     tokens = slice(page * page_size + offset, page * page_size + offset + 16)
     keys = k_cache.view(-1, kv_heads, head_dim)[tokens, kv_head]
@@ -510,9 +551,9 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left):
             for n in range(32)
         ]
     )
-    operands = {4 + i: lane_pairs[:, i] for i in range(head_dim // 8)}
+    operands = _q_fragments(lane_pairs, head_dim)
     for i, reg in enumerate(k_regs):  # load order: token a's vectors, then token b's
-        operands[4 + head_dim // 8 + i] = reg
+        operands[4 + head_dim // 4 + i] = reg
     scores = run_asm(asm.QK[head_dim], operands)
     want = q.float() @ keys.float().T
     for j in range(4):
@@ -536,3 +577,19 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left):
             torch.testing.assert_close(
                 out[j].float(), want[2 * T_OF + j % 2, dim], rtol=1e-5, atol=1e-3
             )
+
+
+def test_emulated_running_max_is_the_quads_and_the_running_value():
+    """RUN_MAX: per lane, the max over its quad's eight values of a and b and the running
+    max's first element, in all four outputs; elements 1-3 of `running` are not read."""
+    gen = torch.Generator().manual_seed(5)
+    a = [torch.randn(32, generator=gen) for _ in range(4)]
+    b = [torch.randn(32, generator=gen) for _ in range(4)]
+    running = torch.randn(32, generator=gen) + 0.5
+    ops = {4 + j: a[j] for j in range(4)} | {8 + j: b[j] for j in range(4)}
+    ops |= {12: running} | {13 + j: torch.full((32,), 1e9) for j in range(3)}
+    out = run_asm(asm.RUN_MAX, ops)
+    quad_max = torch.stack(a + b).amax(0).view(8, 4).amax(1)[G_OF]  # over lanes 4g .. 4g + 3
+    want = torch.maximum(quad_max, running)
+    for j in range(4):
+        assert torch.equal(out[j], want)
