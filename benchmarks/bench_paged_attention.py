@@ -720,9 +720,9 @@ MMA_TUNE_POINTS = [(1, 32768), (8, 32768), (64, 32768)]
 # Register caps at which the mma kernel compiles without spills with the check on and
 # off alike (offline, Triton 3.6 for sm_90): head dim 64 137/138 registers, 128 211/211.
 CHECK_COST_CAPS = {64: 144, 128: 216}
-MMA_CONFIGS = {  # head dim -> [(max registers, warps per SM, min split, max splits)]
-    64: [(r, w, 64, 512) for r in (0, 160, 144, 128) for w in (16, 24, 32)],
-    128: [(r, w, 64, 128) for r in (0, 216) for w in (16, 32)],
+MMA_CONFIGS = {  # head dim -> [(max registers, waves, min split, max splits)]
+    64: [(r, w, 64, 512) for r in (128, 144) for w in (1, 2, 3)],
+    128: [(r, w, 64, 128) for r in (216,) for w in (1, 2, 3, 4)],
 }
 
 
@@ -744,19 +744,19 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         for batch, length in MMA_TUNE_POINTS:
             calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
             for config in MMA_CONFIGS[shape[2]]:
-                regs, warps, min_split, max_splits = config
+                regs, waves, min_split, max_splits = config
                 us = time_calls(
-                    calls, paged_decode_attention_mma, max_registers=regs, warps_per_sm=warps,
+                    calls, paged_decode_attention_mma, max_registers=regs, waves=waves,
                     min_split=min_split, max_splits=max_splits,
                 )  # fmt: skip
                 totals[config] = totals.get(config, 0.0) + us
-                log(f"tune {shape_name} B={batch} L={length} regs={regs} warps/SM={warps} "
+                log(f"tune {shape_name} B={batch} L={length} regs={regs} waves={waves} "
                     f"min_split={min_split} max_splits={max_splits}: {us:.1f} µs")  # fmt: skip
             del calls
             torch.cuda.empty_cache()
         best_config[shape_name] = min(totals, key=totals.get)
         record["tune"][shape_name] = {str(k): v for k, v in totals.items()}
-        log(f"best {shape_name}: regs, warps/SM, min split, max splits = {best_config[shape_name]}")
+        log(f"best {shape_name}: regs, waves, min split, max splits = {best_config[shape_name]}")
     log("\n| shape | B | L | bf16 µs | fp8 tl.dot µs | fp8 mma µs | mma % of copy | mma vs bf16 "
         "| mma vs fp8 tl.dot | mma check cost (IQR) |")  # fmt: skip
     log("|---|---|---|---|---|---|---|---|---|---|")
@@ -764,8 +764,8 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         shape = SHAPES[shape_name]
         options = {}
         if best_config[shape_name] is not None:
-            regs, warps, min_split, max_splits = best_config[shape_name]
-            options = {"max_registers": regs, "warps_per_sm": warps, "min_split": min_split,
+            regs, waves, min_split, max_splits = best_config[shape_name]
+            options = {"max_registers": regs, "waves": waves, "min_split": min_split,
                        "max_splits": max_splits}  # fmt: skip
         calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
         bf16_us = time_calls(calls)
@@ -874,6 +874,71 @@ def part_mma_variants(results: dict, rounds: int) -> None:
         torch.cuda.empty_cache()
 
 
+def decoder_layer(x: torch.Tensor, num_heads: int, head_dim: int):
+    """A decoder layer's decode work around paged attention, called as the attention
+    function is (q from the call is replaced by x's projection)."""
+    batch = x.shape[0]
+
+    def layer(q, weights, check_owner, **call):
+        w_qkv, w_o, w_gate_up, w_down = weights
+        q = (x @ w_qkv)[:, : num_heads * head_dim].reshape(batch, num_heads, head_dim)
+        out, _ = paged_decode_attention(q, **call, check_owner=check_owner)
+        h = x + out.reshape(batch, -1) @ w_o
+        gate, up = (h @ w_gate_up).chunk(2, dim=-1)
+        return h + (torch.nn.functional.silu(gate) * up) @ w_down
+
+    return layer
+
+
+STEP_POINTS = [(shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)]
+LAYER_DIMS = {"smollm2": (576, 1536), "llama8b": (4096, 14336)}  # hidden, MLP hidden
+
+
+def part_step_cost(results: dict, rounds: int) -> None:
+    """The ownership check's share of a decode step: one decoder layer (q/k/v and output
+    projections, gated MLP, bf16 weights rotated over copies that exceed the L2, and the
+    default fp8 decode attention) timed with the check on and off in `rounds` alternating
+    pairs under CUDA-graph replay. Every layer of a step is this one, so the ratio is the
+    step's (embedding and logits aside, which would only dilute it)."""
+    log("\n## decode step (one layer) with the ownership check on vs off\n")
+    log("| shape | B | L | layer µs check on | check off | attention µs | check cost (IQR) |")
+    log("|---|---|---|---|---|---|---|")
+    rows = results.setdefault("step_cost", [])
+    for shape_name, batch, length in STEP_POINTS:
+        num_heads, num_kv_heads, head_dim = SHAPES[shape_name]
+        hidden, mlp = LAYER_DIMS[shape_name]
+        calls, _ = timing_pool(batch, length, SHAPES[shape_name], FP8_DTYPE)
+        shapes = [
+            (hidden, (num_heads + 2 * num_kv_heads) * head_dim),
+            (num_heads * head_dim, hidden),
+            (hidden, 2 * mlp),
+            (mlp, hidden),
+        ]
+        layer_bytes = 2 * sum(a * b for a, b in shapes)
+        copies = max(1, math.ceil(ROTATE_BYTES / layer_bytes))
+        weights = [
+            [torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02 for shape in shapes]
+            for _ in range(copies)
+        ]
+        x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+        layer_calls = [dict(call, weights=weights[i % copies]) for i, call in enumerate(calls)]
+
+        layer = decoder_layer(x, num_heads, head_dim)
+        attention_us = time_calls(calls)
+        on, off, cost, low, high = paired_check_timings(layer_calls, rounds, layer)
+        log(
+            f"| {shape_name} | {batch} | {length} | {statistics.median(on):.1f} | "
+            f"{statistics.median(off):.1f} | {attention_us:.1f} | "
+            f"{100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+        )
+        rows.append(
+            {"shape": shape_name, "batch": batch, "length": length, "on_us": on, "off_us": off,
+             "attention_us": attention_us, "weight_copies": copies}
+        )  # fmt: skip
+        del calls, layer_calls, weights
+        torch.cuda.empty_cache()
+
+
 def part_mma_check(results: dict) -> bool:
     """The mma kernel against the fp32 reference on random_batch sequences (both shapes)."""
     ok = True
@@ -956,6 +1021,7 @@ def main() -> int:
             "profile",
             "mma",
             "mma-variants",
+            "step-cost",
             "all",
         ],
     )
@@ -1005,6 +1071,8 @@ def main() -> int:
             ok = part_mma_check(results)
             save()
             part_mma_variants(results, args.rounds)
+        if args.part == "step-cost":
+            part_step_cost(results, args.rounds)
         if args.part == "check-cost":
             part_check_cost(results, args.rounds)
         if args.part == "profile":

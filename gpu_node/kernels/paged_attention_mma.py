@@ -65,22 +65,24 @@ from gpu_node.kv_quant import FP8_DTYPE
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 
-# Per head dim: (register cap, one-warp programs aimed at per multiprocessor below and
-# at LARGE_BATCH (sequences x kv heads), least tokens per split, most splits per
-# sequence), from sweeps at 32K context, B = 1, 8, 64 on an H200 (docs/bench/fp8_kv.md,
-# seventh session). Small batches gain from fewer, longer splits, large ones from two
-# waves of programs; 128 registers at head dim 64 fit 16 warps a multiprocessor; the
-# split cap bounds the merge kernel's work at batch 1 (head dim 128: 512 splits of 64
-# tokens took 38 µs, 128 of 256 took 31).
-DEFAULTS = {64: (128, 16, 32, 64, 512), 128: (216, 16, 32, 64, 128)}
+# Per head dim: (register cap, waves of one-warp programs aimed at below and at
+# LARGE_BATCH (sequences x kv heads), least tokens per split, most splits per sequence),
+# from sweeps at 32K context, B = 1, 8, 64 on an H200 (docs/bench/fp8_kv.md, seventh and
+# eighth sessions). A wave is as many programs as the multiprocessors hold at once at
+# that register cap (resident_warps); a partial last wave leaves them idle. The split
+# cap bounds the merge kernel's work at batch 1 (head dim 128: 512 splits of 64 tokens
+# took 38 µs, 128 of 256 took 31).
+DEFAULTS = {64: (144, 1, 2, 64, 512), 128: (216, 2, 4, 64, 128)}
+REGISTERS_PER_SM = 65536
+MAX_WARPS_PER_SM = 32  # one-warp blocks: Hopper holds at most 32 blocks a multiprocessor
 LARGE_BATCH = 128
 # Variants: P's V scale as p * v_scale / max (True) or through log2 and a second running
-# max; the owners of a split's first 128 columns compared after the loop (True) or before.
+# max; steps wholly inside the context with unguarded loads and unmasked scores (True),
+# or every step guarded; per head dim, the owners of a split's first 128 columns compared
+# after the loop (True: their loads wait behind it, 4 more registers) or before it.
 V_LINEAR = True
-DEFER_OWNERS = False
-# Steps wholly inside the context run unguarded loads and unmasked scores (True), or
-# every step is guarded.
 FULL_STEPS = True
+DEFER_OWNERS = {64: True, 128: False}
 
 
 @triton.jit
@@ -732,6 +734,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def resident_warps(max_registers: int) -> int:
+    """One-warp programs a multiprocessor holds at once when each thread may use
+    `max_registers` (0: no cap, taken as 255), allocated 8 at a time."""
+    regs = -(-(max_registers or 255) // 8) * 8
+    return max(1, min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // (32 * regs)))
+
+
 def split_plan(
     batch: int,
     num_kv_heads: int,
@@ -742,22 +751,28 @@ def split_plan(
     min_split: int | None = None,
     max_splits: int | None = None,
     max_registers: int | None = None,
+    waves: float | None = None,
 ) -> tuple[int, int, int]:
     """(splits per sequence, tokens per split, register cap) of a call; None takes the
-    head dim's DEFAULTS. Splits are whole 32-token steps; none is empty for the longest
-    sequence."""
-    cap, few_warps, many_warps, default_split, default_max_splits = DEFAULTS[head_dim]
+    head dim's DEFAULTS. Programs are aimed at `warps_per_sm` a multiprocessor, or else
+    `waves` times what it holds at the register cap. Splits are whole 32-token steps;
+    none is empty for the longest sequence."""
+    cap, waves_small, waves_large, default_split, default_max_splits = DEFAULTS[head_dim]
+    cap = cap if max_registers is None else max_registers
     if warps_per_sm is None:
-        warps_per_sm = many_warps if batch * num_kv_heads >= LARGE_BATCH else few_warps
+        if waves is None:
+            waves = waves_large if batch * num_kv_heads >= LARGE_BATCH else waves_small
+        warps_per_sm = max(1, round(waves * resident_warps(cap)))
     min_split = default_split if min_split is None else min_split
     max_splits = default_max_splits if max_splits is None else max_splits
     num_steps = max(1, math.ceil(max_context_len / STEP))
     target = warps_per_sm * num_sms
-    num_splits = max(1, min(num_steps, max_splits, math.ceil(target / (batch * num_kv_heads))))
+    # at most `target` programs: one more split a sequence would start a partial wave
+    num_splits = max(1, min(num_steps, max_splits, target // (batch * num_kv_heads)))
     steps_per_split = max(math.ceil(num_steps / num_splits), math.ceil(min_split / STEP))
     split_size = steps_per_split * STEP
     num_splits = max(1, math.ceil(max_context_len / split_size))
-    return num_splits, split_size, cap if max_registers is None else max_registers
+    return num_splits, split_size, cap
 
 
 def paged_decode_attention_mma(
@@ -780,10 +795,12 @@ def paged_decode_attention_mma(
     linear_v: bool | None = None,
     defer_owners: bool | None = None,
     full_steps: bool | None = None,
+    waves: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
 
-    The split count aims at `warps_per_sm` one-warp programs a multiprocessor, each
+    The split count aims at `warps_per_sm` one-warp programs a multiprocessor (or
+    `waves` times as many as it holds at the register cap: split_plan), each
     split at least `min_split` tokens (rounded up to a multiple of 32) and at most
     `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
     none). None takes the head dim's DEFAULTS. `linear_v`, `defer_owners` and
@@ -809,7 +826,7 @@ def paged_decode_attention_mma(
     group = num_heads // num_kv_heads
     num_splits, split_size, max_registers = split_plan(
         batch, num_kv_heads, head_dim, max_context_len, _num_sms(q.device), warps_per_sm,
-        min_split, max_splits, max_registers,
+        min_split, max_splits, max_registers, waves,
     )  # fmt: skip
 
     part_max, part_sum, part_acc, part_bad = split_partials(
@@ -846,7 +863,7 @@ def paged_decode_attention_mma(
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         CHECK_OWNER=check_owner,
-        DEFER_OWNERS=DEFER_OWNERS if defer_owners is None else defer_owners,
+        DEFER_OWNERS=DEFER_OWNERS[head_dim] if defer_owners is None else defer_owners,
         V_LINEAR=V_LINEAR if linear_v is None else linear_v,
         FULL_STEPS=FULL_STEPS if full_steps is None else full_steps,
         QK_ASM=asm.QK[head_dim],
@@ -897,4 +914,4 @@ def paged_decode_attention_mma(
     return out, violations.bool()
 
 
-__all__ = ["DEFAULTS", "paged_decode_attention_mma", "split_plan", "supports"]
+__all__ = ["DEFAULTS", "paged_decode_attention_mma", "resident_warps", "split_plan", "supports"]

@@ -19,6 +19,7 @@ from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import (
     paged_decode_attention_mma,
+    resident_warps,
     split_plan,
     supports,
 )
@@ -48,8 +49,9 @@ VARIANTS = [
     {},
     {"linear_v": False, "full_steps": False, "defer_owners": False},
     {"linear_v": True, "full_steps": True, "defer_owners": True},
+    {"linear_v": True, "full_steps": True, "defer_owners": False},
 ]
-VARIANT_IDS = ["defaults", "log2_guarded", "linear_full_deferred"]
+VARIANT_IDS = ["defaults", "log2_guarded", "linear_full_deferred", "linear_full_before"]
 
 
 def _on_cuda(batch):
@@ -172,16 +174,21 @@ def test_kernel_choice_is_checked():
 @pytest.mark.parametrize(
     ("batch", "kv_heads", "head_dim", "length", "expected"),
     [
-        # 192 (sequence, kv head) pairs: 32 warps a multiprocessor, 4224 / 192 = 22 splits
-        (64, 3, 64, 32768, (22, 1504, 128)),
-        # 64 pairs: 16 warps, 2112 / 64 = 33 splits -> 32 steps each -> 32 splits of 1024
-        (8, 8, 128, 32768, (32, 1024, 216)),
+        # 192 (sequence, kv head) pairs at 144 registers (14 warps a multiprocessor): two
+        # waves, 3696 programs -> 19 splits (20 would start a third wave) of 54 steps
+        (64, 3, 64, 32768, (19, 1728, 144)),
+        # 24 pairs: one wave, 1848 // 24 = 77 splits -> 14 steps each -> 74 splits of 448
+        (8, 3, 64, 32768, (74, 448, 144)),
+        # 64 pairs at 216 registers (9 warps): two waves, 2376 // 64 = 37 splits of 28 steps
+        (8, 8, 128, 32768, (37, 896, 216)),
+        # 512 pairs: four waves, 4752 // 512 = 9 splits of 114 steps
+        (64, 8, 128, 32768, (9, 3648, 216)),
         # batch 1: capped at 128 splits (head dim 128) / 512 (64) a sequence
         (1, 8, 128, 32768, (128, 256, 216)),
-        (1, 3, 64, 32768, (512, 64, 128)),
+        (1, 3, 64, 32768, (512, 64, 144)),
         # short contexts: splits of at least 64 tokens
         (1, 8, 128, 1024, (16, 64, 216)),
-        (2, 3, 64, 1, (1, 64, 128)),
+        (2, 3, 64, 1, (1, 64, 144)),
     ],
 )
 def test_split_plan(batch, kv_heads, head_dim, length, expected):
@@ -194,6 +201,12 @@ def test_split_plan_takes_explicit_options():
     assert split_plan(
         4, 2, 64, 10000, 132, warps_per_sm=8, min_split=1000, max_splits=3, max_registers=0
     ) == (3, 3360, 0)  # fmt: skip
+    # half a wave at 128 registers (16 warps): 8 x 132 // 8 pairs = 132 splits -> 3 steps
+    assert split_plan(4, 2, 64, 10000, 132, waves=0.5, max_registers=128) == (105, 96, 128)
+
+
+def test_resident_warps():
+    assert [resident_warps(r) for r in (0, 64, 128, 137, 144, 216)] == [8, 32, 16, 14, 14, 9]
 
 
 def test_refuses_what_it_does_not_take():
