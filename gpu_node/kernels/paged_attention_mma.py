@@ -65,14 +65,20 @@ from gpu_node.kv_quant import FP8_DTYPE
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 
-# Per head dim: (register cap, waves of one-warp programs aimed at below and at
-# LARGE_BATCH (sequences x kv heads), least tokens per split, most splits per sequence),
-# from sweeps at 32K context, B = 1, 8, 64 on an H200 (docs/bench/fp8_kv.md, seventh and
-# eighth sessions). A wave is as many programs as the multiprocessors hold at once at
-# that register cap (resident_warps); a partial last wave leaves them idle. The split
-# cap bounds the merge kernel's work at batch 1 (head dim 128: 512 splits of 64 tokens
-# took 38 µs, 128 of 256 took 31).
-DEFAULTS = {64: (144, 1, 2, 64, 512), 128: (216, 2, 4, 64, 128)}
+# Per head dim: (register cap and waves of one-warp programs aimed at below
+# LARGE_BATCH (sequences x kv heads), the same at and above it, least tokens per split,
+# most splits per sequence). A wave is as many programs as the multiprocessors hold at
+# once at that cap (resident_warps). From sweeps at 32K context, B = 1, 8, 64 on an H200
+# (docs/bench/fp8_kv.md, seventh and eighth sessions): head dim 64 best at 128 registers
+# and one wave (16 warps) for small batches, 144 and 32 warps for large ones; head dim 128
+# at 216 registers (9 warps) with 16 warps a multiprocessor for small batches (B = 8:
+# 146 µs against 167 at two whole waves) and one wave for large ones (B = 64: 1042 µs,
+# 1052-1103 at two to four). The split cap bounds the merge kernel's work at batch 1
+# (head dim 128: 512 splits of 64 tokens took 38 µs, 128 of 256 took 31).
+DEFAULTS = {
+    64: ((128, 1.0), (144, 32 / 14), 64, 512),
+    128: ((216, 16 / 9), (216, 1.0), 64, 128),
+}
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 32  # one-warp blocks: Hopper holds at most 32 blocks a multiprocessor
 LARGE_BATCH = 128
@@ -757,11 +763,11 @@ def split_plan(
     head dim's DEFAULTS. Programs are aimed at `warps_per_sm` a multiprocessor, or else
     `waves` times what it holds at the register cap. Splits are whole 32-token steps;
     none is empty for the longest sequence."""
-    cap, waves_small, waves_large, default_split, default_max_splits = DEFAULTS[head_dim]
+    small, large, default_split, default_max_splits = DEFAULTS[head_dim]
+    cap, default_waves = large if batch * num_kv_heads >= LARGE_BATCH else small
     cap = cap if max_registers is None else max_registers
     if warps_per_sm is None:
-        if waves is None:
-            waves = waves_large if batch * num_kv_heads >= LARGE_BATCH else waves_small
+        waves = default_waves if waves is None else waves
         warps_per_sm = max(1, round(waves * resident_warps(cap)))
     min_split = default_split if min_split is None else min_split
     max_splits = default_max_splits if max_splits is None else max_splits

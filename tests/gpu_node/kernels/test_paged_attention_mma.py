@@ -174,21 +174,21 @@ def test_kernel_choice_is_checked():
 @pytest.mark.parametrize(
     ("batch", "kv_heads", "head_dim", "length", "expected"),
     [
-        # 192 (sequence, kv head) pairs at 144 registers (14 warps a multiprocessor): two
-        # waves, 3696 programs -> 19 splits (20 would start a third wave) of 54 steps
-        (64, 3, 64, 32768, (19, 1728, 144)),
-        # 24 pairs: one wave, 1848 // 24 = 77 splits -> 14 steps each -> 74 splits of 448
-        (8, 3, 64, 32768, (74, 448, 144)),
-        # 64 pairs at 216 registers (9 warps): two waves, 2376 // 64 = 37 splits of 28 steps
-        (8, 8, 128, 32768, (37, 896, 216)),
-        # 512 pairs: four waves, 4752 // 512 = 9 splits of 114 steps
-        (64, 8, 128, 32768, (9, 3648, 216)),
+        # 192 (sequence, kv head) pairs: 144 registers (14 warps a multiprocessor), 32 / 14
+        # waves: 4224 // 192 = 22 splits of 47 steps
+        (64, 3, 64, 32768, (22, 1504, 144)),
+        # 24 pairs: 128 registers, one wave of 16 warps: 2112 // 24 = 88 -> 12 steps -> 86
+        (8, 3, 64, 32768, (86, 384, 128)),
+        # 64 pairs at 216 registers (9 warps), 16 / 9 waves: 2112 // 64 = 33 -> 32 of 1024
+        (8, 8, 128, 32768, (32, 1024, 216)),
+        # 512 pairs: one wave, 1188 // 512 = 2 splits
+        (64, 8, 128, 32768, (2, 16384, 216)),
         # batch 1: capped at 128 splits (head dim 128) / 512 (64) a sequence
         (1, 8, 128, 32768, (128, 256, 216)),
-        (1, 3, 64, 32768, (512, 64, 144)),
+        (1, 3, 64, 32768, (512, 64, 128)),
         # short contexts: splits of at least 64 tokens
         (1, 8, 128, 1024, (16, 64, 216)),
-        (2, 3, 64, 1, (1, 64, 144)),
+        (2, 3, 64, 1, (1, 64, 128)),
     ],
 )
 def test_split_plan(batch, kv_heads, head_dim, length, expected):
