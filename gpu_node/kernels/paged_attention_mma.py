@@ -15,7 +15,7 @@ Lane 4g + t (g = 0..7, t = 0..3: the mma fragments' group and thread) works on q
 head g. Per 32-token step, in two 16-token halves (a half never straddles a page,
 S % 16 == 0), all mma.sync.m16n8k16 with fp32 sums:
 
-    S = q K^T        A = q in fp16 (head g in row g, rows 8-15 zero; q times a power of
+    S = q K^T        A = q in fp16 (head g in row g, rows 8-15 -q, dropped; q times a power of
                      two per head that puts max |q| in (8192, 16384]); B = K as stored,
                      converted e4m3 -> fp16 in registers: the k slots of lane t are its
                      own D / 4 contiguous dims, and column n of the two n-tiles is token
@@ -33,18 +33,22 @@ of the half; in the accumulator tensor of m-tile i, head 2t + j % 2 and dim
 g D / 8 + 2i + j // 2. The K/V/scale loads are inline asm (16-byte vectors with the
 half's address added once), so no tl.load asks Triton for another layout.
 
-Softmax: scores are in log2 units. Each token's V scale is folded into P as
-exp2(s + log2 v_scale - m2), m2 the running max of s + log2 v_scale, so P is in
-(0, 1] whatever the scales, and the sum l uses the running max m of s alone; a
-split stores (m, l, O exp2(m2 - m)) for the merge kernel of paged_attention.py.
-Each step's data is loaded a step ahead, its page ids two.
+Softmax: scores are in log2 units. Each token's V scale is folded into P: by default
+(V_LINEAR) P = p v_scale / n with p = exp2(s - m) and n the running max of p v_scale
+(one exp2 a token), else P = exp2(s + log2 v_scale - m2) with m2 the running max of
+s + log2 v_scale; either way P is in [0, 1] whatever the scales, and the sum l uses p
+alone. A split stores (m, l, O n) or (m, l, O exp2(m2 - m)) for the merge kernel of
+paged_attention.py. Each step's data is loaded a step ahead, its page ids two; steps
+wholly inside the context (all but the last one or two of a split) run unguarded loads
+and unmasked scores (FULL_STEPS). q's mma fragments are built once, with -q in the rows
+the mma pads (distinct registers, so the fragments stay put; their scores are dropped).
 
 Integrity: every page id the loop loads is range-checked (out of range: flagged, page
 0 read); a context longer than the block table is flagged; and, with the check on,
 the owners of all the split's block-table columns are compared with the sequence's
-tag by vector loads outside the loop (the first 128 columns' loads go out before it
-and are compared after it), so the attention loop is the same with the check on or
-off. kv head 0's programs report.
+tag by vector loads outside the loop (the first 128 columns' loads go out before it;
+at head dim 64 they are compared after it, DEFER_OWNERS), so the attention loop is the
+same with the check on or off. kv head 0's programs report.
 """
 
 from __future__ import annotations
