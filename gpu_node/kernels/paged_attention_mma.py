@@ -629,14 +629,14 @@ def _decode_mma_kernel(
     pa, pb, range_bad = _step_pages(table_row, start + 32, end, num_pages, max_pages, PAGE_SIZE)
     bad = bad | range_bad
     # Steps wholly inside the context whose next step is too run with unguarded loads and
-    # unmasked scores (FULL); the last one or two with guards.
-    tail_start = start
-    if FULL_STEPS:
-        full_end = start + (end - start) // 32 * 32
-        tail_start = tl.maximum(start, full_end - 32)
+    # unmasked scores (phase 0, FULL_STEPS); the last one or two with guards (phase 1).
+    full_end = start + (end - start) // 32 * 32
+    tail_start = tl.maximum(start, full_end - 32) if FULL_STEPS else start
+    for phase in tl.static_range(0 if FULL_STEPS else 1, 2):
         (m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, ka0, ka1, kb0, kb1, va0, va1, va2,
          va3, sca, kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad) = _steps(
-            start, tail_start, end, True,
+            start if phase == 0 else tail_start, tail_start if phase == 0 else end, end,
+            phase == 0,
             m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale,
             ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca,
             kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
@@ -646,24 +646,10 @@ def _decode_mma_kernel(
             PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7, PV_CONSTRAINTS, RUN_MAX, RUN_MAX_CONSTRAINTS,
             EXP2_DIFF, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS, EXP2, LOG2, RCP, UNARY_CONSTRAINTS,
             P_F16, P_CONSTRAINTS, SPREAD, SPREAD_CONSTRAINTS, V_LINEAR,
-            LOAD_K_FULL, LOAD_K_CONSTRAINTS, LOAD_V_FULL, LOAD_V_CONSTRAINTS,
-            LOAD_SCALES_FULL, LOAD_SCALES_CONSTRAINTS,
+            LOAD_K_FULL if phase == 0 else LOAD_K, LOAD_K_CONSTRAINTS,
+            LOAD_V_FULL if phase == 0 else LOAD_V, LOAD_V_CONSTRAINTS,
+            LOAD_SCALES_FULL if phase == 0 else LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
-    (m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, ka0, ka1, kb0, kb1, va0, va1, va2,
-     va3, sca, kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad) = _steps(
-        tail_start, end, end, False,
-        m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7, f0, f1, f2, f3, f4, f5, f6, f7, score_scale,
-        ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca,
-        kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
-        k_addr, v_addr, ks_addr, vs_addr, table_row, kv_head, num_pages, max_pages,
-        k_lane, k_token, v_lane, v_token, s_lane, j,
-        NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, KW, VW, QK_ASM, QK_CONSTRAINTS,
-        PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7, PV_CONSTRAINTS, RUN_MAX, RUN_MAX_CONSTRAINTS,
-        EXP2_DIFF, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS, EXP2, LOG2, RCP, UNARY_CONSTRAINTS,
-        P_F16, P_CONSTRAINTS, SPREAD, SPREAD_CONSTRAINTS, V_LINEAR,
-        LOAD_K, LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS,
-        LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
-    )  # fmt: skip
 
     # Partials: head g's (m, l) from lane 4g, register 0; O of heads 2t, 2t + 1 times
     # exp2(m2 - m) of its head (0 for an empty split: m = -inf, O = 0).
