@@ -890,6 +890,43 @@ def decoder_layer(x: torch.Tensor, num_heads: int, head_dim: int):
     return layer
 
 
+SPLIT_SWEEP_POINTS = [("smollm2", 1, 32768), ("smollm2", 8, 32768), ("llama8b", 1, 32768)]
+SPLIT_SWEEP = {  # head dim -> [(max registers, max splits)]
+    64: [(r, n) for r in (128, 144) for n in (128, 256, 512)],
+    128: [(216, n) for n in (64, 128, 256)],
+}
+
+
+def part_split_sweep(results: dict, rounds: int) -> None:
+    """Small batches: the mma kernel's time and check cost by register cap and split cap
+    (SPLIT_SWEEP), `rounds` alternating on/off pairs each, beside bf16 pages."""
+    log("\n| shape | B | L | regs | max splits | µs check on | vs bf16 | check cost (IQR) |")
+    log("|---|---|---|---|---|---|---|---|")
+    rows = results.setdefault("split_sweep", [])
+    for shape_name, batch, length in SPLIT_SWEEP_POINTS:
+        shape = SHAPES[shape_name]
+        calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
+        bf16_us = time_calls(calls)
+        del calls
+        calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
+        for regs, max_splits in SPLIT_SWEEP[shape[2]]:
+            on, off, cost, low, high = paired_check_timings(
+                calls, rounds, paged_decode_attention_mma, max_registers=regs,
+                max_splits=max_splits,
+            )  # fmt: skip
+            us = statistics.median(on)
+            log(
+                f"| {shape_name} | {batch} | {length} | {regs} | {max_splits} | {us:.1f} | "
+                f"{bf16_us / us:.2f}x | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+            )
+            rows.append(
+                {"shape": shape_name, "batch": batch, "regs": regs, "max_splits": max_splits,
+                 "bf16_us": bf16_us, "on_us": on, "off_us": off}
+            )  # fmt: skip
+        del calls
+        torch.cuda.empty_cache()
+
+
 STEP_POINTS = [(shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)]
 LAYER_DIMS = {"smollm2": (576, 1536), "llama8b": (4096, 14336)}  # hidden, MLP hidden
 
@@ -1022,6 +1059,7 @@ def main() -> int:
             "mma",
             "mma-variants",
             "step-cost",
+            "split-sweep",
             "all",
         ],
     )
@@ -1071,6 +1109,8 @@ def main() -> int:
             ok = part_mma_check(results)
             save()
             part_mma_variants(results, args.rounds)
+        if args.part == "split-sweep":
+            part_split_sweep(results, args.rounds)
         if args.part == "step-cost":
             part_step_cost(results, args.rounds)
         if args.part == "check-cost":
