@@ -69,23 +69,23 @@ from gpu_node.kv_quant import FP8_DTYPE
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 
-# Per head dim: (register cap and waves of one-warp programs aimed at below
-# LARGE_BATCH (sequences x kv heads), the same at and above it, least tokens per split,
+# Per head dim: the least tokens per split, then batch classes by (sequence, kv head)
+# pairs: (most pairs of the class, register cap, waves of one-warp programs aimed at,
 # most splits per sequence). A wave is as many programs as the multiprocessors hold at
-# once at that cap (resident_warps). From sweeps at 32K context, B = 1, 8, 64 on an H200
-# (docs/bench/fp8_kv.md, seventh and eighth sessions): head dim 64 best at 128 registers
-# and one wave (16 warps) for small batches, 144 and 32 warps for large ones; head dim 128
-# at 216 registers (9 warps) with 16 warps a multiprocessor for small batches (B = 8:
-# 146 µs against 167 at two whole waves) and one wave for large ones (B = 64: 1042 µs,
-# 1052-1103 at two to four). The split cap bounds the merge kernel's work at batch 1
-# (head dim 128: 512 splits of 64 tokens took 38 µs, 128 of 256 took 31).
+# once at that cap (resident_warps). From sweeps at 32K context on an H200
+# (docs/bench/fp8_kv.md, seventh and eighth sessions): head dim 64 at batch 1 (3 pairs)
+# best at 144 registers and 256 splits (13.9 µs; 512 splits 14.8, 128 registers 15.6),
+# at B = 8 at 128 registers and one wave of 16 warps (42.6 µs; 144: 47.0), at B = 64 at
+# 144 and 32 warps; head dim 128 at 216 registers (9 warps), 16 warps a multiprocessor
+# for small batches (B = 8: 146 µs against 167 at two whole waves) and one wave for
+# large ones (B = 64: 1042 µs, 1052-1103 at two to four), at most 128 splits (B = 1:
+# 32.0 µs; 64 splits 34.1, 256 39.3: the merge kernel's share grows with the splits).
 DEFAULTS = {
-    64: ((128, 1.0), (144, 32 / 14), 64, 512),
-    128: ((216, 16 / 9), (216, 1.0), 64, 128),
+    64: (64, ((8, 144, 1.0, 256), (127, 128, 1.0, 512), (None, 144, 32 / 14, 512))),
+    128: (64, ((127, 216, 16 / 9, 128), (None, 216, 1.0, 128))),
 }
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 32  # one-warp blocks: Hopper holds at most 32 blocks a multiprocessor
-LARGE_BATCH = 128
 # Variants: P's V scale as p * v_scale / max (True) or through log2 and a second running
 # max; steps wholly inside the context with unguarded loads and unmasked scores (True),
 # or every step guarded; per head dim, the owners of a split's first 128 columns compared
@@ -753,8 +753,11 @@ def split_plan(
     head dim's DEFAULTS. Programs are aimed at `warps_per_sm` a multiprocessor, or else
     `waves` times what it holds at the register cap. Splits are whole 32-token steps;
     none is empty for the longest sequence."""
-    small, large, default_split, default_max_splits = DEFAULTS[head_dim]
-    cap, default_waves = large if batch * num_kv_heads >= LARGE_BATCH else small
+    default_split, classes = DEFAULTS[head_dim]
+    pairs = batch * num_kv_heads
+    _, cap, default_waves, default_max_splits = next(
+        c for c in classes if c[0] is None or pairs <= c[0]
+    )
     cap = cap if max_registers is None else max_registers
     if warps_per_sm is None:
         waves = default_waves if waves is None else waves
@@ -764,7 +767,7 @@ def split_plan(
     num_steps = max(1, math.ceil(max_context_len / STEP))
     target = warps_per_sm * num_sms
     # at most `target` programs: one more split a sequence would start a partial wave
-    num_splits = max(1, min(num_steps, max_splits, target // (batch * num_kv_heads)))
+    num_splits = max(1, min(num_steps, max_splits, target // pairs))
     steps_per_split = max(math.ceil(num_steps / num_splits), math.ceil(min_split / STEP))
     split_size = steps_per_split * STEP
     num_splits = max(1, math.ceil(max_context_len / split_size))

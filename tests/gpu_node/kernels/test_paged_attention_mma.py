@@ -183,12 +183,17 @@ def test_kernel_choice_is_checked():
         (8, 8, 128, 32768, (32, 1024, 216)),
         # 512 pairs: one wave, 1188 // 512 = 2 splits
         (64, 8, 128, 32768, (2, 16384, 216)),
-        # batch 1: capped at 128 splits (head dim 128) / 512 (64) a sequence
+        # batch 1: capped at 128 splits (head dim 128) / 256 (64, at most 8 pairs: 144
+        # registers) a sequence
         (1, 8, 128, 32768, (128, 256, 216)),
-        (1, 3, 64, 32768, (512, 64, 128)),
+        (1, 3, 64, 32768, (256, 128, 144)),
         # short contexts: splits of at least 64 tokens
         (1, 8, 128, 1024, (16, 64, 216)),
-        (2, 3, 64, 1, (1, 64, 128)),
+        (2, 3, 64, 1, (1, 64, 144)),
+        # class edges at head dim 64: 126 pairs take 128 registers and 16 warps
+        # (2112 // 126 = 16 splits), 129 pairs 144 and 32 (4224 // 129 = 32)
+        (42, 3, 64, 4096, (16, 256, 128)),
+        (43, 3, 64, 4096, (32, 128, 144)),
     ],
 )
 def test_split_plan(batch, kv_heads, head_dim, length, expected):
