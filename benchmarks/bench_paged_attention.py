@@ -824,6 +824,18 @@ MMA_VARIANTS = {  # head dim -> [(name, kernel options)]
             "full linear r144 deferred",
             {"linear_v": True, "full_steps": True, "max_registers": 144, "defer_owners": True},
         ),
+        (
+            "guarded linear r128",
+            {"linear_v": True, "full_steps": False, "max_registers": 128, "defer_owners": False},
+        ),
+        (
+            "guarded linear r128 deferred",
+            {"linear_v": True, "full_steps": False, "max_registers": 128, "defer_owners": True},
+        ),
+        (
+            "full linear r128 deferred",
+            {"linear_v": True, "full_steps": True, "max_registers": 128, "defer_owners": True},
+        ),
     ],
     128: [
         ("guarded log2 r216", {"linear_v": False, "full_steps": False, "max_registers": 216}),
@@ -837,7 +849,7 @@ MMA_VARIANTS = {  # head dim -> [(name, kernel options)]
 }
 
 
-def part_mma_variants(results: dict, rounds: int) -> None:
+def part_mma_variants(results: dict, rounds: int, points=None) -> None:
     """The mma kernel's variants side by side (MMA_VARIANTS: softmax form of the V scale,
     unguarded full steps, register cap, owners compared after the loop), each with the
     check on and off in `rounds` alternating pairs, beside bf16 pages."""
@@ -847,7 +859,7 @@ def part_mma_variants(results: dict, rounds: int) -> None:
     log("| shape | B | L | variant | µs check on | vs bf16 | % of copy | check cost (IQR) |")
     log("|---|---|---|---|---|---|---|---|")
     rows = results.setdefault("mma_variants", {"copy_bandwidth_Bps": copy_bw, "rows": []})
-    for shape_name, batch, length in MMA_VARIANT_POINTS:
+    for shape_name, batch, length in points or MMA_VARIANT_POINTS:
         shape = SHAPES[shape_name]
         calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
         bf16_us = time_calls(calls)
@@ -1066,6 +1078,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=11, help="check-cost: paired rounds")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     parser.add_argument("--shapes", default="smollm2,llama8b")
+    parser.add_argument(
+        "--points", default=None, help="mma-variants: shape:batch:length,... (default: all)"
+    )
     parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
     parser.add_argument("--tune", action="store_true", help="mma: tune the config per shape")
     parser.add_argument(
@@ -1108,7 +1123,13 @@ def main() -> int:
         if args.part == "mma-variants":
             ok = part_mma_check(results)
             save()
-            part_mma_variants(results, args.rounds)
+            points = None
+            if args.points:
+                points = [
+                    (name, int(batch), int(length))
+                    for name, batch, length in (p.split(":") for p in args.points.split(","))
+                ]
+            part_mma_variants(results, args.rounds, points)
         if args.part == "split-sweep":
             part_split_sweep(results, args.rounds)
         if args.part == "step-cost":
