@@ -40,14 +40,14 @@ s + log2 v_scale; either way P is in [0, 1] whatever the scales, and the sum l u
 alone. A split stores (m, l, O n) or (m, l, O exp2(m2 - m)) for the merge kernel of
 paged_attention.py. Each step's data is loaded a step ahead, its page ids two; steps
 wholly inside the context (all but the last one or two of a split) run unguarded loads
-and unmasked scores (FULL_STEPS). q's mma fragments are built once, with -q in the rows
+and unmasked scores (FULL_STEPS, per batch class). q's mma fragments are built once, with -q in the rows
 the mma pads (distinct registers, so the fragments stay put; their scores are dropped).
 
 Integrity: every page id the loop loads is range-checked (out of range: flagged, page
 0 read); a context longer than the block table is flagged; and, with the check on,
 the owners of all the split's block-table columns are compared with the sequence's
 tag by vector loads outside the loop (the first 128 columns' loads go out before it;
-at head dim 64 they are compared after it, DEFER_OWNERS), so the attention loop is the
+for some batch classes they are compared after it, DEFER_OWNERS), so the attention loop is the
 same with the check on or off. kv head 0's programs report.
 """
 
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -69,30 +70,54 @@ from gpu_node.kv_quant import FP8_DTYPE
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
 
-# Per head dim: the least tokens per split, then batch classes by (sequence, kv head)
-# pairs: (most pairs of the class, register cap, waves of one-warp programs aimed at,
-# most splits per sequence). A wave is as many programs as the multiprocessors hold at
-# once at that cap (resident_warps). From sweeps at 32K context on an H200
-# (docs/bench/fp8_kv.md, seventh and eighth sessions): head dim 64 at batch 1 (3 pairs)
-# best at 144 registers and 256 splits (13.9 µs; 512 splits 14.8, 128 registers 15.6),
-# at B = 8 at 128 registers and one wave of 16 warps (42.6 µs; 144: 47.0), at B = 64 at
-# 144 and 32 warps; head dim 128 at 216 registers (9 warps), 16 warps a multiprocessor
-# for small batches (B = 8: 146 µs against 167 at two whole waves) and one wave for
-# large ones (B = 64: 1042 µs, 1052-1103 at two to four), at most 128 splits (B = 1:
-# 32.0 µs; 64 splits 34.1, 256 39.3: the merge kernel's share grows with the splits).
+
+class BatchClass(NamedTuple):
+    """Launch defaults for calls of at most `max_pairs` (sequence, kv head) pairs (None:
+    any number)."""
+
+    max_pairs: int | None
+    max_registers: int  # register cap per thread
+    waves: float  # one-warp programs aimed at, in multiples of what fits at the cap
+    max_splits: int  # splits per sequence at most
+    full_steps: bool  # the kernel's FULL_STEPS
+    defer_owners: bool  # the kernel's DEFER_OWNERS
+
+
+# Per head dim: the least tokens per split, then the batch classes in order. A wave is as
+# many programs as the multiprocessors hold at once at the cap (resident_warps). From
+# sweeps at 32K context on an H200 (docs/bench/fp8_kv.md, seventh and eighth sessions):
+# head dim 64 at batch 1 (3 pairs) best at 144 registers and 256 splits (13.9-14.0 µs;
+# 512 splits 14.8, 128 registers 15.6); at B = 8 at 128 registers, one wave of 16 warps,
+# every step guarded (41.6 µs; with the unguarded full steps, which spill at that cap,
+# 43.8; at 144 registers 47.4); at B = 64 at 144 and 32 warps (253 µs; 128: 281-296).
+# Head dim 128 at 216 registers (9 warps), 16 warps a multiprocessor for small batches
+# (B = 8: 146 µs against 167 at two whole waves) and one wave for large ones (B = 64:
+# 1042 µs, 1052-1103 at two to four), at most 128 splits (B = 1: 32.0 µs; 64 splits
+# 34.1, 256 39.3: the merge kernel's share grows with the splits).
 DEFAULTS = {
-    64: (64, ((8, 144, 1.0, 256), (127, 128, 1.0, 512), (None, 144, 32 / 14, 512))),
-    128: (64, ((127, 216, 16 / 9, 128), (None, 216, 1.0, 128))),
+    64: (
+        64,
+        (
+            BatchClass(8, 144, 1.0, 256, full_steps=True, defer_owners=True),
+            BatchClass(127, 128, 1.0, 512, full_steps=False, defer_owners=False),
+            BatchClass(None, 144, 32 / 14, 512, full_steps=True, defer_owners=True),
+        ),
+    ),
+    128: (
+        64,
+        (
+            BatchClass(127, 216, 16 / 9, 128, full_steps=True, defer_owners=False),
+            BatchClass(None, 216, 1.0, 128, full_steps=True, defer_owners=False),
+        ),
+    ),
 }
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 32  # one-warp blocks: Hopper holds at most 32 blocks a multiprocessor
-# Variants: P's V scale as p * v_scale / max (True) or through log2 and a second running
-# max; steps wholly inside the context with unguarded loads and unmasked scores (True),
-# or every step guarded; per head dim, the owners of a split's first 128 columns compared
-# after the loop (True: their loads wait behind it, 4 more registers) or before it.
+# P's V scale as p * v_scale / max (True) or through log2 and a second running max. The
+# other variants (steps wholly inside the context with unguarded loads and unmasked
+# scores, or every step guarded; the owners of a split's first 128 columns compared
+# after the loop, or before it) are per batch class (BatchClass).
 V_LINEAR = True
-FULL_STEPS = True
-DEFER_OWNERS = {64: True, 128: False}
 
 
 @triton.jit
@@ -737,6 +762,13 @@ def resident_warps(max_registers: int) -> int:
     return max(1, min(MAX_WARPS_PER_SM, REGISTERS_PER_SM // (32 * regs)))
 
 
+def batch_class(batch: int, num_kv_heads: int, head_dim: int) -> BatchClass:
+    """The DEFAULTS class of a call of `batch` sequences: the first whose max_pairs
+    holds batch x kv heads."""
+    pairs = batch * num_kv_heads
+    return next(c for c in DEFAULTS[head_dim][1] if c.max_pairs is None or pairs <= c.max_pairs)
+
+
 def split_plan(
     batch: int,
     num_kv_heads: int,
@@ -753,11 +785,9 @@ def split_plan(
     head dim's DEFAULTS. Programs are aimed at `warps_per_sm` a multiprocessor, or else
     `waves` times what it holds at the register cap. Splits are whole 32-token steps;
     none is empty for the longest sequence."""
-    default_split, classes = DEFAULTS[head_dim]
+    default_split, _ = DEFAULTS[head_dim]
     pairs = batch * num_kv_heads
-    _, cap, default_waves, default_max_splits = next(
-        c for c in classes if c[0] is None or pairs <= c[0]
-    )
+    _, cap, default_waves, default_max_splits, _, _ = batch_class(batch, num_kv_heads, head_dim)
     cap = cap if max_registers is None else max_registers
     if warps_per_sm is None:
         waves = default_waves if waves is None else waves
@@ -803,7 +833,7 @@ def paged_decode_attention_mma(
     split at least `min_split` tokens (rounded up to a multiple of 32) and at most
     `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
     none). None takes the head dim's DEFAULTS. `linear_v`, `defer_owners` and
-    `full_steps` pick the kernel's variants (None: V_LINEAR, DEFER_OWNERS, FULL_STEPS).
+    `full_steps` pick the kernel's variants (None: V_LINEAR and the batch class's).
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -828,6 +858,7 @@ def paged_decode_attention_mma(
         min_split, max_splits, max_registers, waves,
     )  # fmt: skip
 
+    variant = batch_class(batch, num_kv_heads, head_dim)
     part_max, part_sum, part_acc, part_bad = split_partials(
         batch, num_heads, num_splits, head_dim, q.device
     )
@@ -862,9 +893,9 @@ def paged_decode_attention_mma(
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         CHECK_OWNER=check_owner,
-        DEFER_OWNERS=DEFER_OWNERS[head_dim] if defer_owners is None else defer_owners,
+        DEFER_OWNERS=variant.defer_owners if defer_owners is None else defer_owners,
         V_LINEAR=V_LINEAR if linear_v is None else linear_v,
-        FULL_STEPS=FULL_STEPS if full_steps is None else full_steps,
+        FULL_STEPS=variant.full_steps if full_steps is None else full_steps,
         QK_ASM=asm.QK[head_dim],
         QK_CONSTRAINTS=asm.QK_CONSTRAINTS[head_dim],
         Q_QUADS=asm.Q_QUADS,
@@ -913,4 +944,12 @@ def paged_decode_attention_mma(
     return out, violations.bool()
 
 
-__all__ = ["DEFAULTS", "paged_decode_attention_mma", "resident_warps", "split_plan", "supports"]
+__all__ = [
+    "DEFAULTS",
+    "BatchClass",
+    "batch_class",
+    "paged_decode_attention_mma",
+    "resident_warps",
+    "split_plan",
+    "supports",
+]

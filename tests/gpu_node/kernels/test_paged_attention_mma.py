@@ -18,6 +18,7 @@ import torch
 from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import (
+    batch_class,
     paged_decode_attention_mma,
     resident_warps,
     split_plan,
@@ -208,6 +209,19 @@ def test_split_plan_takes_explicit_options():
     ) == (3, 3360, 0)  # fmt: skip
     # half a wave at 128 registers (16 warps): 8 x 132 // 8 pairs = 132 splits -> 3 steps
     assert split_plan(4, 2, 64, 10000, 132, waves=0.5, max_registers=128) == (105, 96, 128)
+
+
+def test_batch_classes_pick_the_variant_and_the_plan():
+    tiny, small, large = (batch_class(b, 3, 64) for b in (1, 8, 64))
+    assert (tiny.max_registers, tiny.max_splits, tiny.full_steps, tiny.defer_owners) == (
+        144, 256, True, True
+    )  # fmt: skip
+    assert (small.max_registers, small.full_steps, small.defer_owners) == (128, False, False)
+    assert (large.max_registers, large.full_steps, large.defer_owners) == (144, True, True)
+    assert batch_class(2, 4, 64) is tiny and batch_class(3, 3, 64) is small  # 8 / 9 pairs
+    assert batch_class(42, 3, 64) is small and batch_class(43, 3, 64) is large  # 126 / 129
+    assert [batch_class(b, 8, 128).full_steps for b in (1, 16)] == [True, True]
+    assert batch_class(15, 8, 128).max_pairs == 127 and batch_class(16, 8, 128).max_pairs is None
 
 
 def test_resident_warps():
