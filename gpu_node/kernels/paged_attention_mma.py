@@ -15,8 +15,9 @@ Lane 4g + t (g = 0..7, t = 0..3: the mma fragments' group and thread) works on q
 head g. Per 32-token step, in two 16-token halves (a half never straddles a page,
 S % 16 == 0), all mma.sync.m16n8k16 with fp32 sums:
 
-    S = q K^T        A = q in fp16 (head g in row g, rows 8-15 -q, dropped; q times a power of
-                     two per head that puts max |q| in (8192, 16384]); B = K as stored,
+    S = q K^T        A = q in fp16 (head g in row g; rows 8-15 hold -q, their scores
+                     dropped; q times a power of two per head that puts max |q| in
+                     (8192, 16384]); B = K as stored,
                      converted e4m3 -> fp16 in registers: the k slots of lane t are its
                      own D / 4 contiguous dims, and column n of the two n-tiles is token
                      pi(n) and pi(n) + 2 of the half, pi(n) = 4 (n // 2) + n % 2, so a
@@ -40,8 +41,9 @@ s + log2 v_scale; either way P is in [0, 1] whatever the scales, and the sum l u
 alone. A split stores (m, l, O n) or (m, l, O exp2(m2 - m)) for the merge kernel of
 paged_attention.py. Each step's data is loaded a step ahead, its page ids two; steps
 wholly inside the context (all but the last one or two of a split) run unguarded loads
-and unmasked scores (FULL_STEPS, per batch class). q's mma fragments are built once, with -q in the rows
-the mma pads (distinct registers, so the fragments stay put; their scores are dropped).
+and unmasked scores (FULL_STEPS, per batch class). q's mma fragments are built once,
+with -q in the rows the mma pads (distinct registers, so the fragments stay put; their
+scores are dropped).
 
 Integrity: every page id the loop loads is range-checked (out of range: flagged, page
 0 read); a context longer than the block table is flagged; and, with the check on,
