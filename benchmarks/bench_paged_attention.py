@@ -448,6 +448,15 @@ def time_calls(calls, attention=None, **options) -> float:
     return ms * 1e3 / len(calls)
 
 
+def bf16_pages_us(batch: int, length: int, shape) -> float:
+    """µs per call of the default decode attention over bf16 pages (the baseline)."""
+    calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
+    us = time_calls(calls)
+    del calls
+    torch.cuda.empty_cache()
+    return us
+
+
 FP8_CONFIGS = [  # block_n, num_warps, num_stages, programs per SM, q_fp8, tokens_m, max regs
     (128, 4, 2, 8, False, True, 0),  # fp16 q, tokens as the MMA's M side
     (128, 4, 2, 8, False, False, 0),  # fp16 q, query heads as M (the second session's)
@@ -668,6 +677,11 @@ CHECK_COST_POINTS = [  # shape, batch, context
 ]
 
 
+def cost_text(cost: float, low: float, high: float) -> str:
+    """A median cost and its quartiles (fractions) as the tables print them."""
+    return f"{100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f})"
+
+
 def paired_check_timings(calls, rounds: int, attention=None, **options):
     """`rounds` pairs of timings, check on and off back to back (the order alternating by
     round) -> (on µs, off µs, median per-pair cost, its 25% and 75% quantiles)."""
@@ -767,10 +781,7 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
             regs, waves, min_split, max_splits = best_config[shape_name]
             options = {"max_registers": regs, "waves": waves, "min_split": min_split,
                        "max_splits": max_splits}  # fmt: skip
-        calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
-        bf16_us = time_calls(calls)
-        del calls
-        torch.cuda.empty_cache()
+        bf16_us = bf16_pages_us(batch, length, shape)
         calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
         dot_us = time_calls(calls, kernel="dot")
         on, off, cost, low, high = paired_check_timings(
@@ -782,7 +793,7 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         log(
             f"| {shape_name} | {batch} | {length} | {bf16_us:.1f} | {dot_us:.1f} | {mma_us:.1f} | "
             f"{100 * moved / (mma_us * 1e-6) / copy_bw:.0f}% | {bf16_us / mma_us:.2f}x | "
-            f"{dot_us / mma_us:.2f}x | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+            f"{dot_us / mma_us:.2f}x | {cost_text(cost, low, high)} |"
         )
         record["rows"].append(
             {"shape": shape_name, "batch": batch, "length": length, "bf16_us": bf16_us,
@@ -802,7 +813,7 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         torch.cuda.empty_cache()
         log(
             f"| {shape_name} | {batch} | {length} | {cap} | {statistics.median(on):.1f} | "
-            f"{statistics.median(off):.1f} | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+            f"{statistics.median(off):.1f} | {cost_text(cost, low, high)} |"
         )
         record.setdefault("check_cost_equal_caps", []).append(
             {"shape": shape_name, "batch": batch, "length": length, "cap": cap, "on_us": on,
@@ -813,38 +824,33 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
 MMA_VARIANT_POINTS = [
     (shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)
 ]
+
+
+def mma_variant(linear: bool, full: bool, regs: int, deferred: bool = False):
+    """(table name, kernel options) of an mma kernel variant."""
+    name = f"{'full' if full else 'guarded'} {'linear' if linear else 'log2'} r{regs}"
+    options = {"linear_v": linear, "full_steps": full, "max_registers": regs,
+               "defer_owners": deferred}  # fmt: skip
+    return name + (" deferred" if deferred else ""), options
+
+
 MMA_VARIANTS = {  # head dim -> [(name, kernel options)]
     64: [
-        ("guarded log2 r128", {"linear_v": False, "full_steps": False, "max_registers": 128}),
-        ("full log2 r128", {"linear_v": False, "full_steps": True, "max_registers": 128}),
-        ("full log2 r144", {"linear_v": False, "full_steps": True, "max_registers": 144}),
-        ("full linear r128", {"linear_v": True, "full_steps": True, "max_registers": 128}),
-        ("full linear r144", {"linear_v": True, "full_steps": True, "max_registers": 144}),
-        (
-            "full linear r144 deferred",
-            {"linear_v": True, "full_steps": True, "max_registers": 144, "defer_owners": True},
-        ),
-        (
-            "guarded linear r128",
-            {"linear_v": True, "full_steps": False, "max_registers": 128, "defer_owners": False},
-        ),
-        (
-            "guarded linear r128 deferred",
-            {"linear_v": True, "full_steps": False, "max_registers": 128, "defer_owners": True},
-        ),
-        (
-            "full linear r128 deferred",
-            {"linear_v": True, "full_steps": True, "max_registers": 128, "defer_owners": True},
-        ),
+        mma_variant(linear=False, full=False, regs=128),
+        mma_variant(linear=False, full=True, regs=128),
+        mma_variant(linear=False, full=True, regs=144),
+        mma_variant(linear=True, full=True, regs=128),
+        mma_variant(linear=True, full=True, regs=144),
+        mma_variant(linear=True, full=True, regs=144, deferred=True),
+        mma_variant(linear=True, full=False, regs=128),
+        mma_variant(linear=True, full=False, regs=128, deferred=True),
+        mma_variant(linear=True, full=True, regs=128, deferred=True),
     ],
     128: [
-        ("guarded log2 r216", {"linear_v": False, "full_steps": False, "max_registers": 216}),
-        ("full log2 r216", {"linear_v": False, "full_steps": True, "max_registers": 216}),
-        ("full linear r216", {"linear_v": True, "full_steps": True, "max_registers": 216}),
-        (
-            "full linear r232 deferred",
-            {"linear_v": True, "full_steps": True, "max_registers": 232, "defer_owners": True},
-        ),
+        mma_variant(linear=False, full=False, regs=216),
+        mma_variant(linear=False, full=True, regs=216),
+        mma_variant(linear=True, full=True, regs=216),
+        mma_variant(linear=True, full=True, regs=232, deferred=True),
     ],
 }
 
@@ -861,10 +867,7 @@ def part_mma_variants(results: dict, rounds: int, points=None) -> None:
     rows = results.setdefault("mma_variants", {"copy_bandwidth_Bps": copy_bw, "rows": []})
     for shape_name, batch, length in points or MMA_VARIANT_POINTS:
         shape = SHAPES[shape_name]
-        calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
-        bf16_us = time_calls(calls)
-        del calls
-        torch.cuda.empty_cache()
+        bf16_us = bf16_pages_us(batch, length, shape)
         log(f"| {shape_name} | {batch} | {length} | bf16 pages | {bf16_us:.1f} | 1.00x | | |")
         calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
         for name, options in MMA_VARIANTS[shape[2]]:
@@ -875,7 +878,7 @@ def part_mma_variants(results: dict, rounds: int, points=None) -> None:
             log(
                 f"| {shape_name} | {batch} | {length} | {name} | {us:.1f} | "
                 f"{bf16_us / us:.2f}x | {100 * moved / (us * 1e-6) / copy_bw:.0f}% | "
-                f"{100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+                f"{cost_text(cost, low, high)} |"
             )
             rows["rows"].append(
                 {"shape": shape_name, "batch": batch, "length": length, "variant": name,
@@ -917,9 +920,7 @@ def part_split_sweep(results: dict, rounds: int) -> None:
     rows = results.setdefault("split_sweep", [])
     for shape_name, batch, length in SPLIT_SWEEP_POINTS:
         shape = SHAPES[shape_name]
-        calls, _ = timing_pool(batch, length, shape, torch.bfloat16)
-        bf16_us = time_calls(calls)
-        del calls
+        bf16_us = bf16_pages_us(batch, length, shape)
         calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
         for regs, max_splits in SPLIT_SWEEP[shape[2]]:
             on, off, cost, low, high = paired_check_timings(
@@ -929,7 +930,7 @@ def part_split_sweep(results: dict, rounds: int) -> None:
             us = statistics.median(on)
             log(
                 f"| {shape_name} | {batch} | {length} | {regs} | {max_splits} | {us:.1f} | "
-                f"{bf16_us / us:.2f}x | {100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+                f"{bf16_us / us:.2f}x | {cost_text(cost, low, high)} |"
             )
             rows.append(
                 {"shape": shape_name, "batch": batch, "regs": regs, "max_splits": max_splits,
@@ -978,7 +979,7 @@ def part_step_cost(results: dict, rounds: int) -> None:
         log(
             f"| {shape_name} | {batch} | {length} | {statistics.median(on):.1f} | "
             f"{statistics.median(off):.1f} | {attention_us:.1f} | "
-            f"{100 * cost:+.2f}% ({100 * low:+.2f}..{100 * high:+.2f}) |"
+            f"{cost_text(cost, low, high)} |"
         )
         rows.append(
             {"shape": shape_name, "batch": batch, "length": length, "on_us": on, "off_us": off,

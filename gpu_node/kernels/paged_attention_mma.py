@@ -85,7 +85,7 @@ class BatchClass(NamedTuple):
     defer_owners: bool  # the kernel's DEFER_OWNERS
 
 
-# Per head dim: the least tokens per split, then the batch classes in order. A wave is as
+# Per head dim: the batch classes in order. A wave is as
 # many programs as the multiprocessors hold at once at the cap (resident_warps). From
 # sweeps at 32K context on an H200 (docs/bench/fp8_kv.md, seventh and eighth sessions):
 # head dim 64 at batch 1 (3 pairs) best at 144 registers and 256 splits (13.9-14.0 µs;
@@ -96,21 +96,16 @@ class BatchClass(NamedTuple):
 # (B = 8: 146 µs against 167 at two whole waves) and one wave for large ones (B = 64:
 # 1042 µs, 1052-1103 at two to four), at most 128 splits (B = 1: 32.0 µs; 64 splits
 # 34.1, 256 39.3: the merge kernel's share grows with the splits).
+MIN_SPLIT = 64  # tokens per split at least
 DEFAULTS = {
     64: (
-        64,
-        (
-            BatchClass(8, 144, 1.0, 256, full_steps=True, defer_owners=True),
-            BatchClass(127, 128, 1.0, 512, full_steps=False, defer_owners=False),
-            BatchClass(None, 144, 32 / 14, 512, full_steps=True, defer_owners=True),
-        ),
+        BatchClass(8, 144, 1.0, 256, full_steps=True, defer_owners=True),
+        BatchClass(127, 128, 1.0, 512, full_steps=False, defer_owners=False),
+        BatchClass(None, 144, 32 / 14, 512, full_steps=True, defer_owners=True),
     ),
     128: (
-        64,
-        (
-            BatchClass(127, 216, 16 / 9, 128, full_steps=True, defer_owners=False),
-            BatchClass(None, 216, 1.0, 128, full_steps=True, defer_owners=False),
-        ),
+        BatchClass(127, 216, 16 / 9, 128, full_steps=True, defer_owners=False),
+        BatchClass(None, 216, 1.0, 128, full_steps=True, defer_owners=False),
     ),
 }
 REGISTERS_PER_SM = 65536
@@ -187,8 +182,9 @@ def _half_data(
     LOAD_V: tl.constexpr, LOAD_V_CONSTRAINTS: tl.constexpr,
     LOAD_SCALES: tl.constexpr, LOAD_SCALES_CONSTRAINTS: tl.constexpr,
 ):  # fmt: skip
-    """One half's K (tokens pi(g), pi(g) + 2), V and packed scales (tokens 4t .. 4t + 3);
-    nothing is loaded for tokens past `end`."""
+    """One half's K (tokens pi(g), pi(g) + 2), V and packed scales (tokens 4t .. 4t + 3),
+    through the given load blocks: guarded ones load nothing for tokens past `end`,
+    unguarded ones (a half wholly inside the context) load every token."""
     left = tl.full((128,), 0, tl.int32) + (end - half_start)
     ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # bytes per token
     base = (page * PAGE_SIZE + half_start % PAGE_SIZE) * ROW + kv_head * HEAD_DIM
@@ -768,7 +764,7 @@ def batch_class(batch: int, num_kv_heads: int, head_dim: int) -> BatchClass:
     """The DEFAULTS class of a call of `batch` sequences: the first whose max_pairs
     holds batch x kv heads."""
     pairs = batch * num_kv_heads
-    return next(c for c in DEFAULTS[head_dim][1] if c.max_pairs is None or pairs <= c.max_pairs)
+    return next(c for c in DEFAULTS[head_dim] if c.max_pairs is None or pairs <= c.max_pairs)
 
 
 def split_plan(
@@ -784,18 +780,17 @@ def split_plan(
     waves: float | None = None,
 ) -> tuple[int, int, int]:
     """(splits per sequence, tokens per split, register cap) of a call; None takes the
-    head dim's DEFAULTS. Programs are aimed at `warps_per_sm` a multiprocessor, or else
+    call's batch class (DEFAULTS) and MIN_SPLIT. Programs are aimed at `warps_per_sm` a multiprocessor, or else
     `waves` times what it holds at the register cap. Splits are whole 32-token steps;
     none is empty for the longest sequence."""
-    default_split, _ = DEFAULTS[head_dim]
+    defaults = batch_class(batch, num_kv_heads, head_dim)
     pairs = batch * num_kv_heads
-    _, cap, default_waves, default_max_splits, _, _ = batch_class(batch, num_kv_heads, head_dim)
-    cap = cap if max_registers is None else max_registers
+    cap = defaults.max_registers if max_registers is None else max_registers
     if warps_per_sm is None:
-        waves = default_waves if waves is None else waves
+        waves = defaults.waves if waves is None else waves
         warps_per_sm = max(1, round(waves * resident_warps(cap)))
-    min_split = default_split if min_split is None else min_split
-    max_splits = default_max_splits if max_splits is None else max_splits
+    min_split = MIN_SPLIT if min_split is None else min_split
+    max_splits = defaults.max_splits if max_splits is None else max_splits
     num_steps = max(1, math.ceil(max_context_len / STEP))
     target = warps_per_sm * num_sms
     # at most `target` programs: one more split a sequence would start a partial wave
@@ -834,7 +829,7 @@ def paged_decode_attention_mma(
     `waves` times as many as it holds at the register cap: split_plan), each
     split at least `min_split` tokens (rounded up to a multiple of 32) and at most
     `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
-    none). None takes the head dim's DEFAULTS. `linear_v`, `defer_owners` and
+    none). None takes the call's batch class (DEFAULTS) and MIN_SPLIT. `linear_v`, `defer_owners` and
     `full_steps` pick the kernel's variants (None: V_LINEAR and the batch class's).
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
