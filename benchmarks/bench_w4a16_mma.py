@@ -11,13 +11,14 @@ together span 4x the L2, replay time / R):
   mma       w4a16_mma_gemv over Int4WeightMMA (tensor cores), its heuristic config
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
 measured in the same run, and the relative error against the fp32 reference.
---sweep also times the mma kernel over warps x row blocks per warp x groups per split
-at M = 1. INT4 is group 128, fp16 scale and min per group. Needs torch, triton, numpy.
+--sweep also times the mma kernel over warps x row blocks per warp x accumulator chains x
+groups per split at M = 1. INT4 is group 128, fp16 scale and min per group. Needs torch, triton, numpy.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -53,26 +54,28 @@ def sweep(
     num_sms: int,
     warp_list: tuple[int, ...] = (2, 4, 8),
     split_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    rows_list: tuple[int, ...] = (1, 2),
+    chain_list: tuple[int, ...] = (1,),
 ) -> None:
     """M = 1: warps x row blocks per warp x groups per split, then the best config with
     its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     groups = k // GROUP
     results = []
-    for warps in warp_list:
-        for rows in (1, 2):
-            for per_split in split_list:
-                if per_split > groups:
-                    continue
-                cfg = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split}
-                t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
-                results.append((t * 1e3, cfg))
+    for warps, rows, chains, per_split in itertools.product(
+        warp_list, rows_list, chain_list, split_list
+    ):
+        if per_split > groups:
+            continue
+        cfg = {"WARPS": warps, "R": rows, "CHAINS": chains, "GROUPS_PER_SPLIT": per_split}
+        t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
+        results.append((t * 1e3, cfg))
     heuristic = mma_gemv_config(n, k, GROUP, num_sms)
     t_h = bench_graph([lambda q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
     results.sort(key=lambda r: r[0])
     best_t, best = results[0]
     print(f"sweep {k}x{n} M=1: best {best_t:.1f} us {best}; heuristic {t_h:.1f} us {heuristic}")
-    for t, cfg in results[:10]:
+    for t, cfg in results[:16]:
         print(f"  {t:.1f} us {cfg}")
     for mode, what in ((1, "loads alone"), (2, "no activation sums")):
         cfg = {**best, "MODE": mode}
@@ -87,6 +90,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-warps", default="2,4,8")
     parser.add_argument("--sweep-splits", default="1,2,4,8,16,32", help="groups per split")
+    parser.add_argument("--sweep-rows", default="1,2", help="row blocks per warp")
+    parser.add_argument("--sweep-chains", default="1", help="accumulators per mma chain")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -155,6 +160,8 @@ def main() -> None:
                 props.multi_processor_count,
                 ints(args.sweep_warps),
                 ints(args.sweep_splits),
+                ints(args.sweep_rows),
+                ints(args.sweep_chains),
             )
         del ws, kns, mmas, mmas_rb, w_ref
     print()

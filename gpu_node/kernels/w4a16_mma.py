@@ -48,7 +48,17 @@ import triton.language as tl
 
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma_asm import D_ASM, D_CONSTRAINTS, MAGIC, S_ASM, S_CONSTRAINTS
+from gpu_node.kernels.w4a16_mma_asm import (
+    D2_ASM,
+    D2_CONSTRAINTS,
+    D_ASM,
+    D_CONSTRAINTS,
+    MAGIC,
+    S2_ASM,
+    S2_CONSTRAINTS,
+    S_ASM,
+    S_CONSTRAINTS,
+)
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
 
@@ -68,6 +78,22 @@ def _s_chunk(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
 
 
 @triton.jit
+def _d_chunk2(words, x_lo, x_hi, d_a, d_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [words, x_lo, x_hi, d_a, d_b], dtype=(tl.float32, tl.float32),
+        is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM, CONSTRAINTS, [x_lo, x_hi, s_a, s_b], dtype=(tl.float32, tl.float32),
+        is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
 def _scale_and_correction(sm, OFFSET):
     """sm [R, E]: (scale, min) of rows g and g + 8 per lane -> scale, min - OFFSET * scale
     per C element (rows g, g, g + 8, g + 8), all within the lane."""
@@ -81,6 +107,7 @@ def _scale_and_correction(sm, OFFSET):
 
 @triton.jit
 def _group(
+    acc,
     w0,
     w1,
     sm,
@@ -89,34 +116,47 @@ def _group(
     OFFSET,
     CPG: tl.constexpr,
     MODE: tl.constexpr,
+    CHAINS: tl.constexpr,
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
 ):
-    """One group's share of y, [R, E]: scale * D + (min - OFFSET * scale) * x_sum."""
+    """acc [R, E] + one group's share of y: scale * D + (min - OFFSET * scale) * x_sum.
+
+    CHAINS = 2 splits each mma chain (D and x_sum) into two accumulators of half the
+    length; the scale multiplies both halves in the same fused multiply-adds."""
     if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
-        out = w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
+        acc += w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
         if CPG == 2:
-            out += w1.to(tl.float32, bitcast=True)
-        return out
-    x_lo = tl.load(x_at + c0 * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
-    x_hi = tl.load(x_at + c0 * 32 + 4)  # pairs 8t + 4 .. 8t + 7
-    d = _d_chunk(w0, x_lo, x_hi, tl.full(w0.shape, 0.0, tl.float32), D_ASM, D_CONSTRAINTS)
-    if MODE != 2:  # MODE 2 (benchmarks): x_sum left out
-        s = _s_chunk(x_lo, x_hi, tl.full(x_lo.shape, 0.0, tl.float32), S_ASM, S_CONSTRAINTS)
-    if CPG == 2:
-        x_lo = tl.load(x_at + (c0 + 1) * 32)
-        x_hi = tl.load(x_at + (c0 + 1) * 32 + 4)
-        d = _d_chunk(w1, x_lo, x_hi, d, D_ASM, D_CONSTRAINTS)
-        if MODE != 2:
-            s = _s_chunk(x_lo, x_hi, s, S_ASM, S_CONSTRAINTS)
+            acc += w1.to(tl.float32, bitcast=True)
+        return acc
+    zero_d = tl.full(w0.shape, 0.0, tl.float32)
+    zero_s = tl.full((1, w0.shape[1]), 0.0, tl.float32)
+    for c in tl.static_range(CPG):
+        x_lo = tl.load(x_at + (c0 + c) * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
+        x_hi = tl.load(x_at + (c0 + c) * 32 + 4)  # pairs 8t + 4 .. 8t + 7
+        w = w0 if c == 0 else w1
+        if c == 0:  # the chains start from zero
+            d_a, d_b, s_a, s_b = zero_d, zero_d, zero_s, zero_s
+        if CHAINS == 2:
+            d_a, d_b = _d_chunk2(w, x_lo, x_hi, d_a, d_b, D_ASM, D_CONSTRAINTS)
+            if MODE != 2:  # MODE 2 (benchmarks): x_sum left out
+                s_a, s_b = _s_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
+        else:
+            d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
+            if MODE != 2:
+                s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
     scale, corr = _scale_and_correction(sm, OFFSET)
-    if MODE == 2:  # noqa: SIM108  (s does not exist in MODE 2: no ternary)
-        out = d * scale + corr
+    acc = tl.fma(d_a, scale, acc)
+    if CHAINS == 2:
+        acc = tl.fma(d_b, scale, acc)
+        s_a += s_b
+    if MODE == 2:
+        acc += corr
     else:
-        out = d * scale + s * corr
-    return out
+        acc = tl.fma(s_a, corr, acc)
+    return acc
 
 
 @triton.jit
@@ -145,6 +185,7 @@ def _gemv_mma_kernel(
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
+    CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
 ):
     tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
@@ -183,8 +224,8 @@ def _gemv_mma_kernel(
         w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
         w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
         sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
-        acc += _group(
-            w0, w1, sm, x_at, grp * CPG, OFFSET, CPG, MODE,
+        acc = _group(
+            acc, w0, w1, sm, x_at, grp * CPG, OFFSET, CPG, MODE, CHAINS,
             D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
         )  # fmt: skip
         w0, w1, sm = w0_n, w1_n, sm_n
@@ -218,26 +259,54 @@ def _gemv_mma_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
+# Warps a configuration should launch, per multiprocessor: about one wave of resident
+# warps at this kernel's 48-82 registers (full), and the least worth a long split (least).
+FULL_WAVE_WARPS = 24
+LEAST_WARPS = 12
+LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group splits first
+
+
 @functools.cache
 def _cached_config(n: int, k: int, group_size: int, num_sms: int) -> tuple[tuple[str, int], ...]:
     num_groups = k // group_size
-    enough = 12 * num_sms
-    for rows_per_warp, lengths in ((2, (16, 8, 4)), (1, (8, 4, 2))):
+
+    def warps(rows_per_warp: int, per_split: int) -> int:
         warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
-        for per_split in lengths:
-            if per_split <= num_groups and warp_rows * -(-num_groups // per_split) >= enough:
-                return (("WARPS", 4), ("R", rows_per_warp), ("GROUPS_PER_SPLIT", per_split))
-    return (("WARPS", 4), ("R", 1), ("GROUPS_PER_SPLIT", min(2, num_groups)))
+        return warp_rows * -(-num_groups // per_split)
+
+    candidates = [(2, 16), (2, 8), (1, 32), (1, 16), (1, 8), (1, 4)]
+    if num_groups >= LONG_K_GROUPS:
+        candidates.insert(0, (1, 32))
+    rows_per_warp, per_split = 1, min(2, num_groups)  # a small layer never fills the GPU
+    for least in (FULL_WAVE_WARPS, LEAST_WARPS):
+        fits = [c for c in candidates if c[1] <= num_groups and warps(*c) >= least * num_sms]
+        if fits:
+            rows_per_warp, per_split = fits[0]
+            break
+    chains = 2 if rows_per_warp == 1 else 1  # two-row-block warps: registers would cut a wave
+    return (
+        ("WARPS", 4),
+        ("R", rows_per_warp),
+        ("GROUPS_PER_SPLIT", per_split),
+        ("CHAINS", chains),
+    )
 
 
 def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
-    """Warps, row blocks per warp and groups per split (from the H200 sweeps); M does not matter.
+    """Warps, row blocks per warp, groups per split and accumulator chains (from the H200
+    sweeps); M does not matter.
 
-    4 warps a program. Splits as long as possible (16, 8, then 4 groups) while the GPU
-    still gets about 12 warps per multiprocessor with 2 row blocks a warp; failing
-    that (small N), 1 row block a warp and splits of 8, 4, 2 groups. Splits of 2
-    groups for 2-row-block warps measured slow (their warps end before the loads one
-    group ahead pay off), so that pair is never chosen.
+    4 warps a program. The first of (2 row blocks a warp, splits of 16 or 8 groups),
+    then (1 row block, 32, 16, 8 or 4 groups) that launches about one wave of resident
+    warps (FULL_WAVE_WARPS a multiprocessor) -- with LONG_K_GROUPS groups or more, (1
+    row block, 32 groups) is tried first; failing that, the first that launches
+    LEAST_WARPS; failing that (a small layer), 1 row block a warp and splits of 2
+    groups. In the ninth session's sweeps the best configurations launched 27-31
+    warps a multiprocessor; 2-row-block warps on splits shorter than 8 groups end
+    before their loads one group ahead pay off, so they are never chosen. One-row-block
+    warps split each mma chain in two (CHAINS = 2: 58 registers instead of 48, still
+    a full wave); two-row-block warps do not (82 registers instead of 72 leave six
+    programs a multiprocessor instead of seven: a second wave at 8192 x 28672).
     """
     return dict(_cached_config(n, k, group_size, num_sms))
 
@@ -287,6 +356,9 @@ def _launch(
     if cfg["GROUPS_PER_SPLIT"] < 1:
         raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
+    chains = cfg.get("CHAINS", 1)
+    if chains not in (1, 2):
+        raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
     splits = triton.cdiv(num_groups, groups_per_split)
@@ -321,11 +393,12 @@ def _launch(
         R=rows_per_warp,
         SPLIT_K=splits,
         MODE=cfg.get("MODE", 0),
+        CHAINS=chains,
         OFFSET=MAGIC[x.dtype][1],
-        D_ASM=D_ASM[x.dtype],
-        D_CONSTRAINTS=D_CONSTRAINTS,
-        S_ASM=S_ASM[x.dtype],
-        S_CONSTRAINTS=S_CONSTRAINTS,
+        D_ASM=(D_ASM if chains == 1 else D2_ASM)[x.dtype],
+        D_CONSTRAINTS=D_CONSTRAINTS if chains == 1 else D2_CONSTRAINTS,
+        S_ASM=(S_ASM if chains == 1 else S2_ASM)[x.dtype],
+        S_CONSTRAINTS=S_CONSTRAINTS if chains == 1 else S2_CONSTRAINTS,
         num_warps=warps,
     )
     return out

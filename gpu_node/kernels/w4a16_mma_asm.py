@@ -21,15 +21,22 @@ def _mma(ab_type: str, d: str, a: str, b: str, c: str) -> str:
     return f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32 {d}, {a}, {b}, {c};"
 
 
-def _d_asm(ab_type: str, magic: int) -> str:
+def _regs(base: int) -> str:
+    return f"{{${base}, ${base + 1}, ${base + 2}, ${base + 3}}}"
+
+
+def _d_asm(ab_type: str, magic: int, chains: int = 1) -> str:
     """PTX for one 64-k chunk of one lane and row block: four words -> four mma into D.
 
-    Operands: $0-$3 D out, $4-$7 the words (k16 step s), $8-$11 and $12-$15 the
-    lane's eight activation pairs (step s takes pairs 2s and 2s + 1), $16-$19 D in.
+    With `chains` = 2 the k16 steps alternate between two accumulators, so two mma
+    chains of half the length run side by side (their sum is taken by the caller).
+    Operands: D out (4 per chain), then the words (k16 step s), then the lane's eight
+    activation pairs (step s takes pairs 2s and 2s + 1), then D in (4 per chain).
     """
+    words, x, d_in = 4 * chains, 4 * chains + 4, 4 * chains + 12
     lines = ["{", ".reg .b32 a<4>, sh<3>;"]
     for s in range(4):
-        word = f"${4 + s}"
+        word = f"${words + s}"
         for r in range(4):
             src = word
             if r:
@@ -37,23 +44,26 @@ def _d_asm(ab_type: str, magic: int) -> str:
                 src = f"sh{r - 1}"
             # (src & 0x000F000F) | magic: the LOP3 truth table 0xEA is (a & b) | c
             lines.append(f"lop3.b32 a{r}, {src}, 0x000F000F, {magic:#x}, 0xEA;")
-        c = "{$16, $17, $18, $19}" if s == 0 else "{$0, $1, $2, $3}"
-        b = f"{{${8 + 2 * s}, ${9 + 2 * s}}}"
-        lines.append(_mma(ab_type, "{$0, $1, $2, $3}", "{a0, a1, a2, a3}", b, c))
+        chain = s % chains
+        c = _regs(d_in + 4 * chain) if s < chains else _regs(4 * chain)
+        b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
+        lines.append(_mma(ab_type, _regs(4 * chain), "{a0, a1, a2, a3}", b, c))
     lines.append("}")
     return "\n".join(lines)
 
 
-def _s_asm(ab_type: str, one: int) -> str:
+def _s_asm(ab_type: str, one: int, chains: int = 1) -> str:
     """PTX for one 64-k chunk: x_sum += 1 @ x (the activations' sum, every row alike).
 
-    Operands: $0-$3 x_sum out, $4-$7 and $8-$11 the activation pairs, $12-$15 x_sum in.
+    Operands: x_sum out (4 per chain), the activation pairs, x_sum in (4 per chain).
     """
+    x, s_in = 4 * chains, 4 * chains + 8
     lines = ["{", ".reg .b32 one;", f"mov.b32 one, {one:#x};"]
     for s in range(4):
-        c = "{$12, $13, $14, $15}" if s == 0 else "{$0, $1, $2, $3}"
-        b = f"{{${4 + 2 * s}, ${5 + 2 * s}}}"
-        lines.append(_mma(ab_type, "{$0, $1, $2, $3}", "{one, one, one, one}", b, c))
+        chain = s % chains
+        c = _regs(s_in + 4 * chain) if s < chains else _regs(4 * chain)
+        b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
+        lines.append(_mma(ab_type, _regs(4 * chain), "{one, one, one, one}", b, c))
     lines.append("}")
     return "\n".join(lines)
 
@@ -66,3 +76,8 @@ D_ASM = {dt: _d_asm(_ab_type(dt), magic) for dt, (magic, _, _) in MAGIC.items()}
 S_ASM = {dt: _s_asm(_ab_type(dt), one) for dt, (_, _, one) in MAGIC.items()}
 D_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 12 + ["f"] * 4)  # D out; words, x; D in
 S_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 8 + ["f"] * 4)  # x_sum out; x; x_sum in
+# Two accumulator chains (CHAINS = 2 in the kernel).
+D2_ASM = {dt: _d_asm(_ab_type(dt), magic, 2) for dt, (magic, _, _) in MAGIC.items()}
+S2_ASM = {dt: _s_asm(_ab_type(dt), one, 2) for dt, (_, _, one) in MAGIC.items()}
+D2_CONSTRAINTS = ",".join(["=f"] * 8 + ["r"] * 12 + ["f"] * 8)
+S2_CONSTRAINTS = ",".join(["=f"] * 8 + ["r"] * 8 + ["f"] * 8)

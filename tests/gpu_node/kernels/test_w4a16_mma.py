@@ -20,7 +20,16 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.w4a16_mma as mma_module
 import gpu_node.kernels.w4a16_mma_dequant as dequant_module
-from gpu_node.kernels.w4a16_mma_asm import D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS
+from gpu_node.kernels.w4a16_mma_asm import (
+    D2_ASM,
+    D2_CONSTRAINTS,
+    D_ASM,
+    D_CONSTRAINTS,
+    S2_ASM,
+    S2_CONSTRAINTS,
+    S_ASM,
+    S_CONSTRAINTS,
+)
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -190,6 +199,8 @@ def test_asm_operands_match_their_constraints(dtype) -> None:
     for asm, constraints, outputs in (
         (D_ASM[dtype], D_CONSTRAINTS, 4),
         (S_ASM[dtype], S_CONSTRAINTS, 4),
+        (D2_ASM[dtype], D2_CONSTRAINTS, 8),
+        (S2_ASM[dtype], S2_CONSTRAINTS, 8),
     ):
         used = {int(v) for v in re.findall(r"\$(\d+)", asm)}
         kinds = constraints.split(",")
@@ -197,6 +208,26 @@ def test_asm_operands_match_their_constraints(dtype) -> None:
         assert kinds[:outputs] == ["=f"] * outputs and "=f" not in kinds[outputs:]
         assert asm.count("mma.sync.aligned.m16n8k16.row.col.f32.") == 4  # one per k16 step
     assert ("bf16.bf16" in D_ASM[dtype]) == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("asm", [D2_ASM[torch.bfloat16], S2_ASM[torch.bfloat16]])
+def test_two_chains_alternate_and_start_from_their_inputs(asm) -> None:
+    # k16 steps 0 and 2 accumulate into $0-$3, steps 1 and 3 into $4-$7; each chain's
+    # first mma reads its own input registers (the last eight operands), then itself.
+    import re
+
+    chain_a, chain_b = "{$0, $1, $2, $3}", "{$4, $5, $6, $7}"
+    first = 28 if asm is D2_ASM[torch.bfloat16] else 24  # operands in all
+    in_a = "{" + ", ".join(f"${first - 8 + i}" for i in range(4)) + "}"
+    in_b = "{" + ", ".join(f"${first - 4 + i}" for i in range(4)) + "}"
+    mmas = [line for line in asm.splitlines() if line.startswith("mma.sync")]
+    outs_and_cs = [re.findall(r"\{[^}]*\}", line) for line in mmas]
+    assert [(parts[0], parts[3]) for parts in outs_and_cs] == [
+        (chain_a, in_a),
+        (chain_b, in_b),
+        (chain_a, chain_a),
+        (chain_b, chain_b),
+    ]
 
 
 def test_supports_and_errors_on_cpu() -> None:
@@ -252,18 +283,31 @@ def test_int4_linear_relays_out_to_mma_without_loss() -> None:
 
 
 def test_config_fills_the_gpu() -> None:
-    base = {"WARPS": 4}
-    # 8192 rows: 256 warps of 2 row blocks; 12 warps per SM are 1584: 16 groups a split
-    # give 4 x 256 = 1024 warps, 8 give 2048.
-    assert mma_gemv_config(8192, 8192, 128, 132) == {**base, "R": 2, "GROUPS_PER_SPLIT": 8}
-    # 28672 rows (8192 in): 896 warps x 4 splits of 16 groups = 3584 warps.
-    assert mma_gemv_config(28672, 8192, 128, 132)["GROUPS_PER_SPLIT"] == 16
-    # 4096 x 4096: 2-row-block warps never reach 1584 with splits >= 4 groups (1024 at
-    # 4); one row block a warp: 256 x 8 splits of 4 groups = 2048.
-    assert mma_gemv_config(4096, 4096, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 4}
+    one = {"WARPS": 4, "R": 1, "CHAINS": 2}  # one-row-block warps split their mma chains
+    two = {"WARPS": 4, "R": 2, "CHAINS": 1}
+    # One wave is 24 x 132 = 3168 warps. 28672 rows (8192 in, 64 groups): 896 warps of
+    # 2 row blocks x 4 splits of 16 groups = 3584.
+    assert mma_gemv_config(28672, 8192, 128, 132) == {**two, "GROUPS_PER_SPLIT": 16}
+    # 8192 rows: 2-row-block warps reach 2048 at most (8 groups a split); 512 warps of one
+    # row block x 8 splits of 8 groups = 4096 (16 groups: 2048).
+    assert mma_gemv_config(8192, 8192, 128, 132) == {**one, "GROUPS_PER_SPLIT": 8}
+    # 224 groups (28672 in) is long K: 512 one-row-block warps x 7 splits of 32 = 3584.
+    assert mma_gemv_config(8192, 28672, 128, 132) == {**one, "GROUPS_PER_SPLIT": 32}
+    # 4096 rows, 112 groups: 256 one-row-block warps x 14 splits of 8 groups = 3584.
+    assert mma_gemv_config(4096, 14336, 128, 132) == {**one, "GROUPS_PER_SPLIT": 8}
+    # 4096 x 4096 never reaches a wave (2048 at 4 groups a split) but passes 12 x 132 = 1584
+    # there; at 8 groups it launches 1024.
+    assert mma_gemv_config(4096, 4096, 128, 132) == {**one, "GROUPS_PER_SPLIT": 4}
     # A small layer never fills the GPU: splits of 2 groups (or 1 when there is 1).
-    assert mma_gemv_config(64, 512, 128, 132) == {**base, "R": 1, "GROUPS_PER_SPLIT": 2}
+    assert mma_gemv_config(64, 512, 128, 132) == {**one, "GROUPS_PER_SPLIT": 2}
     assert mma_gemv_config(64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
+
+
+def test_config_rejects_other_chains() -> None:
+    weight = mma_weight(16, 128, 64, seed=1)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CHAINS must be 1 or 2, got 3"):
+        mma_module._launch(x, weight, {"CHAINS": 3})
 
 
 @needs_cuda
@@ -290,15 +334,28 @@ def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "warps, rows_per_warp, groups_per_split",
-    [(1, 1, 1), (2, 4, 3), (8, 2, 64), (4, 1, 5), (4, 2, 32)],
+    "warps, rows_per_warp, groups_per_split, chains",
+    [
+        (1, 1, 1, 1),
+        (2, 4, 3, 1),
+        (8, 2, 64, 1),
+        (4, 1, 5, 1),
+        (4, 2, 32, 1),
+        (4, 2, 8, 2),
+        (1, 1, 3, 2),
+    ],
 )
-def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split) -> None:
+def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split, chains) -> None:
     weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
     gen = torch.Generator("cuda").manual_seed(11)
     x = torch.randn(2, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     ref = w4a16_mma_ref(x, weight)
-    config = {"WARPS": warps, "R": rows_per_warp, "GROUPS_PER_SPLIT": groups_per_split}
+    config = {
+        "WARPS": warps,
+        "R": rows_per_warp,
+        "GROUPS_PER_SPLIT": groups_per_split,
+        "CHAINS": chains,
+    }
     got = w4a16_mma_gemv(x, weight, config=config)
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
     rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, 128)
