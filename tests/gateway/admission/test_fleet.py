@@ -28,10 +28,16 @@ def run_fleet(prefix: str, limits: Limits, requests_per_gateway: int) -> dict[in
     ]
     for p in processes:
         p.start()
-    admitted = dict(results.get(timeout=60) for _ in processes)
-    for p in processes:
-        p.join(timeout=10)
-        assert p.exitcode == 0
+    try:
+        admitted = dict(results.get(timeout=60) for _ in processes)
+    finally:
+        # A worker that failed must not leave the others (or pytest's exit) waiting.
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in processes] == [0] * NUM_GATEWAYS
     return admitted
 
 
