@@ -31,6 +31,10 @@ and the inline asm (w4a16_mma_asm.py) takes a lane's four elements at once
 interpreter cannot run inline asm, so this kernel is GPU-only (the layout and its
 arithmetic have CPU tests).
 
+Each chunk's mma form a dependent chain (four k16 steps into one accumulator);
+CHAINS = 2 alternates the steps between two accumulators, halving the chain, and the
+group's scale multiplies both in the same fused multiply-adds.
+
 Split K (grid dim 1): each program writes an fp32 partial; the last of a column of
 programs (same row blocks) to finish (a release/acquire counter, as in
 w4a16_gemv.py) adds the S partials in a fixed order and writes y, so the result
@@ -259,8 +263,8 @@ def _gemv_mma_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-# Warps a configuration should launch, per multiprocessor: about one wave of resident
-# warps at this kernel's 48-82 registers (full), and the least worth a long split (least).
+# Warps a launch should bring per multiprocessor: about one wave of resident warps at
+# this kernel's 48-82 registers, else at least LEAST_WARPS before the splits shorten.
 FULL_WAVE_WARPS = 24
 LEAST_WARPS = 12
 LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group splits first
@@ -301,8 +305,8 @@ def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, 
     warps (FULL_WAVE_WARPS a multiprocessor) -- with LONG_K_GROUPS groups or more, (1
     row block, 32 groups) is tried first; failing that, the first that launches
     LEAST_WARPS; failing that (a small layer), 1 row block a warp and splits of 2
-    groups. In the ninth session's sweeps the best configurations launched 27-31
-    warps a multiprocessor; 2-row-block warps on splits shorter than 8 groups end
+    groups. In the sweeps (docs/bench/w4a16_gemv.md) the best configurations launched
+    27-31 warps a multiprocessor; 2-row-block warps on splits shorter than 8 groups end
     before their loads one group ahead pay off, so they are never chosen. One-row-block
     warps split each mma chain in two (CHAINS = 2: 58 registers instead of 48, still
     a full wave); two-row-block warps do not (82 registers instead of 72 leave six

@@ -2,7 +2,8 @@
 
 Per lane and 64-k chunk (pack = 4: a lane's four words, or its four C elements):
 four words -> four `mma.sync.m16n8k16` into D, and four more with A = 1 into
-x_sum. The magic constants put a nibble under the exponent of 128 (bf16) or 1024
+x_sum (each chain of four optionally alternating between two accumulators). The
+magic constants put a nibble under the exponent of 128 (bf16) or 1024
 (fp16), so one LOP3 makes two exact 16-bit values (int4.py draws the layout).
 """
 
