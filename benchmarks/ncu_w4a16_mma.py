@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", type=parse_shapes, default=parse_shapes("8192x28672"))
     args = parser.parse_args()
-    (k, n), = args.shape
+    ((k, n),) = args.shape
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     q = to_mma(quantize_int4(w, GROUP))
