@@ -11,8 +11,9 @@ together span 4x the L2, replay time / R):
   mma       w4a16_mma_gemv over Int4WeightMMA (tensor cores), its heuristic config
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
 measured in the same run, and the relative error against the fp32 reference.
---sweep also times the mma kernel over warps x row blocks per warp x accumulator chains x
-groups per split at M = 1. INT4 is group 128, fp16 scale and min per group. Needs torch, triton, numpy.
+--sweep also times the mma kernel over warps x row blocks per warp x accumulator chains
+x groups per split at M = 1. INT4 is group 128, fp16 scale and min per group. Needs
+torch, triton, numpy.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def sweep(
     rows_list: tuple[int, ...] = (1, 2),
     chain_list: tuple[int, ...] = (1,),
 ) -> None:
-    """M = 1: warps x row blocks per warp x groups per split, then the best config with
-    its loads alone (MODE 1) and without the activation sums (MODE 2)."""
+    """M = 1: warps x row blocks per warp x chains x groups per split, then the best
+    config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     groups = k // GROUP
     results = []
