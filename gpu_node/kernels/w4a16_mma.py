@@ -263,6 +263,12 @@ def _gemv_mma_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
+# CHAINS -> the PTX of a chunk's mma (words into D, ones into x_sum) and its constraints.
+_PTX = {
+    1: (D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS),
+    2: (D2_ASM, D2_CONSTRAINTS, S2_ASM, S2_CONSTRAINTS),
+}
+
 # Warps a launch should bring per multiprocessor: about one wave of resident warps at
 # this kernel's 48-82 registers, else at least LEAST_WARPS before the splits shorten.
 FULL_WAVE_WARPS = 24
@@ -360,9 +366,10 @@ def _launch(
     if cfg["GROUPS_PER_SPLIT"] < 1:
         raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
-    chains = cfg.get("CHAINS", 1)
-    if chains not in (1, 2):
+    chains = cfg["CHAINS"]
+    if chains not in _PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
+    d_asm, d_constraints, s_asm, s_constraints = _PTX[chains]
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
     splits = triton.cdiv(num_groups, groups_per_split)
@@ -399,10 +406,10 @@ def _launch(
         MODE=cfg.get("MODE", 0),
         CHAINS=chains,
         OFFSET=MAGIC[x.dtype][1],
-        D_ASM=(D_ASM if chains == 1 else D2_ASM)[x.dtype],
-        D_CONSTRAINTS=D_CONSTRAINTS if chains == 1 else D2_CONSTRAINTS,
-        S_ASM=(S_ASM if chains == 1 else S2_ASM)[x.dtype],
-        S_CONSTRAINTS=S_CONSTRAINTS if chains == 1 else S2_CONSTRAINTS,
+        D_ASM=d_asm[x.dtype],
+        D_CONSTRAINTS=d_constraints,
+        S_ASM=s_asm[x.dtype],
+        S_CONSTRAINTS=s_constraints,
         num_warps=warps,
     )
     return out
