@@ -12,7 +12,7 @@ together span 4x the L2, replay time / R):
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
 measured in the same run, and the relative error against the fp32 reference.
 --sweep also times the mma kernel over warps x row blocks per warp x accumulator chains
-x groups per split at M = 1. INT4 is group 128, fp16 scale and min per group. Needs
+x register caps x groups per split at M = 1. INT4 is group 128, fp16 scale and min per group. Needs
 torch, triton, numpy.
 """
 
@@ -57,18 +57,25 @@ def sweep(
     split_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     rows_list: tuple[int, ...] = (1, 2),
     chain_list: tuple[int, ...] = (1,),
+    maxnreg_list: tuple[int, ...] = (0,),
 ) -> None:
-    """M = 1: warps x row blocks per warp x chains x groups per split, then the best
+    """M = 1: warps x row blocks per warp x chains x caps x splits, then the best
     config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     groups = k // GROUP
     results = []
-    for warps, rows, chains, per_split in itertools.product(
-        warp_list, rows_list, chain_list, split_list
+    for warps, rows, chains, maxnreg, per_split in itertools.product(
+        warp_list, rows_list, chain_list, maxnreg_list, split_list
     ):
         if per_split > groups:
             continue
-        cfg = {"WARPS": warps, "R": rows, "CHAINS": chains, "GROUPS_PER_SPLIT": per_split}
+        cfg = {
+            "WARPS": warps,
+            "R": rows,
+            "CHAINS": chains,
+            "MAXNREG": maxnreg,
+            "GROUPS_PER_SPLIT": per_split,
+        }
         t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
         results.append((t * 1e3, cfg))
     heuristic = mma_gemv_config(n, k, GROUP, num_sms)
@@ -93,6 +100,7 @@ def main() -> None:
     parser.add_argument("--sweep-splits", default="1,2,4,8,16,32", help="groups per split")
     parser.add_argument("--sweep-rows", default="1,2", help="row blocks per warp")
     parser.add_argument("--sweep-chains", default="1", help="accumulators per mma chain")
+    parser.add_argument("--sweep-maxnreg", default="0", help="register caps (0: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -163,6 +171,7 @@ def main() -> None:
                 ints(args.sweep_splits),
                 ints(args.sweep_rows),
                 ints(args.sweep_chains),
+                ints(args.sweep_maxnreg),
             )
         del ws, kns, mmas, mmas_rb, w_ref
     print()

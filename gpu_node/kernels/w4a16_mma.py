@@ -339,7 +339,8 @@ def w4a16_mma_gemv(
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
-    `config` (WARPS, R, GROUPS_PER_SPLIT, MODE) overrides the heuristic; benchmarks sweep it.
+    `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap) overrides
+    the heuristic; benchmarks sweep it.
     """
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
@@ -411,6 +412,7 @@ def _launch(
         S_ASM=s_asm[x.dtype],
         S_CONSTRAINTS=s_constraints,
         num_warps=warps,
+        **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
     )
     return out
 
