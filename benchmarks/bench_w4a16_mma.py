@@ -6,7 +6,8 @@
 For each layer shape (K in -> N out) and decode batch M it times, side by side in one
 run, with the CUDA-graph harness of bench_w4a16.py (each call on R weight copies that
 together span 4x the L2, replay time / R):
-  bf16      F.linear(x, W), W bf16 [N, K] (cuBLAS)
+  bf16      F.linear(x, W), W bf16 [N, K] (cuBLAS); with --dtype fp16 the activations
+            and this baseline are fp16 (the columns keep the name; rows say "dtype")
   gemv      w4a16_gemv over Int4WeightKN (CUDA cores; what Int4Linear ran before)
   mma       w4a16_mma_gemv over Int4WeightMMA (tensor cores), its heuristic config
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
@@ -58,10 +59,11 @@ def sweep(
     rows_list: tuple[int, ...] = (1, 2),
     chain_list: tuple[int, ...] = (1,),
     maxnreg_list: tuple[int, ...] = (0,),
+    dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """M = 1: warps x row blocks per warp x chains x caps x splits, then the best
     config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
     groups = k // GROUP
     results = []
     for warps, rows, chains, maxnreg, per_split in itertools.product(
@@ -101,18 +103,26 @@ def main() -> None:
     parser.add_argument("--sweep-rows", default="1,2", help="row blocks per warp")
     parser.add_argument("--sweep-chains", default="1", help="accumulators per mma chain")
     parser.add_argument("--sweep-maxnreg", default="0", help="register caps (0: none)")
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16"),
+        default="bf16",
+        help="activations and the dense baseline",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     print(
         f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {bw / 1e12:.2f} TB/s"
+        f"; activations and dense baseline {args.dtype}"
     )
     rows = []
     for k, n in args.shapes:
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        w0 = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
         ws = [w0] + [torch.randn_like(w0) / k**0.5 for _ in range(copies_for(2 * n * k) - 1)]
         q0 = quantize_int4(w0, GROUP)
         qs = [q0] + [
@@ -127,7 +137,7 @@ def main() -> None:
         floor_us = read_floor_us(q0.nbytes)
         print(f"{k}x{n}: INT4 {q0.nbytes / 1e6:.1f} MB, read floor {floor_us:.1f} us")
         for m in batches:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
             ref = x.float() @ w_ref.T
             err_gemv = rel_err(w4a16_gemv(x, kns[0]), ref)
             err_mma = rel_err(w4a16_mma_gemv(x, mmas[0]), ref)
@@ -140,6 +150,7 @@ def main() -> None:
                 "K": k,
                 "N": n,
                 "M": m,
+                "dtype": args.dtype,
                 "bf16_us": t_bf16,
                 "gemv_us": t_gemv,
                 "mma_us": t_mma,
@@ -172,6 +183,7 @@ def main() -> None:
                 ints(args.sweep_rows),
                 ints(args.sweep_chains),
                 ints(args.sweep_maxnreg),
+                dtype,
             )
         del ws, kns, mmas, mmas_rb, w_ref
     print()

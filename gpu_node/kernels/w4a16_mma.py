@@ -57,6 +57,7 @@ from gpu_node.kernels.w4a16_mma_asm import (
     D2_CONSTRAINTS,
     D_ASM,
     D_CONSTRAINTS,
+    HIGH_ROWS,
     MAGIC,
     S2_ASM,
     S2_CONSTRAINTS,
@@ -98,10 +99,14 @@ def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr
 
 
 @triton.jit
-def _scale_and_correction(sm, OFFSET):
+def _scale_and_correction(sm, OFFSET, sm_mul, HIGH: tl.constexpr):
     """sm [R, E]: (scale, min) of rows g and g + 8 per lane -> scale, min - OFFSET * scale
-    per C element (rows g, g, g + 8, g + 8), all within the lane."""
+    per C element (rows g, g, g + 8, g + 8), all within the lane. With HIGH > 1 the
+    rows g + 8 came out of the mma HIGH times too large: sm_mul [1, E] divides their
+    scale (1 / HIGH at the lane's element 2, exact: a power of two)."""
     sm = sm.to(tl.float32)
+    if HIGH != 1.0:
+        sm = sm * sm_mul
     scale, min_ = tl.split(tl.reshape(sm, (sm.shape[0], sm.shape[1] // 2, 2)))  # rows g, g + 8
     corr = min_ - OFFSET * scale
     scale = tl.reshape(tl.join(scale, scale), sm.shape)
@@ -118,9 +123,11 @@ def _group(
     x_at,
     c0,
     OFFSET,
+    sm_mul,
     CPG: tl.constexpr,
     MODE: tl.constexpr,
     CHAINS: tl.constexpr,
+    HIGH: tl.constexpr,
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
@@ -151,7 +158,7 @@ def _group(
             d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
             if MODE != 2:
                 s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
-    scale, corr = _scale_and_correction(sm, OFFSET)
+    scale, corr = _scale_and_correction(sm, OFFSET, sm_mul, HIGH)
     acc = tl.fma(d_a, scale, acc)
     if CHAINS == 2:
         acc = tl.fma(d_b, scale, acc)
@@ -184,6 +191,7 @@ def _gemv_mma_kernel(
     R: tl.constexpr,  # row blocks per warp
     SPLIT_K: tl.constexpr,
     OFFSET: tl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the magic's integer part
+    HIGH: tl.constexpr,  # 1.0 (bf16) or 16.0 (fp16): what rows g + 8 come out times
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
@@ -213,6 +221,7 @@ def _gemv_mma_kernel(
     sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
     sm_stride = 2 * stride_tg  # in fp16
+    sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)  # [1, E]: the scale of rows g + 8
 
     g_begin = pid_s * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, num_groups)
@@ -229,7 +238,7 @@ def _gemv_mma_kernel(
         w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
         sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
         acc = _group(
-            acc, w0, w1, sm, x_at, grp * CPG, OFFSET, CPG, MODE, CHAINS,
+            acc, w0, w1, sm, x_at, grp * CPG, OFFSET, sm_mul, CPG, MODE, CHAINS, HIGH,
             D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
         )  # fmt: skip
         w0, w1, sm = w0_n, w1_n, sm_n
@@ -407,6 +416,7 @@ def _launch(
         MODE=cfg.get("MODE", 0),
         CHAINS=chains,
         OFFSET=MAGIC[x.dtype][1],
+        HIGH=HIGH_ROWS[x.dtype],
         D_ASM=d_asm[x.dtype],
         D_CONSTRAINTS=d_constraints,
         S_ASM=s_asm[x.dtype],

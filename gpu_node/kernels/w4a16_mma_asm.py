@@ -4,7 +4,8 @@ Per lane and 64-k chunk (pack = 4: a lane's four words, or its four C elements):
 four words -> four `mma.sync.m16n8k16` into D, and four more with A = 1 into
 x_sum (each chain of four optionally alternating between two accumulators). The
 magic constants put a nibble under the exponent of 128 (bf16) or 1024
-(fp16), so one LOP3 makes two exact 16-bit values (int4.py draws the layout).
+(fp16), so one LOP3 makes two exact 16-bit values (int4.py draws the layout); fp16's
+wider mantissa also takes the odd nibbles in place, as 1024 + 16 q (HIGH_ROWS).
 """
 
 from __future__ import annotations
@@ -26,6 +27,32 @@ def _regs(base: int) -> str:
     return f"{{${base}, ${base + 1}, ${base + 2}, ${base + 3}}}"
 
 
+def _dequant(word: str, magic: int, high_in_place: bool) -> list[str]:
+    """PTX: a word's eight nibbles -> A registers a0..a3 (two 16-bit values each).
+
+    Register r takes nibbles r and r + 4; (src & mask) | magic, the LOP3 truth table 0xEA
+    being (a & b) | c. bf16 has 7 mantissa bits, so every nibble is shifted down to bits
+    0-3 first (3 shifts, 4 LOP3). fp16 has 10: the odd registers (rows g + 8) take their
+    nibbles in place at bits 4-7, as 1024 + 16 q (1 shift, 4 LOP3), and the caller divides
+    those rows' scale by HIGH_ROWS.
+    """
+    lines = []
+    if high_in_place:
+        lines.append(f"shr.u32 sh0, {word}, 8;")
+        for r, (src, mask) in enumerate(
+            ((word, 0x000F000F), (word, 0x00F000F0), ("sh0", 0x000F000F), ("sh0", 0x00F000F0))
+        ):
+            lines.append(f"lop3.b32 a{r}, {src}, {mask:#010x}, {magic:#x}, 0xEA;")
+        return lines
+    for r in range(4):
+        src = word
+        if r:
+            lines.append(f"shr.u32 sh{r - 1}, {word}, {4 * r};")
+            src = f"sh{r - 1}"
+        lines.append(f"lop3.b32 a{r}, {src}, 0x000F000F, {magic:#x}, 0xEA;")
+    return lines
+
+
 def _d_asm(ab_type: str, magic: int, chains: int = 1) -> str:
     """PTX for one 64-k chunk of one lane and row block: four words -> four mma into D.
 
@@ -37,14 +64,7 @@ def _d_asm(ab_type: str, magic: int, chains: int = 1) -> str:
     words, x, d_in = 4 * chains, 4 * chains + 4, 4 * chains + 12
     lines = ["{", ".reg .b32 a<4>, sh<3>;"]
     for s in range(4):
-        word = f"${words + s}"
-        for r in range(4):
-            src = word
-            if r:
-                lines.append(f"shr.u32 sh{r - 1}, {word}, {4 * r};")
-                src = f"sh{r - 1}"
-            # (src & 0x000F000F) | magic: the LOP3 truth table 0xEA is (a & b) | c
-            lines.append(f"lop3.b32 a{r}, {src}, 0x000F000F, {magic:#x}, 0xEA;")
+        lines += _dequant(f"${words + s}", magic, high_in_place=ab_type == "f16")
         chain = s % chains
         c = _regs(d_in + 4 * chain) if s < chains else _regs(4 * chain)
         b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
@@ -67,6 +87,10 @@ def _s_asm(ab_type: str, one: int, chains: int = 1) -> str:
         lines.append(_mma(ab_type, _regs(4 * chain), "{one, one, one, one}", b, c))
     lines.append("}")
     return "\n".join(lines)
+
+
+# Rows g + 8 of a fragment come out of the mma times this (their nibbles read in place).
+HIGH_ROWS = {torch.bfloat16: 1.0, torch.float16: 16.0}
 
 
 def _ab_type(dtype: torch.dtype) -> str:

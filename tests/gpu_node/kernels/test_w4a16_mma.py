@@ -25,6 +25,7 @@ from gpu_node.kernels.w4a16_mma_asm import (
     D2_CONSTRAINTS,
     D_ASM,
     D_CONSTRAINTS,
+    HIGH_ROWS,
     S2_ASM,
     S2_CONSTRAINTS,
     S_ASM,
@@ -146,7 +147,10 @@ def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
                 a = torch.zeros(rbs, 16, 16)
                 words = weight.words[:, c, :, step]  # [rbs, 32 lanes]
                 for r in range(4):
-                    reg = ((words >> (4 * r)) & 0x000F000F) | magic
+                    if x.dtype == torch.float16:  # odd registers keep their nibbles in place
+                        reg = ((words >> (8 * (r // 2))) & (0x000F000F << (4 * (r % 2)))) | magic
+                    else:
+                        reg = ((words >> (4 * r)) & 0x000F000F) | magic
                     vals = _halves(reg, x.dtype)  # [rbs, 32, 2]
                     for lane in range(32):
                         row = g_of[lane] + 8 * (r % 2)
@@ -164,7 +168,8 @@ def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
                 d += a @ b
                 s += torch.ones(16, 16) @ b
         sm = weight.scale_mins[:, group].float()  # [rbs, 8, 4]
-        scale = torch.cat([sm[:, :, 0], sm[:, :, 2]], dim=1)  # [rbs, 16] by row g + 8h
+        high = HIGH_ROWS[x.dtype]  # rows g + 8 came out this many times too large
+        scale = torch.cat([sm[:, :, 0], sm[:, :, 2] / high], dim=1)  # [rbs, 16] by row g + 8h
         min_ = torch.cat([sm[:, :, 1], sm[:, :, 3]], dim=1)
         corr = min_ - offset * scale
         out = scale[..., None] * d + corr[..., None] * s[0][None, None, :]  # [rbs, 16, 8]
