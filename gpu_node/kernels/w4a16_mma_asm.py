@@ -53,7 +53,7 @@ def _dequant(word: str, magic: int, high_in_place: bool) -> list[str]:
     return lines
 
 
-def _d_asm(ab_type: str, magic: int, chains: int = 1) -> str:
+def _d_asm(dtype: torch.dtype, chains: int = 1) -> str:
     """PTX for one 64-k chunk of one lane and row block: four words -> four mma into D.
 
     With `chains` = 2 the k16 steps alternate between two accumulators, so two mma
@@ -61,10 +61,11 @@ def _d_asm(ab_type: str, magic: int, chains: int = 1) -> str:
     Operands: D out (4 per chain), then the words (k16 step s), then the lane's eight
     activation pairs (step s takes pairs 2s and 2s + 1), then D in (4 per chain).
     """
+    ab_type, magic, in_place = _ab_type(dtype), MAGIC[dtype][0], HIGH_ROWS[dtype] > 1
     words, x, d_in = 4 * chains, 4 * chains + 4, 4 * chains + 12
     lines = ["{", ".reg .b32 a<4>, sh<3>;"]
     for s in range(4):
-        lines += _dequant(f"${words + s}", magic, high_in_place=ab_type == "f16")
+        lines += _dequant(f"${words + s}", magic, high_in_place=in_place)
         chain = s % chains
         c = _regs(d_in + 4 * chain) if s < chains else _regs(4 * chain)
         b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
@@ -73,11 +74,12 @@ def _d_asm(ab_type: str, magic: int, chains: int = 1) -> str:
     return "\n".join(lines)
 
 
-def _s_asm(ab_type: str, one: int, chains: int = 1) -> str:
+def _s_asm(dtype: torch.dtype, chains: int = 1) -> str:
     """PTX for one 64-k chunk: x_sum += 1 @ x (the activations' sum, every row alike).
 
     Operands: x_sum out (4 per chain), the activation pairs, x_sum in (4 per chain).
     """
+    ab_type, one = _ab_type(dtype), MAGIC[dtype][2]
     x, s_in = 4 * chains, 4 * chains + 8
     lines = ["{", ".reg .b32 one;", f"mov.b32 one, {one:#x};"]
     for s in range(4):
@@ -97,12 +99,12 @@ def _ab_type(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "f16"
 
 
-D_ASM = {dt: _d_asm(_ab_type(dt), magic) for dt, (magic, _, _) in MAGIC.items()}
-S_ASM = {dt: _s_asm(_ab_type(dt), one) for dt, (_, _, one) in MAGIC.items()}
+D_ASM = {dt: _d_asm(dt) for dt in MAGIC}
+S_ASM = {dt: _s_asm(dt) for dt in MAGIC}
 D_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 12 + ["f"] * 4)  # D out; words, x; D in
 S_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 8 + ["f"] * 4)  # x_sum out; x; x_sum in
 # Two accumulator chains (CHAINS = 2 in the kernel).
-D2_ASM = {dt: _d_asm(_ab_type(dt), magic, 2) for dt, (magic, _, _) in MAGIC.items()}
-S2_ASM = {dt: _s_asm(_ab_type(dt), one, 2) for dt, (_, _, one) in MAGIC.items()}
+D2_ASM = {dt: _d_asm(dt, 2) for dt in MAGIC}
+S2_ASM = {dt: _s_asm(dt, 2) for dt in MAGIC}
 D2_CONSTRAINTS = ",".join(["=f"] * 8 + ["r"] * 12 + ["f"] * 8)
 S2_CONSTRAINTS = ",".join(["=f"] * 8 + ["r"] * 8 + ["f"] * 8)
