@@ -1,4 +1,4 @@
-"""Decode GEMV on the GPU: tensor-core W4A16 (Int4WeightMMA) vs the CUDA-core GEMV vs bf16.
+"""Decode GEMV on the GPU: tensor-core W4A16 (Int4WeightMMA) vs the CUDA-core GEMV vs dense.
 
     python benchmarks/bench_w4a16_mma.py [--shapes 70b | 4096x4096,...] [--batches 1,4,8]
                                          [--sweep] [--json out.json]
@@ -6,15 +6,16 @@
 For each layer shape (K in -> N out) and decode batch M it times, side by side in one
 run, with the CUDA-graph harness of bench_w4a16.py (each call on R weight copies that
 together span 4x the L2, replay time / R):
-  bf16      F.linear(x, W), W bf16 [N, K] (cuBLAS); with --dtype fp16 the activations
-            and this baseline are fp16 (the columns keep the name; rows say "dtype")
+  dense     F.linear(x, W), W [N, K] in the activations' dtype (cuBLAS): bf16, or fp16
+            with --dtype fp16 (JSON rows say which; before the ninth session's last runs
+            the keys were named bf16_*)
   gemv      w4a16_gemv over Int4WeightKN (CUDA cores; what Int4Linear ran before)
   mma       w4a16_mma_gemv over Int4WeightMMA (tensor cores), its heuristic config
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
 measured in the same run, and the relative error against the fp32 reference.
 --sweep also times the mma kernel over warps x row blocks per warp x accumulator chains
-x register caps x groups per split at M = 1. INT4 is group 128, fp16 scale and min per group. Needs
-torch, triton, numpy.
+x register caps x groups per split at M = 1. INT4 is group 128, fp16 scale and min per
+group. Needs torch, triton, numpy.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def main() -> None:
             ref = x.float() @ w_ref.T
             err_gemv = rel_err(w4a16_gemv(x, kns[0]), ref)
             err_mma = rel_err(w4a16_mma_gemv(x, mmas[0]), ref)
-            t_bf16 = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws]) * 1e3
+            t_dense = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws]) * 1e3
             t_gemv = bench_graph([lambda x=x, q=q: w4a16_gemv(x, q) for q in kns]) * 1e3
             t_mma = bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
             t_rb = bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q) for q in mmas_rb]) * 1e3
@@ -151,18 +152,18 @@ def main() -> None:
                 "N": n,
                 "M": m,
                 "dtype": args.dtype,
-                "bf16_us": t_bf16,
+                "dense_us": t_dense,
                 "gemv_us": t_gemv,
                 "mma_us": t_mma,
                 "mma_rb_major_us": t_rb,
-                "mma_vs_bf16": t_bf16 / t_mma,
-                "gemv_vs_bf16": t_bf16 / t_gemv,
+                "mma_vs_dense": t_dense / t_mma,
+                "gemv_vs_dense": t_dense / t_gemv,
                 "mma_vs_gemv": t_gemv / t_mma,
-                "bf16_bw": (2 * n * k + io) / (t_bf16 * 1e-6) / bw,
+                "dense_bw": (2 * n * k + io) / (t_dense * 1e-6) / bw,
                 "gemv_bw": (q0.nbytes + io) / (t_gemv * 1e-6) / bw,
                 "mma_bw": (mmas[0].nbytes + io) / (t_mma * 1e-6) / bw,
                 "read_floor_us": floor_us,
-                "ideal_vs_bf16": (2 * n * k + io) / (q0.nbytes + io),
+                "ideal_vs_dense": (2 * n * k + io) / (q0.nbytes + io),
                 "err_gemv": err_gemv,
                 "err_mma": err_mma,
             }
@@ -188,17 +189,18 @@ def main() -> None:
         del ws, kns, mmas, mmas_rb, w_ref
     print()
     print(
-        "| K x N | M | bf16 us | GEMV us | MMA us | MMA rb-major us | MMA vs bf16 | GEMV vs bf16 "
+        f"| K x N | M | {args.dtype} us | GEMV us | MMA us | MMA rb-major us | MMA vs {args.dtype} "
+        f"| GEMV vs {args.dtype} "
         "| MMA vs GEMV "
-        "| bf16 BW | GEMV BW | MMA BW | ideal | read floor us | rel err GEMV | rel err MMA |"
+        f"| {args.dtype} BW | GEMV BW | MMA BW | ideal | read floor us | rel err GEMV | rel err MMA |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['K']}x{r['N']} | {r['M']} | {r['bf16_us']:.1f} | {r['gemv_us']:.1f} | "
-            f"{r['mma_us']:.1f} | {r['mma_rb_major_us']:.1f} | **{r['mma_vs_bf16']:.2f}x** | {r['gemv_vs_bf16']:.2f}x | "
-            f"{r['mma_vs_gemv']:.2f}x | {r['bf16_bw']:.2f} | {r['gemv_bw']:.2f} | "
-            f"{r['mma_bw']:.2f} | {r['ideal_vs_bf16']:.2f}x | {r['read_floor_us']:.1f} | "
+            f"| {r['K']}x{r['N']} | {r['M']} | {r['dense_us']:.1f} | {r['gemv_us']:.1f} | "
+            f"{r['mma_us']:.1f} | {r['mma_rb_major_us']:.1f} | **{r['mma_vs_dense']:.2f}x** | {r['gemv_vs_dense']:.2f}x | "
+            f"{r['mma_vs_gemv']:.2f}x | {r['dense_bw']:.2f} | {r['gemv_bw']:.2f} | "
+            f"{r['mma_bw']:.2f} | {r['ideal_vs_dense']:.2f}x | {r['read_floor_us']:.1f} | "
             f"{r['err_gemv']:.1e} | {r['err_mma']:.1e} |"
         )
     if args.json:

@@ -52,18 +52,7 @@ import triton.language as tl
 
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma_asm import (
-    D2_ASM,
-    D2_CONSTRAINTS,
-    D_ASM,
-    D_CONSTRAINTS,
-    HIGH_ROWS,
-    MAGIC,
-    S2_ASM,
-    S2_CONSTRAINTS,
-    S_ASM,
-    S_CONSTRAINTS,
-)
+from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, MAGIC, PTX
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
 
@@ -272,12 +261,6 @@ def _gemv_mma_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-# CHAINS -> the PTX of a chunk's mma (words into D, ones into x_sum) and its constraints.
-_PTX = {
-    1: (D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS),
-    2: (D2_ASM, D2_CONSTRAINTS, S2_ASM, S2_CONSTRAINTS),
-}
-
 # Warps a launch should bring per multiprocessor: about one wave of resident warps at
 # this kernel's 48-82 registers, else at least LEAST_WARPS before the splits shorten.
 FULL_WAVE_WARPS = 24
@@ -377,9 +360,9 @@ def _launch(
         raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
     chains = cfg["CHAINS"]
-    if chains not in _PTX:
+    if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
-    d_asm, d_constraints, s_asm, s_constraints = _PTX[chains]
+    d_asm, d_constraints, s_asm, s_constraints = PTX[chains]
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
     splits = triton.cdiv(num_groups, groups_per_split)

@@ -17,6 +17,9 @@ MAGIC = {
     torch.bfloat16: (0x43004300, 128.0, 0x3F803F80),  # 128 + q; 1.0
     torch.float16: (0x64006400, 1024.0, 0x3C003C00),  # 1024 + q; 1.0
 }
+# Rows g + 8 of a fragment come out of the mma times this (fp16 reads their nibbles in
+# place, 4 bits up; bf16's 7-bit mantissa cannot).
+HIGH_ROWS = {torch.bfloat16: 1.0, torch.float16: 16.0}
 
 
 def _mma(ab_type: str, d: str, a: str, b: str, c: str) -> str:
@@ -91,20 +94,23 @@ def _s_asm(dtype: torch.dtype, chains: int = 1) -> str:
     return "\n".join(lines)
 
 
-# Rows g + 8 of a fragment come out of the mma times this (their nibbles read in place).
-HIGH_ROWS = {torch.bfloat16: 1.0, torch.float16: 16.0}
-
-
 def _ab_type(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "f16"
 
 
-D_ASM = {dt: _d_asm(dt) for dt in MAGIC}
-S_ASM = {dt: _s_asm(dt) for dt in MAGIC}
-D_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 12 + ["f"] * 4)  # D out; words, x; D in
-S_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 8 + ["f"] * 4)  # x_sum out; x; x_sum in
-# Two accumulator chains (CHAINS = 2 in the kernel).
-D2_ASM = {dt: _d_asm(dt, 2) for dt in MAGIC}
-S2_ASM = {dt: _s_asm(dt, 2) for dt in MAGIC}
-D2_CONSTRAINTS = ",".join(["=f"] * 8 + ["r"] * 12 + ["f"] * 8)
-S2_CONSTRAINTS = ",".join(["=f"] * 8 + ["r"] * 8 + ["f"] * 8)
+def _constraints(outputs: int, registers: int, inputs: int) -> str:
+    return ",".join(["=f"] * outputs + ["r"] * registers + ["f"] * inputs)
+
+
+# CHAINS (accumulators per mma chain) -> (D's PTX by dtype, its constraints, x_sum's PTX by
+# dtype, its constraints). D: D out; words and activation pairs; D in. x_sum: the same
+# without the words.
+PTX = {
+    chains: (
+        {dt: _d_asm(dt, chains) for dt in MAGIC},
+        _constraints(4 * chains, 12, 4 * chains),
+        {dt: _s_asm(dt, chains) for dt in MAGIC},
+        _constraints(4 * chains, 8, 4 * chains),
+    )
+    for chains in (1, 2)
+}

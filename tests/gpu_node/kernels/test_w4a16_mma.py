@@ -20,17 +20,7 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.w4a16_mma as mma_module
 import gpu_node.kernels.w4a16_mma_dequant as dequant_module
-from gpu_node.kernels.w4a16_mma_asm import (
-    D2_ASM,
-    D2_CONSTRAINTS,
-    D_ASM,
-    D_CONSTRAINTS,
-    HIGH_ROWS,
-    S2_ASM,
-    S2_CONSTRAINTS,
-    S_ASM,
-    S_CONSTRAINTS,
-)
+from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, PTX
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -51,6 +41,8 @@ supports = mma_module.supports
 w4a16_mma_gemv = mma_module.w4a16_mma_gemv
 w4a16_mma_matmul = mma_module.w4a16_mma_matmul
 w4a16_mma_ref = mma_module.w4a16_mma_ref
+D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS = PTX[1]  # one accumulator a chain
+D2_ASM, D2_CONSTRAINTS, S2_ASM, S2_CONSTRAINTS = PTX[2]  # two
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
