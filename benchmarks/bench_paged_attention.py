@@ -7,6 +7,7 @@ Run from the repository root (needs only torch, triton and numpy):
     PYTHONPATH=. python benchmarks/bench_paged_attention.py decode   # GPU: timing tables
     PYTHONPATH=. python benchmarks/bench_paged_attention.py prefetch # GPU: fp8 page-id prefetch
     PYTHONPATH=. python benchmarks/bench_paged_attention.py check-cost  # GPU: paired on/off
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py layout --rounds 3  # GPU: pool order
     PYTHONPATH=. ncu --clock-control none -k regex:split_kernel -c 2 --section WarpStateStats \
         python benchmarks/bench_paged_attention.py profile            # GPU: one call each, for ncu
     PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
@@ -43,6 +44,7 @@ from gpu_node.kv_quant import (
     SCALE_DTYPE,
     bytes_per_token,
     dequantize_fp8,
+    kv_pool,
     quantize_fp8,
     scale_shape,
 )
@@ -989,6 +991,56 @@ def part_step_cost(results: dict, rounds: int) -> None:
         torch.cuda.empty_cache()
 
 
+def head_major_calls(calls: list[dict]) -> list[dict]:
+    """The same calls over head-major copies of their pools (kv_pool(head_major=True))."""
+    pools = {}
+    for name in ("k_cache", "v_cache"):
+        cache = calls[0][name]
+        pools[name] = kv_pool(*cache.shape, cache.dtype, cache.device, head_major=True)
+        pools[name].copy_(cache)
+    return [{**call, **pools} for call in calls]
+
+
+def part_layout(results: dict, rounds: int, points=None) -> None:
+    """Token-major against head-major pools (kv_quant.kv_pool), side by side: bf16 pages
+    through the default kernel and fp8 pages through the mma kernel, check on, in
+    `rounds` interleaved rounds (median µs per call)."""
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
+    record = results.setdefault("layout", {"copy_bandwidth_Bps": copy_bw, "rows": []})
+    log("| shape | B | L | bf16 token-major µs | bf16 head-major µs | fp8 token-major µs "
+        "| fp8 head-major µs | fp8 % of copy (tm / hm) | fp8 vs bf16 (tm / hm) |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|")
+    for shape_name, batch, length in points or MMA_POINTS:
+        shape = SHAPES[shape_name]
+        times: dict[str, list[float]] = {}
+        moved = 0
+        for cache_dtype, name in ((torch.bfloat16, "bf16"), (FP8_DTYPE, "fp8")):
+            calls, moved_here = timing_pool(batch, length, shape, cache_dtype)
+            moved = moved_here if cache_dtype == FP8_DTYPE else moved
+            layouts = {"tm": calls, "hm": head_major_calls(calls)}
+            attention = paged_decode_attention_mma if cache_dtype == FP8_DTYPE else None
+            for _ in range(rounds):
+                for layout, layout_calls in layouts.items():
+                    times.setdefault(f"{name}_{layout}", []).append(
+                        time_calls(layout_calls, attention)
+                    )
+            del calls, layouts
+            torch.cuda.empty_cache()
+        us = {key: statistics.median(values) for key, values in times.items()}
+        share = [100 * moved / (us[f"fp8_{x}"] * 1e-6) / copy_bw for x in ("tm", "hm")]
+        log(
+            f"| {shape_name} | {batch} | {length} | {us['bf16_tm']:.1f} | {us['bf16_hm']:.1f} | "
+            f"{us['fp8_tm']:.1f} | {us['fp8_hm']:.1f} | {share[0]:.0f}% / {share[1]:.0f}% | "
+            f"{us['bf16_tm'] / us['fp8_tm']:.2f}x / {us['bf16_hm'] / us['fp8_hm']:.2f}x |"
+        )
+        record["rows"].append(
+            {"shape": shape_name, "batch": batch, "length": length, "fp8_bytes": moved,
+             "times_us": times}
+        )  # fmt: skip
+
+
 def part_mma_check(results: dict) -> bool:
     """The mma kernel against the fp32 reference on random_batch sequences (both shapes)."""
     ok = True
@@ -1058,6 +1110,16 @@ def part_kv_write(results: dict) -> None:
     results["kv_write"] = rows
 
 
+def parse_points(text: str | None) -> list[tuple[str, int, int]] | None:
+    """`shape:batch:length,...` -> points (None: the part's own)."""
+    if not text:
+        return None
+    return [
+        (name, int(batch), int(length))
+        for name, batch, length in (p.split(":") for p in text.split(","))
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -1073,6 +1135,7 @@ def main() -> int:
             "mma-variants",
             "step-cost",
             "split-sweep",
+            "layout",
             "all",
         ],
     )
@@ -1080,7 +1143,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     parser.add_argument("--shapes", default="smollm2,llama8b")
     parser.add_argument(
-        "--points", default=None, help="mma-variants: shape:batch:length,... (default: all)"
+        "--points", default=None, help="mma-variants, layout: shape:batch:length,... (default: all)"
     )
     parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
     parser.add_argument("--tune", action="store_true", help="mma: tune the config per shape")
@@ -1124,13 +1187,9 @@ def main() -> int:
         if args.part == "mma-variants":
             ok = part_mma_check(results)
             save()
-            points = None
-            if args.points:
-                points = [
-                    (name, int(batch), int(length))
-                    for name, batch, length in (p.split(":") for p in args.points.split(","))
-                ]
-            part_mma_variants(results, args.rounds, points)
+            part_mma_variants(results, args.rounds, parse_points(args.points))
+        if args.part == "layout":
+            part_layout(results, args.rounds, parse_points(args.points))
         if args.part == "split-sweep":
             part_split_sweep(results, args.rounds)
         if args.part == "step-cost":

@@ -4,12 +4,16 @@ Shape letters: P pages, S page size (tokens per page), T tokens, H kv heads, D h
 
 One layer's KV storage (the engine keeps one such set per layer)::
 
-    k_cache, v_cache   [P, S, H, D]   fp32 | bf16 | fp16 | float8_e4m3fn   (contiguous)
+    k_cache, v_cache   [P, S, H, D]   fp32 | bf16 | fp16 | float8_e4m3fn, indexed so in
+                                      either memory order (kv_pool, page_strides):
+                                      token-major, a contiguous [P, S, H, D], or
+                                      head-major, a contiguous [P, H, S, D] viewed as
+                                      [P, S, H, D] (one head's page is S * D contiguous)
     k_scale, v_scale   [P, H, S]      bf16, fp8 only: the scale of each (token, head) row;
                                       value = fp8 * scale, scale = bf16(max|row| / 448)
 
-    slot = page * S + offset   ->   k_cache.view(P * S, H, D)[slot]  is one token's keys,
-                                    k_scale[page, :, offset]         their H scales
+    slot = page * S + offset   ->   k_cache[page, offset]     is one token's keys [H, D],
+                                    k_scale[page, :, offset]  their H scales
 
 The scales are per token but stored page-major and head-major: one head's S scales of
 one page are contiguous (32 bytes at S = 16), so the decode kernel reads them in one
@@ -153,6 +157,38 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
+def kv_pool(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    head_major: bool = False,
+) -> torch.Tensor:
+    """A zeroed K or V pool of one layer, indexed [P, S, H, D] whatever its memory order:
+    token-major (a contiguous [P, S, H, D]) or, with `head_major`, a contiguous
+    [P, H, S, D] viewed as [P, S, H, D] (see the module docstring)."""
+    if not head_major:
+        return torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    pool = torch.zeros(num_pages, num_kv_heads, page_size, head_dim, dtype=dtype, device=device)
+    return pool.permute(0, 2, 1, 3)
+
+
+def page_strides(cache: torch.Tensor) -> tuple[int, int] | None:
+    """(token stride, head stride) in elements of a [P, S, H, D] pool in one of kv_pool's
+    two memory orders, else None. Pages are contiguous in both: page p starts at
+    p * S * H * D."""
+    if cache.dim() != 4:
+        return None
+    _, page_size, num_kv_heads, head_dim = cache.shape
+    if cache.is_contiguous():
+        return num_kv_heads * head_dim, head_dim
+    if cache.permute(0, 2, 1, 3).is_contiguous():
+        return head_dim, page_size * head_dim
+    return None
+
+
 def validate_kv_layer(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -169,8 +205,11 @@ def validate_kv_layer(
         )
     if k_cache.dtype not in KV_DTYPES.values():
         raise ValueError(f"KV cache dtype {k_cache.dtype} is not one of {list(KV_DTYPES)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    if page_strides(k_cache) is None or v_cache.stride() != k_cache.stride():
+        raise ValueError(
+            "k_cache and v_cache must be contiguous [P, S, H, D] tensors or [P, H, S, D] ones "
+            "viewed as [P, S, H, D] (kv_pool), both alike"
+        )
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     if k_cache.dtype == FP8_DTYPE:
         expected = scale_shape(num_pages, page_size, num_kv_heads)

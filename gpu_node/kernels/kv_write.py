@@ -108,6 +108,8 @@ def _kv_write_kernel(
     PAGE_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,  # elements between a page's tokens
+    HEAD_STRIDE: tl.constexpr,  # elements between a token's heads
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -123,7 +125,7 @@ def _kv_write_kernel(
         owner = tl.load(page_owner_ptr + page, mask=is_ok, other=-1)
         tag = tl.load(token_tags_ptr + t)
         is_ok = is_ok & (owner == tag)
-    tl.store(violation_ptr + t, (is_real & (is_ok == 0)).to(tl.int8))
+    tl.store(violation_ptr + t, is_real & (is_ok == 0))  # bool [T]
 
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -137,8 +139,13 @@ def _kv_write_kernel(
     v = tl.load(
         value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0
     )
-    row = slot * NUM_KV_HEADS + heads  # [BLOCK_H] row index into the [P*S*H, D] view
-    cache_offsets = row[:, None] * HEAD_DIM + dims[None, :]
+    # [BLOCK_H] each head's row in the pool, in either memory order (kv_quant.kv_pool)
+    row = (
+        (slot // PAGE_SIZE) * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM)
+        + (slot % PAGE_SIZE) * TOKEN_STRIDE
+        + heads * HEAD_STRIDE
+    )
+    cache_offsets = row[:, None] + dims[None, :]
     if IS_FP8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -178,9 +185,9 @@ def kv_write(
         key, value, k_cache, v_cache, slot_mapping, page_owner, token_tags, k_scale, v_scale
     )
     num_tokens = key.shape[0]
-    violations = torch.empty(num_tokens, dtype=torch.int8, device=key.device)
+    violations = torch.empty(num_tokens, dtype=torch.bool, device=key.device)
     if num_tokens == 0:
-        return violations.bool()
+        return violations
     is_fp8 = k_cache.dtype == FP8_DTYPE
     # Non-fp8 caches never read the scale pointers; any tensor fills the slot.
     k_scale_arg = k_scale if is_fp8 else k_cache
@@ -204,13 +211,15 @@ def kv_write(
         PAGE_SIZE=page_size,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
+        TOKEN_STRIDE=k_cache.stride(1),
+        HEAD_STRIDE=k_cache.stride(2),
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         IS_FP8=is_fp8,
         CHECK_OWNER=check_owner,
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )
-    return violations.bool()
+    return violations
 
 
 def kv_write_ref(
@@ -226,7 +235,7 @@ def kv_write_ref(
     check_owner: bool = True,
 ) -> torch.Tensor:
     """Pure-torch `kv_write`: same arguments, same in-place effect, same violations."""
-    num_pages, page_size, num_kv_heads, head_dim = _validate(
+    num_pages, page_size, _, _ = _validate(
         key, value, k_cache, v_cache, slot_mapping, page_owner, token_tags, k_scale, v_scale
     )
     num_slots = num_pages * page_size
@@ -236,19 +245,18 @@ def kv_write_ref(
         pages = torch.where(is_ok, slot_mapping // page_size, 0)
         is_ok &= page_owner[pages] == token_tags
     slots = slot_mapping[is_ok]  # [W] the tokens actually written
-    k_rows = k_cache.view(num_slots, num_kv_heads, head_dim)
-    v_rows = v_cache.view(num_slots, num_kv_heads, head_dim)
+    pages, offsets = slots // page_size, slots % page_size  # indexing: either memory order
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
         k_q, k_e = quantize_fp8(key[is_ok])
         v_q, v_e = quantize_fp8(value[is_ok])
-        k_rows[slots] = k_q
-        v_rows[slots] = v_q
+        k_cache[pages, offsets] = k_q
+        v_cache[pages, offsets] = v_q
         set_scale_rows(k_scale, slots, k_e)
         set_scale_rows(v_scale, slots, v_e)
     else:
-        k_rows[slots] = key[is_ok].to(k_cache.dtype)
-        v_rows[slots] = value[is_ok].to(v_cache.dtype)
+        k_cache[pages, offsets] = key[is_ok].to(k_cache.dtype)
+        v_cache[pages, offsets] = value[is_ok].to(v_cache.dtype)
     return is_real & ~is_ok
 
 

@@ -113,6 +113,8 @@ def _attend_block_tl(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,  # the pool's memory order (kv_quant.page_strides)
+    HEAD_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -144,8 +146,10 @@ def _attend_block_tl(
     num_bad += (is_valid & (is_loadable == 0)).to(tl.int32)
 
     offsets = tokens % PAGE_SIZE
-    rows = (pages * PAGE_SIZE + offsets) * NUM_KV_HEADS + kv_head  # [BLOCK_N]
-    kv_offsets = rows[:, None] * HEAD_DIM + dims[None, :]  # [BLOCK_N, BLOCK_D]
+    # [BLOCK_N] each token's row of this head, in either memory order
+    page_start = pages * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM)
+    rows = page_start + offsets * TOKEN_STRIDE + kv_head * HEAD_STRIDE
+    kv_offsets = rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
     scale_offsets = scale_offset_tl(pages, offsets, kv_head, NUM_KV_HEADS, PAGE_SIZE)
     if IS_PARTIAL or BLOCK_D != HEAD_DIM:
         kv_mask = is_loadable[:, None] & (dims < HEAD_DIM)[None, :]
@@ -279,6 +283,8 @@ def _paged_decode_split_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -405,8 +411,8 @@ def _paged_decode_split_kernel(
                 v_scale_ptr=v_scale_ptr,
                 block_tables_ptr=block_tables_ptr, num_pages=num_pages,
                 max_pages=max_pages, stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS,
-                HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8,
+                HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE,
+                HEAD_STRIDE=HEAD_STRIDE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8,
                 IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
@@ -419,8 +425,8 @@ def _paged_decode_split_kernel(
             k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             block_tables_ptr=block_tables_ptr, num_pages=num_pages, max_pages=max_pages,
             stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8,
-            DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE, HEAD_STRIDE=HEAD_STRIDE,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
             SCALES_GIVEN=False,
         )  # fmt: skip
 
@@ -490,7 +496,7 @@ def _paged_decode_merge_kernel(
     is_bad = tl.reduce(
         tl.load(part_bad_ptr + seq * NUM_SPLITS + splits, mask=split_mask, other=0), 0, maximum_tl
     )
-    tl.store(violation_ptr + seq, is_bad, mask=head == 0)
+    tl.store(violation_ptr + seq, is_bad > 0, mask=head == 0)  # bool [B]
 
 
 @dataclass(frozen=True)
@@ -599,9 +605,9 @@ def paged_decode_attention(
     )
     batch, num_heads, _ = q.shape
     out = torch.empty_like(q)
-    violations = torch.zeros(batch, dtype=torch.int8, device=q.device)
+    violations = torch.empty(batch, dtype=torch.bool, device=q.device)  # merge_splits sets all
     if batch == 0:
-        return out, violations.bool()
+        return out, violations
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
@@ -654,6 +660,8 @@ def paged_decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
+        TOKEN_STRIDE=k_cache.stride(1),
+        HEAD_STRIDE=k_cache.stride(2),
         NUM_SPLITS=num_splits,
         BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
@@ -672,7 +680,7 @@ def paged_decode_attention(
         **({"maxnreg": max_registers} if max_registers else {}),
     )
     merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
-    return out, violations.bool()
+    return out, violations
 
 
 def split_partials(
@@ -697,7 +705,8 @@ def merge_splits(
     violations: torch.Tensor,
 ) -> None:
     """Merge a split kernel's partials ([B, Q, N] max and sum, [B, Q, N, D] sums, [B, N]
-    flags) into `out` [B, Q, D] and `violations` [B], in place."""
+    flags) into `out` [B, Q, D] and `violations` bool [B], in place (every element of
+    both is written)."""
     batch, num_heads, num_splits, head_dim = part_acc.shape
     _paged_decode_merge_kernel[(batch, num_heads)](
         part_max,

@@ -178,6 +178,7 @@ def _half_data(
     k_addr, v_addr, ks_addr, vs_addr, page, half_start, end, kv_head,
     k_lane, k_token, v_lane, v_token, s_lane,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr,
     LOAD_K: tl.constexpr, LOAD_K_CONSTRAINTS: tl.constexpr,
     LOAD_V: tl.constexpr, LOAD_V_CONSTRAINTS: tl.constexpr,
     LOAD_SCALES: tl.constexpr, LOAD_SCALES_CONSTRAINTS: tl.constexpr,
@@ -186,8 +187,8 @@ def _half_data(
     through the given load blocks: guarded ones load nothing for tokens past `end`,
     unguarded ones (a half wholly inside the context) load every token."""
     left = tl.full((128,), 0, tl.int32) + (end - half_start)
-    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # bytes per token
-    base = (page * PAGE_SIZE + half_start % PAGE_SIZE) * ROW + kv_head * HEAD_DIM
+    PAGE_BYTES: tl.constexpr = PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM
+    base = page * PAGE_BYTES + (half_start % PAGE_SIZE) * TOKEN_STRIDE + kv_head * HEAD_STRIDE
     k_base = tl.full((128,), 0, tl.int64) + (k_addr + base)
     v_base = tl.full((128,), 0, tl.int64) + (v_addr + base)
     if HEAD_DIM == 128:
@@ -422,6 +423,7 @@ def _steps(
     k_addr, v_addr, ks_addr, vs_addr, table_row, kv_head, num_pages, max_pages,
     k_lane, k_token, v_lane, v_token, s_lane, j,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr,
     KW: tl.constexpr, VW: tl.constexpr, QK_ASM: tl.constexpr, QK_CONSTRAINTS: tl.constexpr,
     PV0: tl.constexpr, PV1: tl.constexpr, PV2: tl.constexpr, PV3: tl.constexpr,
     PV4: tl.constexpr, PV5: tl.constexpr, PV6: tl.constexpr, PV7: tl.constexpr,
@@ -442,12 +444,12 @@ def _steps(
     for step in range(lo, hi, 32):
         n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca = _half_data(
             k_addr, v_addr, ks_addr, vs_addr, pa, step + 32, end, kv_head, k_lane, k_token,
-            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K,
             LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
         n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb = _half_data(
             k_addr, v_addr, ks_addr, vs_addr, pb, step + 48, end, kv_head, k_lane, k_token,
-            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K,
             LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
         pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
@@ -499,6 +501,8 @@ def _decode_mma_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,  # bytes between a page's tokens (kv_quant.page_strides)
+    HEAD_STRIDE: tl.constexpr,  # bytes between a token's kv heads
     NUM_SPLITS: tl.constexpr,
     CHECK_OWNER: tl.constexpr,
     DEFER_OWNERS: tl.constexpr,
@@ -599,11 +603,10 @@ def _decode_mma_kernel(
     score_scale = qk_scale / q_scale
 
     # Loop-invariant parts of the lane's load addresses (bytes within a half's page)
-    ROW: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     k_token = 4 * (g // 2) + g % 2  # pi(g); the second K token is pi(g) + 2
-    k_lane = k_token * ROW + t * (HEAD_DIM // 4)
+    k_lane = k_token * TOKEN_STRIDE + t * (HEAD_DIM // 4)
     v_token = 4 * t
-    v_lane = v_token * ROW + g * (HEAD_DIM // 8)
+    v_lane = v_token * TOKEN_STRIDE + g * (HEAD_DIM // 8)
     s_lane = v_token * 2
 
     m = tl.full((128,), float("-inf"), tl.float32)  # head g's running max of s
@@ -630,12 +633,12 @@ def _decode_mma_kernel(
     bad = bad | range_bad
     ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = _half_data(
         k_addr, v_addr, ks_addr, vs_addr, pa, start, end, kv_head, k_lane, k_token, v_lane,
-        v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K, LOAD_K_CONSTRAINTS,
+        v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K, LOAD_K_CONSTRAINTS,
         LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
     )  # fmt: skip
     kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = _half_data(
         k_addr, v_addr, ks_addr, vs_addr, pb, start + 16, end, kv_head, k_lane, k_token,
-        v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, LOAD_K, LOAD_K_CONSTRAINTS,
+        v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K, LOAD_K_CONSTRAINTS,
         LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
     )  # fmt: skip
     # Ownership of the split's pages, 128 block-table columns a round: the first round's
@@ -665,7 +668,8 @@ def _decode_mma_kernel(
             kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb, pa, pb, bad,
             k_addr, v_addr, ks_addr, vs_addr, table_row, kv_head, num_pages, max_pages,
             k_lane, k_token, v_lane, v_token, s_lane, j,
-            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, KW, VW, QK_ASM, QK_CONSTRAINTS,
+            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, KW, VW, QK_ASM,
+            QK_CONSTRAINTS,
             PV0, PV1, PV2, PV3, PV4, PV5, PV6, PV7, PV_CONSTRAINTS, RUN_MAX, RUN_MAX_CONSTRAINTS,
             EXP2_DIFF, SPREAD_EXP2_DIFF, DIFF_CONSTRAINTS, EXP2, LOG2, RCP, UNARY_CONSTRAINTS,
             P_F16, P_CONSTRAINTS, SPREAD, SPREAD_CONSTRAINTS, V_LINEAR,
@@ -844,9 +848,9 @@ def paged_decode_attention_mma(
         raise ValueError("fp8 pages need k_scale and v_scale")
     batch, num_heads, _ = q.shape
     out = torch.empty_like(q)
-    violations = torch.zeros(batch, dtype=torch.int8, device=q.device)
+    violations = torch.empty(batch, dtype=torch.bool, device=q.device)  # merge_splits sets all
     if batch == 0:
-        return out, violations.bool()
+        return out, violations
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
@@ -861,8 +865,9 @@ def paged_decode_attention_mma(
     )
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     pv = asm.PV[head_dim] + asm.PV[head_dim][:1] * (8 - len(asm.PV[head_dim]))  # 8 slots
-    load_k = asm.load_k(head_dim, num_kv_heads * head_dim)
-    load_v = asm.load_v(head_dim, num_kv_heads * head_dim)
+    token_stride, head_stride = k_cache.stride(1), k_cache.stride(2)  # fp8: bytes
+    load_k = asm.load_k(head_dim, token_stride)
+    load_v = asm.load_v(head_dim, token_stride)
     _decode_mma_kernel[(batch * num_kv_heads, num_splits)](
         q,
         k_cache.data_ptr(),
@@ -888,6 +893,8 @@ def paged_decode_attention_mma(
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
+        TOKEN_STRIDE=token_stride,
+        HEAD_STRIDE=head_stride,
         NUM_SPLITS=num_splits,
         CHECK_OWNER=check_owner,
         DEFER_OWNERS=variant.defer_owners if defer_owners is None else defer_owners,
@@ -930,15 +937,15 @@ def paged_decode_attention_mma(
         LOAD_V_CONSTRAINTS=load_v[1],
         LOAD_SCALES=asm.LOAD_SCALES,
         LOAD_SCALES_CONSTRAINTS=asm.LOAD_SCALES_CONSTRAINTS,
-        LOAD_K_FULL=asm.load_k(head_dim, num_kv_heads * head_dim, guarded=False)[0],
-        LOAD_V_FULL=asm.load_v(head_dim, num_kv_heads * head_dim, guarded=False)[0],
+        LOAD_K_FULL=asm.load_k(head_dim, token_stride, guarded=False)[0],
+        LOAD_V_FULL=asm.load_v(head_dim, token_stride, guarded=False)[0],
         LOAD_SCALES_FULL=asm.LOAD_SCALES_FULL,
         num_warps=1,
         num_stages=1,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
     merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
-    return out, violations.bool()
+    return out, violations
 
 
 __all__ = [

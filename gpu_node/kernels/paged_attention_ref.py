@@ -52,16 +52,15 @@ def gather_paged_kv(
     For prefill over the paged cache (attention over cached prefix + new chunk). It
     reads pages as given: run `check_page_ownership` on the step's sequences first.
     """
-    num_pages, page_size, num_kv_heads, head_dim = validate_kv_layer(
-        k_cache, v_cache, k_scale, v_scale
-    )
+    num_pages, page_size, _, _ = validate_kv_layer(k_cache, v_cache, k_scale, v_scale)
     positions = torch.arange(context_len, device=k_cache.device)
     pages = block_table[positions // page_size].long()
     if context_len and not bool(((pages >= 0) & (pages < num_pages)).all()):
         raise ValueError(f"block_table holds a page id outside [0, {num_pages})")
-    slots = pages * page_size + positions % page_size  # [L]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    offsets = positions % page_size
+    slots = pages * page_size + offsets  # [L]
+    k = k_cache[pages, offsets]  # [L, H, D], either pool memory order
+    v = v_cache[pages, offsets]
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
         k_e = scale_rows(k_scale, slots)
@@ -97,9 +96,10 @@ def paged_decode_attention_ref(
     positions = torch.arange(max_len, device=q.device)  # [L]
     columns = (positions // page_size).clamp(max=block_tables.shape[1] - 1)
     pages = block_tables.long()[:, columns].clamp(0, num_pages - 1)  # [B, L]
-    slots = pages * page_size + positions % page_size
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, H, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    offsets = positions % page_size
+    slots = pages * page_size + offsets
+    k = k_cache[pages, offsets]  # [B, L, H, D]
+    v = v_cache[pages, offsets]
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
         k = dequantize_fp8(k, scale_rows(k_scale, slots), torch.float32)

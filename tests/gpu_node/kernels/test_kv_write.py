@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gpu_node.kernels.kv_write as kv_write_module
-from gpu_node.kv_quant import FP8_DTYPE, scale_shape
+from gpu_node.kv_quant import FP8_DTYPE, kv_pool, page_strides, scale_shape
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
@@ -195,3 +195,47 @@ def test_bad_input_raises_value_error(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         kv_write(**args)
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16])
+def test_head_major_pools_hold_the_same_rows(cache_dtype):
+    """A head-major pool (kv_pool(head_major=True): [P, H, S, D] in memory, indexed
+    [P, S, H, D]) gets, from the kernel and from the reference, bit for bit the rows and
+    scales a token-major pool gets (the kernel addresses rows by the pool's strides)."""
+    num_kv_heads, head_dim, num_tokens = 3, 64, 13
+    key = hard_values(num_tokens, num_kv_heads, head_dim, torch.bfloat16)
+    value = -2.0 * key
+    slot_mapping = torch.tensor([0, 1, 15, 16, 17, 31, 80, 81, 82, 83, 84, 85, 40])
+    token_tags = torch.tensor([7] * 12 + [7])  # slot 40: page 2 is tag 9's -> refused
+    (flags_tm, k_tm, v_tm, ks_tm, vs_tm), _ = run_both(
+        key, value, slot_mapping, token_tags, cache_dtype
+    )
+    for write in (kv_write, kv_write_ref):
+        k_cache, v_cache, k_scale, v_scale = make_cache(cache_dtype, num_kv_heads, head_dim)
+        k_hm = kv_pool(NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim, cache_dtype, head_major=True)
+        v_hm = kv_pool(NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim, cache_dtype, head_major=True)
+        k_hm.copy_(k_cache)  # the same poison
+        v_hm.copy_(v_cache)
+        assert page_strides(k_hm) == (head_dim, PAGE_SIZE * head_dim)
+        flags = write(key, value, k_hm, v_hm, slot_mapping, OWNER, token_tags, k_scale, v_scale)
+        assert flags.tolist() == [False] * 12 + [True]
+        assert torch.equal(flags, flags_tm)
+        assert torch.equal(as_bits(k_hm), as_bits(k_tm))
+        assert torch.equal(as_bits(v_hm), as_bits(v_tm))
+        if cache_dtype == FP8_DTYPE:
+            assert torch.equal(k_scale, ks_tm) and torch.equal(v_scale, vs_tm)
+        assert k_hm.permute(0, 2, 1, 3).is_contiguous()  # still head-major, written in place
+
+
+def test_a_pool_in_another_memory_order_is_refused():
+    k_cache = make_cache(torch.bfloat16, 3, 64)[0]
+    strided = torch.zeros(NUM_PAGES, 3, 64, PAGE_SIZE, dtype=torch.bfloat16).permute(0, 3, 1, 2)
+    head_major = kv_pool(NUM_PAGES, PAGE_SIZE, 3, 64, torch.bfloat16, head_major=True)
+    for bad_k, bad_v in ((strided, strided), (k_cache, head_major)):  # K and V differ
+        with pytest.raises(
+            ValueError, match=r"contiguous \[P, S, H, D\] tensors or \[P, H, S, D\]"
+        ):
+            kv_write(
+                torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), bad_k, bad_v,
+                torch.tensor([0]), OWNER, torch.tensor([7]),
+            )  # fmt: skip

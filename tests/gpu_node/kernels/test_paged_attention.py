@@ -6,7 +6,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -18,7 +18,14 @@ from gpu_node.kernels.paged_attention_ref import (
     gather_paged_kv,
     paged_decode_attention_ref,
 )
-from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, quantize_fp8, scale_shape
+from gpu_node.kv_quant import (
+    FP8_DTYPE,
+    dequantize_fp8,
+    kv_pool,
+    page_strides,
+    quantize_fp8,
+    scale_shape,
+)
 from scheduler.block_manager import FREE, owner_tag
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
@@ -176,6 +183,41 @@ def test_kernel_matches_reference(
     assert out.dtype == q_dtype and out.shape == (len(lens), num_heads, head_dim)
     atol, rtol = TOLERANCE[q_dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def head_major(batch: PagedBatch) -> PagedBatch:
+    """The same batch with its pools copied into head-major ones (kv_pool)."""
+    pools = []
+    for cache in (batch.k_cache, batch.v_cache):
+        pool = kv_pool(*cache.shape, cache.dtype, cache.device, head_major=True)
+        pools.append(pool.copy_(cache))
+    return replace(batch, k_cache=pools[0], v_cache=pools[1])
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("cache_dtype", "q_dtype", "lens", "num_heads", "num_kv_heads", "head_dim", "page", "programs"),
+    [CASES[0], CASES[2], CASES[3]],  # fp8 SmolLM2 heads, fp8 D = 48, bf16 pages
+)
+def test_head_major_pools_give_the_same_output(
+    cache_dtype, q_dtype, lens, num_heads, num_kv_heads, head_dim, page, programs
+):  # fmt: skip
+    """The kernel reads a head-major pool by its strides: bit for bit the token-major
+    result, and the reference agrees on both."""
+    batch = build_batch(
+        lens, cache_dtype=cache_dtype, q_dtype=q_dtype, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page,
+    )  # fmt: skip
+    moved = head_major(batch)
+    assert page_strides(moved.k_cache) == (head_dim, page * head_dim)
+    options = {"target_programs": programs, "block_n": 16}
+    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), **options)
+    out_hm, violations_hm = paged_decode_attention(*moved.args(), **moved.scales(), **options)
+    assert torch.equal(out_hm, out)
+    assert violations_hm.tolist() == violations.tolist() == [False] * len(lens)
+    ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
+    ref_hm, _ = paged_decode_attention_ref(*moved.args(), **moved.scales())
+    assert torch.equal(ref_hm, ref)
 
 
 def prefetch_options(prefetch) -> dict:
@@ -623,6 +665,26 @@ def test_compiled_kernel_matches_reference_on_gpu(
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert violations.tolist() == [False] * 8
     assert relative_error(out, ref) < GPU_TOLERANCE
+
+
+@on_gpu
+@pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
+def test_compiled_kernel_reads_head_major_pools_on_gpu(
+    cache_dtype, num_heads, num_kv_heads, head_dim
+):
+    batch = build_batch(
+        [1, 17, 100, 4097, 33, 2000, 15, 16], cache_dtype=cache_dtype, q_dtype=torch.bfloat16,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=16,
+    )  # fmt: skip
+    args = [t.cuda() for t in batch.args()]
+    scales = {k: v if v is None else v.cuda() for k, v in batch.scales().items()}
+    moved = head_major(replace(batch, k_cache=args[1], v_cache=args[2]))
+    args_hm = [args[0], moved.k_cache, moved.v_cache, *args[3:]]
+    out, violations = paged_decode_attention(*args, **scales, kernel="dot")
+    out_hm, violations_hm = paged_decode_attention(*args_hm, **scales, kernel="dot")
+    assert torch.equal(out_hm, out)
+    assert violations_hm.tolist() == violations.tolist() == [False] * 8
 
 
 @on_gpu

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,11 +26,12 @@ from gpu_node.kernels.paged_attention_mma import (
     supports,
 )
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
-from gpu_node.kv_quant import FP8_DTYPE
+from gpu_node.kv_quant import FP8_DTYPE, kv_pool, page_strides
 from tests.gpu_node.kernels.test_paged_attention import (
     FAULTS,
     build_batch,
     fault_batch,
+    head_major,
     inject,
     relative_error,
 )
@@ -87,6 +89,30 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, page, q_dtype, min
     assert violations.tolist() == [False] * len(lens)
     for seq in range(len(lens)):
         assert relative_error(out[seq], ref[seq]) < TOLERANCE, seq
+
+
+@on_gpu
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "page"),
+    [(9, 3, 64, 16), (32, 8, 128, 16), (12, 3, 128, 48)],
+)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_head_major_pools_give_the_same_output(num_heads, num_kv_heads, head_dim, page, variant):
+    """The kernel reads a head-major pool (kv_pool) by its strides: bit for bit the
+    token-major result."""
+    lens = [1, 17, 100, 4097, 33, 2000, 15, 16, 64, 31]
+    batch = build_batch(
+        lens, cache_dtype=FP8_DTYPE, q_dtype=torch.bfloat16, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page,
+    )  # fmt: skip
+    args, scales = _on_cuda(batch)
+    moved = head_major(replace(batch, k_cache=args[1], v_cache=args[2]))
+    args_hm = [args[0], moved.k_cache, moved.v_cache, *args[3:]]
+    assert page_strides(moved.k_cache) == (head_dim, page * head_dim)
+    out, violations = paged_decode_attention_mma(*args, **scales, min_split=32, **variant)
+    out_hm, violations_hm = paged_decode_attention_mma(*args_hm, **scales, min_split=32, **variant)
+    assert torch.equal(out_hm, out)
+    assert violations_hm.tolist() == violations.tolist() == [False] * len(lens)
 
 
 @on_gpu
@@ -519,29 +545,39 @@ def test_emulated_warp_computes_q_k_and_p_v(head_dim):
     [(64, 32, 11, True), (128, 16, 16, True), (128, 48, 3, True), (64, 48, 16, False),
      (128, 32, 16, False)],
 )  # fmt: skip
-def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded, head_major):
     """One half through the kernel's load blocks (addresses as the kernel forms them) from
-    a paged pool, then QK^T and P.V: the right tokens' scores and sums; tokens at or past
-    `left` are not loaded (V reads zero). Unguarded blocks (a half wholly in the context)
-    load all 16 tokens."""
+    a paged pool in either memory order (kv_pool), then QK^T and P.V: the right tokens'
+    scores and sums; tokens at or past `left` are not loaded (V reads zero). Unguarded
+    blocks (a half wholly in the context) load all 16 tokens."""
     gen = torch.Generator().manual_seed(head_dim + left)
     pages, kv_heads, kv_head, page, offset = 4, 2, 1, 2, page_size - 16
     shape = (pages, page_size, kv_heads, head_dim)
-    k_cache = (torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE)
-    v_cache = (torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE)
+    k_cache = kv_pool(pages, page_size, kv_heads, head_dim, FP8_DTYPE, head_major=head_major)
+    v_cache = kv_pool(pages, page_size, kv_heads, head_dim, FP8_DTYPE, head_major=head_major)
+    k_cache.copy_((torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE))
+    v_cache.copy_((torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE))
     k_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
     v_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
-    row = kv_heads * head_dim
+    row, head_stride = page_strides(k_cache)
+    assert (row, head_stride) == (
+        (head_dim, page_size * head_dim) if head_major else (kv_heads * head_dim, head_dim)
+    )
     # the kernel's loop-invariant lane offsets and the half's base (_half_data)
     k_token = 4 * (G_OF // 2) + G_OF % 2
     k_lane = k_token * row + T_OF * (head_dim // 4)
     v_token = 4 * T_OF
     v_lane = v_token * row + G_OF * (head_dim // 8)
-    base = torch.full((32,), (page * page_size + offset) * row + kv_head * head_dim)
+    page_bytes = page_size * kv_heads * head_dim
+    base = torch.full((32,), page * page_bytes + offset * row + kv_head * head_stride)
     scale_base = torch.full((32,), ((page * kv_heads + kv_head) * page_size + offset) * 2)
     full_left = torch.full((32,), left)
-    k_bytes = k_cache.view(torch.uint8).reshape(-1)
-    v_bytes = v_cache.view(torch.uint8).reshape(-1)
+    # the pools' bytes in memory order
+    order = (0, 2, 1, 3) if head_major else (0, 1, 2, 3)
+    k_bytes = k_cache.permute(order).contiguous().view(torch.uint8).reshape(-1)
+    v_bytes = v_cache.permute(order).contiguous().view(torch.uint8).reshape(-1)
+    assert k_bytes.data_ptr() == k_cache.data_ptr()  # no copy: the pool's own storage
 
     text, constraints = asm.load_k(head_dim, row, guarded)
     k_out = 4 * (constraints.count("=") // 4)
@@ -562,9 +598,8 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded):
     }
     packed = run_asm(asm.LOAD_SCALES if guarded else asm.LOAD_SCALES_FULL, ops, pool)
 
-    tokens = slice(page * page_size + offset, page * page_size + offset + 16)
-    keys = k_cache.view(-1, kv_heads, head_dim)[tokens, kv_head]
-    values = v_cache.view(-1, kv_heads, head_dim)[tokens, kv_head]
+    keys = k_cache[page, offset : offset + 16, kv_head]
+    values = v_cache[page, offset : offset + 16, kv_head]
     ks = k_scale[page, kv_head, offset : offset + 16].float()
     vs = v_scale[page, kv_head, offset : offset + 16].float()
     for j in range(4):  # element j: token 4t + j (masked by the caller past `left`)
