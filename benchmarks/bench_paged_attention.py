@@ -38,6 +38,7 @@ from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
+from gpu_node.kv_cache import HEAD_MAJOR
 from gpu_node.kv_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -389,8 +390,9 @@ def copy_bandwidth() -> float:
     return 2 * (4 << 30) / (ms * 1e-3)  # bytes read + written per second
 
 
-def timing_pool(batch: int, length: int, shape, cache_dtype):
-    """Enough independent copies of one decode batch that their KV exceeds ROTATE_BYTES."""
+def timing_pool(batch: int, length: int, shape, cache_dtype, head_major: bool = HEAD_MAJOR):
+    """Enough independent copies of one decode batch that their KV exceeds ROTATE_BYTES, in
+    the engine's pool memory order (kv_cache.HEAD_MAJOR) unless `head_major` says."""
     num_heads, num_kv_heads, head_dim = shape
     kv_bytes = (
         batch
@@ -403,8 +405,10 @@ def timing_pool(batch: int, length: int, shape, cache_dtype):
     pages_per_seq = math.ceil(length / PAGE_SIZE)
     num_pages = copies * batch * pages_per_seq
     cache_shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
-    v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    k_cache = kv_pool(*cache_shape, cache_dtype, "cuda", head_major=head_major)
+    v_cache = kv_pool(*cache_shape, cache_dtype, "cuda", head_major=head_major)
+    for pool in (k_cache, v_cache):
+        pool.copy_(torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda"))
     k_scale = v_scale = None
     if cache_dtype == FP8_DTYPE:
         sshape = scale_shape(num_pages, PAGE_SIZE, num_kv_heads)
@@ -1017,7 +1021,7 @@ def part_layout(results: dict, rounds: int, points=None) -> None:
         times: dict[str, list[float]] = {}
         moved = 0
         for cache_dtype, name in ((torch.bfloat16, "bf16"), (FP8_DTYPE, "fp8")):
-            calls, moved_here = timing_pool(batch, length, shape, cache_dtype)
+            calls, moved_here = timing_pool(batch, length, shape, cache_dtype, head_major=False)
             moved = moved_here if cache_dtype == FP8_DTYPE else moved
             layouts = {"tm": calls, "hm": head_major_calls(calls)}
             attention = paged_decode_attention_mma if cache_dtype == FP8_DTYPE else None

@@ -2,11 +2,18 @@
 
 Layout (one layer; the same for K and V):
 
-    k_cache[layer] : [num_pages, page_size, num_kv_heads, head_dim]
+    k_cache[layer] : indexed [num_pages, page_size, num_kv_heads, head_dim]
                       │          │          │             └ contiguous: one head's vector
                       │          │          └ grouped-query heads of one token
                       │          └ token offset inside the page
                       └ page id (what block tables hold)
+                     stored head-major, [num_pages, num_kv_heads, page_size, head_dim]:
+                      ┌──────────────── page p ────────────────┐
+                      │ head 0: token 0 .. S-1 (S * D contiguous) │ head 1: ... │ head H-1 │
+                     so one kv head's share of a page is one run of S * D elements
+                     (1 KiB for SmolLM2's fp8 pages), what a decode program reads
+                     (kv_quant.kv_pool; docs/bench/fp8_kv.md, tenth session: 76% -> 90%
+                     of the copy bandwidth at SmolLM2's shape, batch 64, 32K)
     k_scale[layer] : [num_pages, num_kv_heads, page_size]   bf16, fp8 pools only:
                       one scale per (token, head) row, a head's scales of a page
                       contiguous (see gpu_node.kv_quant for why)
@@ -25,7 +32,16 @@ import torch
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention_ref import gather_paged_kv
-from gpu_node.kv_quant import FP8_DTYPE, SCALE_DTYPE, bytes_per_token, kv_torch_dtype, scale_shape
+from gpu_node.kv_quant import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    bytes_per_token,
+    kv_pool,
+    kv_torch_dtype,
+    scale_shape,
+)
+
+HEAD_MAJOR = True  # the pools' memory order (layout above)
 
 
 def bytes_per_page(
@@ -54,10 +70,14 @@ class KVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
         dtype = kv_torch_dtype(kv_dtype)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_cache = [
+            kv_pool(*shape, dtype, device, head_major=HEAD_MAJOR) for _ in range(num_layers)
+        ]
+        self.v_cache = [
+            kv_pool(*shape, dtype, device, head_major=HEAD_MAJOR) for _ in range(num_layers)
+        ]
         self.k_scale: list[torch.Tensor | None] = [None] * num_layers
         self.v_scale: list[torch.Tensor | None] = [None] * num_layers
         if dtype == FP8_DTYPE:

@@ -114,7 +114,6 @@ def _attend_block_tl(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,  # the pool's memory order (kv_quant.page_strides)
-    HEAD_STRIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -146,9 +145,8 @@ def _attend_block_tl(
     num_bad += (is_valid & (is_loadable == 0)).to(tl.int32)
 
     offsets = tokens % PAGE_SIZE
-    # [BLOCK_N] each token's row of this head, in either memory order
-    page_start = pages * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM)
-    rows = page_start + offsets * TOKEN_STRIDE + kv_head * HEAD_STRIDE
+    # [BLOCK_N] each token's row in either memory order (the pointers are the kv head's)
+    rows = pages * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM) + offsets * TOKEN_STRIDE
     kv_offsets = rows[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
     scale_offsets = scale_offset_tl(pages, offsets, kv_head, NUM_KV_HEADS, PAGE_SIZE)
     if IS_PARTIAL or BLOCK_D != HEAD_DIM:
@@ -355,6 +353,9 @@ def _paged_decode_split_kernel(
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     num_bad = tl.full([BLOCK_N], 0, tl.int32)
     tail_start = start
+    # this kv head's rows: its offset in a page, once (in the block loop it cost registers)
+    k_head_ptr = k_cache_ptr + kv_head * HEAD_STRIDE
+    v_head_ptr = v_cache_ptr + kv_head * HEAD_STRIDE
     if IS_FP8:
         # Full blocks first, with no masks: a page id out of range is clamped to page 0
         # for the load (and flagged), so every load is in bounds. Then the last, partial
@@ -407,12 +408,12 @@ def _paged_decode_split_kernel(
                 full_k_scale=k_block_scales, full_v_scale=v_block_scales, q=q,
                 q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
                 score_scale=score_scale, qk_scale=qk_scale, seq=seq, kv_head=kv_head,
-                k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr,
+                k_cache_ptr=k_head_ptr, v_cache_ptr=v_head_ptr, k_scale_ptr=k_scale_ptr,
                 v_scale_ptr=v_scale_ptr,
                 block_tables_ptr=block_tables_ptr, num_pages=num_pages,
                 max_pages=max_pages, stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS,
                 HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE,
-                HEAD_STRIDE=HEAD_STRIDE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8,
                 IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
@@ -421,12 +422,11 @@ def _paged_decode_split_kernel(
             acc=acc, num_bad=num_bad, full_pages=num_bad, full_k_scale=num_bad,  # unused
             full_v_scale=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
             score_scale=score_scale, qk_scale=qk_scale,
-            seq=seq, kv_head=kv_head, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr,
+            seq=seq, kv_head=kv_head, k_cache_ptr=k_head_ptr, v_cache_ptr=v_head_ptr,
             k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             block_tables_ptr=block_tables_ptr, num_pages=num_pages, max_pages=max_pages,
             stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM,
-            PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE, HEAD_STRIDE=HEAD_STRIDE,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
             SCALES_GIVEN=False,
         )  # fmt: skip
 

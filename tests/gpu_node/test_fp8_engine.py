@@ -1,6 +1,9 @@
 """FP8 KV in the engine: capacity arithmetic and answers on the real weights."""
 
-from gpu_node.kv_cache import bytes_per_page
+import torch
+
+from gpu_node.kv_cache import KVCache, bytes_per_page
+from gpu_node.kv_quant import page_strides
 from scheduler.sequence import SamplingParams
 
 
@@ -51,3 +54,20 @@ def test_fp8_kv_perplexity_increase_stays_under_the_measured_bound(make_engine, 
     # Measured on these 1024 tokens: 12.721 (fp32 KV) -> 12.815 (fp8 KV), +0.74%;
     # benchmarks/kv_accuracy.py: +1.04% over 4 x 512 tokens. The bound leaves 2.5x room.
     assert 1.0 < fp8 / fp32 < 1.025, (fp32, fp8)
+
+
+def test_the_pool_is_head_major_and_written_in_place():
+    """Each layer's pool is head-major (one kv head's page contiguous), and a write lands
+    where a [P, S, H, D] index says: page 2, offset 5, head 1 -> element
+    ((2 * 3 + 1) * 16 + 5) * 64 of the pool's memory."""
+    cache = KVCache(2, 4, 16, 3, 64, "bf16")
+    assert page_strides(cache.k_cache[1]) == (64, 16 * 64)
+    key = torch.arange(3 * 64, dtype=torch.float32).view(1, 3, 64) / 8
+    owner = torch.tensor([7, 7, 7, 7])
+    refused = cache.write(1, key, -key, torch.tensor([2 * 16 + 5]), owner, torch.tensor([7]))
+    assert refused.tolist() == [False]
+    memory = cache.k_cache[1].permute(0, 2, 1, 3)  # the storage itself, no copy
+    assert memory.is_contiguous() and memory.data_ptr() == cache.k_cache[1].data_ptr()
+    at = ((2 * 3 + 1) * 16 + 5) * 64
+    assert torch.equal(memory.reshape(-1)[at : at + 64].float(), key[0, 1])  # exact in bf16
+    assert int(memory.count_nonzero()) == 3 * 64 - 1  # the token's three rows (one 0.0)
