@@ -8,6 +8,7 @@ Run from the repository root (needs only torch, triton and numpy):
     PYTHONPATH=. python benchmarks/bench_paged_attention.py prefetch # GPU: fp8 page-id prefetch
     PYTHONPATH=. python benchmarks/bench_paged_attention.py check-cost  # GPU: paired on/off
     PYTHONPATH=. python benchmarks/bench_paged_attention.py layout --rounds 3  # GPU: pool order
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py early-merge --rounds 3  # GPU: PDL
     PYTHONPATH=. ncu --clock-control none -k regex:split_kernel -c 2 --section WarpStateStats \
         python benchmarks/bench_paged_attention.py profile            # GPU: one call each, for ncu
     PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
@@ -1045,6 +1046,29 @@ def part_layout(results: dict, rounds: int, points=None) -> None:
         )  # fmt: skip
 
 
+def part_early_merge(results: dict, rounds: int, points=None) -> None:
+    """The mma kernel with its merge kernel launched early (programmatic dependent launch,
+    merge_splits) and after it, in `rounds` interleaved rounds (median µs per call)."""
+    record = results.setdefault("early_merge", [])
+    log("\n| shape | B | L | merge after µs | merge early µs | gain |")
+    log("|---|---|---|---|---|---|")
+    for shape_name, batch, length in points or MMA_POINTS:
+        calls, _ = timing_pool(batch, length, SHAPES[shape_name], FP8_DTYPE)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for early in (False, True):
+                times[early].append(
+                    time_calls(calls, paged_decode_attention_mma, early_merge=early)
+                )
+        del calls
+        torch.cuda.empty_cache()
+        after, early = statistics.median(times[False]), statistics.median(times[True])
+        log(f"| {shape_name} | {batch} | {length} | {after:.1f} | {early:.1f} | "
+            f"{100 * (after / early - 1):+.1f}% |")  # fmt: skip
+        record.append({"shape": shape_name, "batch": batch, "length": length,
+                       "after_us": times[False], "early_us": times[True]})  # fmt: skip
+
+
 def part_mma_check(results: dict) -> bool:
     """The mma kernel against the fp32 reference on random_batch sequences (both shapes)."""
     ok = True
@@ -1140,6 +1164,7 @@ def main() -> int:
             "step-cost",
             "split-sweep",
             "layout",
+            "early-merge",
             "all",
         ],
     )
@@ -1192,6 +1217,8 @@ def main() -> int:
             ok = part_mma_check(results)
             save()
             part_mma_variants(results, args.rounds, parse_points(args.points))
+        if args.part == "early-merge":
+            part_early_merge(results, args.rounds, parse_points(args.points))
         if args.part == "layout":
             part_layout(results, args.rounds, parse_points(args.points))
         if args.part == "split-sweep":

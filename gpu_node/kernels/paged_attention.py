@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write import round_to_e4m3_tl, scale_offset_tl
@@ -296,7 +297,10 @@ def _paged_decode_split_kernel(
     PREFETCH_SCALES: tl.constexpr,  # fp8 full blocks: page ids two ahead, scales one ahead
     HELD_BLOCK: tl.constexpr,  # block-table columns checked across the attention loop
     CHECK_BLOCK: tl.constexpr,  # block-table columns per step of the check after it
+    LAUNCH_MERGE: tl.constexpr,  # let the merge grid launch now (merge_splits, early)
 ):
+    if LAUNCH_MERGE:
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -467,7 +471,10 @@ def _paged_decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,  # launched early (PDL): wait for the split kernel's writes
 ):
+    if WAIT_PRIOR:
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -633,6 +640,7 @@ def paged_decode_attention(
     )
     if dot_dtype is None:
         dot_dtype = default_dot_dtype(q, k_cache)
+    early = launches_early(q.device)
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -675,11 +683,12 @@ def paged_decode_attention(
         PREFETCH_SCALES=tile.prefetch_scales if prefetch_scales is None else prefetch_scales,
         HELD_BLOCK=_HELD_BLOCK,
         CHECK_BLOCK=_CHECK_BLOCK,
+        LAUNCH_MERGE=early,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
-    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
+    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early)
     return out, violations
 
 
@@ -703,10 +712,14 @@ def merge_splits(
     part_bad: torch.Tensor,
     out: torch.Tensor,
     violations: torch.Tensor,
+    early: bool = False,
 ) -> None:
     """Merge a split kernel's partials ([B, Q, N] max and sum, [B, Q, N, D] sums, [B, N]
     flags) into `out` [B, Q, D] and `violations` bool [B], in place (every element of
-    both is written)."""
+    both is written). `early` (sm_90+, right after the split kernel on the same stream):
+    a programmatic dependent launch, so the merge grid is launched while the split
+    kernel runs and waits on the device for its writes (griddepcontrol.wait) instead of
+    being launched after it ends."""
     batch, num_heads, num_splits, head_dim = part_acc.shape
     _paged_decode_merge_kernel[(batch, num_heads)](
         part_max,
@@ -722,8 +735,16 @@ def merge_splits(
         NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        WAIT_PRIOR=early,
         num_warps=1 if num_splits * head_dim <= 4096 else 4,
+        **({"launch_pdl": True} if early else {}),
     )
+
+
+def launches_early(device: torch.device) -> bool:
+    """Whether merge_splits may launch early on `device` (programmatic dependent launch:
+    Hopper, sm_90, or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl

@@ -62,10 +62,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.combine import maximum_tl
-from gpu_node.kernels.paged_attention import merge_splits, split_partials
+from gpu_node.kernels.paged_attention import launches_early, merge_splits, split_partials
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE
 
@@ -548,9 +549,12 @@ def _decode_mma_kernel(
     LOAD_K_FULL: tl.constexpr,
     LOAD_V_FULL: tl.constexpr,
     LOAD_SCALES_FULL: tl.constexpr,
+    LAUNCH_MERGE: tl.constexpr,
 ):
     KW: tl.constexpr = HEAD_DIM // 16  # K words per lane and token (dims t D/4 ..)
     VW: tl.constexpr = HEAD_DIM // 32  # V words per lane and token (dims g D/8 ..)
+    if LAUNCH_MERGE:
+        gdc_launch_dependents()  # the merge grid may launch now (merge_splits, early)
     seq_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = seq_head // NUM_KV_HEADS
@@ -826,6 +830,7 @@ def paged_decode_attention_mma(
     defer_owners: bool | None = None,
     full_steps: bool | None = None,
     waves: float | None = None,
+    early_merge: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
 
@@ -835,6 +840,8 @@ def paged_decode_attention_mma(
     `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
     none). None takes the call's batch class (DEFAULTS) and MIN_SPLIT. `linear_v`, `defer_owners` and
     `full_steps` pick the kernel's variants (None: V_LINEAR and the batch class's).
+    `early_merge`: the merge kernel as a programmatic dependent launch (None: where the
+    GPU has it, `launches_early`).
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
@@ -860,6 +867,7 @@ def paged_decode_attention_mma(
     )  # fmt: skip
 
     variant = batch_class(batch, num_kv_heads, head_dim)
+    early = launches_early(q.device) if early_merge is None else early_merge
     part_max, part_sum, part_acc, part_bad = split_partials(
         batch, num_heads, num_splits, head_dim, q.device
     )
@@ -940,11 +948,12 @@ def paged_decode_attention_mma(
         LOAD_K_FULL=asm.load_k(head_dim, token_stride, guarded=False)[0],
         LOAD_V_FULL=asm.load_v(head_dim, token_stride, guarded=False)[0],
         LOAD_SCALES_FULL=asm.LOAD_SCALES_FULL,
+        LAUNCH_MERGE=early,
         num_warps=1,
         num_stages=1,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
-    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
+    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early)
     return out, violations
 
 

@@ -701,3 +701,7 @@ def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, p
         *args, **scales, block_n=block_n, kernel="dot", **prefetch_options(prefetch)
     )
     assert violations.tolist() == [i in bad for i in range(4)]
+
+
+def test_the_merge_launches_early_only_where_the_gpu_can():
+    assert not paged_attention_module.launches_early(torch.device("cpu"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
-from gpu_node.kernels.paged_attention import paged_decode_attention
+from gpu_node.kernels.paged_attention import launches_early, paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import (
     batch_class,
     paged_decode_attention_mma,
@@ -113,6 +113,31 @@ def test_head_major_pools_give_the_same_output(num_heads, num_kv_heads, head_dim
     out_hm, violations_hm = paged_decode_attention_mma(*args_hm, **scales, min_split=32, **variant)
     assert torch.equal(out_hm, out)
     assert violations_hm.tolist() == violations.tolist() == [False] * len(lens)
+
+
+@on_gpu
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (32, 8, 128)])
+def test_early_merge_gives_the_same_output(num_heads, num_kv_heads, head_dim):
+    """The merge kernel launched early (programmatic dependent launch, waiting on the
+    device for the split kernel) merges exactly what it merges launched after it, and
+    flags the same sequence."""
+    batch = fault_batch() if head_dim == 64 else None
+    if batch is None:
+        batch = build_batch(
+            [1, 17, 4097, 2000], cache_dtype=FP8_DTYPE, q_dtype=torch.bfloat16,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=16,
+        )  # fmt: skip
+    bad = inject(batch, "foreign_page") if head_dim == 64 else set()
+    args, scales = _on_cuda(batch)
+    assert launches_early(args[0].device)  # an H200: sm_90
+    after, flags_after = paged_decode_attention_mma(
+        *args, **scales, min_split=32, early_merge=False
+    )
+    early, flags_early = paged_decode_attention_mma(*args, **scales, min_split=32, early_merge=True)
+    assert torch.equal(early, after)
+    assert (
+        flags_early.tolist() == flags_after.tolist() == [i in bad for i in range(len(flags_after))]
+    )
 
 
 @on_gpu
