@@ -9,6 +9,7 @@ Run from the repository root (needs only torch, triton and numpy):
     PYTHONPATH=. python benchmarks/bench_paged_attention.py check-cost  # GPU: paired on/off
     PYTHONPATH=. python benchmarks/bench_paged_attention.py layout --rounds 3  # GPU: pool order
     PYTHONPATH=. python benchmarks/bench_paged_attention.py early-merge --rounds 3  # GPU: PDL
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py sweep --rounds 3  # GPU: launch options
     PYTHONPATH=. ncu --clock-control none -k regex:split_kernel -c 2 --section WarpStateStats \
         python benchmarks/bench_paged_attention.py profile            # GPU: one call each, for ncu
     PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
@@ -389,6 +390,57 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * (4 << 30) / (ms * 1e-3)  # bytes read + written per second
+
+
+def copy_us(moved: int) -> float:
+    """µs a device-to-device copy takes to move `moved` bytes (half read, half written)
+    under CUDA-graph replay, rotating over buffers that exceed the L2 as timing_pool does:
+    what one kernel of this size can reach, for calls too short for the copy bandwidth."""
+    half = max(16, moved // 2)
+    count = max(1, min(512, math.ceil(ROTATE_BYTES / half)))
+    src = torch.empty(count, half, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+
+    def run() -> None:
+        for i in range(count):
+            dst[i].copy_(src[i])
+
+    run()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
+    return ms * 1e3 / count
+
+
+SWEEP_CONFIGS = [  # max registers, waves, full steps
+    (regs, waves, full) for regs in (128, 144) for waves in (1, 1.5, 2, 3) for full in (False, True)
+]
+
+
+def part_sweep(results: dict, rounds: int, points=None) -> None:
+    """The mma kernel's launch options (register cap, waves, unguarded full steps) at a few
+    points, interleaved over `rounds` rounds, check on (median µs per call)."""
+    record = results.setdefault("sweep", [])
+    log("\n| shape | B | L | regs | waves | full steps | µs |")
+    log("|---|---|---|---|---|---|---|")
+    default_points = [("smollm2", 8, 32768), ("smollm2", 64, 8192), ("smollm2", 1, 32768)]
+    for shape_name, batch, length in points or default_points:
+        calls, _ = timing_pool(batch, length, SHAPES[shape_name], FP8_DTYPE)
+        times: dict = {config: [] for config in SWEEP_CONFIGS}
+        for _ in range(rounds):
+            for regs, waves, full in SWEEP_CONFIGS:
+                times[(regs, waves, full)].append(
+                    time_calls(calls, paged_decode_attention_mma, max_registers=regs,
+                               waves=waves, full_steps=full)
+                )  # fmt: skip
+        del calls
+        torch.cuda.empty_cache()
+        for (regs, waves, full), values in sorted(
+            times.items(), key=lambda kv: statistics.median(kv[1])
+        ):
+            log(f"| {shape_name} | {batch} | {length} | {regs} | {waves} | {full} | "
+                f"{statistics.median(values):.1f} |")  # fmt: skip
+            record.append({"shape": shape_name, "batch": batch, "length": length, "regs": regs,
+                           "waves": waves, "full_steps": full, "us": values})  # fmt: skip
 
 
 def timing_pool(batch: int, length: int, shape, cache_dtype, head_major: bool = HEAD_MAJOR):
@@ -779,8 +831,8 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         record["tune"][shape_name] = {str(k): v for k, v in totals.items()}
         log(f"best {shape_name}: regs, waves, min split, max splits = {best_config[shape_name]}")
     log("\n| shape | B | L | bf16 µs | fp8 tl.dot µs | fp8 mma µs | mma % of copy | mma vs bf16 "
-        "| mma vs fp8 tl.dot | mma check cost (IQR) |")  # fmt: skip
-    log("|---|---|---|---|---|---|---|---|---|---|")
+        "| mma vs fp8 tl.dot | mma check cost (IQR) | same-bytes copy µs |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape_name, batch, length in points or MMA_POINTS:
         shape = SHAPES[shape_name]
         options = {}
@@ -795,16 +847,18 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
             calls, rounds, paged_decode_attention_mma, **options
         )
         mma_us = statistics.median(on)
+        same_us = copy_us(moved)
         del calls
         torch.cuda.empty_cache()
         log(
             f"| {shape_name} | {batch} | {length} | {bf16_us:.1f} | {dot_us:.1f} | {mma_us:.1f} | "
             f"{100 * moved / (mma_us * 1e-6) / copy_bw:.0f}% | {bf16_us / mma_us:.2f}x | "
-            f"{dot_us / mma_us:.2f}x | {cost_text(cost, low, high)} |"
+            f"{dot_us / mma_us:.2f}x | {cost_text(cost, low, high)} | {same_us:.1f} |"
         )
         record["rows"].append(
             {"shape": shape_name, "batch": batch, "length": length, "bf16_us": bf16_us,
              "fp8_dot_us": dot_us, "mma_on_us": on, "mma_off_us": off, "fp8_bytes": moved,
+             "same_bytes_copy_us": same_us,
              "options": options}
         )  # fmt: skip
     log("\n| shape | B | L | register cap | µs check on | µs check off | check cost (IQR) |")
@@ -1165,6 +1219,7 @@ def main() -> int:
             "split-sweep",
             "layout",
             "early-merge",
+            "sweep",
             "all",
         ],
     )
@@ -1217,6 +1272,8 @@ def main() -> int:
             ok = part_mma_check(results)
             save()
             part_mma_variants(results, args.rounds, parse_points(args.points))
+        if args.part == "sweep":
+            part_sweep(results, args.rounds, parse_points(args.points))
         if args.part == "early-merge":
             part_early_merge(results, args.rounds, parse_points(args.points))
         if args.part == "layout":
