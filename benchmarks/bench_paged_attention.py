@@ -392,11 +392,11 @@ def copy_bandwidth() -> float:
     return 2 * (4 << 30) / (ms * 1e-3)  # bytes read + written per second
 
 
-def copy_us(moved: int) -> float:
+def copy_us(moved: float) -> float:
     """µs a device-to-device copy takes to move `moved` bytes (half read, half written)
     under CUDA-graph replay, rotating over buffers that exceed the L2 as timing_pool does:
     what one kernel of this size can reach, for calls too short for the copy bandwidth."""
-    half = max(16, moved // 2)
+    half = max(16, int(moved) // 2)
     count = max(1, min(512, math.ceil(ROTATE_BYTES / half)))
     src = torch.empty(count, half, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
