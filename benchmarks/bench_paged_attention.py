@@ -192,8 +192,8 @@ def random_batch(lens, shape, cache_dtype, device, seed, spare_pages=4) -> dict[
     needed = [math.ceil(n / PAGE_SIZE) for n in lens]
     num_pages = sum(needed) + spare_pages
     cache_shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
-    k_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = kv_pool(*cache_shape, cache_dtype, device, head_major=HEAD_MAJOR)
+    v_cache = kv_pool(*cache_shape, cache_dtype, device, head_major=HEAD_MAJOR)
     k_scale = v_scale = None
     if cache_dtype == FP8_DTYPE:
         k_scale = torch.zeros(
@@ -266,8 +266,11 @@ def part_check(results: dict, device: str, trials: int) -> bool:
             (kv_write_ref, "cpu"),
         ]
         for write, where in writers:
-            kc = torch.full((num_pages, PAGE_SIZE, heads, dim), 0.5, device=where).to(cache_dtype)
-            vc = kc.clone()
+            # pools in the engine's memory order (kv_cache.HEAD_MAJOR)
+            kc = kv_pool(num_pages, PAGE_SIZE, heads, dim, cache_dtype, where, HEAD_MAJOR)
+            kc.copy_(torch.full(kc.shape, 0.5, device=where))
+            vc = kv_pool(num_pages, PAGE_SIZE, heads, dim, cache_dtype, where, HEAD_MAJOR)
+            vc.copy_(kc)
             ks = vs = None
             if cache_dtype == FP8_DTYPE:
                 ks = torch.zeros(
