@@ -161,13 +161,16 @@ def _q_quads(pairs, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
 def _step_pages(table_row, step_start, end, num_pages, max_pages, PAGE_SIZE: tl.constexpr):
     """Page ids of a step's two halves (page 0 where out of range) and whether a live
     half's id was out of range. A column past the block table reads page 0: the
-    context-longer-than-table check flags that sequence."""
+    context-longer-than-table check flags that sequence. The ids are loaded whether or
+    not the halves are live (any column inside the table may be read), so the first
+    step's loads do not wait for the context length; a half that is not live loads no
+    K/V bytes (its load blocks are guarded by the context)."""
     column_a = step_start // PAGE_SIZE
     column_b = (step_start + 16) // PAGE_SIZE
     live_a = step_start < end
     live_b = step_start + 16 < end
-    page_a = tl.load(table_row + column_a, mask=live_a & (column_a < max_pages), other=0)
-    page_b = tl.load(table_row + column_b, mask=live_b & (column_b < max_pages), other=0)
+    page_a = tl.load(table_row + column_a, mask=column_a < max_pages, other=0)
+    page_b = tl.load(table_row + column_b, mask=column_b < max_pages, other=0)
     ok_a = (page_a >= 0) & (page_a < num_pages)
     ok_b = (page_b >= 0) & (page_b < num_pages)
     is_bad = (live_a & (ok_a == 0)) | (live_b & (ok_b == 0))
@@ -226,18 +229,23 @@ def _half_data(
 
 
 @triton.jit
-def _column_owners(table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e):
+def _column_owners(
+    table_row, page_owner_ptr, tag, first_column, end_column, num_pages, max_pages, e
+):
     """The owners of the page ids in block-table columns [first_column, first_column + 128)
-    below `end_column`, `tag` for unused columns and out-of-range ids (those are the
-    loop's to flag). One page id and owner per element: two vector loads."""
+    below `end_column`, `tag` for unused columns, columns past the table and out-of-range
+    ids (those are the loop's or the length check's to flag). One page id and owner per
+    element: two vector loads, masked by the table's width alone so that they do not
+    wait for the context length."""
     columns = first_column + e
-    is_used = columns < end_column
-    pages = tl.load(table_row + columns, mask=is_used, other=0)
+    in_table = columns < max_pages
+    pages = tl.load(table_row + columns, mask=in_table, other=0)
     in_range = (pages >= 0) & (pages < num_pages)
-    return tl.load(
-        page_owner_ptr + tl.where(in_range, pages, 0).to(tl.int64), mask=is_used & in_range,
+    owners = tl.load(
+        page_owner_ptr + tl.where(in_range, pages, 0).to(tl.int64), mask=in_table & in_range,
         other=tag,
     )  # fmt: skip
+    return tl.where(columns < end_column, owners, tag)
 
 
 @triton.jit
@@ -652,7 +660,7 @@ def _decode_mma_kernel(
     end_column = (end + PAGE_SIZE - 1) // PAGE_SIZE
     if CHECK_OWNER:
         owners = _column_owners(
-            table_row, page_owner_ptr, tag, first_column, end_column, num_pages, e
+            table_row, page_owner_ptr, tag, first_column, end_column, num_pages, max_pages, e
         )
         if not DEFER_OWNERS:
             foreign = _foreign(owners, tag)
@@ -717,7 +725,14 @@ def _decode_mma_kernel(
                 foreign,
                 _foreign(
                     _column_owners(
-                        table_row, page_owner_ptr, tag, column, end_column, num_pages, e
+                        table_row,
+                        page_owner_ptr,
+                        tag,
+                        column,
+                        end_column,
+                        num_pages,
+                        max_pages,
+                        e,
                     ),
                     tag,
                 ),
