@@ -1169,8 +1169,9 @@ def part_kv_write(results: dict) -> None:
     for tokens in (64, 8192):
         for cache_dtype in (torch.bfloat16, FP8_DTYPE):
             num_pages = 4 * math.ceil(tokens / PAGE_SIZE)
-            kc = torch.zeros((num_pages, PAGE_SIZE, heads, dim), device="cuda").to(cache_dtype)
-            vc = kc.clone()
+            shape = (num_pages, PAGE_SIZE, heads, dim)
+            kc = kv_pool(*shape, cache_dtype, "cuda", head_major=HEAD_MAJOR)  # the engine's
+            vc = kv_pool(*shape, cache_dtype, "cuda", head_major=HEAD_MAJOR)
             ks = vs = None
             if cache_dtype == FP8_DTYPE:
                 ks = torch.zeros(

@@ -178,7 +178,9 @@ def kv_pool(
 def page_strides(cache: torch.Tensor) -> tuple[int, int] | None:
     """(token stride, head stride) in elements of a [P, S, H, D] pool in one of kv_pool's
     two memory orders, else None. Pages are contiguous in both: page p starts at
-    p * S * H * D."""
+    p * S * H * D. With one kv head the two orders are the same memory, reported as
+    token-major (D, D). The kernels take these strides, not the tensor's own (a size-1
+    dimension's stride is arbitrary)."""
     if cache.dim() != 4:
         return None
     _, page_size, num_kv_heads, head_dim = cache.shape
@@ -187,6 +189,14 @@ def page_strides(cache: torch.Tensor) -> tuple[int, int] | None:
     if cache.permute(0, 2, 1, 3).is_contiguous():
         return head_dim, page_size * head_dim
     return None
+
+
+def pool_strides(cache: torch.Tensor) -> tuple[int, int]:
+    """page_strides of a pool validate_kv_layer accepted; ValueError for any other."""
+    strides = page_strides(cache)
+    if strides is None:
+        raise ValueError(f"not a KV pool in either memory order: strides {cache.stride()}")
+    return strides
 
 
 def validate_kv_layer(
@@ -205,7 +215,7 @@ def validate_kv_layer(
         )
     if k_cache.dtype not in KV_DTYPES.values():
         raise ValueError(f"KV cache dtype {k_cache.dtype} is not one of {list(KV_DTYPES)}")
-    if page_strides(k_cache) is None or v_cache.stride() != k_cache.stride():
+    if page_strides(k_cache) is None or page_strides(v_cache) != page_strides(k_cache):
         raise ValueError(
             "k_cache and v_cache must be contiguous [P, S, H, D] tensors or [P, H, S, D] ones "
             "viewed as [P, S, H, D] (kv_pool), both alike"

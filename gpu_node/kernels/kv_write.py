@@ -23,6 +23,7 @@ from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kv_quant import (
     FP8_DTYPE,
     FP8_MAX,
+    pool_strides,
     quantize_fp8,
     set_scale_rows,
     validate_kv_layer,
@@ -189,6 +190,7 @@ def kv_write(
     if num_tokens == 0:
         return violations
     is_fp8 = k_cache.dtype == FP8_DTYPE
+    token_stride, head_stride = pool_strides(k_cache)  # validated: one of the two orders
     # Non-fp8 caches never read the scale pointers; any tensor fills the slot.
     k_scale_arg = k_scale if is_fp8 else k_cache
     v_scale_arg = v_scale if is_fp8 else v_cache
@@ -211,8 +213,8 @@ def kv_write(
         PAGE_SIZE=page_size,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        TOKEN_STRIDE=k_cache.stride(1),
-        HEAD_STRIDE=k_cache.stride(2),
+        TOKEN_STRIDE=token_stride,
+        HEAD_STRIDE=head_stride,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         IS_FP8=is_fp8,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write import round_to_e4m3_tl, scale_offset_tl
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
-from gpu_node.kv_quant import FP8_DTYPE
+from gpu_node.kv_quant import FP8_DTYPE, pool_strides
 
 
 @triton.jit
@@ -641,6 +642,7 @@ def paged_decode_attention(
     if dot_dtype is None:
         dot_dtype = default_dot_dtype(q, k_cache)
     early = launches_early(q.device)
+    token_stride, head_stride = pool_strides(k_cache)  # validated: one of the two orders
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -668,8 +670,8 @@ def paged_decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        TOKEN_STRIDE=k_cache.stride(1),
-        HEAD_STRIDE=k_cache.stride(2),
+        TOKEN_STRIDE=token_stride,
+        HEAD_STRIDE=head_stride,
         NUM_SPLITS=num_splits,
         BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
@@ -741,10 +743,14 @@ def merge_splits(
     )
 
 
+@functools.cache
 def launches_early(device: torch.device) -> bool:
-    """Whether merge_splits may launch early on `device` (programmatic dependent launch:
-    Hopper, sm_90, or newer)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    """Whether merge_splits may launch early on `device`: programmatic dependent launch
+    needs Hopper (sm_90) or newer, and compiled kernels (the interpreter cannot run the
+    griddepcontrol instructions, whatever the tensors' device)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl

@@ -68,7 +68,7 @@ from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kernels.paged_attention import launches_early, merge_splits, split_partials
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
-from gpu_node.kv_quant import FP8_DTYPE
+from gpu_node.kv_quant import FP8_DTYPE, pool_strides
 
 STEP = 32  # tokens per loop step: two 16-token halves
 MAX_GROUP = 8  # query heads per kv head: the mma's rows 0-7
@@ -883,12 +883,14 @@ def paged_decode_attention_mma(
 
     variant = batch_class(batch, num_kv_heads, head_dim)
     early = launches_early(q.device) if early_merge is None else early_merge
+    if early and not launches_early(q.device):
+        raise ValueError("early_merge needs compiled kernels on an sm_90+ GPU")
     part_max, part_sum, part_acc, part_bad = split_partials(
         batch, num_heads, num_splits, head_dim, q.device
     )
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     pv = asm.PV[head_dim] + asm.PV[head_dim][:1] * (8 - len(asm.PV[head_dim]))  # 8 slots
-    token_stride, head_stride = k_cache.stride(1), k_cache.stride(2)  # fp8: bytes
+    token_stride, head_stride = pool_strides(k_cache)  # fp8: bytes
     load_k = asm.load_k(head_dim, token_stride)
     load_v = asm.load_v(head_dim, token_stride)
     _decode_mma_kernel[(batch * num_kv_heads, num_splits)](

@@ -227,6 +227,24 @@ def test_head_major_pools_hold_the_same_rows(cache_dtype):
         assert k_hm.permute(0, 2, 1, 3).is_contiguous()  # still head-major, written in place
 
 
+def test_with_one_kv_head_both_orders_are_the_same_pool():
+    """With one kv head the two orders are the same memory: either may be passed for K
+    and V, and the rows land alike."""
+    key = hard_values(3, 1, 64, torch.bfloat16)
+    slots = torch.tensor([0, 17, 83])
+    tags = torch.full((3,), 7)
+    k_tm = make_cache(torch.bfloat16, 1, 64)[0]
+    v_hm = kv_pool(NUM_PAGES, PAGE_SIZE, 1, 64, torch.bfloat16, head_major=True)
+    v_hm.copy_(k_tm)
+    assert page_strides(k_tm) == page_strides(v_hm) == (64, 64)
+    for write in (kv_write, kv_write_ref):
+        k_cache, v_cache = k_tm.clone(), v_hm.clone()
+        flags = write(key, key, k_cache, v_cache, slots, OWNER, tags)
+        assert flags.tolist() == [False] * 3
+        assert torch.equal(k_cache, v_cache)
+        assert torch.equal(k_cache[1, 1, 0], key[1, 0])
+
+
 def test_a_pool_in_another_memory_order_is_refused():
     k_cache = make_cache(torch.bfloat16, 3, 64)[0]
     strided = torch.zeros(NUM_PAGES, 3, 64, PAGE_SIZE, dtype=torch.bfloat16).permute(0, 3, 1, 2)

@@ -703,5 +703,32 @@ def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, p
     assert violations.tolist() == [i in bad for i in range(4)]
 
 
-def test_the_merge_launches_early_only_where_the_gpu_can():
-    assert not paged_attention_module.launches_early(torch.device("cpu"))
+@interpreted
+def test_the_merge_never_launches_early_under_the_interpreter():
+    """The interpreter cannot run griddepcontrol, whatever the tensors' device: the gate
+    answers before asking any GPU (this machine may have none)."""
+    launches_early = paged_attention_module.launches_early
+    launches_early.cache_clear()
+    assert not launches_early(torch.device("cuda"))
+    assert not launches_early(torch.device("cpu"))
+
+
+@interpreted
+def test_merge_writes_every_flag_and_output():
+    """The merge overwrites all of `out` and `violations` (the callers pass them
+    uninitialised): poisoned buffers come back exact."""
+    batch, heads, splits, dim = 3, 4, 5, 16
+    gen = torch.Generator().manual_seed(2)
+    part_max = torch.randn(batch, heads, splits, generator=gen)
+    part_max[1, :, 2:] = float("-inf")  # empty splits weigh nothing
+    part_sum = torch.rand(batch, heads, splits, generator=gen) + 0.5
+    part_acc = torch.randn(batch, heads, splits, dim, generator=gen)
+    part_bad = torch.zeros(batch, splits, dtype=torch.int8)
+    part_bad[2, 4] = 1
+    out = torch.full((batch, heads, dim), float("nan"))
+    violations = torch.ones(batch, dtype=torch.bool)
+    paged_attention_module.merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
+    assert violations.tolist() == [False, False, True]
+    weights = torch.exp2(part_max - part_max.amax(dim=2, keepdim=True))
+    want = (part_acc * weights[..., None]).sum(2) / (part_sum * weights).sum(2)[..., None]
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)

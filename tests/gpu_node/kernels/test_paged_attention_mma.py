@@ -120,7 +120,10 @@ def test_head_major_pools_give_the_same_output(num_heads, num_kv_heads, head_dim
 def test_early_merge_gives_the_same_output(num_heads, num_kv_heads, head_dim):
     """The merge kernel launched early (programmatic dependent launch, waiting on the
     device for the split kernel) merges exactly what it merges launched after it, and
-    flags the same sequence."""
+    flags the same sequence. (Equal outputs cannot show that the launch overlapped; the
+    benchmark's early-merge part times it.)"""
+    if not launches_early(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU")
     batch = fault_batch() if head_dim == 64 else None
     if batch is None:
         batch = build_batch(
@@ -129,7 +132,6 @@ def test_early_merge_gives_the_same_output(num_heads, num_kv_heads, head_dim):
         )  # fmt: skip
     bad = inject(batch, "foreign_page") if head_dim == 64 else set()
     args, scales = _on_cuda(batch)
-    assert launches_early(args[0].device)  # an H200: sm_90
     after, flags_after = paged_decode_attention_mma(
         *args, **scales, min_split=32, early_merge=False
     )
