@@ -115,7 +115,7 @@ def _attend_block_tl(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    TOKEN_STRIDE: tl.constexpr,  # the pool's memory order (kv_quant.page_strides)
+    TOKEN_STRIDE: tl.constexpr,  # the pool's memory order (kv_quant.pool_strides)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -418,8 +418,8 @@ def _paged_decode_split_kernel(
                 block_tables_ptr=block_tables_ptr, num_pages=num_pages,
                 max_pages=max_pages, stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS,
                 HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8,
-                IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND,
+                TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
@@ -431,7 +431,8 @@ def _paged_decode_split_kernel(
             k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             block_tables_ptr=block_tables_ptr, num_pages=num_pages, max_pages=max_pages,
             stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM,
-            PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
             SCALES_GIVEN=False,
         )  # fmt: skip
 

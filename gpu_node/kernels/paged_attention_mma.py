@@ -453,13 +453,15 @@ def _steps(
     for step in range(lo, hi, 32):
         n_ka0, n_ka1, n_kb0, n_kb1, n_va0, n_va1, n_va2, n_va3, n_sca = _half_data(
             k_addr, v_addr, ks_addr, vs_addr, pa, step + 32, end, kv_head, k_lane, k_token,
-            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K,
-            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE,
+            HEAD_STRIDE, LOAD_K, LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES,
+            LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
         n_kc0, n_kc1, n_kd0, n_kd1, n_vb0, n_vb1, n_vb2, n_vb3, n_scb = _half_data(
             k_addr, v_addr, ks_addr, vs_addr, pb, step + 48, end, kv_head, k_lane, k_token,
-            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K,
-            LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+            v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE,
+            HEAD_STRIDE, LOAD_K, LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES,
+            LOAD_SCALES_CONSTRAINTS,
         )  # fmt: skip
         pa, pb, range_bad = _step_pages(table_row, step + 64, end, num_pages, max_pages, PAGE_SIZE)
         m, m2, l_sum, o0, o1, o2, o3, o4, o5, o6, o7 = _attend_step(
@@ -645,13 +647,14 @@ def _decode_mma_kernel(
     bad = bad | range_bad
     ka0, ka1, kb0, kb1, va0, va1, va2, va3, sca = _half_data(
         k_addr, v_addr, ks_addr, vs_addr, pa, start, end, kv_head, k_lane, k_token, v_lane,
-        v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K, LOAD_K_CONSTRAINTS,
-        LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K,
+        LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
     )  # fmt: skip
     kc0, kc1, kd0, kd1, vb0, vb1, vb2, vb3, scb = _half_data(
         k_addr, v_addr, ks_addr, vs_addr, pb, start + 16, end, kv_head, k_lane, k_token,
-        v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE, LOAD_K, LOAD_K_CONSTRAINTS,
-        LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES, LOAD_SCALES_CONSTRAINTS,
+        v_lane, v_token, s_lane, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKEN_STRIDE, HEAD_STRIDE,
+        LOAD_K, LOAD_K_CONSTRAINTS, LOAD_V, LOAD_V_CONSTRAINTS, LOAD_SCALES,
+        LOAD_SCALES_CONSTRAINTS,
     )  # fmt: skip
     # Ownership of the split's pages, 128 block-table columns a round: the first round's
     # loads go out now and are compared after the attention loop (their latency hides
