@@ -5,7 +5,7 @@ Shape letters: P pages, S page size (tokens per page), T tokens, H kv heads, D h
 One layer's KV storage (the engine keeps one such set per layer)::
 
     k_cache, v_cache   [P, S, H, D]   fp32 | bf16 | fp16 | float8_e4m3fn, indexed so in
-                                      either memory order (kv_pool, page_strides):
+                                      either memory order (kv_pool, pool_strides):
                                       token-major, a contiguous [P, S, H, D], or
                                       head-major, a contiguous [P, H, S, D] viewed as
                                       [P, S, H, D] (one head's page is S * D contiguous)
@@ -175,28 +175,25 @@ def kv_pool(
     return pool.permute(0, 2, 1, 3)
 
 
-def page_strides(cache: torch.Tensor) -> tuple[int, int] | None:
-    """(token stride, head stride) in elements of a [P, S, H, D] pool in one of kv_pool's
-    two memory orders, else None. Pages are contiguous in both: page p starts at
-    p * S * H * D. With one kv head the two orders are the same memory, reported as
-    token-major (D, D). The kernels take these strides, not the tensor's own (a size-1
-    dimension's stride is arbitrary)."""
-    if cache.dim() != 4:
-        return None
-    _, page_size, num_kv_heads, head_dim = cache.shape
-    if cache.is_contiguous():
-        return num_kv_heads * head_dim, head_dim
-    if cache.permute(0, 2, 1, 3).is_contiguous():
-        return head_dim, page_size * head_dim
-    return None
+_ORDERS = (
+    "k_cache and v_cache must be contiguous [P, S, H, D] tensors or [P, H, S, D] ones "
+    "viewed as [P, S, H, D] (kv_pool), both alike"
+)
 
 
 def pool_strides(cache: torch.Tensor) -> tuple[int, int]:
-    """page_strides of a pool validate_kv_layer accepted; ValueError for any other."""
-    strides = page_strides(cache)
-    if strides is None:
-        raise ValueError(f"not a KV pool in either memory order: strides {cache.stride()}")
-    return strides
+    """(token stride, head stride) in elements of a [P, S, H, D] pool in one of kv_pool's
+    two memory orders; ValueError for any other. Pages are contiguous in both: page p
+    starts at p * S * H * D. With one kv head the two orders are the same memory,
+    reported as token-major (D, D). The kernels take these strides, not the tensor's own
+    (a size-1 dimension's stride is arbitrary)."""
+    if cache.dim() == 4:
+        _, page_size, num_kv_heads, head_dim = cache.shape
+        if cache.is_contiguous():
+            return num_kv_heads * head_dim, head_dim
+        if cache.permute(0, 2, 1, 3).is_contiguous():
+            return head_dim, page_size * head_dim
+    raise ValueError(f"{_ORDERS}; got strides {cache.stride()}")
 
 
 def validate_kv_layer(
@@ -215,11 +212,8 @@ def validate_kv_layer(
         )
     if k_cache.dtype not in KV_DTYPES.values():
         raise ValueError(f"KV cache dtype {k_cache.dtype} is not one of {list(KV_DTYPES)}")
-    if page_strides(k_cache) is None or page_strides(v_cache) != page_strides(k_cache):
-        raise ValueError(
-            "k_cache and v_cache must be contiguous [P, S, H, D] tensors or [P, H, S, D] ones "
-            "viewed as [P, S, H, D] (kv_pool), both alike"
-        )
+    if pool_strides(v_cache) != pool_strides(k_cache):
+        raise ValueError(_ORDERS)
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     if k_cache.dtype == FP8_DTYPE:
         expected = scale_shape(num_pages, page_size, num_kv_heads)

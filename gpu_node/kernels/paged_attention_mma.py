@@ -512,7 +512,7 @@ def _decode_mma_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    TOKEN_STRIDE: tl.constexpr,  # bytes between a page's tokens (kv_quant.page_strides)
+    TOKEN_STRIDE: tl.constexpr,  # bytes between a page's tokens (kv_quant.pool_strides)
     HEAD_STRIDE: tl.constexpr,  # bytes between a token's kv heads
     NUM_SPLITS: tl.constexpr,
     CHECK_OWNER: tl.constexpr,

@@ -3,7 +3,7 @@
 import torch
 
 from gpu_node.kv_cache import KVCache, bytes_per_page
-from gpu_node.kv_quant import page_strides
+from gpu_node.kv_quant import pool_strides
 from scheduler.sequence import SamplingParams
 
 
@@ -61,7 +61,7 @@ def test_the_pool_is_head_major_and_written_in_place():
     where a [P, S, H, D] index says: page 2, offset 5, head 1 -> element
     ((2 * 3 + 1) * 16 + 5) * 64 of the pool's memory."""
     cache = KVCache(2, 4, 16, 3, 64, "bf16")
-    assert page_strides(cache.k_cache[1]) == (64, 16 * 64)
+    assert pool_strides(cache.k_cache[1]) == (64, 16 * 64)
     key = torch.arange(3 * 64, dtype=torch.float32).view(1, 3, 64) / 8
     owner = torch.tensor([7, 7, 7, 7])
     refused = cache.write(1, key, -key, torch.tensor([2 * 16 + 5]), owner, torch.tensor([7]))

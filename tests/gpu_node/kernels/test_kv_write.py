@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gpu_node.kernels.kv_write as kv_write_module
-from gpu_node.kv_quant import FP8_DTYPE, kv_pool, page_strides, scale_shape
+from gpu_node.kv_quant import FP8_DTYPE, kv_pool, pool_strides, scale_shape
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
@@ -216,7 +216,7 @@ def test_head_major_pools_hold_the_same_rows(cache_dtype):
         v_hm = kv_pool(NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim, cache_dtype, head_major=True)
         k_hm.copy_(k_cache)  # the same poison
         v_hm.copy_(v_cache)
-        assert page_strides(k_hm) == (head_dim, PAGE_SIZE * head_dim)
+        assert pool_strides(k_hm) == (head_dim, PAGE_SIZE * head_dim)
         flags = write(key, value, k_hm, v_hm, slot_mapping, OWNER, token_tags, k_scale, v_scale)
         assert flags.tolist() == [False] * 12 + [True]
         assert torch.equal(flags, flags_tm)
@@ -236,7 +236,7 @@ def test_with_one_kv_head_both_orders_are_the_same_pool():
     k_tm = make_cache(torch.bfloat16, 1, 64)[0]
     v_hm = kv_pool(NUM_PAGES, PAGE_SIZE, 1, 64, torch.bfloat16, head_major=True)
     v_hm.copy_(k_tm)
-    assert page_strides(k_tm) == page_strides(v_hm) == (64, 64)
+    assert pool_strides(k_tm) == pool_strides(v_hm) == (64, 64)
     for write in (kv_write, kv_write_ref):
         k_cache, v_cache = k_tm.clone(), v_hm.clone()
         flags = write(key, key, k_cache, v_cache, slots, OWNER, tags)

@@ -22,7 +22,7 @@ from gpu_node.kv_quant import (
     FP8_DTYPE,
     dequantize_fp8,
     kv_pool,
-    page_strides,
+    pool_strides,
     quantize_fp8,
     scale_shape,
 )
@@ -209,7 +209,7 @@ def test_head_major_pools_give_the_same_output(
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page,
     )  # fmt: skip
     moved = head_major(batch)
-    assert page_strides(moved.k_cache) == (head_dim, page * head_dim)
+    assert pool_strides(moved.k_cache) == (head_dim, page * head_dim)
     options = {"target_programs": programs, "block_n": 16}
     out, violations = paged_decode_attention(*batch.args(), **batch.scales(), **options)
     out_hm, violations_hm = paged_decode_attention(*moved.args(), **moved.scales(), **options)

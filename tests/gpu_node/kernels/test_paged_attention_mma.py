@@ -26,7 +26,7 @@ from gpu_node.kernels.paged_attention_mma import (
     supports,
 )
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
-from gpu_node.kv_quant import FP8_DTYPE, kv_pool, page_strides
+from gpu_node.kv_quant import FP8_DTYPE, kv_pool, pool_strides
 from tests.gpu_node.kernels.test_paged_attention import (
     FAULTS,
     build_batch,
@@ -108,7 +108,7 @@ def test_head_major_pools_give_the_same_output(num_heads, num_kv_heads, head_dim
     args, scales = _on_cuda(batch)
     moved = head_major(replace(batch, k_cache=args[1], v_cache=args[2]))
     args_hm = [args[0], moved.k_cache, moved.v_cache, *args[3:]]
-    assert page_strides(moved.k_cache) == (head_dim, page * head_dim)
+    assert pool_strides(moved.k_cache) == (head_dim, page * head_dim)
     out, violations = paged_decode_attention_mma(*args, **scales, min_split=32, **variant)
     out_hm, violations_hm = paged_decode_attention_mma(*args_hm, **scales, min_split=32, **variant)
     assert torch.equal(out_hm, out)
@@ -587,7 +587,7 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded, he
     v_cache.copy_((torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE))
     k_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
     v_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
-    row, head_stride = page_strides(k_cache)
+    row, head_stride = pool_strides(k_cache)
     assert (row, head_stride) == (
         (head_dim, page_size * head_dim) if head_major else (kv_heads * head_dim, head_dim)
     )
