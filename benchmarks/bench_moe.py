@@ -5,24 +5,27 @@
 
 GPU part, config `moe-medium` (hidden 2048, 64 experts, top-8, expert hidden
 1408, one shared expert; DeepSeek-V2-Lite's layer):
-  1. routed experts at decode batch sizes T: the fused INT4 kernel (group 128)
-     vs the bf16 torch reference (loop over the experts that got tokens), and
+  1. routed experts at decode batch sizes T: the fused INT4 kernels (group 128;
+     the tensor-core one over expert slots, moe_mma.py, and the CUDA-core one,
+     moe.py) vs the bf16 torch reference (loop over the experts that got tokens), and
      vs the time a bf16 kernel would take at copy bandwidth (active experts'
      bytes / measured copy bandwidth);
   2. single-stream decode (T = 1) through a stack of `--layers` MoE blocks
      (RMSNorm, router, routed + shared experts, residual; attention left out):
-     tokens/s with bf16 weights vs INT4 weights, eager, and INT4 in a CUDA graph.
+     tokens/s with bf16 weights vs INT4 weights, eager, and INT4 in a CUDA graph
+     (with either MoE kernel).
 Needs only torch, triton and numpy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -86,6 +89,8 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
 
     from benchmarks.bench_w4a16 import bench_graph
     from gpu_node.kernels.moe import fused_moe_int4
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.quant.int4 import experts_to_mma
 
     mlp = MoeMLP.dummy(config, seed=0, dtype=torch.bfloat16, device="cuda")
     w13_bf16, w2_bf16 = mlp.experts.w13, mlp.experts.w2
@@ -96,6 +101,7 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
         routers.append(other.router)
         layers.append(other.experts.to_int4(GROUP).weights())
         del other
+    layers_mma = [(experts_to_mma(w13), experts_to_mma(w2)) for w13, w2 in layers]
     w13, w2 = layers[0]
     per_expert_bf16 = 2 * (w13_bf16[0].numel() + w2_bf16[0].numel())
     per_expert_int4 = (w13.nbytes + w2.nbytes) // config.num_experts
@@ -107,13 +113,20 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
         routings = [router(x) for router, x in zip(routers, xs, strict=True)]
         actives = [int(torch.unique(r.topk_ids).numel()) for r in routings]
         ref = moe_experts_ref(xs[0], w13_bf16, w2_bf16, routings[0]).float()
-        ours = fused_moe_int4(xs[0], w13, w2, routings[0]).float()
+        ours = fused_moe_mma(xs[0], *layers_mma[0], routings[0]).float()
         err = float((ours - ref).norm() / ref.norm())
+        core = fused_moe_int4(xs[0], w13, w2, routings[0]).float()
+        err_kernels = float((ours - core).norm() / core.norm())
         calls = [
+            lambda x=x, w=w, r=r: fused_moe_mma(x, w[0], w[1], r)
+            for x, w, r in zip(xs, layers_mma, routings, strict=True)
+        ]
+        t_ours = bench_graph(calls)
+        calls_core = [
             lambda x=x, w=w, r=r: fused_moe_int4(x, w[0], w[1], r)
             for x, w, r in zip(xs, layers, routings, strict=True)
         ]
-        t_ours = bench_graph(calls)
+        t_core = bench_graph(calls_core)
         t_ref = triton.testing.do_bench(
             lambda x=xs[0], r=routings[0]: moe_experts_ref(x, w13_bf16, w2_bf16, r),
             return_mode="median",
@@ -124,16 +137,104 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
             "T": t,
             "active_experts": active,
             "int4_us": t_ours * 1e3,
+            "int4_cuda_core_us": t_core * 1e3,
+            "mma_vs_cuda_core": t_core / t_ours,
             "bf16_ref_us": t_ref * 1e3,
             "bf16_at_copy_bw_us": ideal_bf16_ms * 1e3,
             "speedup_vs_bf16_ref": t_ref / t_ours,
             "speedup_vs_bf16_at_copy_bw": ideal_bf16_ms / t_ours,
             "int4_bw_frac": active * per_expert_int4 / (t_ours * 1e-3) / bw,
             "rel_err_vs_bf16": err,
+            "rel_diff_mma_vs_cuda_core": err_kernels,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Microseconds of each launch of the tensor-core MoE layer (CUDA-graph replays over
+    4 layers' copies), so the layer's time can be read against its parts."""
+    from benchmarks.bench_w4a16 import bench_graph
+    from gpu_node.kernels.moe_mma import _grouped_gemv, silu_mul
+    from gpu_node.kernels.moe_slots import expert_slots
+    from gpu_node.quant.int4 import experts_to_mma
+
+    layers, routers = [], []
+    for seed in range(4):
+        mlp = MoeMLP.dummy(config, seed=seed, dtype=torch.bfloat16, device="cuda")
+        w13, w2 = mlp.experts.to_int4(GROUP).weights()
+        layers.append((experts_to_mma(w13), experts_to_mma(w2)))
+        routers.append(mlp.router)
+        del mlp
+    rows = []
+    for t in batches:
+        xs = [
+            torch.randn(t, config.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in layers
+        ]
+        routings = [router(x) for router, x in zip(routers, xs, strict=True)]
+        slots = [expert_slots(r.topk_ids, config.num_experts) for r in routings]
+        gate_ups = [
+            _grouped_gemv(x, w[0], s, None, config.top_k)
+            for x, w, s in zip(xs, layers, slots, strict=True)
+        ]
+        acts = [silu_mul(g) for g in gate_ups]
+        weights = [r.topk_weights.reshape(-1).contiguous() for r in routings]
+        ys = [
+            _grouped_gemv(a, w[1], s, wt, 1)
+            for a, w, s, wt in zip(acts, layers, slots, weights, strict=True)
+        ]
+        parts = {
+            "slots": [lambda r=r: expert_slots(r.topk_ids, config.num_experts) for r in routings],
+            "gemm1": [
+                lambda x=x, w=w, s=s: _grouped_gemv(x, w[0], s, None, config.top_k)
+                for x, w, s in zip(xs, layers, slots, strict=True)
+            ],
+            "silu_mul": [lambda g=g: silu_mul(g) for g in gate_ups],
+            "gemm2": [
+                lambda a=a, w=w, s=s, wt=wt: _grouped_gemv(a, w[1], s, wt, 1)
+                for a, w, s, wt in zip(acts, layers, slots, weights, strict=True)
+            ],
+            "sum": [lambda y=y, t=t: y.view(t, config.top_k, -1).sum(dim=1) for y in ys],
+        }
+        row: dict = {"T": t}
+        for name, calls in parts.items():
+            row[f"{name}_us"] = bench_graph(calls) * 1e3
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def cuda_core_moe_kernel() -> Iterator[None]:
+    """Int4MoeExperts runs the fused CUDA-core kernel (the tensor-core one declines)."""
+    from gpu_node.kernels import moe_mma
+
+    takes = moe_mma.takes
+    moe_mma.takes = lambda x, group_size: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        moe_mma.takes = takes  # type: ignore[assignment]
+
+
+def graph_ms(model: nn.Module, x: torch.Tensor) -> float | None:
+    """Milliseconds per replay of the model captured in a CUDA graph (None: cannot capture)."""
+    try:
+        static_x = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(static_x)
+        return cuda_ms(graph.replay, iters=100)
+    except RuntimeError as exc:
+        print(f"CUDA graph capture failed: {exc}")
+        return None
 
 
 def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
@@ -145,41 +246,40 @@ def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
         )
     )
     int4 = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
+    int4_core = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
     x = torch.randn(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         y_bf16, y_int4 = bf16(x).float(), int4(x).float()
         rel = float((y_int4 - y_bf16).norm() / y_bf16.norm())
         ms_bf16 = cuda_ms(lambda: bf16(x), iters=20)
         ms_int4 = cuda_ms(lambda: int4(x), iters=50)
-        ms_graph = None
-        try:
-            static_x = x.clone()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    int4(static_x)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                int4(static_x)
-            ms_graph = cuda_ms(graph.replay, iters=100)
-        except RuntimeError as exc:
-            print(f"CUDA graph capture failed: {exc}")
+        ms_graph = graph_ms(int4, x)
+        with cuda_core_moe_kernel():
+            y_core = int4_core(x).float()
+            ms_core = cuda_ms(lambda: int4_core(x), iters=50)
+            ms_core_graph = graph_ms(int4_core, x)
+        rel_core = float((y_int4 - y_core).norm() / y_core.norm())
     b_bf16, b_int4 = model_bytes(bf16), model_bytes(int4)
     # The best any bf16 decode could do: read each layer's active weights once at copy bandwidth.
     c = config
     active_bf16 = (c.top_k + c.num_shared_experts) * 3 * c.hidden_size * c.expert_hidden_size * 2
     bf16_ceiling = bw / (num_layers * active_bf16)
+
+    def tok_s(ms: float | None) -> float | None:
+        return None if ms is None else 1e3 / ms
+
     result = {
         "layers": num_layers,
-        "bf16_tok_s": 1e3 / ms_bf16,
-        "int4_tok_s": 1e3 / ms_int4,
-        "int4_graph_tok_s": None if ms_graph is None else 1e3 / ms_graph,
+        "bf16_tok_s": tok_s(ms_bf16),
+        "int4_tok_s": tok_s(ms_int4),
+        "int4_graph_tok_s": tok_s(ms_graph),
+        "int4_cuda_core_kernel_tok_s": tok_s(ms_core),
+        "int4_cuda_core_kernel_graph_tok_s": tok_s(ms_core_graph),
         "bf16_at_copy_bw_tok_s": bf16_ceiling,
         "bf16_GB": b_bf16.total / 1e9,
         "int4_GB": b_int4.total / 1e9,
         "rel_err_int4_vs_bf16_after_stack": rel,
+        "rel_diff_mma_vs_cuda_core_after_stack": rel_core,
     }
     print(json.dumps(result), flush=True)
     return result
@@ -252,28 +352,36 @@ def main() -> None:
     print(
         f"device {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; config {config}"
     )
+    parts = bench_parts(config)
     rows = bench_experts(config, bw)
     decode = bench_decode(config, args.layers, bw)
     print()
     print(
-        "| T | active experts (mean) | INT4 fused us (graph) | bf16 ref us (eager) | bf16 at copy BW us | vs bf16 ref | vs bf16 at copy BW | INT4 BW frac | rel err |"
+        "| T | active experts (mean) | INT4 tensor-core us | INT4 CUDA-core us | tensor-core gain "
+        "| bf16 ref us (eager) | bf16 at copy BW us | vs bf16 ref | vs bf16 at copy BW "
+        "| INT4 BW frac | rel err |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['T']} | {r['active_experts']:.1f} | {r['int4_us']:.1f} | {r['bf16_ref_us']:.1f} | "
+            f"| {r['T']} | {r['active_experts']:.1f} | {r['int4_us']:.1f} | "
+            f"{r['int4_cuda_core_us']:.1f} | {r['mma_vs_cuda_core']:.2f}x | {r['bf16_ref_us']:.1f} | "
             f"{r['bf16_at_copy_bw_us']:.1f} | {r['speedup_vs_bf16_ref']:.2f}x | "
-            f"{r['speedup_vs_bf16_at_copy_bw']:.2f}x | {r['int4_bw_frac']:.2f} | {r['rel_err_vs_bf16']:.1e} |"
+            f"{r['speedup_vs_bf16_at_copy_bw']:.2f}x | {r['int4_bw_frac']:.2f} | "
+            f"{r['rel_err_vs_bf16']:.1e} |"
         )
+    d = decode
     print(
-        f"\ndecode, {decode['layers']} MoE layers, T=1: bf16 {decode['bf16_tok_s']:.1f} tok/s, "
-        f"INT4 {decode['int4_tok_s']:.1f} tok/s (eager), INT4 graph {decode['int4_graph_tok_s']} tok/s; "
-        f"bf16 at copy bandwidth (ceiling) {decode['bf16_at_copy_bw_tok_s']:.1f} tok/s; "
-        f"weights {decode['bf16_GB']:.2f} GB vs {decode['int4_GB']:.2f} GB"
+        f"\ndecode, {d['layers']} MoE layers, T=1: bf16 {d['bf16_tok_s']:.1f} tok/s (eager); INT4 "
+        f"tensor-core kernel {d['int4_tok_s']:.1f} eager, {d['int4_graph_tok_s']} graph; INT4 "
+        f"CUDA-core kernel {d['int4_cuda_core_kernel_tok_s']:.1f} eager, "
+        f"{d['int4_cuda_core_kernel_graph_tok_s']} graph; bf16 at copy bandwidth (ceiling) "
+        f"{d['bf16_at_copy_bw_tok_s']:.1f} tok/s; weights {d['bf16_GB']:.2f} GB vs "
+        f"{d['int4_GB']:.2f} GB"
     )
     if args.json:
         args.json.write_text(
-            json.dumps({"copy_bw": bw, "experts": rows, "decode": decode}, indent=1)
+            json.dumps({"copy_bw": bw, "parts": parts, "experts": rows, "decode": decode}, indent=1)
         )
 
 

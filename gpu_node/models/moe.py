@@ -28,7 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_node.quant.int4 import Int4Weight, dequantize_int4, int4_from_gguf_q4_1, quantize_int4
+from gpu_node.quant.int4 import (
+    Int4ExpertsMMA,
+    Int4Weight,
+    dequantize_int4,
+    experts_from_mma,
+    experts_to_mma,
+    int4_expert,
+    int4_from_gguf_q4_1,
+    quantize_int4,
+)
 
 
 @dataclass(frozen=True)
@@ -172,17 +181,61 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     )
 
 
+SLOT_TOKENS = 8  # columns of one mma.m16n8k16: the tokens an expert's weights are read once for
+
+
+@dataclass(frozen=True)
+class ExpertSlots:
+    """Token-expert assignments grouped by expert in slots of up to SLOT_TOKENS (decode).
+
+    Slot s holds `slot_counts[s]` assignments of expert `slot_experts[s]` in
+    `slot_ids[s, :count]`, in token order; its other columns repeat `slot_ids[s, 0]`, so a
+    kernel may read them (and never stores them). An expert with more than SLOT_TOKENS
+    assignments takes several slots. Slots past the used ones say expert E, count 0.
+    Sized by the upper bound T * K (one slot per assignment) so that building it never
+    waits on the GPU.
+    """
+
+    slot_experts: torch.Tensor  # int32 [S]
+    slot_ids: torch.Tensor  # int32 [S, SLOT_TOKENS]
+    slot_counts: torch.Tensor  # int32 [S]
+    num_assignments: int  # T * K = S
+
+
+def slot_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
+    """Groups [T, K] expert choices into slots of up to SLOT_TOKENS assignments of one expert."""
+    flat = topk_ids.reshape(-1)  # [A = T*K]
+    num_assignments = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # assignments, expert by expert
+    experts = flat[order]
+    rank = torch.arange(num_assignments, device=device) - starts[experts]  # within the expert
+    column = rank % SLOT_TOKENS
+    slot = torch.cumsum(column == 0, 0) - 1  # [A]: a new slot every SLOT_TOKENS of an expert
+    # Scatters with repeated indices below always write equal values.
+    slot_experts = torch.full((num_assignments,), num_experts, dtype=torch.int64, device=device)
+    slot_experts.scatter_(0, slot, experts)
+    slot_ids = torch.zeros(num_assignments, SLOT_TOKENS, dtype=torch.int64, device=device)
+    slot_ids[slot, column] = order
+    slot_counts = torch.zeros(num_assignments, dtype=torch.int64, device=device)
+    slot_counts.scatter_add_(0, slot, torch.ones_like(slot))
+    filled = torch.arange(SLOT_TOKENS, device=device) < slot_counts[:, None]
+    slot_ids = torch.where(filled, slot_ids, slot_ids[:, :1])
+    return ExpertSlots(
+        slot_experts=slot_experts.to(torch.int32),
+        slot_ids=slot_ids.to(torch.int32),
+        slot_counts=slot_counts.to(torch.int32),
+        num_assignments=num_assignments,
+    )
+
+
 def _expert_weight(w: torch.Tensor | Int4Weight, e: int) -> torch.Tensor:
     """One expert's dense weight [rows, cols]: INT4 dequantized to fp32, float as stored."""
     if isinstance(w, Int4Weight):
-        one = Int4Weight(
-            packed=w.packed[e],
-            scales=w.scales[e],
-            mins=w.mins[e],
-            shape=w.shape[1:],
-            group_size=w.group_size,
-        )
-        return dequantize_int4(one)
+        return dequantize_int4(int4_expert(w, e))
     return w[e]
 
 
@@ -261,7 +314,15 @@ class Int4MoeExperts(nn.Module):
             self.register_buffer(f"{prefix}_scales", w.scales)
             self.register_buffer(f"{prefix}_mins", w.mins)
 
+    @property
+    def layout(self) -> Literal["int4", "mma"]:
+        """Int4Weight's (uint8 codes) or Int4ExpertsMMA's (int32 tiles, on CUDA)."""
+        return "mma" if self.w13_packed.dtype == torch.int32 else "int4"
+
     def weights(self) -> tuple[Int4Weight, Int4Weight]:
+        if self.layout == "mma":
+            w13_mma, w2_mma = self.weights_mma()
+            return experts_from_mma(w13_mma), experts_from_mma(w2_mma)
         w13 = Int4Weight(
             self.w13_packed, self.w13_scales, self.w13_mins, self.w13_shape, self.group_size
         )
@@ -270,13 +331,36 @@ class Int4MoeExperts(nn.Module):
         )
         return w13, w2
 
+    def weights_mma(self) -> tuple[Int4ExpertsMMA, Int4ExpertsMMA]:
+        if self.layout != "mma":
+            w13, w2 = self.weights()
+            return experts_to_mma(w13), experts_to_mma(w2)
+        return (
+            Int4ExpertsMMA(self.w13_packed, self.w13_shape, self.group_size),
+            Int4ExpertsMMA(self.w2_packed, self.w2_shape, self.group_size),
+        )
+
+    def use_mma_layout(self) -> None:
+        """Re-lay the buffers out as Int4ExpertsMMA, in place (the tensor-core kernel's)."""
+        if self.layout != "mma":  # experts_to_mma refuses group sizes the kernel cannot take
+            w13, w2 = self.weights_mma()
+            self.w13_packed, self.w2_packed = w13.tiles, w2.tiles
+            empty = self.w13_scales.new_empty(0)  # inside the tiles
+            self.w13_scales = self.w13_mins = self.w2_scales = self.w2_mins = empty
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        w13, w2 = self.weights()
         if x.is_cuda:
+            # bf16/fp16 with groups of 64 or 128: the tensor-core kernel over expert slots,
+            # its layout taken on the first call; otherwise the fused CUDA-core kernel.
+            from gpu_node.kernels import moe_mma
             from gpu_node.kernels.moe import fused_moe_int4
 
-            return fused_moe_int4(x, w13, w2, routing)
-        return moe_experts_ref(x, w13, w2, routing)
+            if self.layout == "int4" and moe_mma.takes(x, self.group_size):
+                self.use_mma_layout()
+            if self.layout == "mma" and moe_mma.takes(x, self.group_size):
+                return moe_mma.fused_moe_mma(x, *self.weights_mma(), routing)
+            return fused_moe_int4(x, *self.weights(), routing)
+        return moe_experts_ref(x, *self.weights(), routing)
 
 
 class SharedExperts(nn.Module):

@@ -373,3 +373,72 @@ def from_mma(weight: Int4WeightMMA) -> Int4Weight:
         shape=(n, k),
         group_size=weight.group_size,
     )
+
+
+@dataclass(frozen=True)
+class Int4ExpertsMMA:
+    """A stack of E experts' weights [E, N, K] in Int4WeightMMA's layout, one after another.
+
+        tiles  int32 [E, N16 / 16, K / G, 2G + 16]   a view of storage [E, K / G, N16 / 16, 2G + 16]
+
+    `tiles[e]` is expert e's Int4WeightMMA tiles exactly (group-major within the expert),
+    so the MoE decode kernel (gpu_node/kernels/moe_mma.py) walks an expert as the dense
+    tensor-core GEMV walks a weight.
+    """
+
+    tiles: torch.Tensor
+    shape: tuple[int, int, int]
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.tiles.dim() != 4 or self.tiles.shape[0] != self.shape[0]:
+            raise ValueError(
+                f"Int4ExpertsMMA.tiles must be [E, ...] for E = {self.shape[0]}, "
+                f"got {list(self.tiles.shape)}"
+            )
+        self.expert(0)  # checks the per-expert shape, dtype and strides
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel() * self.tiles.element_size()
+
+    def expert(self, e: int) -> Int4WeightMMA:
+        return Int4WeightMMA(tiles=self.tiles[e], shape=self.shape[1:], group_size=self.group_size)
+
+
+def int4_expert(weight: Int4Weight, e: int) -> Int4Weight:
+    """Expert e of a stacked Int4Weight [E, N, K], as a 2-D Int4Weight (views)."""
+    return Int4Weight(
+        packed=weight.packed[e],
+        scales=weight.scales[e],
+        mins=weight.mins[e],
+        shape=weight.shape[1:],
+        group_size=weight.group_size,
+    )
+
+
+def experts_to_mma(weight: Int4Weight) -> Int4ExpertsMMA:
+    """Int4Weight [E, N, K] -> Int4ExpertsMMA (lossless; `experts_from_mma` inverts it)."""
+    if len(weight.shape) != 3:
+        raise ValueError(f"experts_to_mma takes a 3-D weight [E, N, K], got shape {weight.shape}")
+    # Each expert's tiles are a transposed view of group-major storage; stacking the
+    # storage keeps every expert group-major.
+    storage = torch.stack(
+        [to_mma(int4_expert(weight, e)).tiles.transpose(0, 1) for e in range(weight.shape[0])]
+    )  # [E, K / G, N16 / 16, 2G + 16]
+    e, n, k = weight.shape
+    return Int4ExpertsMMA(
+        tiles=storage.transpose(1, 2), shape=(e, n, k), group_size=weight.group_size
+    )
+
+
+def experts_from_mma(weight: Int4ExpertsMMA) -> Int4Weight:
+    """Int4ExpertsMMA -> Int4Weight [E, N, K]."""
+    parts = [from_mma(weight.expert(e)) for e in range(weight.shape[0])]
+    return Int4Weight(
+        packed=torch.stack([p.packed for p in parts]),
+        scales=torch.stack([p.scales for p in parts]),
+        mins=torch.stack([p.mins for p in parts]),
+        shape=weight.shape,
+        group_size=weight.group_size,
+    )

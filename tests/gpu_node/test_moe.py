@@ -19,8 +19,17 @@ from gpu_node.models.moe import (
     group_by_expert,
     moe_mlp_from_gguf,
     route,
+    slot_by_expert,
 )
-from gpu_node.quant.int4 import dequantize_int4
+from gpu_node.quant.int4 import (
+    Int4ExpertsMMA,
+    dequantize_int4,
+    experts_from_mma,
+    experts_to_mma,
+    int4_expert,
+    quantize_int4,
+    to_mma,
+)
 from gpu_node.quant.linear import Int4Linear, ModelBytes, model_bytes, quantize_model
 
 SMALL = MOE_CONFIGS["moe-small"]
@@ -75,6 +84,66 @@ def test_group_by_expert_pads_each_expert_and_skips_empty_ones() -> None:
     assert b.sorted_ids.tolist() == [0, 4, 3, pad, 1, 2, 5, pad, pad, pad]
     assert b.block_experts.tolist() == [0, 1, 3, 3, 4]  # 4 == E: nothing there
     assert b.num_assignments == 6 and b.block_m == 2
+
+
+def test_slot_by_expert_cuts_each_expert_into_slots_of_eight() -> None:
+    # 10 tokens, top-2, 4 experts: expert 1 gets 10 assignments (two slots), 2 gets 7,
+    # 3 gets 2, 0 gets 1; assignment a = token * 2 + k.
+    ids = torch.tensor([[3, 1], [1, 0], [1, 3]] + [[1, 2]] * 7)
+    s = slot_by_expert(ids, num_experts=4)
+    assert s.num_assignments == 20
+    assert s.slot_experts.tolist() == [0, 1, 1, 2, 3] + [4] * 15  # 4 == E: unused
+    assert s.slot_counts.tolist() == [1, 8, 2, 7, 2] + [0] * 15
+    rows = s.slot_ids.tolist()
+    assert rows[0] == [3] * 8  # one assignment; the other columns repeat it
+    assert rows[1] == [1, 2, 4, 6, 8, 10, 12, 14]  # expert 1's first eight, in token order
+    assert rows[2] == [16, 18, 16, 16, 16, 16, 16, 16]
+    assert rows[3] == [7, 9, 11, 13, 15, 17, 19, 7]
+    assert rows[4] == [0, 5, 0, 0, 0, 0, 0, 0]
+    assert s.slot_ids.dtype == s.slot_experts.dtype == s.slot_counts.dtype == torch.int32
+
+
+def test_slot_by_expert_one_token_gives_one_slot_per_expert() -> None:
+    s = slot_by_expert(torch.tensor([[5, 2, 7]]), num_experts=8)
+    assert s.slot_experts.tolist() == [2, 5, 7]
+    assert s.slot_counts.tolist() == [1, 1, 1]
+    assert s.slot_ids[:, 0].tolist() == [1, 0, 2]
+
+
+def test_expert_stack_mma_layout_is_lossless_and_per_expert() -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize_int4(torch.randn(3, 40, 128, generator=gen), 64)
+    mma = experts_to_mma(weight)
+    assert mma.tiles.shape == (3, 3, 2, 2 * 64 + 16) and mma.shape == (3, 40, 128)
+    # Expert-major, then group-major within the expert, as one expert's Int4WeightMMA.
+    assert mma.tiles.stride() == (2 * 3 * 144, 144, 3 * 144, 1)
+    for e in range(3):
+        assert torch.equal(mma.expert(e).tiles, to_mma(int4_expert(weight, e)).tiles)
+    back = experts_from_mma(mma)
+    assert torch.equal(back.packed, weight.packed)
+    assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
+    with pytest.raises(ValueError, match="3-D"):
+        experts_to_mma(quantize_int4(torch.randn(40, 128), 64))
+    with pytest.raises(ValueError, match=r"\[E, \.\.\.\] for E = 4"):
+        Int4ExpertsMMA(tiles=mma.tiles, shape=(4, 40, 128), group_size=64)
+
+
+def test_int4_moe_experts_in_the_mma_layout_give_the_same_output() -> None:
+    config = MoeConfig(hidden_size=128, num_experts=4, top_k=2, expert_hidden_size=64)
+    experts = MoeMLP.dummy(config, seed=4, dtype=torch.float32).experts
+    assert isinstance(experts, MoeExperts)
+    int4 = experts.to_int4(group_size=64)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    routing = route(torch.randn(5, 4, generator=torch.Generator().manual_seed(2)), 2)
+    before = int4(x, routing)
+    w13, w2 = int4.weights()
+    assert int4.layout == "int4"
+    int4.use_mma_layout()
+    assert int4.layout == "mma" and int4.w13_packed.dtype == torch.int32
+    assert int4.w13_scales.numel() == 0  # the scales and mins live in the tiles
+    after_w13, after_w2 = int4.weights()
+    assert torch.equal(after_w13.packed, w13.packed) and torch.equal(after_w2.mins, w2.mins)
+    assert torch.equal(int4(x, routing), before)
 
 
 def test_config_errors_name_the_field() -> None:

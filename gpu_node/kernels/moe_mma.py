@@ -1,0 +1,298 @@
+"""Fused INT4 MoE on tensor cores: the dense decode GEMV (w4a16_mma.py) over expert slots.
+
+Letters: T tokens, H hidden, E experts, K top-k, I expert hidden, A = T * K assignments,
+S slots (A at most), G group size (64 or 128), W warps per program.
+
+    x [T, H] --router--> topk_ids, topk_weights [T, K]
+      expert_slots: assignments in slots of up to 8 of one expert        [S, 8]
+      GEMM 1 (this kernel): h[a] = x[a // K] @ W13[e]^T                   [A, 2I]
+      act = silu(h[:, :I]) * h[:, I:]                                     [A, I]
+      GEMM 2 (this kernel): y[a] = w[a] * (act[a] @ W2[e]^T)              [A, H]
+      out[t] = sum over slots of y[t * K + slot]                          [T, H]
+
+A slot is one mma.m16n8k16 problem: the expert's weights are the A operand, as in the
+dense kernel, and the slot's (up to 8) activation rows are the B operand's 8 columns,
+gathered by assignment id instead of read in order. So an expert's INT4 weights are
+read once per 8 of its tokens, and at decode (T * K assignments spread over many
+experts) the kernel is the dense GEMV run on every active expert at once: programs
+along (slot, row blocks) and split K, each reading its tiles one group ahead, the
+split-K partials summed by the last program of each (slot, row blocks) column.
+
+Unused slots (expert E) exit at once, so the grid is sized by the upper bound A and
+building it never waits on the GPU (CUDA graphs can capture the whole layer). The
+interpreter cannot run inline asm, so this kernel is GPU-only; the slots have CPU
+tests and the kernel GPU tests against the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.kernels.moe_slots import expert_slots
+from gpu_node.kernels.w4a16 import is_interpreted, num_sms
+from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
+from gpu_node.kernels.w4a16_mma import FULL_WAVE_WARPS, LEAST_WARPS, _group
+from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, MAGIC, PTX
+from gpu_node.models.moe import SLOT_TOKENS, ExpertSlots, Routing
+from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA
+
+WARPS = 4
+CHAINS = 2  # one row block a warp, each mma chain split in two (as the dense kernel's)
+
+
+@triton.jit
+def _moe_mma_kernel(
+    a_ptr,  # int32 [rows, K / 2]: bf16/fp16 pairs; row of assignment a = a // A_ROW_DIV
+    tiles_ptr,  # int32 [E, N16 / 16, K / G, 2G + 16] (Int4ExpertsMMA)
+    stride_te,  # tiles' strides (int32) along experts, row blocks and groups
+    stride_tr,
+    stride_tg,
+    slot_experts_ptr,  # int32 [S]: E for an unused slot
+    slot_ids_ptr,  # int32 [S, 8]: assignments
+    slot_counts_ptr,  # int32 [S]
+    weights_ptr,  # fp32 [A]: routing weights (read when MUL_ROUTED_WEIGHT)
+    part_ptr,  # fp32 [splits, programs, E_TILE]
+    count_ptr,  # int32 [programs]: 0 between calls
+    out_ptr,  # [A, N]
+    N,
+    num_experts,
+    num_row_blocks,
+    programs_n,  # programs along N per slot
+    stride_am,  # in int32 pairs
+    stride_om,
+    num_groups,
+    groups_per_split,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    WARPS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HIGH: tl.constexpr,
+    D_ASM: tl.constexpr,
+    D_CONSTRAINTS: tl.constexpr,
+    S_ASM: tl.constexpr,
+    S_CONSTRAINTS: tl.constexpr,
+    SLOT: tl.constexpr,  # SLOT_TOKENS
+):
+    tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
+    CPG: tl.constexpr = GROUP_SIZE // 64
+    E: tl.constexpr = 128 * WARPS
+    pid = tl.program_id(0)  # slot * programs_n + program along N
+    pid_s = tl.program_id(1)
+    slot = pid // programs_n
+    pid_n = pid % programs_n
+    expert = tl.load(slot_experts_ptr + slot)
+    if expert < num_experts:
+        count = tl.load(slot_counts_ptr + slot)
+        # One row block a warp ([1, E] tensors): the dense kernel's layout with R = 1.
+        i = tl.arange(0, 1)[:, None]
+        e = tl.arange(0, E)[None, :]
+        lane = (e // 4) % 32
+        j = e % 4
+        g = lane // 4
+        t = lane % 4
+        rb = pid_n * WARPS + e // 128 + i  # [1, E]
+        rb_ok = rb < num_row_blocks
+        tile_at = tiles_ptr + expert.to(tl.int64) * stride_te + rb * stride_tr
+        words_at = tile_at + e % 128
+        sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
+        ids_g = tl.load(slot_ids_ptr + slot * SLOT + g)  # [1, E]: column g's assignment
+        x_at = a_ptr + (ids_g // A_ROW_DIV).to(tl.int64) * stride_am + t * 8 + j
+        sm_stride = 2 * stride_tg
+        sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
+
+        g_begin = pid_s * groups_per_split
+        g_end = tl.minimum(g_begin + groups_per_split, num_groups)
+        acc = tl.full((1, E), 0.0, tl.float32)
+        w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
+        w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
+        sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
+        for grp in range(g_begin, g_end):
+            ok = rb_ok & (grp + 1 < g_end)
+            w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
+            w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
+            sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
+            acc = _group(
+                acc, w0, w1, sm, x_at, grp * CPG, OFFSET, sm_mul, CPG, 0, 2, HIGH,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
+            )  # fmt: skip
+            w0, w1, sm = w0_n, w1_n, sm_n
+
+        n_of = rb * 16 + g + 8 * (j // 2)  # [1, E]: output row of C element j
+        m_of = 2 * t + (j % 2)  # [1, E]: slot column of C element j
+        ids_m = tl.load(slot_ids_ptr + slot * SLOT + m_of)  # its assignment
+        out_mask = rb_ok & (n_of < N) & (m_of < count)
+        out_at = out_ptr + ids_m.to(tl.int64) * stride_om + n_of
+        if MUL_ROUTED_WEIGHT:
+            weight = tl.load(weights_ptr + ids_m)
+        if SPLIT_K == 1:
+            if MUL_ROUTED_WEIGHT:
+                acc = acc * weight
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            split_stride = tl.num_programs(0) * E
+            part_at = part_ptr + pid * E + e
+            part_mask = rb_ok & (2 * t < count)
+            tl.store(part_at + pid_s * split_stride, acc, mask=part_mask)
+            # As in w4a16_mma.py: the last program of the column sums the partials.
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                total = tl.full((1, E), 0.0, tl.float32)
+                for p in tl.static_range(SPLIT_K):
+                    total += tl.load(
+                        part_at + p * split_stride, mask=part_mask, other=0.0, cache_modifier=".cg"
+                    )
+                if MUL_ROUTED_WEIGHT:
+                    total = total * weight
+                tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(count_ptr + pid, 0)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, stride_g, stride_o, BLOCK: tl.constexpr):
+    """out[a] = silu(gate) * up in fp32, rounded once: gate_up[a] = [gate | up], [A, 2I]."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inner
+    gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_g + inner + offs, mask=mask, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[A, 2I] (gate | up) -> silu(gate) * up [A, I] in gate_up's dtype, in one launch."""
+    rows, two_i = gate_up.shape
+    inner = two_i // 2
+    out = gate_up.new_empty(rows, inner)
+    if rows:
+        block = 1024
+        grid = (rows, triton.cdiv(inner, block))
+        _silu_mul_kernel[grid](gate_up, out, inner, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+@functools.cache
+def moe_mma_config(num_slots: int, n: int, k: int, group_size: int, num_sms: int) -> int:
+    """Groups per split for a launch over `num_slots` slots (the upper bound, not the used).
+
+    As the dense heuristic (mma_gemv_config): the longest splits that still launch about
+    a wave of warps (FULL_WAVE_WARPS a multiprocessor), else LEAST_WARPS, else the
+    shortest; whole-K (no split) first, so prefill-sized launches never split. Split
+    launches keep their (slot, row blocks) columns within the split-K counters.
+    """
+    num_groups = k // group_size
+    warps_n = -(-n // MMA_ROWS)  # one row block a warp
+    programs = num_slots * -(-warps_n // WARPS)
+    candidates = [num_groups] + [c for c in (32, 16, 8, 4, 2) if c < num_groups]
+    if programs > MAX_TILES:
+        return num_groups
+    for least in (FULL_WAVE_WARPS, LEAST_WARPS):
+        for per_split in candidates:
+            if num_slots * warps_n * -(-num_groups // per_split) >= least * num_sms:
+                return per_split
+    return candidates[-1]
+
+
+def takes(x: torch.Tensor, group_size: int) -> bool:
+    """Whether fused_moe_mma takes activations like x and experts of this group size."""
+    return (
+        x.is_cuda and not is_interpreted(x) and x.dtype in MAGIC and group_size in MMA_GROUP_SIZES
+    )
+
+
+def _grouped_gemv(
+    a: torch.Tensor,
+    w: Int4ExpertsMMA,
+    slots: ExpertSlots,
+    topk_weights: torch.Tensor | None,
+    a_row_div: int,
+) -> torch.Tensor:
+    """out[a] = (routing weight *) A[a // a_row_div] @ W[expert(a)]^T for every assignment a."""
+    num_experts, n, k = w.shape
+    num_slots = slots.slot_experts.numel()
+    per_split = moe_mma_config(num_slots, n, k, w.group_size, num_sms(a.device))
+    num_groups = k // w.group_size
+    splits = triton.cdiv(num_groups, per_split)
+    row_blocks = w.tiles.shape[1]
+    programs_n = triton.cdiv(row_blocks, WARPS)
+    programs = num_slots * programs_n
+    a = a.contiguous()
+    if a.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
+        a = a.clone()
+    pairs = a.view(torch.int32)  # rows of even length: a contiguous view starts aligned
+    out = torch.empty(slots.num_assignments, n, device=a.device, dtype=a.dtype)
+    part = torch.empty(splits, programs, 128 * WARPS, device=a.device) if splits > 1 else out
+    d_asm, d_constraints, s_asm, s_constraints = PTX[CHAINS]
+    weights = topk_weights if topk_weights is not None else part  # unread when not multiplying
+    _moe_mma_kernel[(programs, splits)](
+        pairs,
+        w.tiles,
+        w.tiles.stride(0),
+        w.tiles.stride(1),
+        w.tiles.stride(2),
+        slots.slot_experts,
+        slots.slot_ids,
+        slots.slot_counts,
+        weights,
+        part,
+        split_counters(a.device),
+        out,
+        n,
+        num_experts,
+        row_blocks,
+        programs_n,
+        pairs.stride(0),
+        out.stride(0),
+        num_groups,
+        per_split,
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        GROUP_SIZE=w.group_size,
+        WARPS=WARPS,
+        SPLIT_K=splits,
+        OFFSET=MAGIC[a.dtype][1],
+        HIGH=HIGH_ROWS[a.dtype],
+        D_ASM=d_asm[a.dtype],
+        D_CONSTRAINTS=d_constraints,
+        S_ASM=s_asm[a.dtype],
+        S_CONSTRAINTS=s_constraints,
+        SLOT=SLOT_TOKENS,
+        num_warps=WARPS,
+    )
+    return out
+
+
+def fused_moe_mma(
+    x: torch.Tensor, w13: Int4ExpertsMMA, w2: Int4ExpertsMMA, routing: Routing
+) -> torch.Tensor:
+    """Routed experts on tensor cores: x [T, H] bf16/fp16 on CUDA -> [T, H] in x's dtype.
+
+    w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; groups of 64 or 128.
+    """
+    t, h = x.shape
+    num_experts, two_i, h13 = w13.shape
+    if h13 != h or w2.shape != (num_experts, h, two_i // 2) or w2.group_size != w13.group_size:
+        raise ValueError(f"x [{t}, {h}] does not fit w13 {w13.shape} and w2 {w2.shape}")
+    if not takes(x, w13.group_size):
+        raise ValueError(
+            f"fused_moe_mma takes bf16/fp16 x on CUDA (compiled, not interpreted) and "
+            f"experts in Int4ExpertsMMA with groups of {MMA_GROUP_SIZES}; got {x.dtype} on "
+            f"{x.device}, group {w13.group_size}"
+        )
+    if t == 0:
+        return x.clone()
+    top_k = routing.topk_ids.shape[1]
+    # Six launches in all: the slots (2), GEMM 1, the activation, GEMM 2, the sum.
+    slots = expert_slots(routing.topk_ids, num_experts)
+    gate_up = _grouped_gemv(x, w13, slots, None, top_k)  # [A, 2I]
+    act = silu_mul(gate_up)  # [A, I]
+    weights = routing.topk_weights.reshape(-1).float().contiguous()  # [A]
+    y = _grouped_gemv(act, w2, slots, weights, 1)  # [A, H]
+    return y.view(t, top_k, h).sum(dim=1)  # fp32 sums on CUDA, one rounding

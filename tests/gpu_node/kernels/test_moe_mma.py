@@ -1,0 +1,148 @@
+"""The tensor-core MoE kernel over expert slots equals the torch reference (GPU only).
+
+Its inline PTX cannot run in the interpreter; the slots and the stacked layout have CPU
+tests in tests/gpu_node/test_moe.py, and the per-lane arithmetic is the dense kernel's
+(tests/gpu_node/kernels/test_w4a16_mma.py emulates it on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gpu_node.models.moe import Int4MoeExperts, Routing, moe_experts_ref, route
+from gpu_node.quant.int4 import Int4Weight, experts_to_mma, quantize_int4
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="the kernel's inline PTX runs on NVIDIA GPUs only, compiled (TRITON_INTERPRET=0)",
+)
+
+# Max |kernel - reference| over max |reference|: the kernel rounds x, the SwiGLU
+# activation and the output to 16 bits; the reference stays fp32.
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _experts(
+    num_experts: int, hidden: int, inner: int, group_size: int, seed: int
+) -> tuple[Int4Weight, Int4Weight]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5
+    return quantize_int4(w13, group_size).to("cuda"), quantize_int4(w2, group_size).to("cuda")
+
+
+def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "group_size", "hidden", "inner"),
+    [
+        (1, 8, 2, 64, 128, 64),  # one token: 6 of 8 experts idle, split K
+        (5, 8, 2, 128, 256, 128),
+        (20, 4, 3, 64, 128, 64),  # 15 assignments an expert: two slots each
+        (64, 64, 8, 64, 256, 128),  # 512 slots: whole K, no split
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_equals_reference(
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    group_size: int,
+    hidden: int,
+    inner: int,
+    dtype: torch.dtype,
+) -> None:
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+
+    w13, w2 = _experts(num_experts, hidden, inner, group_size, seed=tokens)
+    gen = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", dtype)
+    routing = route(torch.randn(tokens, num_experts, generator=gen).to("cuda"), top_k)
+    y = fused_moe_mma(x, experts_to_mma(w13), experts_to_mma(w2), routing)
+    ref = moe_experts_ref(x.float(), w13, w2, routing)
+    assert y.shape == (tokens, hidden) and y.dtype == dtype
+    assert _relative_error(y, ref) <= TOLERANCE[dtype]
+
+
+def test_routing_weight_is_applied_in_the_kernel() -> None:
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+
+    w13, w2 = (experts_to_mma(w) for w in _experts(4, 128, 64, 64, seed=1))
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    ids = torch.tensor([[1, 2], [1, 2]], device="cuda")
+    half = fused_moe_mma(x, w13, w2, Routing(ids, torch.full((2, 2), 0.5, device="cuda")))
+    ones = fused_moe_mma(x, w13, w2, Routing(ids, torch.ones(2, 2, device="cuda")))
+    assert torch.equal(ones, 2 * half)  # a power of two: exact through every rounding
+    only_first = fused_moe_mma(
+        x, w13, w2, Routing(ids, torch.tensor([[1.0, 0.0]] * 2, device="cuda"))
+    )
+    alone = fused_moe_mma(
+        x, w13, w2, Routing(ids[:, :1].contiguous(), torch.ones(2, 1, device="cuda"))
+    )
+    assert torch.equal(only_first, alone)
+
+
+def test_module_takes_the_mma_layout_on_cuda_and_keeps_its_output() -> None:
+    w13, w2 = _experts(8, 128, 64, 128, seed=3)
+    module = Int4MoeExperts(w13, w2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 128, generator=gen).to("cuda", torch.bfloat16)
+    routing = route(torch.randn(3, 8, generator=gen).to("cuda"), 2)
+    y = module(x, routing)
+    assert module.layout == "mma"
+    back13, back2 = module.weights()
+    assert torch.equal(back13.packed, w13.packed) and torch.equal(back2.scales, w2.scales)
+    ref = moe_experts_ref(x.float(), w13, w2, routing)
+    assert _relative_error(y, ref) <= TOLERANCE[torch.bfloat16]
+    # fp32 activations fall back to the CUDA-core kernel over the same weights.
+    y32 = module(x.float(), routing)
+    assert _relative_error(y32, ref) <= 1e-5
+
+
+def test_replays_in_a_cuda_graph_with_new_routing() -> None:
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+
+    w13, w2 = (experts_to_mma(w) for w in _experts(8, 128, 64, 64, seed=6))
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 128, generator=gen).to("cuda", torch.bfloat16)
+    first = route(torch.randn(4, 8, generator=gen).to("cuda"), 2)
+    second = route(torch.randn(4, 8, generator=gen).to("cuda"), 2)
+    ids, weights = first.topk_ids.clone(), first.topk_weights.clone()
+    fused_moe_mma(x, w13, w2, Routing(ids, weights))  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_mma(x, w13, w2, Routing(ids, weights))
+    for routing in (second, first):
+        ids.copy_(routing.topk_ids)
+        weights.copy_(routing.topk_weights)
+        graph.replay()
+        assert torch.equal(out, fused_moe_mma(x, w13, w2, routing))
+
+
+def test_calls_that_do_not_fit_are_refused() -> None:
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+
+    w13, w2 = (experts_to_mma(w) for w in _experts(4, 128, 64, 64, seed=2))
+    routing = route(torch.zeros(3, 4, device="cuda"), 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        fused_moe_mma(torch.randn(3, 64, device="cuda", dtype=torch.bfloat16), w13, w2, routing)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        fused_moe_mma(torch.randn(3, 128, device="cuda"), w13, w2, routing)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_equals_torch(dtype: torch.dtype) -> None:
+    from gpu_node.kernels.moe_mma import silu_mul
+
+    gate_up = torch.randn(7, 2 * 1408, generator=torch.Generator().manual_seed(8)).to("cuda", dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate) * up).to(dtype)
+    out = silu_mul(gate_up)
+    assert out.shape == (7, 1408) and out.dtype == dtype
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-3)
