@@ -101,7 +101,7 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
         routers.append(other.router)
         layers.append(other.experts.to_int4(GROUP).weights())
         del other
-    layers_mma = [(experts_to_mma(w13), experts_to_mma(w2)) for w13, w2 in layers]
+    layers_mma = [(experts_to_mma(w13, gated=True), experts_to_mma(w2)) for w13, w2 in layers]
     w13, w2 = layers[0]
     per_expert_bf16 = 2 * (w13_bf16[0].numel() + w2_bf16[0].numel())
     per_expert_int4 = (w13.nbytes + w2.nbytes) // config.num_experts
@@ -156,7 +156,7 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
     """Microseconds of each launch of the tensor-core MoE layer (CUDA-graph replays over
     4 layers' copies), so the layer's time can be read against its parts."""
     from benchmarks.bench_w4a16 import bench_graph
-    from gpu_node.kernels.moe_mma import _grouped_gemv, silu_mul
+    from gpu_node.kernels.moe_mma import _grouped_gemv
     from gpu_node.kernels.moe_slots import expert_slots
     from gpu_node.quant.int4 import experts_to_mma
 
@@ -164,7 +164,7 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
     for seed in range(4):
         mlp = MoeMLP.dummy(config, seed=seed, dtype=torch.bfloat16, device="cuda")
         w13, w2 = mlp.experts.to_int4(GROUP).weights()
-        layers.append((experts_to_mma(w13), experts_to_mma(w2)))
+        layers.append((experts_to_mma(w13, gated=True), experts_to_mma(w2)))
         routers.append(mlp.router)
         del mlp
     rows = []
@@ -174,11 +174,10 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
         ]
         routings = [router(x) for router, x in zip(routers, xs, strict=True)]
         slots = [expert_slots(r.topk_ids, config.num_experts) for r in routings]
-        gate_ups = [
+        acts = [
             _grouped_gemv(x, w[0], s, None, config.top_k)
             for x, w, s in zip(xs, layers, slots, strict=True)
         ]
-        acts = [silu_mul(g) for g in gate_ups]
         weights = [r.topk_weights.reshape(-1).contiguous() for r in routings]
         ys = [
             _grouped_gemv(a, w[1], s, wt, 1)
@@ -190,7 +189,6 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
                 lambda x=x, w=w, s=s: _grouped_gemv(x, w[0], s, None, config.top_k)
                 for x, w, s in zip(xs, layers, slots, strict=True)
             ],
-            "silu_mul": [lambda g=g: silu_mul(g) for g in gate_ups],
             "gemm2": [
                 lambda a=a, w=w, s=s, wt=wt: _grouped_gemv(a, w[1], s, wt, 1)
                 for a, w, s, wt in zip(acts, layers, slots, weights, strict=True)
@@ -200,6 +198,22 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
         row: dict = {"T": t}
         for name, calls in parts.items():
             row[f"{name}_us"] = bench_graph(calls) * 1e3
+        # Groups per split (the heuristic's choice is among them): 16 groups in GEMM 1, 11 in 2.
+        for per_split in (16, 8, 4, 2, 1):
+            row[f"gemm1_split{per_split}_us"] = 1e3 * bench_graph(
+                [
+                    lambda x=x, w=w, s=s, p=per_split: _grouped_gemv(
+                        x, w[0], s, None, config.top_k, p
+                    )
+                    for x, w, s in zip(xs, layers, slots, strict=True)
+                ]
+            )
+            row[f"gemm2_split{per_split}_us"] = 1e3 * bench_graph(
+                [
+                    lambda a=a, w=w, s=s, wt=wt, p=per_split: _grouped_gemv(a, w[1], s, wt, 1, p)
+                    for a, w, s, wt in zip(acts, layers, slots, weights, strict=True)
+                ]
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

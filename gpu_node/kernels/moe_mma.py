@@ -5,8 +5,8 @@ S slots (A at most), G group size (64 or 128), W warps per program.
 
     x [T, H] --router--> topk_ids, topk_weights [T, K]
       expert_slots: assignments in slots of up to 8 of one expert        [S, 8]
-      GEMM 1 (this kernel): h[a] = x[a // K] @ W13[e]^T                   [A, 2I]
-      act = silu(h[:, :I]) * h[:, I:]                                     [A, I]
+      GEMM 1 (this kernel): h[a] = x[a // K] @ W13[e]^T                   [2I]
+        and in its epilogue  act[a] = silu(h[:I]) * h[I:]                 [A, I]
       GEMM 2 (this kernel): y[a] = w[a] * (act[a] @ W2[e]^T)              [A, H]
       out[t] = sum over slots of y[t * K + slot]                          [T, H]
 
@@ -17,6 +17,9 @@ read once per 8 of its tokens, and at decode (T * K assignments spread over many
 experts) the kernel is the dense GEMV run on every active expert at once: programs
 along (slot, row blocks) and split K, each reading its tiles one group ahead, the
 split-K partials summed by the last program of each (slot, row blocks) column.
+W13's rows are interleaved (gated_row_order, int4.py) so that a lane's C fragment holds a
+feature's gate (row g) and up (row g + 8) together: the activation is applied in
+registers and only act [A, I] is written.
 
 Unused slots (expert E) exit at once, so the grid is sized by the upper bound A and
 building it never waits on the GPU (CUDA graphs can capture the whole layer). The
@@ -57,7 +60,7 @@ def _moe_mma_kernel(
     weights_ptr,  # fp32 [A]: routing weights (read when MUL_ROUTED_WEIGHT)
     part_ptr,  # fp32 [splits, programs, E_TILE]
     count_ptr,  # int32 [programs]: 0 between calls
-    out_ptr,  # [A, N]
+    out_ptr,  # [A, N], or [A, N / 2] when GATED
     N,
     num_experts,
     num_row_blocks,
@@ -68,6 +71,7 @@ def _moe_mma_kernel(
     groups_per_split,
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    GATED: tl.constexpr,  # rows in gated_row_order: store silu(gate) * up [A, N / 2]
     GROUP_SIZE: tl.constexpr,
     WARPS: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -123,17 +127,13 @@ def _moe_mma_kernel(
             )  # fmt: skip
             w0, w1, sm = w0_n, w1_n, sm_n
 
-        n_of = rb * 16 + g + 8 * (j // 2)  # [1, E]: output row of C element j
         m_of = 2 * t + (j % 2)  # [1, E]: slot column of C element j
         ids_m = tl.load(slot_ids_ptr + slot * SLOT + m_of)  # its assignment
-        out_mask = rb_ok & (n_of < N) & (m_of < count)
-        out_at = out_ptr + ids_m.to(tl.int64) * stride_om + n_of
-        if MUL_ROUTED_WEIGHT:
-            weight = tl.load(weights_ptr + ids_m)
         if SPLIT_K == 1:
-            if MUL_ROUTED_WEIGHT:
-                acc = acc * weight
-            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store(
+                acc, out_ptr, weights_ptr, ids_m, rb, g, j, m_of < count, rb_ok, N, stride_om,
+                MUL_ROUTED_WEIGHT, GATED, E,
+            )  # fmt: skip
         else:
             split_stride = tl.num_programs(0) * E
             part_at = part_ptr + pid * E + e
@@ -148,34 +148,46 @@ def _moe_mma_kernel(
                     total += tl.load(
                         part_at + p * split_stride, mask=part_mask, other=0.0, cache_modifier=".cg"
                     )
-                if MUL_ROUTED_WEIGHT:
-                    total = total * weight
-                tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                _store(
+                    total, out_ptr, weights_ptr, ids_m, rb, g, j, m_of < count, rb_ok, N,
+                    stride_om, MUL_ROUTED_WEIGHT, GATED, E,
+                )  # fmt: skip
                 tl.atomic_xchg(count_ptr + pid, 0)
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, stride_g, stride_o, BLOCK: tl.constexpr):
-    """out[a] = silu(gate) * up in fp32, rounded once: gate_up[a] = [gate | up], [A, 2I]."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < inner
-    gate = tl.load(gate_up_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_g + inner + offs, mask=mask, other=0.0).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+def _halves(v, E4: tl.constexpr):
+    """[1, E], four elements a lane -> the lane's elements (0, 1) and (2, 3), each [E / 4, 2]."""
+    return tl.split(tl.permute(tl.reshape(v, (E4, 2, 2)), (0, 2, 1)))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[A, 2I] (gate | up) -> silu(gate) * up [A, I] in gate_up's dtype, in one launch."""
-    rows, two_i = gate_up.shape
-    inner = two_i // 2
-    out = gate_up.new_empty(rows, inner)
-    if rows:
-        block = 1024
-        grid = (rows, triton.cdiv(inner, block))
-        _silu_mul_kernel[grid](gate_up, out, inner, gate_up.stride(0), out.stride(0), BLOCK=block)
-    return out
+@triton.jit
+def _store(
+    acc, out_ptr, weights_ptr, ids_m, rb, g, j, column_ok, rb_ok, N, stride_om,
+    MUL_ROUTED_WEIGHT: tl.constexpr, GATED: tl.constexpr, E: tl.constexpr,
+):  # fmt: skip
+    """acc [1, E]: C element j of lane 4g + t is row 16 rb + g + 8 (j // 2) of the slot's
+    column 2t + j % 2 (assignment ids_m). Stores it (times the routing weight), or, GATED
+    (rows in gated_row_order), silu(gate) * up of feature 8 rb + g: rows g and g + 8 of
+    the block are that feature's gate and up, so both are in the lane (elements j, j + 2)."""
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(weights_ptr + ids_m)
+    if GATED:
+        E4: tl.constexpr = E // 4
+        gate, up = _halves(acc, E4)  # [E / 4, 2]: (lane, column)
+        ids, _ = _halves(ids_m, E4)
+        feature = rb * 8 + g  # [1, E]
+        feat, _ = _halves(feature, E4)
+        ok = (rb_ok & (feature < N // 2) & column_ok).to(tl.int32)
+        ok2, _ = _halves(ok, E4)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        out_at = out_ptr + ids.to(tl.int64) * stride_om + feat
+        tl.store(out_at, act.to(out_ptr.dtype.element_ty), mask=ok2 != 0)
+    else:
+        n_of = rb * 16 + g + 8 * (j // 2)  # [1, E]
+        out_at = out_ptr + ids_m.to(tl.int64) * stride_om + n_of
+        mask = rb_ok & (n_of < N) & column_ok
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -213,11 +225,14 @@ def _grouped_gemv(
     slots: ExpertSlots,
     topk_weights: torch.Tensor | None,
     a_row_div: int,
+    per_split: int | None = None,  # groups per split: benchmarks' override of moe_mma_config
 ) -> torch.Tensor:
-    """out[a] = (routing weight *) A[a // a_row_div] @ W[expert(a)]^T for every assignment a."""
+    """out[a] = (routing weight *) A[a // a_row_div] @ W[expert(a)]^T for every assignment a,
+    or silu(gate) * up of it when W is gated."""
     num_experts, n, k = w.shape
     num_slots = slots.slot_experts.numel()
-    per_split = moe_mma_config(num_slots, n, k, w.group_size, num_sms(a.device))
+    if per_split is None:
+        per_split = moe_mma_config(num_slots, n, k, w.group_size, num_sms(a.device))
     num_groups = k // w.group_size
     splits = triton.cdiv(num_groups, per_split)
     row_blocks = w.tiles.shape[1]
@@ -227,7 +242,8 @@ def _grouped_gemv(
     if a.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
         a = a.clone()
     pairs = a.view(torch.int32)  # rows of even length: a contiguous view starts aligned
-    out = torch.empty(slots.num_assignments, n, device=a.device, dtype=a.dtype)
+    cols = n // 2 if w.gated else n
+    out = torch.empty(slots.num_assignments, cols, device=a.device, dtype=a.dtype)
     part = torch.empty(splits, programs, 128 * WARPS, device=a.device) if splits > 1 else out
     d_asm, d_constraints, s_asm, s_constraints = PTX[CHAINS]
     weights = topk_weights if topk_weights is not None else part  # unread when not multiplying
@@ -254,6 +270,7 @@ def _grouped_gemv(
         per_split,
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        GATED=w.gated,
         GROUP_SIZE=w.group_size,
         WARPS=WARPS,
         SPLIT_K=splits,
@@ -274,12 +291,15 @@ def fused_moe_mma(
 ) -> torch.Tensor:
     """Routed experts on tensor cores: x [T, H] bf16/fp16 on CUDA -> [T, H] in x's dtype.
 
-    w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; groups of 64 or 128.
+    w13: [E, 2I, H] (gate rows then up rows) laid out gated (`experts_to_mma(w13,
+    gated=True)`); w2: [E, H, I]; groups of 64 or 128.
     """
     t, h = x.shape
     num_experts, two_i, h13 = w13.shape
     if h13 != h or w2.shape != (num_experts, h, two_i // 2) or w2.group_size != w13.group_size:
         raise ValueError(f"x [{t}, {h}] does not fit w13 {w13.shape} and w2 {w2.shape}")
+    if not w13.gated or w2.gated:
+        raise ValueError("w13 must be laid out gated (experts_to_mma(w13, gated=True)), w2 not")
     if not takes(x, w13.group_size):
         raise ValueError(
             f"fused_moe_mma takes bf16/fp16 x on CUDA (compiled, not interpreted) and "
@@ -289,10 +309,9 @@ def fused_moe_mma(
     if t == 0:
         return x.clone()
     top_k = routing.topk_ids.shape[1]
-    # Six launches in all: the slots (2), GEMM 1, the activation, GEMM 2, the sum.
+    # Four launches at decode: the slots, GEMM 1 with the activation, GEMM 2, the sum.
     slots = expert_slots(routing.topk_ids, num_experts)
-    gate_up = _grouped_gemv(x, w13, slots, None, top_k)  # [A, 2I]
-    act = silu_mul(gate_up)  # [A, I]
+    act = _grouped_gemv(x, w13, slots, None, top_k)  # [A, I]: silu(gate) * up
     weights = routing.topk_weights.reshape(-1).float().contiguous()  # [A]
     y = _grouped_gemv(act, w2, slots, weights, 1)  # [A, H]
     return y.view(t, top_k, h).sum(dim=1)  # fp32 sums on CUDA, one rounding

@@ -1,4 +1,4 @@
-"""Expert slots (models/moe.py, ExpertSlots) built by two small Triton kernels.
+"""Expert slots (models/moe.py, ExpertSlots) built by one small Triton kernel in two passes.
 
 `slot_by_expert` in torch takes about 25 kernel launches (sort, cumsums, scatters), more
 time at decode than the expert GEMVs themselves. Here every assignment a = token * K + k
@@ -25,11 +25,12 @@ from gpu_node.models.moe import SLOT_TOKENS, ExpertSlots
 
 BLOCK_A = 64  # assignments a program places
 BLOCK_B = 128  # assignments compared against per step
+ONE_PROGRAM = 128  # up to this many assignments (16 tokens at top-8), one program does both passes
 
 
 @triton.jit
-def _count_rank_kernel(ids_ptr, count_ptr, rank_ptr, A, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    offs_a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+def _count_rank(ids_ptr, count_ptr, rank_ptr, A, pid, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    offs_a = pid * BLOCK_A + tl.arange(0, BLOCK_A)
     ids_a = tl.load(ids_ptr + offs_a, mask=offs_a < A, other=-1)
     count = tl.zeros((BLOCK_A,), tl.int32)
     rank = tl.zeros((BLOCK_A,), tl.int32)
@@ -44,7 +45,7 @@ def _count_rank_kernel(ids_ptr, count_ptr, rank_ptr, A, BLOCK_A: tl.constexpr, B
 
 
 @triton.jit
-def _place_kernel(
+def _place(
     ids_ptr,
     count_ptr,
     rank_ptr,
@@ -53,11 +54,12 @@ def _place_kernel(
     slot_counts_ptr,
     A,
     num_experts,
+    pid,
     SLOT: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    offs_a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_a = pid * BLOCK_A + tl.arange(0, BLOCK_A)
     in_a = offs_a < A
     ids_a = tl.load(ids_ptr + offs_a, mask=in_a, other=0)
     count_a = tl.load(count_ptr + offs_a, mask=in_a, other=0)
@@ -97,8 +99,36 @@ def _place_kernel(
     )
 
 
+@triton.jit
+def _slots_kernel(
+    ids_ptr,
+    count_ptr,
+    rank_ptr,
+    slot_experts_ptr,
+    slot_ids_ptr,
+    slot_counts_ptr,
+    A,
+    num_experts,
+    COUNT: tl.constexpr,  # pass 1
+    PLACE: tl.constexpr,  # pass 2 (both: one program holding every assignment)
+    SLOT: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if COUNT:
+        _count_rank(ids_ptr, count_ptr, rank_ptr, A, pid, BLOCK_A, BLOCK_B)
+    if COUNT and PLACE:
+        tl.debug_barrier()  # the program's own counts and ranks, visible to all its threads
+    if PLACE:
+        _place(
+            ids_ptr, count_ptr, rank_ptr, slot_experts_ptr, slot_ids_ptr, slot_counts_ptr,
+            A, num_experts, pid, SLOT, BLOCK_A, BLOCK_B,
+        )  # fmt: skip
+
+
 def expert_slots(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
-    """`slot_by_expert` in two launches: [T, K] expert choices -> ExpertSlots (S = T * K)."""
+    """`slot_by_expert` in one or two launches: [T, K] expert choices -> ExpertSlots (S = T * K)."""
     flat = topk_ids.reshape(-1).contiguous()  # [A]
     num_assignments = flat.numel()
     device = flat.device
@@ -107,24 +137,19 @@ def expert_slots(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
     slot_ids = torch.empty(num_assignments, SLOT_TOKENS, dtype=torch.int32, device=device)
     slot_counts = torch.empty(num_assignments, dtype=torch.int32, device=device)
     if num_assignments:
-        grid = (triton.cdiv(num_assignments, BLOCK_A),)
-        count, rank = scratch[0], scratch[1]
-        _count_rank_kernel[grid](
-            flat, count, rank, num_assignments, BLOCK_A=BLOCK_A, BLOCK_B=BLOCK_B
-        )
-        _place_kernel[grid](
-            flat,
-            count,
-            rank,
-            slot_experts,
-            slot_ids,
-            slot_counts,
-            num_assignments,
-            num_experts,
-            SLOT=SLOT_TOKENS,
-            BLOCK_A=BLOCK_A,
-            BLOCK_B=BLOCK_B,
-        )
+        args = (flat, *scratch, slot_experts, slot_ids, slot_counts, num_assignments, num_experts)
+        if num_assignments <= ONE_PROGRAM:  # decode: one launch
+            _slots_kernel[(1,)](
+                *args, COUNT=True, PLACE=True, SLOT=SLOT_TOKENS, BLOCK_A=ONE_PROGRAM,
+                BLOCK_B=ONE_PROGRAM,
+            )  # fmt: skip
+        else:
+            grid = (triton.cdiv(num_assignments, BLOCK_A),)
+            for count, place in ((True, False), (False, True)):
+                _slots_kernel[grid](
+                    *args, COUNT=count, PLACE=place, SLOT=SLOT_TOKENS, BLOCK_A=BLOCK_A,
+                    BLOCK_B=BLOCK_B,
+                )  # fmt: skip
     return ExpertSlots(
         slot_experts=slot_experts,
         slot_ids=slot_ids,

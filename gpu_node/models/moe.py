@@ -334,9 +334,9 @@ class Int4MoeExperts(nn.Module):
     def weights_mma(self) -> tuple[Int4ExpertsMMA, Int4ExpertsMMA]:
         if self.layout != "mma":
             w13, w2 = self.weights()
-            return experts_to_mma(w13), experts_to_mma(w2)
+            return experts_to_mma(w13, gated=True), experts_to_mma(w2)
         return (
-            Int4ExpertsMMA(self.w13_packed, self.w13_shape, self.group_size),
+            Int4ExpertsMMA(self.w13_packed, self.w13_shape, self.group_size, gated=True),
             Int4ExpertsMMA(self.w2_packed, self.w2_shape, self.group_size),
         )
 

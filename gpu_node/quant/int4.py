@@ -375,6 +375,20 @@ def from_mma(weight: Int4WeightMMA) -> Int4Weight:
     )
 
 
+GATE_ROWS = 8  # gate (or up) rows of one feature block: half an mma row block
+
+
+def gated_row_order(n: int) -> torch.Tensor:
+    """Row order of a gated weight [gate; up] (n = 2I rows) that puts gate rows 8r .. 8r + 7
+    and up rows I + 8r .. I + 8r + 7 in row block r, so a lane's C fragment holds the gate
+    (row g) and the up (row g + 8) of the same feature 8r + g. int64 [2I]."""
+    inner = n // 2
+    if n % 2 or inner % GATE_ROWS:
+        raise ValueError(f"a gated weight needs 2I rows with I a multiple of {GATE_ROWS}, got {n}")
+    gate = torch.arange(inner).reshape(-1, GATE_ROWS)  # [I / 8, 8]
+    return torch.cat([gate, gate + inner], dim=1).reshape(-1)
+
+
 @dataclass(frozen=True)
 class Int4ExpertsMMA:
     """A stack of E experts' weights [E, N, K] in Int4WeightMMA's layout, one after another.
@@ -383,12 +397,14 @@ class Int4ExpertsMMA:
 
     `tiles[e]` is expert e's Int4WeightMMA tiles exactly (group-major within the expert),
     so the MoE decode kernel (gpu_node/kernels/moe_mma.py) walks an expert as the dense
-    tensor-core GEMV walks a weight.
+    tensor-core GEMV walks a weight. `gated`: the rows of each expert's [gate; up] weight
+    are in `gated_row_order` (the kernel then applies silu(gate) * up in registers).
     """
 
     tiles: torch.Tensor
     shape: tuple[int, int, int]
     group_size: int
+    gated: bool = False
 
     def __post_init__(self) -> None:
         if self.tiles.dim() != 4 or self.tiles.shape[0] != self.shape[0]:
@@ -417,10 +433,21 @@ def int4_expert(weight: Int4Weight, e: int) -> Int4Weight:
     )
 
 
-def experts_to_mma(weight: Int4Weight) -> Int4ExpertsMMA:
-    """Int4Weight [E, N, K] -> Int4ExpertsMMA (lossless; `experts_from_mma` inverts it)."""
+def experts_to_mma(weight: Int4Weight, gated: bool = False) -> Int4ExpertsMMA:
+    """Int4Weight [E, N, K] -> Int4ExpertsMMA (lossless; `experts_from_mma` inverts it).
+
+    gated: the weight is [gate; up] (N = 2I); its rows go in `gated_row_order`."""
     if len(weight.shape) != 3:
         raise ValueError(f"experts_to_mma takes a 3-D weight [E, N, K], got shape {weight.shape}")
+    if gated:
+        order = gated_row_order(weight.shape[1]).to(weight.packed.device)
+        weight = Int4Weight(
+            packed=weight.packed[:, order],
+            scales=weight.scales[:, order],
+            mins=weight.mins[:, order],
+            shape=weight.shape,
+            group_size=weight.group_size,
+        )
     # Each expert's tiles are a transposed view of group-major storage; stacking the
     # storage keeps every expert group-major.
     storage = torch.stack(
@@ -428,17 +455,20 @@ def experts_to_mma(weight: Int4Weight) -> Int4ExpertsMMA:
     )  # [E, K / G, N16 / 16, 2G + 16]
     e, n, k = weight.shape
     return Int4ExpertsMMA(
-        tiles=storage.transpose(1, 2), shape=(e, n, k), group_size=weight.group_size
+        tiles=storage.transpose(1, 2), shape=(e, n, k), group_size=weight.group_size, gated=gated
     )
 
 
 def experts_from_mma(weight: Int4ExpertsMMA) -> Int4Weight:
     """Int4ExpertsMMA -> Int4Weight [E, N, K]."""
     parts = [from_mma(weight.expert(e)) for e in range(weight.shape[0])]
+    rows: slice | torch.Tensor = slice(None)
+    if weight.gated:  # back from gated_row_order
+        rows = torch.argsort(gated_row_order(weight.shape[1])).to(weight.tiles.device)
     return Int4Weight(
-        packed=torch.stack([p.packed for p in parts]),
-        scales=torch.stack([p.scales for p in parts]),
-        mins=torch.stack([p.mins for p in parts]),
+        packed=torch.stack([p.packed for p in parts])[:, rows],
+        scales=torch.stack([p.scales for p in parts])[:, rows],
+        mins=torch.stack([p.mins for p in parts])[:, rows],
         shape=weight.shape,
         group_size=weight.group_size,
     )

@@ -23,9 +23,11 @@ from gpu_node.models.moe import (
 )
 from gpu_node.quant.int4 import (
     Int4ExpertsMMA,
+    Int4Weight,
     dequantize_int4,
     experts_from_mma,
     experts_to_mma,
+    gated_row_order,
     int4_expert,
     quantize_int4,
     to_mma,
@@ -122,6 +124,21 @@ def test_expert_stack_mma_layout_is_lossless_and_per_expert() -> None:
     back = experts_from_mma(mma)
     assert torch.equal(back.packed, weight.packed)
     assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
+    # Gated: row block r holds gate rows 8r .. 8r + 7, then up rows I + 8r .. I + 8r + 7
+    # (N = 32, I = 16: rows 0-7 and 16-23, then 8-15 and 24-31).
+    even = quantize_int4(torch.randn(2, 32, 128, generator=gen), 64)
+    order = [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    assert gated_row_order(32).tolist() == order
+    rows = Int4Weight(
+        even.packed[:, order], even.scales[:, order], even.mins[:, order], even.shape, 64
+    )
+    gated = experts_to_mma(even, gated=True)
+    assert gated.gated and not mma.gated
+    assert torch.equal(gated.tiles, experts_to_mma(rows).tiles)
+    back_gated = experts_from_mma(experts_to_mma(even, gated=True))
+    assert torch.equal(back_gated.packed, even.packed) and torch.equal(back_gated.mins, even.mins)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        experts_to_mma(weight, gated=True)  # N = 40: I = 20
     with pytest.raises(ValueError, match="3-D"):
         experts_to_mma(quantize_int4(torch.randn(40, 128), 64))
     with pytest.raises(ValueError, match=r"\[E, \.\.\.\] for E = 4"):

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from gpu_node.models.moe import Int4MoeExperts, Routing, moe_experts_ref, route
-from gpu_node.quant.int4 import Int4Weight, experts_to_mma, quantize_int4
+from gpu_node.quant.int4 import (
+    Int4ExpertsMMA,
+    Int4Weight,
+    dequantize_int4,
+    experts_to_mma,
+    quantize_int4,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -32,6 +38,10 @@ def _experts(
     w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5
     return quantize_int4(w13, group_size).to("cuda"), quantize_int4(w2, group_size).to("cuda")
+
+
+def _mma(w13: Int4Weight, w2: Int4Weight) -> tuple[Int4ExpertsMMA, Int4ExpertsMMA]:
+    return experts_to_mma(w13, gated=True), experts_to_mma(w2)
 
 
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -63,7 +73,7 @@ def test_kernel_equals_reference(
     gen = torch.Generator().manual_seed(100 + tokens)
     x = torch.randn(tokens, hidden, generator=gen).to("cuda", dtype)
     routing = route(torch.randn(tokens, num_experts, generator=gen).to("cuda"), top_k)
-    y = fused_moe_mma(x, experts_to_mma(w13), experts_to_mma(w2), routing)
+    y = fused_moe_mma(x, *_mma(w13, w2), routing)
     ref = moe_experts_ref(x.float(), w13, w2, routing)
     assert y.shape == (tokens, hidden) and y.dtype == dtype
     assert _relative_error(y, ref) <= TOLERANCE[dtype]
@@ -72,7 +82,7 @@ def test_kernel_equals_reference(
 def test_routing_weight_is_applied_in_the_kernel() -> None:
     from gpu_node.kernels.moe_mma import fused_moe_mma
 
-    w13, w2 = (experts_to_mma(w) for w in _experts(4, 128, 64, 64, seed=1))
+    w13, w2 = _mma(*_experts(4, 128, 64, 64, seed=1))
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     ids = torch.tensor([[1, 2], [1, 2]], device="cuda")
     half = fused_moe_mma(x, w13, w2, Routing(ids, torch.full((2, 2), 0.5, device="cuda")))
@@ -88,7 +98,7 @@ def test_routing_weight_is_applied_in_the_kernel() -> None:
 
 
 def test_module_takes_the_mma_layout_on_cuda_and_keeps_its_output() -> None:
-    w13, w2 = _experts(8, 128, 64, 128, seed=3)
+    w13, w2 = _experts(8, 128, 128, 128, seed=3)
     module = Int4MoeExperts(w13, w2)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 128, generator=gen).to("cuda", torch.bfloat16)
@@ -107,7 +117,7 @@ def test_module_takes_the_mma_layout_on_cuda_and_keeps_its_output() -> None:
 def test_replays_in_a_cuda_graph_with_new_routing() -> None:
     from gpu_node.kernels.moe_mma import fused_moe_mma
 
-    w13, w2 = (experts_to_mma(w) for w in _experts(8, 128, 64, 64, seed=6))
+    w13, w2 = _mma(*_experts(8, 128, 64, 64, seed=6))
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(4, 128, generator=gen).to("cuda", torch.bfloat16)
     first = route(torch.randn(4, 8, generator=gen).to("cuda"), 2)
@@ -128,21 +138,39 @@ def test_replays_in_a_cuda_graph_with_new_routing() -> None:
 def test_calls_that_do_not_fit_are_refused() -> None:
     from gpu_node.kernels.moe_mma import fused_moe_mma
 
-    w13, w2 = (experts_to_mma(w) for w in _experts(4, 128, 64, 64, seed=2))
+    w13, w2 = _mma(*_experts(4, 128, 64, 64, seed=2))
     routing = route(torch.zeros(3, 4, device="cuda"), 2)
     with pytest.raises(ValueError, match="does not fit"):
         fused_moe_mma(torch.randn(3, 64, device="cuda", dtype=torch.bfloat16), w13, w2, routing)
     with pytest.raises(ValueError, match="bf16/fp16"):
         fused_moe_mma(torch.randn(3, 128, device="cuda"), w13, w2, routing)
+    with pytest.raises(ValueError, match="gated"):
+        fused_moe_mma(
+            torch.randn(3, 128, device="cuda", dtype=torch.bfloat16),
+            experts_to_mma(_experts(4, 128, 64, 64, seed=2)[0]),
+            w2,
+            routing,
+        )
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_silu_mul_equals_torch(dtype: torch.dtype) -> None:
-    from gpu_node.kernels.moe_mma import silu_mul
+@pytest.mark.parametrize("tokens", [1, 24])  # split K (one slot an assignment); 3 slots an expert
+def test_grouped_gemv_plain_and_gated(tokens: int) -> None:
+    """One expert GEMM: plain rows give x @ W^T per assignment; gated rows give
+    silu(gate) * up of the same product, applied in the epilogue."""
+    from gpu_node.kernels.moe_mma import _grouped_gemv
+    from gpu_node.kernels.moe_slots import expert_slots
 
-    gate_up = torch.randn(7, 2 * 1408, generator=torch.Generator().manual_seed(8)).to("cuda", dtype)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    ref = (torch.nn.functional.silu(gate) * up).to(dtype)
-    out = silu_mul(gate_up)
-    assert out.shape == (7, 1408) and out.dtype == dtype
-    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-3)
+    w13, _ = _experts(4, 256, 128, 128, seed=9)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, 256, generator=gen).to("cuda", torch.bfloat16)
+    ids = route(torch.randn(tokens, 4, generator=gen).to("cuda"), 2).topk_ids
+    slots = expert_slots(ids, 4)
+    dense = dequantize_int4(w13)  # [E, 2I, H] fp32
+    h_ref = torch.einsum("ah,anh->an", x.float().repeat_interleave(2, 0), dense[ids.reshape(-1)])
+    h = _grouped_gemv(x, experts_to_mma(w13), slots, None, 2)  # [A, 2I]
+    assert h.shape == (tokens * 2, 256)
+    assert _relative_error(h, h_ref) <= 8e-3
+    gate, up = h_ref.chunk(2, dim=-1)
+    act = _grouped_gemv(x, experts_to_mma(w13, gated=True), slots, None, 2)  # [A, I]
+    assert act.shape == (tokens * 2, 128)
+    assert _relative_error(act, torch.nn.functional.silu(gate) * up) <= 1e-2
