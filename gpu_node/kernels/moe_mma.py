@@ -38,13 +38,17 @@ import triton.language as tl
 from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma import FULL_WAVE_WARPS, LEAST_WARPS, _group
+from gpu_node.kernels.w4a16_mma import LEAST_WARPS, _group
 from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, MAGIC, PTX
 from gpu_node.models.moe import SLOT_TOKENS, ExpertSlots, Routing
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA
 
 WARPS = 4
 CHAINS = 2  # one row block a warp, each mma chain split in two (as the dense kernel's)
+# Warps a launch should bring per multiprocessor. In the H200 sweep (docs/bench/int4_moe.md,
+# moe-medium, T = 1) the best splits launched 21-23 warps a multiprocessor; the dense
+# kernel's 24 chose splits half as long, 1.5 us slower in each GEMM.
+MOE_WAVE_WARPS = 20
 
 
 @triton.jit
@@ -195,7 +199,7 @@ def moe_mma_config(num_slots: int, n: int, k: int, group_size: int, num_sms: int
     """Groups per split for a launch over `num_slots` slots (the upper bound, not the used).
 
     As the dense heuristic (mma_gemv_config): the longest splits that still launch about
-    a wave of warps (FULL_WAVE_WARPS a multiprocessor), else LEAST_WARPS, else the
+    a wave of warps (MOE_WAVE_WARPS a multiprocessor), else LEAST_WARPS, else the
     shortest; whole-K (no split) first, so prefill-sized launches never split. Split
     launches keep their (slot, row blocks) columns within the split-K counters.
     """
@@ -205,7 +209,7 @@ def moe_mma_config(num_slots: int, n: int, k: int, group_size: int, num_sms: int
     candidates = [num_groups] + [c for c in (32, 16, 8, 4, 2) if c < num_groups]
     if programs > MAX_TILES:
         return num_groups
-    for least in (FULL_WAVE_WARPS, LEAST_WARPS):
+    for least in (MOE_WAVE_WARPS, LEAST_WARPS):
         for per_split in candidates:
             if num_slots * warps_n * -(-num_groups // per_split) >= least * num_sms:
                 return per_split

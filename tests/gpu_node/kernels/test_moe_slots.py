@@ -26,6 +26,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     [
         (1, 8, 2),  # one token: one slot per chosen expert
         (10, 4, 2),  # experts past 8 assignments take two slots
+        (16, 64, 8),  # 128 assignments: the most one program takes
+        (17, 64, 8),  # 136: two passes, a tail block
         (64, 64, 8),  # 512 assignments: several programs of each pass
         (300, 16, 3),  # 900: a tail block in both passes, up to 8 slots an expert
         (3, 1, 1),  # one expert takes everything
