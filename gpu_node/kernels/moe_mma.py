@@ -21,6 +21,10 @@ W13's rows are interleaved (gated_row_order, int4.py) so that a lane's C fragmen
 feature's gate (row g) and up (row g + 8) together: the activation is applied in
 registers and only act [A, I] is written.
 
+On Hopper both GEMMs launch early (programmatic dependent launch, as the dense kernel):
+GEMM 2's programs start while GEMM 1 finishes, read their slot and first weight group,
+and wait for GEMM 1 only before loading the activations.
+
 Unused slots (expert E) exit at once, so the grid is sized by the upper bound A and
 building it never waits on the GPU (CUDA graphs can capture the whole layer). The
 interpreter cannot run inline asm, so this kernel is GPU-only; the slots have CPU
@@ -34,8 +38,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels.moe_slots import expert_slots
+from gpu_node.kernels.paged_attention import launches_early
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma import LEAST_WARPS, _group
@@ -86,6 +92,8 @@ def _moe_mma_kernel(
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
     SLOT: tl.constexpr,  # SLOT_TOKENS
+    EARLY: tl.constexpr,  # launched early (PDL) behind the previous kernel
+    SLOTS_READY: tl.constexpr,  # the slots were complete before the previous kernel began
 ):
     tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
     CPG: tl.constexpr = GROUP_SIZE // 64
@@ -94,6 +102,13 @@ def _moe_mma_kernel(
     pid_s = tl.program_id(1)
     slot = pid // programs_n
     pid_n = pid % programs_n
+    # GEMM 1 waits for the slots kernel before anything; GEMM 2 (SLOTS_READY: GEMM 1
+    # started its dependents only after its own wait) reads the slots and its first
+    # weights first and waits only before the activations, GEMM 1's output.
+    if EARLY and not SLOTS_READY:
+        gdc_wait()
+    if EARLY:
+        gdc_launch_dependents()
     expert = tl.load(slot_experts_ptr + slot)
     if expert < num_experts:
         count = tl.load(slot_counts_ptr + slot)
@@ -120,6 +135,8 @@ def _moe_mma_kernel(
         w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
         w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
         sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
+        if EARLY and SLOTS_READY:
+            gdc_wait()
         for grp in range(g_begin, g_end):
             ok = rb_ok & (grp + 1 < g_end)
             w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
@@ -230,6 +247,8 @@ def _grouped_gemv(
     topk_weights: torch.Tensor | None,
     a_row_div: int,
     per_split: int | None = None,  # groups per split: benchmarks' override of moe_mma_config
+    slots_ready: bool = False,  # the launch before this one did not write the slots
+    early: bool | None = None,  # launched early (PDL); by default where the GPU can
 ) -> torch.Tensor:
     """out[a] = (routing weight *) A[a // a_row_div] @ W[expert(a)]^T for every assignment a,
     or silu(gate) * up of it when W is gated."""
@@ -250,6 +269,8 @@ def _grouped_gemv(
     out = torch.empty(slots.num_assignments, cols, device=a.device, dtype=a.dtype)
     part = torch.empty(splits, programs, 128 * WARPS, device=a.device) if splits > 1 else out
     d_asm, d_constraints, s_asm, s_constraints = PTX[CHAINS]
+    if early is None:
+        early = launches_early(a.device)
     weights = topk_weights if topk_weights is not None else part  # unread when not multiplying
     _moe_mma_kernel[(programs, splits)](
         pairs,
@@ -285,7 +306,10 @@ def _grouped_gemv(
         S_ASM=s_asm[a.dtype],
         S_CONSTRAINTS=s_constraints,
         SLOT=SLOT_TOKENS,
+        EARLY=early,
+        SLOTS_READY=slots_ready,
         num_warps=WARPS,
+        **({"launch_pdl": True} if early else {}),
     )
     return out
 
@@ -314,8 +338,9 @@ def fused_moe_mma(
         return x.clone()
     top_k = routing.topk_ids.shape[1]
     # Four launches at decode: the slots, GEMM 1 with the activation, GEMM 2, the sum.
+    weights = routing.topk_weights.reshape(-1).float().contiguous()  # [A]
     slots = expert_slots(routing.topk_ids, num_experts)
     act = _grouped_gemv(x, w13, slots, None, top_k)  # [A, I]: silu(gate) * up
-    weights = routing.topk_weights.reshape(-1).float().contiguous()  # [A]
-    y = _grouped_gemv(act, w2, slots, weights, 1)  # [A, H]
+    # Right behind GEMM 1, so its slots are long complete: GEMM 2 reads them early.
+    y = _grouped_gemv(act, w2, slots, weights, 1, slots_ready=True)  # [A, H]
     return y.view(t, top_k, h).sum(dim=1)  # fp32 sums on CUDA, one rounding

@@ -49,7 +49,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gpu_node.kernels.paged_attention import launches_early
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, MAGIC, PTX
@@ -187,6 +189,7 @@ def _gemv_mma_kernel(
     S_CONSTRAINTS: tl.constexpr,
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
     CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
+    EARLY: tl.constexpr = False,  # launched early (PDL) behind the previous kernel
 ):
     tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
@@ -218,9 +221,15 @@ def _gemv_mma_kernel(
     # A group's words, scales and mins are loaded one group ahead, so they are always
     # in flight behind the tensor cores (the load past the split's last group is
     # masked off and its values never used). Splits are never empty.
+    if EARLY:
+        gdc_launch_dependents()  # the next kernel may launch once every program has started
     w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
     w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
     sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
+    if EARLY:
+        # The weights are nobody's output, so their first group is in flight before the
+        # wait; x, the partials and the counters only after the previous kernel is done.
+        gdc_wait()
     for grp in range(g_begin, g_end):
         ok = rb_ok & (grp + 1 < g_end)
         w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
@@ -331,8 +340,9 @@ def w4a16_mma_gemv(
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
-    `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap) overrides
-    the heuristic; benchmarks sweep it.
+    `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap, EARLY:
+    launch early behind the previous kernel, by default where the GPU can) overrides the
+    heuristic; benchmarks sweep it.
     """
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
@@ -362,6 +372,7 @@ def _launch(
     chains = cfg["CHAINS"]
     if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
+    early = bool(cfg.get("EARLY", launches_early(x.device)))
     d_asm, d_constraints, s_asm, s_constraints = PTX[chains]
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
@@ -398,6 +409,7 @@ def _launch(
         SPLIT_K=splits,
         MODE=cfg.get("MODE", 0),
         CHAINS=chains,
+        EARLY=early,
         OFFSET=MAGIC[x.dtype][1],
         HIGH=HIGH_ROWS[x.dtype],
         D_ASM=d_asm[x.dtype],
@@ -406,6 +418,7 @@ def _launch(
         S_CONSTRAINTS=s_constraints,
         num_warps=warps,
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
+        **({"launch_pdl": True} if early else {}),
     )
     return out
 

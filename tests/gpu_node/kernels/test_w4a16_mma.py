@@ -360,6 +360,27 @@ def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split, chains) ->
 
 
 @needs_cuda
+def test_early_launch_chains_give_the_same_result() -> None:
+    """Each call launched early behind the last (PDL) starts its weight loads before the
+    previous call is done; x, the partials and the split-K counters are touched only after
+    it is: a chain whose inputs are the previous outputs equals the same chain unlaunched."""
+    first = mma_weight(4096, 4096, 128, seed=12, device="cuda")
+    second = mma_weight(4096, 4096, 128, seed=13, device="cuda")
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+
+    def chain(early: bool) -> torch.Tensor:
+        y = x
+        for _ in range(3):
+            for weight in (first, second):
+                y = w4a16_mma_gemv(y, weight, config={"EARLY": early})
+                y = y / y.float().abs().max().to(y.dtype)  # keep it in range, and a kernel between
+                y = w4a16_mma_gemv(y, weight, config={"EARLY": early})  # back to back
+        return y
+
+    assert torch.equal(chain(True), chain(False))
+
+
+@needs_cuda
 def test_kernel_takes_any_rows_and_views() -> None:
     gen = torch.Generator("cuda").manual_seed(12)
     weight = mma_weight(10, 256, 64, seed=10, device="cuda")  # N < 16: one padded row block
