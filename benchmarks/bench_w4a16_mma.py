@@ -148,7 +148,7 @@ def main() -> None:
             t_mma = bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
             late = {"EARLY": False}
             t_late = (
-                bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q, config=late) for q in mmas])
+                bench_graph([lambda x=x, q=q, c=late: w4a16_mma_gemv(x, q, config=c) for q in mmas])
                 * 1e3
             )
             io = 2 * m * (k + n)
