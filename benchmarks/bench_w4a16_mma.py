@@ -146,7 +146,7 @@ def main() -> None:
             t_dense = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws]) * 1e3
             t_gemv = bench_graph([lambda x=x, q=q: w4a16_gemv(x, q) for q in kns]) * 1e3
             t_mma = bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
-            late = {"EARLY": False}
+            late = {"EARLY": 0}
             t_late = (
                 bench_graph([lambda x=x, q=q, c=late: w4a16_mma_gemv(x, q, config=c) for q in mmas])
                 * 1e3

@@ -107,8 +107,6 @@ def _moe_mma_kernel(
     # weights first and waits only before the activations, GEMM 1's output.
     if EARLY and not SLOTS_READY:
         gdc_wait()
-    if EARLY:
-        gdc_launch_dependents()
     expert = tl.load(slot_experts_ptr + slot)
     if expert < num_experts:
         count = tl.load(slot_counts_ptr + slot)
@@ -147,6 +145,8 @@ def _moe_mma_kernel(
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
             )  # fmt: skip
             w0, w1, sm = w0_n, w1_n, sm_n
+        if EARLY:
+            gdc_launch_dependents()  # this program's weights are read: the next may start
 
         m_of = 2 * t + (j % 2)  # [1, E]: slot column of C element j
         ids_m = tl.load(slot_ids_ptr + slot * SLOT + m_of)  # its assignment

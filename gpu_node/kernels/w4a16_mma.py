@@ -189,7 +189,7 @@ def _gemv_mma_kernel(
     S_CONSTRAINTS: tl.constexpr,
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
     CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
-    EARLY: tl.constexpr = False,  # launched early (PDL) behind the previous kernel
+    EARLY: tl.constexpr = 0,  # PDL: 0 off; the next kernel may launch from 1 the start, 2 the tail
 ):
     tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
     CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
@@ -221,12 +221,12 @@ def _gemv_mma_kernel(
     # A group's words, scales and mins are loaded one group ahead, so they are always
     # in flight behind the tensor cores (the load past the split's last group is
     # masked off and its values never used). Splits are never empty.
-    if EARLY:
+    if EARLY == 1:
         gdc_launch_dependents()  # the next kernel may launch once every program has started
     w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
     w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
     sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
-    if EARLY:
+    if EARLY != 0:
         # The weights are nobody's output, so their first group is in flight before the
         # wait; x, the partials and the counters only after the previous kernel is done.
         gdc_wait()
@@ -241,6 +241,8 @@ def _gemv_mma_kernel(
         )  # fmt: skip
         w0, w1, sm = w0_n, w1_n, sm_n
 
+    if EARLY == 2:
+        gdc_launch_dependents()  # the weights are read: the next kernel's may stream in now
     n_of = rb * 16 + g + 8 * (j // 2)  # [R, E]: output row of C element j
     m_of = 2 * t + (j % 2)  # [1, E]: activation row of C element j
     out_mask = rb_ok & (n_of < N) & (m_of < M)
@@ -269,6 +271,12 @@ def _gemv_mma_kernel(
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
+
+# Programmatic dependent launch: each call starts its first weight loads while the previous
+# kernel finishes, and lets the next one launch once its own weights are read (2). Letting
+# it launch from the start (1) lost up to 16% at long K in the H200 runs (the next call's
+# loads competing with this one's), where from the tail costs nothing there.
+EARLY_AT_TAIL = 2
 
 # Warps a launch should bring per multiprocessor: about one wave of resident warps at
 # this kernel's 48-82 registers, else at least LEAST_WARPS before the splits shorten.
@@ -341,8 +349,9 @@ def w4a16_mma_gemv(
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
     `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap, EARLY:
-    launch early behind the previous kernel, by default where the GPU can) overrides the
-    heuristic; benchmarks sweep it.
+    programmatic dependent launch, 0 off, 1 the next kernel may launch from this one's
+    start, 2 from its tail, the default where the GPU can) overrides the heuristic;
+    benchmarks sweep it.
     """
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
@@ -372,7 +381,9 @@ def _launch(
     chains = cfg["CHAINS"]
     if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
-    early = bool(cfg.get("EARLY", launches_early(x.device)))
+    early = int(cfg.get("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
+    if early not in (0, 1, 2):
+        raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
     d_asm, d_constraints, s_asm, s_constraints = PTX[chains]
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
