@@ -13,7 +13,8 @@ GPU part, config `moe-medium` (hidden 2048, 64 experts, top-8, expert hidden
   2. single-stream decode (T = 1) through a stack of `--layers` MoE blocks
      (RMSNorm, router, routed + shared experts, residual; attention left out):
      tokens/s with bf16 weights vs INT4 weights, eager, and INT4 in a CUDA graph
-     (with either MoE kernel).
+     (with either MoE kernel; the tensor-core one with the shared expert folded into the
+     expert stack, and without).
 Needs only torch, triton and numpy.
 """
 
@@ -259,8 +260,11 @@ def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
             for i in range(num_layers)
         )
     )
-    int4 = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
+    int4_unfolded = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
     int4_core = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
+    int4 = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
+    for block in int4:  # the shared expert as one more expert of the fused call
+        assert block.mlp.fold_shared_experts()
     x = torch.randn(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         y_bf16, y_int4 = bf16(x).float(), int4(x).float()
@@ -268,6 +272,7 @@ def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
         ms_bf16 = cuda_ms(lambda: bf16(x), iters=20)
         ms_int4 = cuda_ms(lambda: int4(x), iters=50)
         ms_graph = graph_ms(int4, x)
+        ms_unfolded_graph = graph_ms(int4_unfolded, x)
         with cuda_core_moe_kernel():
             y_core = int4_core(x).float()
             ms_core = cuda_ms(lambda: int4_core(x), iters=50)
@@ -287,6 +292,7 @@ def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
         "bf16_tok_s": tok_s(ms_bf16),
         "int4_tok_s": tok_s(ms_int4),
         "int4_graph_tok_s": tok_s(ms_graph),
+        "int4_shared_not_folded_graph_tok_s": tok_s(ms_unfolded_graph),
         "int4_cuda_core_kernel_tok_s": tok_s(ms_core),
         "int4_cuda_core_kernel_graph_tok_s": tok_s(ms_core_graph),
         "bf16_at_copy_bw_tok_s": bf16_ceiling,
@@ -387,7 +393,8 @@ def main() -> None:
     d = decode
     print(
         f"\ndecode, {d['layers']} MoE layers, T=1: bf16 {d['bf16_tok_s']:.1f} tok/s (eager); INT4 "
-        f"tensor-core kernel {d['int4_tok_s']:.1f} eager, {d['int4_graph_tok_s']} graph; INT4 "
+        f"tensor-core kernel {d['int4_tok_s']:.1f} eager, {d['int4_graph_tok_s']} graph "
+        f"({d['int4_shared_not_folded_graph_tok_s']} with the shared expert apart); INT4 "
         f"CUDA-core kernel {d['int4_cuda_core_kernel_tok_s']:.1f} eager, "
         f"{d['int4_cuda_core_kernel_graph_tok_s']} graph; bf16 at copy bandwidth (ceiling) "
         f"{d['bf16_at_copy_bw_tok_s']:.1f} tok/s; weights {d['bf16_GB']:.2f} GB vs "

@@ -87,14 +87,17 @@ MOE_SMALL = ModelConfig(
 
 
 def moe_model(name: str, seed: int = 0, device: torch.device | str = "cpu") -> LlamaModel:
-    """A llama whose MLPs are seeded dummy MoE blocks of `MOE_CONFIGS[name]`."""
+    """A llama whose MLPs are seeded dummy MoE blocks of `MOE_CONFIGS[name]`, their shared
+    experts folded into the expert stack (MoeMLP.fold_shared_experts)."""
     from gpu_node.models.moe import MOE_CONFIGS, MoeMLP
 
     moe = MOE_CONFIGS[name]
     config = dataclasses.replace(MOE_SMALL, hidden_size=moe.hidden_size)
     model = seeded_llama(config, seed, device)
     for i, layer in enumerate(model.layers):
-        layer.mlp = MoeMLP.dummy(moe, seed=seed * 1000 + i, dtype=torch.float32, device=device)
+        mlp = MoeMLP.dummy(moe, seed=seed * 1000 + i, dtype=torch.float32, device=device)
+        mlp.fold_shared_experts()
+        layer.mlp = mlp
     return model
 
 

@@ -17,7 +17,7 @@ torch, so CPU-only hosts need no Triton.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -38,6 +38,7 @@ from gpu_node.quant.int4 import (
     int4_from_gguf_q4_1,
     quantize_int4,
 )
+from gpu_node.quant.linear import Int4Linear
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,29 @@ def moe_experts_ref(
     return out.to(x.dtype)
 
 
+def with_always_on(routing: Routing, first: int, count: int) -> Routing:
+    """Routing [T, K] -> [T, K + count]: experts first .. first + count - 1 appended to every
+    token with weight 1 (the shared experts, folded into the expert stack)."""
+    t = routing.topk_ids.shape[0]
+    ids = torch.arange(first, first + count, device=routing.topk_ids.device)
+    weights = routing.topk_weights.new_ones(t, count)
+    return Routing(
+        topk_ids=torch.cat([routing.topk_ids, ids.expand(t, count)], dim=1),
+        topk_weights=torch.cat([routing.topk_weights, weights], dim=1),
+    )
+
+
+def _map_int4(fn: Callable[..., torch.Tensor], *weights: Int4Weight) -> Int4Weight:
+    """Applies `fn` alike to the packed codes, the scales and the mins of `weights` (its
+    reshapes and cats move whole groups, so whole 32-value packing chunks)."""
+    packed, scales, mins = (
+        fn(*(getattr(w, name) for w in weights)).contiguous()
+        for name in ("packed", "scales", "mins")
+    )
+    shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+    return Int4Weight(packed, scales, mins, shape, weights[0].group_size)
+
+
 class Router(nn.Module):
     """Scores experts per token; its weight [E, H] stays in full precision."""
 
@@ -268,10 +292,21 @@ class Router(nn.Module):
         self.config = config
         self.weight = nn.Parameter(weight, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> Routing:  # [T, H]
+    def forward(self, x: torch.Tensor, num_always_on: int = 0) -> Routing:  # [T, H]
+        """Routing [T, K + num_always_on]: the top-k, then experts E .. E + num_always_on - 1
+        with weight 1 (folded shared experts). On CUDA in one launch (moe_router.py)."""
         c = self.config
+        if x.is_cuda:
+            from gpu_node.kernels import moe_router
+            from gpu_node.kernels.w4a16 import is_interpreted
+
+            if not is_interpreted(x) and c.num_experts <= moe_router.MAX_EXPERTS:
+                return moe_router.route_fused(x, self.weight, c, num_always_on)
         logits = x.float() @ self.weight.float().T  # [T, E]
-        return route(logits, c.top_k, c.scoring, c.renormalize, c.routed_scaling)
+        routing = route(logits, c.top_k, c.scoring, c.renormalize, c.routed_scaling)
+        if num_always_on:
+            routing = with_always_on(routing, c.num_experts, num_always_on)
+        return routing
 
 
 class MoeExperts(nn.Module):
@@ -393,13 +428,63 @@ class MoeMLP(nn.Module):
         self.router = router
         self.experts = experts
         self.shared = shared
+        self.num_always_on = 0  # shared experts folded into `experts`, after the routed ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = self.router(x)
+        routing = self.router(x, self.num_always_on)
         y = self.experts(x, routing)
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+    def fold_shared_experts(self) -> bool:
+        """Moves the shared experts into the expert stack as experts E .. E + S - 1 that
+        every token uses with weight 1, so one fused call computes routed and shared
+        together (at decode the shared MLP's three GEMVs, its activation and the final
+        add were more launches than the routed experts). Same arithmetic: the merged
+        shared MLP of hidden S * I is the sum of S SwiGLU experts of hidden I. Float
+        stacks take float shared weights, INT4 stacks INT4 ones of the same group size;
+        returns False (and changes nothing) for any other mix."""
+        shared, experts = self.shared, self.experts
+        num_shared, inner = self.config.num_shared_experts, self.config.expert_hidden_size
+        if shared is None or not num_shared:
+            return False
+        projections: tuple[nn.Module, ...] = (shared.gate_proj, shared.up_proj, shared.down_proj)
+        if isinstance(experts, MoeExperts) and all(isinstance(p, nn.Linear) for p in projections):
+            # [S*I, H], [S*I, H], [H, S*I]
+            gate, up, down = (p.weight.data for p in projections if isinstance(p, nn.Linear))
+            h = int(gate.shape[1])
+            w13 = torch.cat([gate.view(num_shared, inner, h), up.view(num_shared, inner, h)], 1)
+            w2 = down.view(h, num_shared, inner).transpose(0, 1)
+            self.experts = MoeExperts(
+                torch.cat([experts.w13.data, w13]), torch.cat([experts.w2.data, w2])
+            )
+        elif isinstance(experts, Int4MoeExperts) and all(
+            isinstance(p, Int4Linear) and p.group_size == experts.group_size for p in projections
+        ):
+            gate4, up4, down4 = (p.weight_int4 for p in projections if isinstance(p, Int4Linear))
+            w13_e, w2_e = experts.weights()
+
+            def split_rows(t: torch.Tensor) -> torch.Tensor:  # [S*I, C] -> [S, I, C]
+                return t.view(num_shared, inner, -1)
+
+            def split_columns(t: torch.Tensor) -> torch.Tensor:  # [H, S*C] -> [S, H, C]
+                return t.view(t.shape[0], num_shared, -1).transpose(0, 1)
+
+            def cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return torch.cat([split_rows(a), split_rows(b)], dim=1)
+
+            w13_s = _map_int4(cat_rows, gate4, up4)  # [S, 2I, H]
+            w2_s = _map_int4(split_columns, down4)  # [S, H, I]
+            self.experts = Int4MoeExperts(
+                _map_int4(lambda a, b: torch.cat([a, b]), w13_e, w13_s),
+                _map_int4(lambda a, b: torch.cat([a, b]), w2_e, w2_s),
+            )
+        else:
+            return False
+        self.shared = None
+        self.num_always_on = num_shared
+        return True
 
     @classmethod
     def dummy(

@@ -208,6 +208,57 @@ def test_int4_moe_equals_the_float_moe_of_its_dequantized_weights() -> None:
     assert 0.01 < rel < 0.2
 
 
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_folding_the_shared_experts_keeps_the_float_output(num_shared: int) -> None:
+    config = dataclasses.replace(SMALL, num_shared_experts=num_shared)
+    mlp = MoeMLP.dummy(config, seed=8, dtype=torch.float32)
+    x = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(8))
+    before = mlp(x)
+    assert mlp.fold_shared_experts()
+    assert mlp.shared is None and mlp.num_always_on == num_shared
+    assert isinstance(mlp.experts, MoeExperts)
+    assert mlp.experts.w13.shape == (8 + num_shared, 128, 128)
+    assert mlp.experts.w2.shape == (8 + num_shared, 128, 64)
+    torch.testing.assert_close(mlp(x), before, rtol=1e-5, atol=1e-5)
+    assert not mlp.fold_shared_experts()  # nothing left to fold
+
+
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_folding_int4_shared_experts_moves_their_codes_exactly(num_shared: int) -> None:
+    config = dataclasses.replace(SMALL, num_shared_experts=num_shared)
+    mlp = quantize_model(MoeMLP.dummy(config, seed=9, dtype=torch.float32), group_size=32)
+    assert mlp.shared is not None
+    gate, up, down = (
+        getattr(mlp.shared, n).weight_int4 for n in ("gate_proj", "up_proj", "down_proj")
+    )
+    for module in mlp.modules():  # the reference arithmetic, as the folded experts use
+        if isinstance(module, Int4Linear):
+            module.forward = module.forward_ref
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(9))
+    before, bytes_before = mlp(x), model_bytes(mlp)
+    assert mlp.fold_shared_experts()
+    assert isinstance(mlp.experts, Int4MoeExperts) and mlp.shared is None
+    w13, w2 = mlp.experts.weights()
+    assert w13.shape == (8 + num_shared, 128, 128) and w2.shape == (8 + num_shared, 128, 64)
+    dense13, dense2 = dequantize_int4(w13), dequantize_int4(w2)
+    for s in range(num_shared):  # expert 8 + s: rows s*64 .. s*64 + 63 of the shared MLP
+        rows = slice(64 * s, 64 * s + 64)
+        assert torch.equal(dense13[8 + s, :64], dequantize_int4(gate)[rows])
+        assert torch.equal(dense13[8 + s, 64:], dequantize_int4(up)[rows])
+        assert torch.equal(dense2[8 + s], dequantize_int4(down)[:, rows])
+    assert model_bytes(mlp) == bytes_before
+    torch.testing.assert_close(mlp(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_fold_refuses_a_float_shared_mlp_beside_int4_experts() -> None:
+    mlp = quantize_model(
+        MoeMLP.dummy(SMALL, seed=1, dtype=torch.float32), group_size=32, skip=("shared",)
+    )
+    assert isinstance(mlp.experts, Int4MoeExperts) and mlp.shared is not None
+    assert not mlp.fold_shared_experts()
+    assert mlp.shared is not None and mlp.num_always_on == 0
+
+
 def test_moe_small_bytes_by_kind() -> None:
     mlp = quantize_model(MoeMLP.dummy(SMALL, seed=0, dtype=torch.bfloat16), group_size=32)
     # routed: 8 * (128*128 + 128*64) values; shared: 3 * 128*64; router 8*128 bf16 stays.
