@@ -155,7 +155,9 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
 
 def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[dict]:
     """Microseconds of each launch of the tensor-core MoE layer (CUDA-graph replays over
-    4 layers' copies), so the layer's time can be read against its parts."""
+    4 layers' copies), so the layer's time can be read against its parts. The router is
+    timed with one always-on expert appended (the folded shared expert); the GEMMs
+    without it (routed experts only)."""
     from benchmarks.bench_w4a16 import bench_graph
     from gpu_node.kernels.moe_mma import _grouped_gemv
     from gpu_node.kernels.moe_slots import expert_slots
@@ -185,6 +187,7 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
             for a, w, s, wt in zip(acts, layers, slots, weights, strict=True)
         ]
         parts = {
+            "router": [lambda r=r, x=x: r(x, 1) for r, x in zip(routers, xs, strict=True)],
             "slots": [lambda r=r: expert_slots(r.topk_ids, config.num_experts) for r in routings],
             "gemm1": [
                 lambda x=x, w=w, s=s: _grouped_gemv(x, w[0], s, None, config.top_k)
