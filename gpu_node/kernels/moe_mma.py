@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.moe_slots import expert_slots
-from gpu_node.kernels.paged_attention import launches_early
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma import LEAST_WARPS, _group

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write import round_to_e4m3_tl, scale_offset_tl
+from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE, pool_strides
 
@@ -742,16 +742,6 @@ def merge_splits(
         num_warps=1 if num_splits * head_dim <= 4096 else 4,
         **({"launch_pdl": True} if early else {}),
     )
-
-
-@functools.cache
-def launches_early(device: torch.device) -> bool:
-    """Whether merge_splits may launch early on `device`: programmatic dependent launch
-    needs Hopper (sm_90) or newer, and compiled kernels (the interpreter cannot run the
-    griddepcontrol instructions, whatever the tensors' device)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl

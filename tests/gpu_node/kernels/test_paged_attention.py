@@ -706,8 +706,11 @@ def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, p
 @interpreted
 def test_the_merge_never_launches_early_under_the_interpreter():
     """The interpreter cannot run griddepcontrol, whatever the tensors' device: the gate
-    answers before asking any GPU (this machine may have none)."""
-    launches_early = paged_attention_module.launches_early
+    (shared by the merge, the W4A16 GEMV and the MoE GEMMs) answers before asking any
+    GPU (this machine may have none)."""
+    from gpu_node.kernels.launch import launches_early
+
+    assert paged_attention_module.launches_early is launches_early
     launches_early.cache_clear()
     assert not launches_early(torch.device("cuda"))
     assert not launches_early(torch.device("cpu"))

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from gpu_node.kernels import paged_attention_mma_asm as asm
-from gpu_node.kernels.paged_attention import launches_early, paged_decode_attention
+from gpu_node.kernels.launch import launches_early
+from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import (
     batch_class,
     paged_decode_attention_mma,

@@ -1,0 +1,18 @@
+"""How kernels may be launched on a device: what the launch wrappers share."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def launches_early(device: torch.device) -> bool:
+    """Whether kernels may launch early behind the previous one on `device`: programmatic
+    dependent launch needs Hopper (sm_90) or newer, and compiled kernels (the interpreter
+    cannot run the griddepcontrol instructions, whatever the tensors' device)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
