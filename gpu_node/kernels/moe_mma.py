@@ -21,6 +21,11 @@ W13's rows are interleaved (gated_row_order, int4.py) so that a lane's C fragmen
 feature's gate (row g) and up (row g + 8) together: the activation is applied in
 registers and only act [A, I] is written.
 
+One token (single-stream decode) needs no slot tables: its K assignments are the slots,
+and GEMM 2 treats their rows as split-K partials of one sum (the last program of a
+row-block column adds all (slot, split) partials in a fixed order), so the layer is two
+launches after the router.
+
 On Hopper both GEMMs launch early (programmatic dependent launch, as the dense kernel):
 GEMM 2's programs start while GEMM 1 finishes, read their slot and first weight group,
 and wait for GEMM 1 only before loading the activations.
@@ -64,7 +69,7 @@ def _moe_mma_kernel(
     stride_te,  # tiles' strides (int32) along experts, row blocks and groups
     stride_tr,
     stride_tg,
-    slot_experts_ptr,  # int32 [S]: E for an unused slot
+    slot_experts_ptr,  # int32 [S]: E for an unused slot (ONE_TOKEN: int64 topk_ids [A])
     slot_ids_ptr,  # int32 [S, 8]: assignments
     slot_counts_ptr,  # int32 [S]
     weights_ptr,  # fp32 [A]: routing weights (read when MUL_ROUTED_WEIGHT)
@@ -94,6 +99,8 @@ def _moe_mma_kernel(
     SLOT: tl.constexpr,  # SLOT_TOKENS
     EARLY: tl.constexpr,  # launched early (PDL) behind the previous kernel
     SLOTS_READY: tl.constexpr,  # the slots were complete before the previous kernel began
+    ONE_TOKEN: tl.constexpr,  # T = 1: slot s is assignment s, of expert topk_ids[s]; no tables
+    SUM_SLOTS: tl.constexpr,  # (ONE_TOKEN) out [1, N] = the sum of every slot's rows
 ):
     tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
     CPG: tl.constexpr = GROUP_SIZE // 64
@@ -107,9 +114,9 @@ def _moe_mma_kernel(
     # weights first and waits only before the activations, GEMM 1's output.
     if EARLY and not SLOTS_READY:
         gdc_wait()
-    expert = tl.load(slot_experts_ptr + slot)
+    expert = tl.load(slot_experts_ptr + slot).to(tl.int32)
     if expert < num_experts:
-        count = tl.load(slot_counts_ptr + slot)
+        count = 1 if ONE_TOKEN else tl.load(slot_counts_ptr + slot)
         # One row block a warp ([1, E] tensors): the dense kernel's layout with R = 1.
         i = tl.arange(0, 1)[:, None]
         e = tl.arange(0, E)[None, :]
@@ -122,7 +129,8 @@ def _moe_mma_kernel(
         tile_at = tiles_ptr + expert.to(tl.int64) * stride_te + rb * stride_tr
         words_at = tile_at + e % 128
         sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
-        ids_g = tl.load(slot_ids_ptr + slot * SLOT + g)  # [1, E]: column g's assignment
+        # [1, E]: the assignment of column g
+        ids_g = tl.zeros_like(g) + slot if ONE_TOKEN else tl.load(slot_ids_ptr + slot * SLOT + g)
         x_at = a_ptr + (ids_g // A_ROW_DIV).to(tl.int64) * stride_am + t * 8 + j
         sm_stride = 2 * stride_tg
         sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
@@ -149,8 +157,34 @@ def _moe_mma_kernel(
             gdc_launch_dependents()  # this program's weights are read: the next may start
 
         m_of = 2 * t + (j % 2)  # [1, E]: slot column of C element j
-        ids_m = tl.load(slot_ids_ptr + slot * SLOT + m_of)  # its assignment
-        if SPLIT_K == 1:
+        if ONE_TOKEN:
+            ids_m = tl.zeros_like(m_of) + slot
+        else:
+            ids_m = tl.load(slot_ids_ptr + slot * SLOT + m_of)  # its assignment
+        if SUM_SLOTS:
+            # One token: its experts' rows are split-K partials of one sum. Every (slot,
+            # split) program stores its weighted partial; the last of a row-block column
+            # adds them all in a fixed order: the sum over experts needs no launch.
+            acc = acc * tl.load(weights_ptr + slot)
+            slab = programs_n * E
+            column_at = part_ptr + pid_n * E + e
+            part_mask = rb_ok & (t == 0)  # column 0: the token
+            tl.store(column_at + (slot * SPLIT_K + pid_s) * slab, acc, mask=part_mask)
+            tl.debug_barrier()
+            arrivals = (tl.num_programs(0) // programs_n) * SPLIT_K
+            done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            if done == arrivals - 1:
+                total = tl.full((1, E), 0.0, tl.float32)
+                for p in range(0, arrivals):
+                    total += tl.load(
+                        column_at + p * slab, mask=part_mask, other=0.0, cache_modifier=".cg"
+                    )
+                _store(
+                    total, out_ptr, weights_ptr, tl.zeros_like(m_of), rb, g, j, m_of < 1,
+                    rb_ok, N, stride_om, False, False, E,
+                )  # fmt: skip
+                tl.atomic_xchg(count_ptr + pid_n, 0)
+        elif SPLIT_K == 1:
             _store(
                 acc, out_ptr, weights_ptr, ids_m, rb, g, j, m_of < count, rb_ok, N, stride_om,
                 MUL_ROUTED_WEIGHT, GATED, E,
@@ -243,17 +277,31 @@ def takes(x: torch.Tensor, group_size: int) -> bool:
 def _grouped_gemv(
     a: torch.Tensor,
     w: Int4ExpertsMMA,
-    slots: ExpertSlots,
+    slots: ExpertSlots | torch.Tensor,
     topk_weights: torch.Tensor | None,
     a_row_div: int,
     per_split: int | None = None,  # groups per split: benchmarks' override of moe_mma_config
     slots_ready: bool = False,  # the launch before this one did not write the slots
     early: bool | None = None,  # launched early (PDL); by default where the GPU can
+    sum_slots: bool = False,
 ) -> torch.Tensor:
     """out[a] = (routing weight *) A[a // a_row_div] @ W[expert(a)]^T for every assignment a,
-    or silu(gate) * up of it when W is gated."""
+    or silu(gate) * up of it when W is gated.
+
+    `slots` may be one token's expert ids (int64 [A]) instead of ExpertSlots: slot s is
+    then assignment s. With `sum_slots` (one token, weighted) the result is their sum,
+    out [1, N]."""
     num_experts, n, k = w.shape
-    num_slots = slots.slot_experts.numel()
+    one_token = isinstance(slots, torch.Tensor)
+    if sum_slots and not (one_token and topk_weights is not None and not w.gated):
+        raise ValueError("sum_slots takes one token's expert ids, routing weights, plain rows")
+    if isinstance(slots, torch.Tensor):
+        ids = slots.contiguous()
+        num_slots = num_assignments = ids.numel()
+        tables = (ids, ids, ids)  # experts; the id and count tables are unread
+    else:
+        num_slots, num_assignments = slots.slot_experts.numel(), slots.num_assignments
+        tables = (slots.slot_experts, slots.slot_ids, slots.slot_counts)
     if per_split is None:
         per_split = moe_mma_config(num_slots, n, k, w.group_size, num_sms(a.device))
     num_groups = k // w.group_size
@@ -266,8 +314,13 @@ def _grouped_gemv(
         a = a.clone()
     pairs = a.view(torch.int32)  # rows of even length: a contiguous view starts aligned
     cols = n // 2 if w.gated else n
-    out = torch.empty(slots.num_assignments, cols, device=a.device, dtype=a.dtype)
-    part = torch.empty(splits, programs, 128 * WARPS, device=a.device) if splits > 1 else out
+    out = torch.empty(1 if sum_slots else num_assignments, cols, device=a.device, dtype=a.dtype)
+    if sum_slots:  # one slab per (slot, split)
+        part = torch.empty(num_slots * splits, programs_n, 128 * WARPS, device=a.device)
+    elif splits > 1:
+        part = torch.empty(splits, programs, 128 * WARPS, device=a.device)
+    else:
+        part = out
     d_asm, d_constraints, s_asm, s_constraints = PTX[CHAINS]
     if early is None:
         early = launches_early(a.device)
@@ -278,9 +331,7 @@ def _grouped_gemv(
         w.tiles.stride(0),
         w.tiles.stride(1),
         w.tiles.stride(2),
-        slots.slot_experts,
-        slots.slot_ids,
-        slots.slot_counts,
+        *tables,
         weights,
         part,
         split_counters(a.device),
@@ -308,6 +359,8 @@ def _grouped_gemv(
         SLOT=SLOT_TOKENS,
         EARLY=early,
         SLOTS_READY=slots_ready,
+        ONE_TOKEN=one_token,
+        SUM_SLOTS=sum_slots,
         num_warps=WARPS,
         **({"launch_pdl": True} if early else {}),
     )
@@ -315,7 +368,11 @@ def _grouped_gemv(
 
 
 def fused_moe_mma(
-    x: torch.Tensor, w13: Int4ExpertsMMA, w2: Int4ExpertsMMA, routing: Routing
+    x: torch.Tensor,
+    w13: Int4ExpertsMMA,
+    w2: Int4ExpertsMMA,
+    routing: Routing,
+    one_token: bool = True,  # T = 1 without slot tables or a separate sum (False: tests)
 ) -> torch.Tensor:
     """Routed experts on tensor cores: x [T, H] bf16/fp16 on CUDA -> [T, H] in x's dtype.
 
@@ -337,8 +394,13 @@ def fused_moe_mma(
     if t == 0:
         return x.clone()
     top_k = routing.topk_ids.shape[1]
-    # Four launches at decode: the slots, GEMM 1 with the activation, GEMM 2, the sum.
     weights = routing.topk_weights.reshape(-1).float().contiguous()  # [A]
+    if t == 1 and one_token:
+        # Two launches: the token's assignments are the slots, and GEMM 2 sums them.
+        ids = routing.topk_ids.reshape(-1)
+        act = _grouped_gemv(x, w13, ids, None, top_k)  # [A, I]
+        return _grouped_gemv(act, w2, ids, weights, 1, slots_ready=True, sum_slots=True)
+    # Four launches: the slots, GEMM 1 with the activation, GEMM 2, the sum.
     slots = expert_slots(routing.topk_ids, num_experts)
     act = _grouped_gemv(x, w13, slots, None, top_k)  # [A, I]: silu(gate) * up
     # Right behind GEMM 1, so its slots are long complete: GEMM 2 reads them early.

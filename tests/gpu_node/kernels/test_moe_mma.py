@@ -174,3 +174,24 @@ def test_grouped_gemv_plain_and_gated(tokens: int) -> None:
     act = _grouped_gemv(x, experts_to_mma(w13, gated=True), slots, None, 2)  # [A, I]
     assert act.shape == (tokens * 2, 128)
     assert _relative_error(act, torch.nn.functional.silu(gate) * up) <= 1e-2
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_one_token_path_equals_the_slot_path(group_size: int) -> None:
+    """T = 1 without slot tables, GEMM 2 summing the experts: the same result as the slots
+    and a separate sum, up to where bf16 rounds (the slot path rounds each expert's rows
+    before summing; the one-token path sums fp32 partials and rounds once)."""
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+
+    w13, w2 = _experts(16, 256, 128, group_size, seed=11)
+    mma13, mma2 = _mma(w13, w2)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        x = torch.randn(1, 256, generator=gen).to("cuda", torch.bfloat16)
+        routing = route(torch.randn(1, 16, generator=gen).to("cuda"), 6)
+        direct = fused_moe_mma(x, mma13, mma2, routing)
+        slotted = fused_moe_mma(x, mma13, mma2, routing, one_token=False)
+        ref = moe_experts_ref(x.float(), w13, w2, routing)
+        assert _relative_error(direct, ref) <= TOLERANCE[torch.bfloat16]
+        assert _relative_error(direct, slotted) <= TOLERANCE[torch.bfloat16]
+        assert torch.equal(direct, fused_moe_mma(x, mma13, mma2, routing))  # deterministic
