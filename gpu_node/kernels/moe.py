@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels.w4a16 import int4_group_step, is_interpreted
-from gpu_node.models.moe import ExpertBlocks, Routing, group_by_expert, moe_experts_ref
+from gpu_node.models.moe import moe_experts_ref
+from gpu_node.models.moe_routing import ExpertBlocks, Routing, group_by_expert
 from gpu_node.quant.int4 import Int4Weight
 
 

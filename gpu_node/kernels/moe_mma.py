@@ -50,8 +50,8 @@ from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma import LEAST_WARPS, _group
-from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, MAGIC, PTX
-from gpu_node.models.moe import SLOT_TOKENS, ExpertSlots, Routing
+from gpu_node.kernels.w4a16_mma_asm import MAGIC, group_step_constants
+from gpu_node.models.moe_routing import SLOT_TOKENS, ExpertSlots, Routing
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA
 
 WARPS = 4
@@ -321,7 +321,6 @@ def _grouped_gemv(
         part = torch.empty(splits, programs, 128 * WARPS, device=a.device)
     else:
         part = out
-    d_asm, d_constraints, s_asm, s_constraints = PTX[CHAINS]
     if early is None:
         early = launches_early(a.device)
     weights = topk_weights if topk_weights is not None else part  # unread when not multiplying
@@ -350,12 +349,7 @@ def _grouped_gemv(
         GROUP_SIZE=w.group_size,
         WARPS=WARPS,
         SPLIT_K=splits,
-        OFFSET=MAGIC[a.dtype][1],
-        HIGH=HIGH_ROWS[a.dtype],
-        D_ASM=d_asm[a.dtype],
-        D_CONSTRAINTS=d_constraints,
-        S_ASM=s_asm[a.dtype],
-        S_CONSTRAINTS=s_constraints,
+        **group_step_constants(a.dtype, CHAINS),
         SLOT=SLOT_TOKENS,
         EARLY=early,
         SLOTS_READY=slots_ready,

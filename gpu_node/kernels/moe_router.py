@@ -20,12 +20,17 @@ that `route` + `with_always_on` give (tests: equal ids, weights within fp32 roun
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from gpu_node.kernels.w4a16_gemv import split_counters
-from gpu_node.models.moe import MoeConfig, Routing
+from gpu_node.models.moe_routing import Routing
+
+if TYPE_CHECKING:
+    from gpu_node.models.moe import MoeConfig
 
 MAX_EXPERTS = 1024  # one program holds every expert's score
 MAX_SPLITS = 16  # programs a token's logits are split over, H-wise

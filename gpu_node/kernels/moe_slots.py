@@ -1,10 +1,11 @@
-"""Expert slots (models/moe.py, ExpertSlots) built by one small Triton kernel in two passes.
+"""Expert slots (models/moe_routing.py, ExpertSlots) built by one small Triton kernel in two passes.
 
-`slot_by_expert` in torch takes about 25 kernel launches (sort, cumsums, scatters), more
+`expert_slots_ref` (torch) takes about 25 kernel launches (sort, cumsums, scatters), more
 time at decode than the expert GEMVs themselves. Here every assignment a = token * K + k
-finds its place by comparing its expert with every other assignment's, so two launches
-do it, whatever A (the work is A^2 comparisons: 16M at A = 4096, a prefill of 512 tokens
-at top-8, nothing for a GPU):
+finds its place by comparing its expert with every other assignment's (A^2 comparisons:
+16M at A = 4096, a prefill of 512 tokens at top-8, nothing for a GPU). Up to ONE_PROGRAM
+assignments (decode) one program runs both passes in one launch, its own writes visible
+to it after a barrier; beyond, each pass is a launch:
 
     pass 1, per a:  count[a] = #{b : e_b = e_a}      rank[a] = #{b < a : e_b = e_a}
     pass 2, per a:  before[a] = sum of ceil(count / 8) over the experts below e_a
@@ -12,7 +13,7 @@ at top-8, nothing for a GPU):
 
 A slot's first assignment (rank % 8 == 0) also writes the slot's expert and count and
 repeats its id into the slot's unused columns; slots past the used ones get expert E.
-The result equals `slot_by_expert` exactly (tests), and no step waits on the host.
+The result equals `expert_slots_ref` exactly (tests), and no step waits on the host.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_node.models.moe import SLOT_TOKENS, ExpertSlots
+from gpu_node.models.moe_routing import SLOT_TOKENS, ExpertSlots
 
 BLOCK_A = 64  # assignments a program places
 BLOCK_B = 128  # assignments compared against per step
 ONE_PROGRAM = 128  # up to this many assignments (16 tokens at top-8), one program does both passes
-ONE_PROGRAM_B = (
-    32  # its comparison step: [A, 32] tiles stay in registers ([128, 128] spilled, 50 us)
-)
+# The one program's comparison step: [A, 32] tiles stay in registers ([128, 128] spilled, 50 us).
+ONE_PROGRAM_B = 32
 
 
 @triton.jit
@@ -131,7 +131,7 @@ def _slots_kernel(
 
 
 def expert_slots(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
-    """`slot_by_expert` in one or two launches: [T, K] expert choices -> ExpertSlots (S = T * K)."""
+    """`expert_slots_ref` in one or two launches: [T, K] expert choices -> ExpertSlots (S = T * K)."""
     flat = topk_ids.reshape(-1).contiguous()  # [A]
     num_assignments = flat.numel()
     device = flat.device

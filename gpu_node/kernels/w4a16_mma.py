@@ -54,7 +54,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, MAGIC, PTX
+from gpu_node.kernels.w4a16_mma_asm import MAGIC, PTX, group_step_constants
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
 
@@ -384,7 +384,6 @@ def _launch(
     early = int(cfg.get("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
-    d_asm, d_constraints, s_asm, s_constraints = PTX[chains]
     num_groups = k // weight.group_size
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
     splits = triton.cdiv(num_groups, groups_per_split)
@@ -421,12 +420,7 @@ def _launch(
         MODE=cfg.get("MODE", 0),
         CHAINS=chains,
         EARLY=early,
-        OFFSET=MAGIC[x.dtype][1],
-        HIGH=HIGH_ROWS[x.dtype],
-        D_ASM=d_asm[x.dtype],
-        D_CONSTRAINTS=d_constraints,
-        S_ASM=s_asm[x.dtype],
-        S_CONSTRAINTS=s_constraints,
+        **group_step_constants(x.dtype, chains),
         num_warps=warps,
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
         **({"launch_pdl": True} if early else {}),

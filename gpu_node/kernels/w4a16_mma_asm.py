@@ -114,3 +114,17 @@ PTX = {
     )
     for chains in (1, 2)
 }
+
+
+def group_step_constants(dtype: torch.dtype, chains: int) -> dict[str, object]:
+    """The constexprs a kernel built on w4a16_mma's group step takes for activations of
+    `dtype` and `chains` accumulators a chain: OFFSET, HIGH and the PTX with its constraints."""
+    d_asm, d_constraints, s_asm, s_constraints = PTX[chains]
+    return {
+        "OFFSET": MAGIC[dtype][1],
+        "HIGH": HIGH_ROWS[dtype],
+        "D_ASM": d_asm[dtype],
+        "D_CONSTRAINTS": d_constraints,
+        "S_ASM": s_asm[dtype],
+        "S_CONSTRAINTS": s_constraints,
+    }

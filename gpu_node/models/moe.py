@@ -1,7 +1,7 @@
 """The Mixture-of-Experts MLP: a router, top-k routed experts and optional shared experts.
 
-Letters: T tokens, H hidden size, E experts, K top-k, I expert hidden size,
-P padded assignments (a multiple of the kernel's block).
+Letters: T tokens, H hidden size, E experts, K top-k, I expert hidden size.
+Routing (top-k, assignments grouped by expert) is in moe_routing.py.
 
 `MoeMLP` maps [T, H] -> [T, H] and drops in for a dense layer's `mlp`. Each
 token picks K of E experts (the router); each routed expert is a SwiGLU MLP
@@ -28,6 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_node.models.moe_routing import (
+    Routing,
+    route,
+    with_always_on,
+)
 from gpu_node.quant.int4 import (
     Int4ExpertsMMA,
     Int4Weight,
@@ -94,145 +99,6 @@ MOE_CONFIGS: Mapping[str, MoeConfig] = MappingProxyType(
 )
 
 
-@dataclass(frozen=True)
-class Routing:
-    """Which experts each token uses, and with what weight."""
-
-    topk_ids: torch.Tensor  # int64 [T, K], per token in descending score
-    topk_weights: torch.Tensor  # fp32 [T, K]
-
-
-def route(
-    logits: torch.Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    renormalize: bool = True,
-    routed_scaling: float = 1.0,
-) -> Routing:
-    """Top-k experts of each token from router logits [T, E].
-
-    Ties break towards the lower expert id (a stable descending sort), so the
-    choice never depends on the device or the sort algorithm.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"router logits must be [T, E], got shape {tuple(logits.shape)}")
-    if not 0 < top_k <= logits.shape[1]:
-        raise ValueError(f"top_k {top_k} not in 1..{logits.shape[1]}")
-    logits = logits.float()
-    if scoring == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif scoring == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    weights = sorted_scores[:, :top_k]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(topk_ids=order[:, :top_k].contiguous(), topk_weights=weights * routed_scaling)
-
-
-@dataclass(frozen=True)
-class ExpertBlocks:
-    """Token-expert assignments grouped by expert, each expert's run padded to `block_m`.
-
-    An assignment is `token * K + slot`. `sorted_ids` holds them expert by
-    expert (in token order within an expert); padding and the unused tail hold
-    the sentinel T * K. Block b (rows b*block_m .. b*block_m+block_m-1) belongs
-    to expert `block_experts[b]`; blocks past the last used one say E. Sized by
-    an upper bound so that building it never waits on the GPU.
-    """
-
-    sorted_ids: torch.Tensor  # int32 [P]
-    block_experts: torch.Tensor  # int32 [P // block_m]
-    block_m: int
-    num_assignments: int  # T * K, the sentinel
-
-
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Groups [T, K] expert choices by expert, padding each expert's run to `block_m`."""
-    flat = topk_ids.reshape(-1)  # [T*K]
-    num_assignments = flat.numel()
-    device = flat.device
-    # Every used expert wastes < block_m rows, and no more experts than assignments are used.
-    num_padded = min(
-        num_assignments * block_m,
-        num_assignments + min(num_experts, num_assignments) * (block_m - 1),
-    )
-    num_padded = -(-num_padded // block_m) * block_m
-    # scatter_add, not bincount: bincount sizes its output from the data, a GPU->host sync.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
-    starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)  # assignments, expert by expert
-    experts = flat[order]
-    rank = torch.arange(num_assignments, device=device) - starts[experts]
-    sorted_ids = torch.full((num_padded,), num_assignments, dtype=torch.int32, device=device)
-    sorted_ids[padded_starts[experts] + rank] = order.to(torch.int32)
-    block_ends = torch.cumsum(padded_counts // block_m, 0)  # [E]
-    blocks = torch.arange(num_padded // block_m, device=device)
-    block_experts = torch.searchsorted(block_ends, blocks, right=True).to(torch.int32)
-    return ExpertBlocks(
-        sorted_ids=sorted_ids,
-        block_experts=block_experts,
-        block_m=block_m,
-        num_assignments=num_assignments,
-    )
-
-
-SLOT_TOKENS = 8  # columns of one mma.m16n8k16: the tokens an expert's weights are read once for
-
-
-@dataclass(frozen=True)
-class ExpertSlots:
-    """Token-expert assignments grouped by expert in slots of up to SLOT_TOKENS (decode).
-
-    Slot s holds `slot_counts[s]` assignments of expert `slot_experts[s]` in
-    `slot_ids[s, :count]`, in token order; its other columns repeat `slot_ids[s, 0]`, so a
-    kernel may read them (and never stores them). An expert with more than SLOT_TOKENS
-    assignments takes several slots. Slots past the used ones say expert E, count 0.
-    Sized by the upper bound T * K (one slot per assignment) so that building it never
-    waits on the GPU.
-    """
-
-    slot_experts: torch.Tensor  # int32 [S]
-    slot_ids: torch.Tensor  # int32 [S, SLOT_TOKENS]
-    slot_counts: torch.Tensor  # int32 [S]
-    num_assignments: int  # T * K = S
-
-
-def slot_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
-    """Groups [T, K] expert choices into slots of up to SLOT_TOKENS assignments of one expert."""
-    flat = topk_ids.reshape(-1)  # [A = T*K]
-    num_assignments = flat.numel()
-    device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)  # assignments, expert by expert
-    experts = flat[order]
-    rank = torch.arange(num_assignments, device=device) - starts[experts]  # within the expert
-    column = rank % SLOT_TOKENS
-    slot = torch.cumsum(column == 0, 0) - 1  # [A]: a new slot every SLOT_TOKENS of an expert
-    # Scatters with repeated indices below always write equal values.
-    slot_experts = torch.full((num_assignments,), num_experts, dtype=torch.int64, device=device)
-    slot_experts.scatter_(0, slot, experts)
-    slot_ids = torch.zeros(num_assignments, SLOT_TOKENS, dtype=torch.int64, device=device)
-    slot_ids[slot, column] = order
-    slot_counts = torch.zeros(num_assignments, dtype=torch.int64, device=device)
-    slot_counts.scatter_add_(0, slot, torch.ones_like(slot))
-    filled = torch.arange(SLOT_TOKENS, device=device) < slot_counts[:, None]
-    slot_ids = torch.where(filled, slot_ids, slot_ids[:, :1])
-    return ExpertSlots(
-        slot_experts=slot_experts.to(torch.int32),
-        slot_ids=slot_ids.to(torch.int32),
-        slot_counts=slot_counts.to(torch.int32),
-        num_assignments=num_assignments,
-    )
-
-
 def _expert_weight(w: torch.Tensor | Int4Weight, e: int) -> torch.Tensor:
     """One expert's dense weight [rows, cols]: INT4 dequantized to fp32, float as stored."""
     if isinstance(w, Int4Weight):
@@ -253,24 +119,12 @@ def moe_experts_ref(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     ids = routing.topk_ids
     for e in torch.unique(ids).tolist():
-        tokens, slots = torch.nonzero(ids == e, as_tuple=True)
+        tokens, ks = torch.nonzero(ids == e, as_tuple=True)
         gate_up = x[tokens].to(dtype) @ _expert_weight(w13, e).T  # [t, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ _expert_weight(w2, e).T  # [t, H]
-        out.index_add_(0, tokens, y.float() * routing.topk_weights[tokens, slots, None])
+        out.index_add_(0, tokens, y.float() * routing.topk_weights[tokens, ks, None])
     return out.to(x.dtype)
-
-
-def with_always_on(routing: Routing, first: int, count: int) -> Routing:
-    """Routing [T, K] -> [T, K + count]: experts first .. first + count - 1 appended to every
-    token with weight 1 (the shared experts, folded into the expert stack)."""
-    t = routing.topk_ids.shape[0]
-    ids = torch.arange(first, first + count, device=routing.topk_ids.device)
-    weights = routing.topk_weights.new_ones(t, count)
-    return Routing(
-        topk_ids=torch.cat([routing.topk_ids, ids.expand(t, count)], dim=1),
-        topk_weights=torch.cat([routing.topk_weights, weights], dim=1),
-    )
 
 
 def _map_int4(fn: Callable[..., torch.Tensor], *weights: Int4Weight) -> Int4Weight:
@@ -383,17 +237,30 @@ class Int4MoeExperts(nn.Module):
             empty = self.w13_scales.new_empty(0)  # inside the tiles
             self.w13_scales = self.w13_mins = self.w2_scales = self.w2_mins = empty
 
+    def use_int4_layout(self) -> None:
+        """Re-lay the buffers back as Int4Weight, in place (the CUDA-core kernel's and the
+        reference's), so callers the tensor-core kernel cannot take convert once, not per call."""
+        if self.layout != "int4":
+            w13, w2 = self.weights()
+            self.w13_packed, self.w13_scales, self.w13_mins = w13.packed, w13.scales, w13.mins
+            self.w2_packed, self.w2_scales, self.w2_mins = w2.packed, w2.scales, w2.mins
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        tensor_cores = False
         if x.is_cuda:
-            # bf16/fp16 with groups of 64 or 128: the tensor-core kernel over expert slots,
-            # its layout taken on the first call; otherwise the fused CUDA-core kernel.
             from gpu_node.kernels import moe_mma
+
+            tensor_cores = moe_mma.takes(x, self.group_size)
+        # bf16/fp16 on CUDA with groups of 64 or 128: the tensor-core kernel over expert
+        # slots; otherwise the fused CUDA-core kernel (CUDA) or the reference. Each path's
+        # layout is taken in place when the path changes.
+        if tensor_cores:
+            self.use_mma_layout()
+            return moe_mma.fused_moe_mma(x, *self.weights_mma(), routing)
+        self.use_int4_layout()
+        if x.is_cuda:
             from gpu_node.kernels.moe import fused_moe_int4
 
-            if self.layout == "int4" and moe_mma.takes(x, self.group_size):
-                self.use_mma_layout()
-            if self.layout == "mma" and moe_mma.takes(x, self.group_size):
-                return moe_mma.fused_moe_mma(x, *self.weights_mma(), routing)
             return fused_moe_int4(x, *self.weights(), routing)
         return moe_experts_ref(x, *self.weights(), routing)
 

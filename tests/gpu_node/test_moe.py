@@ -16,11 +16,9 @@ from gpu_node.models.moe import (
     MoeConfig,
     MoeExperts,
     MoeMLP,
-    group_by_expert,
     moe_mlp_from_gguf,
-    route,
-    slot_by_expert,
 )
+from gpu_node.models.moe_routing import expert_slots_ref, group_by_expert, route
 from gpu_node.quant.int4 import (
     Int4ExpertsMMA,
     Int4Weight,
@@ -88,11 +86,11 @@ def test_group_by_expert_pads_each_expert_and_skips_empty_ones() -> None:
     assert b.num_assignments == 6 and b.block_m == 2
 
 
-def test_slot_by_expert_cuts_each_expert_into_slots_of_eight() -> None:
+def test_expert_slots_ref_cuts_each_expert_into_slots_of_eight() -> None:
     # 10 tokens, top-2, 4 experts: expert 1 gets 10 assignments (two slots), 2 gets 7,
     # 3 gets 2, 0 gets 1; assignment a = token * 2 + k.
     ids = torch.tensor([[3, 1], [1, 0], [1, 3]] + [[1, 2]] * 7)
-    s = slot_by_expert(ids, num_experts=4)
+    s = expert_slots_ref(ids, num_experts=4)
     assert s.num_assignments == 20
     assert s.slot_experts.tolist() == [0, 1, 1, 2, 3] + [4] * 15  # 4 == E: unused
     assert s.slot_counts.tolist() == [1, 8, 2, 7, 2] + [0] * 15
@@ -105,8 +103,8 @@ def test_slot_by_expert_cuts_each_expert_into_slots_of_eight() -> None:
     assert s.slot_ids.dtype == s.slot_experts.dtype == s.slot_counts.dtype == torch.int32
 
 
-def test_slot_by_expert_one_token_gives_one_slot_per_expert() -> None:
-    s = slot_by_expert(torch.tensor([[5, 2, 7]]), num_experts=8)
+def test_expert_slots_ref_one_token_gives_one_slot_per_expert() -> None:
+    s = expert_slots_ref(torch.tensor([[5, 2, 7]]), num_experts=8)
     assert s.slot_experts.tolist() == [2, 5, 7]
     assert s.slot_counts.tolist() == [1, 1, 1]
     assert s.slot_ids[:, 0].tolist() == [1, 0, 2]

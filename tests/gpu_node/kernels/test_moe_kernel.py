@@ -13,8 +13,9 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.moe as moe_module
 import gpu_node.kernels.w4a16 as w4a16_module
-from gpu_node.models.moe import Routing, route
-from gpu_node.quant.int4 import Int4Weight, quantize_int4
+from gpu_node.models.moe_routing import Routing, route
+from gpu_node.quant.int4 import Int4Weight
+from tests.gpu_node.kernels.moe_weights import random_experts
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest may import the kernels before TRITON_INTERPRET is set: decorate them again
@@ -33,10 +34,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def _experts(
     num_experts: int, hidden: int, inner: int, group_size: int, seed: int
 ) -> tuple[Int4Weight, Int4Weight]:
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5
-    return quantize_int4(w13, group_size).to(DEVICE), quantize_int4(w2, group_size).to(DEVICE)
+    return random_experts(num_experts, hidden, inner, group_size, seed, DEVICE)
 
 
 @pytest.mark.parametrize(

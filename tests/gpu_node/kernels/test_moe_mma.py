@@ -12,14 +12,15 @@ import os
 import pytest
 import torch
 
-from gpu_node.models.moe import Int4MoeExperts, Routing, moe_experts_ref, route
+from gpu_node.models.moe import Int4MoeExperts, moe_experts_ref
+from gpu_node.models.moe_routing import Routing, route
 from gpu_node.quant.int4 import (
     Int4ExpertsMMA,
     Int4Weight,
     dequantize_int4,
     experts_to_mma,
-    quantize_int4,
 )
+from tests.gpu_node.kernels.moe_weights import random_experts
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -34,10 +35,7 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 def _experts(
     num_experts: int, hidden: int, inner: int, group_size: int, seed: int
 ) -> tuple[Int4Weight, Int4Weight]:
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5
-    return quantize_int4(w13, group_size).to("cuda"), quantize_int4(w2, group_size).to("cuda")
+    return random_experts(num_experts, hidden, inner, group_size, seed, "cuda")
 
 
 def _mma(w13: Int4Weight, w2: Int4Weight) -> tuple[Int4ExpertsMMA, Int4ExpertsMMA]:

@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.moe_router as router_module
-from gpu_node.models.moe import MOE_CONFIGS, MoeConfig, route, with_always_on
+from gpu_node.models.moe import MOE_CONFIGS, MoeConfig
+from gpu_node.models.moe_routing import route, with_always_on
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated: decorate it again.
 router_module = importlib.reload(router_module)

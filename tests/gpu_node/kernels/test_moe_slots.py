@@ -1,4 +1,5 @@
-"""The two-launch expert slots equal slot_by_expert's, exactly (interpreter on CPU, native on CUDA)."""
+"""expert_slots (one or two launches) equals expert_slots_ref exactly (interpreter on CPU,
+native on CUDA)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.moe_slots as slots_module
-from gpu_node.models.moe import slot_by_expert
+from gpu_node.models.moe_routing import expert_slots_ref
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated: decorate them again.
 slots_module = importlib.reload(slots_module)
@@ -33,11 +34,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
         (3, 1, 1),  # one expert takes everything
     ],
 )
-def test_expert_slots_equal_slot_by_expert(tokens: int, num_experts: int, top_k: int) -> None:
+def test_expert_slots_equal_the_reference(tokens: int, num_experts: int, top_k: int) -> None:
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
     ids = ids.to(DEVICE)
-    ours, ref = expert_slots(ids, num_experts), slot_by_expert(ids, num_experts)
+    ours, ref = expert_slots(ids, num_experts), expert_slots_ref(ids, num_experts)
     assert ours.num_assignments == ref.num_assignments == tokens * top_k
     assert torch.equal(ours.slot_experts, ref.slot_experts)
     assert torch.equal(ours.slot_counts, ref.slot_counts)
