@@ -114,8 +114,13 @@ def _moe_mma_kernel(
     # weights first and waits only before the activations, GEMM 1's output.
     if EARLY and not SLOTS_READY:
         gdc_wait()
-    expert = tl.load(slot_experts_ptr + slot).to(tl.int32)
-    if expert < num_experts:
+    raw = tl.load(slot_experts_ptr + slot).to(tl.int32)
+    in_range = (raw >= 0) & (raw < num_experts)
+    expert = tl.where(in_range, raw, 0)
+    # Unused slots (expert E) exit at once. One token's never do: with SUM_SLOTS every
+    # (slot, split) program must reach its column's counter, so an id out of range runs
+    # with its loads masked off (its rows are 0) rather than reading outside the weights.
+    if in_range | ONE_TOKEN:
         count = 1 if ONE_TOKEN else tl.load(slot_counts_ptr + slot)
         # One row block a warp ([1, E] tensors): the dense kernel's layout with R = 1.
         i = tl.arange(0, 1)[:, None]
@@ -125,7 +130,7 @@ def _moe_mma_kernel(
         g = lane // 4
         t = lane % 4
         rb = pid_n * WARPS + e // 128 + i  # [1, E]
-        rb_ok = rb < num_row_blocks
+        rb_ok = (rb < num_row_blocks) & in_range
         tile_at = tiles_ptr + expert.to(tl.int64) * stride_te + rb * stride_tr
         words_at = tile_at + e % 128
         sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
@@ -309,6 +314,8 @@ def _grouped_gemv(
     row_blocks = w.tiles.shape[1]
     programs_n = triton.cdiv(row_blocks, WARPS)
     programs = num_slots * programs_n
+    if splits > 1 and not sum_slots and programs > MAX_TILES:  # a per_split override
+        raise ValueError(f"{programs} programs with split K exceed the {MAX_TILES} counters")
     a = a.contiguous()
     if a.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
         a = a.clone()

@@ -50,7 +50,9 @@ def _select(
         shifted = tl.where(valid, logits - tl.max(tl.where(valid, logits, -float("inf"))), 0.0)
         e = tl.where(valid, tl.exp(shifted), 0.0)
         scores = e / tl.sum(e)
-    remaining = tl.where(valid, scores, -1.0)  # scores are >= 0: -1 is never chosen
+    # Scores are >= 0; chosen ones become -1 and padding is -2, so K rounds pick K distinct
+    # real experts even when scores are NaN (those rank as -0.5: below every number).
+    remaining = tl.where(valid, tl.where(scores == scores, scores, -0.5), -2.0)
     chosen_ids = tl.zeros(experts.shape, tl.int32)  # slot k of the top-k at position k
     chosen = tl.zeros(experts.shape, tl.float32)
     for k in tl.static_range(K):

@@ -193,3 +193,37 @@ def test_one_token_path_equals_the_slot_path(group_size: int) -> None:
         assert _relative_error(direct, ref) <= TOLERANCE[torch.bfloat16]
         assert _relative_error(direct, slotted) <= TOLERANCE[torch.bfloat16]
         assert torch.equal(direct, fused_moe_mma(x, mma13, mma2, routing))  # deterministic
+
+
+def test_one_token_with_an_id_out_of_range_leaves_the_counters_clean() -> None:
+    """An expert id out of range in the one-token path contributes zero rows and still
+    reaches its columns' counters, so the split-K counters are clean for the next call."""
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.w4a16_gemv import split_counters
+
+    w13, w2 = _experts(8, 128, 512, 64, seed=12)  # GEMM 2 over 8 groups: split K
+    mma13, mma2 = _mma(w13, w2)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(12)).to("cuda", torch.bfloat16)
+    good = Routing(torch.tensor([[3, 5]], device="cuda"), torch.tensor([[0.5, 0.5]], device="cuda"))
+    bad = Routing(torch.tensor([[3, 8]], device="cuda"), good.topk_weights)  # 8 == E
+    expected = fused_moe_mma(x, mma13, mma2, good)
+    only_three = fused_moe_mma(
+        x, mma13, mma2, Routing(good.topk_ids[:, :1].contiguous(), good.topk_weights[:, :1])
+    )
+    # Equal up to the split-K sums' order (the two routings may split K differently).
+    assert _relative_error(fused_moe_mma(x, mma13, mma2, bad), only_three) <= 1e-2
+    assert not split_counters(x.device).any()
+    assert torch.equal(fused_moe_mma(x, mma13, mma2, good), expected)
+
+
+def test_a_split_override_past_the_counters_is_refused() -> None:
+    from gpu_node.kernels.moe_mma import _grouped_gemv
+    from gpu_node.kernels.moe_slots import expert_slots
+
+    w13, _ = _experts(2, 128, 64, 64, seed=13)
+    # 128 rows: 2 programs a slot; 32800 slots: 65600 split-K columns
+    ids = torch.zeros(16400, 2, dtype=torch.int64, device="cuda")
+    ids[:, 1] = 1
+    x = torch.randn(16400, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="exceed the 65536 counters"):
+        _grouped_gemv(x, experts_to_mma(w13, gated=True), expert_slots(ids, 2), None, 2, 1)

@@ -78,3 +78,10 @@ def test_ties_go_to_the_lower_expert_id() -> None:
 def test_a_weight_that_does_not_fit_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         route_fused(torch.randn(2, 64, device=DEVICE), torch.randn(8, 128, device=DEVICE), SMALL)
+
+
+def test_nan_scores_still_pick_distinct_real_experts() -> None:
+    x = torch.full((2, WIDE.hidden_size), float("nan"), device=DEVICE)
+    weight = torch.randn(WIDE.num_experts, WIDE.hidden_size, device=DEVICE)
+    ids = route_fused(x, weight, WIDE, 1).topk_ids
+    assert ids.tolist() == [[*range(8), 64]] * 2  # the lowest ids, then the always-on one
