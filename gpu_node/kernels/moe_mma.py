@@ -130,7 +130,8 @@ def _moe_mma_kernel(
         g = lane // 4
         t = lane % 4
         rb = pid_n * WARPS + e // 128 + i  # [1, E]
-        rb_ok = (rb < num_row_blocks) & in_range
+        rb_ok = rb < num_row_blocks
+        load_ok = rb_ok & in_range  # results are still stored (0) for an id out of range
         tile_at = tiles_ptr + expert.to(tl.int64) * stride_te + rb * stride_tr
         words_at = tile_at + e % 128
         sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
@@ -143,13 +144,13 @@ def _moe_mma_kernel(
         g_begin = pid_s * groups_per_split
         g_end = tl.minimum(g_begin + groups_per_split, num_groups)
         acc = tl.full((1, E), 0.0, tl.float32)
-        w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
-        w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
-        sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
+        w0 = tl.load(words_at + g_begin * stride_tg, mask=load_ok, other=0)
+        w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=load_ok & (CPG == 2), other=0)
+        sm = tl.load(sm_at + g_begin * sm_stride, mask=load_ok, other=0.0)
         if EARLY and SLOTS_READY:
             gdc_wait()
         for grp in range(g_begin, g_end):
-            ok = rb_ok & (grp + 1 < g_end)
+            ok = load_ok & (grp + 1 < g_end)
             w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
             w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
             sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
