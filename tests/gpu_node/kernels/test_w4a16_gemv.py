@@ -69,18 +69,23 @@ def test_kn_layout_is_lossless_and_as_documented() -> None:
     assert [(word >> (4 * p)) & 15 for p in range(8)] == codes[5, 24:32].tolist()
 
 
+SHAPES = [  # m, n, k, group size, groups per split (None: the heuristic's)
+    (1, 36, 64, 32, None),  # N off the row block
+    (3, 52, 512, 128, 1),  # 4 splits, M padded to 4
+    (8, 20, 256, 64, 2),  # 2 splits of 2 groups
+    (1, 300, 384, 32, 5),  # 12 groups in splits of 5: the last split is short
+    (2, 576, 576, 64, None),  # SmolLM2's hidden size
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
 @pytest.mark.parametrize(
-    ("m", "n", "k", "group_size", "groups_per_split"),
-    [
-        (1, 36, 64, 32, None),  # N off the row block
-        (3, 52, 512, 128, 1),  # 4 splits, M padded to 4
-        (8, 20, 256, 64, 2),  # 2 splits of 2 groups
-        (1, 300, 384, 32, 5),  # 12 groups in splits of 5: the last split is short
-        (2, 576, 576, 64, None),  # SmolLM2's hidden size
-        (1, 256, 4608, 128, None),  # K > 4096: the heuristic's one-warp programs, 36 splits
-    ],
+    ("m", "n", "k", "group_size", "groups_per_split", "dtype"),
+    [(*shape, dtype) for dtype in DTYPES for shape in SHAPES]
+    # K > 4096: the heuristic's one-warp programs, 36 splits (one dtype: the interpreter
+    # takes ~30 s a call here, and the dtype paths are the shapes' above)
+    + [(1, 128, 4608, 128, None, torch.float32)],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gemv_equals_reference(
     m: int, n: int, k: int, group_size: int, groups_per_split: int | None, dtype: torch.dtype
 ) -> None:
