@@ -220,12 +220,17 @@ def main() -> None:
             ),
         ):
             row = {}
-            for weights in ("bf16", "int4"):
-                m = build()
-                if weights == "int4":
+            # INT4 in groups of 128, and of 32 (SmolLM2's GGUF Q4_1) with bf16 activations
+            # (tensor cores) and with fp32 ones (the CUDA-core kernels the service's INT4
+            # layers ran before the twelfth session).
+            variants = {"bf16": (None, dtype), "int4": (128, dtype), "int4 g32": (32, dtype)}
+            variants["int4 g32 fp32"] = (32, torch.float32)
+            for weights, (group, act) in variants.items():
+                m = build().to(act)
+                if group is not None:
                     quantize_model(
                         m,
-                        group_size=32 if args.tiny else 128,
+                        group_size=32 if args.tiny else group,
                         skip=("lm_head", "embed_tokens", "router"),
                     )
                 engine = make_engine(m, device, kv_dtype=kv16, num_pages=64)
@@ -234,8 +239,12 @@ def main() -> None:
                 del engine, m
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            print(f"  {label:10s}: bf16 {row['bf16']:7.1f} tok/s  int4 {row['int4']:7.1f} tok/s  "
-                  f"int4/bf16 {row['int4'] / row['bf16']:.2f}x")  # fmt: skip
+            print(
+                f"  {label:10s}: "
+                + "  ".join(f"{w} {tps:7.1f} tok/s" for w, tps in row.items())
+                + "  "
+                + "  ".join(f"{w}/bf16 {row[w] / row['bf16']:.2f}x" for w in row if w != "bf16")
+            )
 
 
 if __name__ == "__main__":

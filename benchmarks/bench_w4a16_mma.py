@@ -9,7 +9,10 @@ together span 4x the L2, replay time / R):
   dense     F.linear(x, W), W [N, K] in the activations' dtype (cuBLAS): bf16, or fp16
             with --dtype fp16 (JSON rows say which; before the ninth session's last runs
             the keys were named bf16_*)
-  gemv      w4a16_gemv over Int4WeightKN (CUDA cores; what Int4Linear ran before)
+  gemv      w4a16_gemv over Int4WeightKN (CUDA cores; what Int4Linear runs for fp32
+            activations, and for groups of 32 before the twelfth session)
+  gemv fp32 the same with fp32 activations (what the service's INT4 layers ran on a GPU
+            before the twelfth session)
   mma       w4a16_mma_gemv over Int4WeightMMA (tensor cores), its heuristic config; on
             Hopper each call launches early behind the one before (PDL), as consecutive
             layers of a decode step would, and waits for it before reading x
@@ -17,8 +20,9 @@ together span 4x the L2, replay time / R):
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
 measured in the same run, and the relative error against the fp32 reference.
 --sweep also times the mma kernel over warps x row blocks per warp x accumulator chains
-x register caps x groups per split at M = 1. INT4 is group 128, fp16 scale and min per
-group. Needs torch, triton, numpy.
+x register caps x groups per split at M = 1. INT4 is group 128 (--group-size 32 or 64
+for others; a group of 32 is SmolLM2's GGUF Q4_1), fp16 scale and min per group. Needs
+torch, triton, numpy.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from bench_w4a16 import (
 
 from gpu_node.kernels.w4a16_gemv import w4a16_gemv
 from gpu_node.kernels.w4a16_mma import mma_gemv_config, w4a16_mma_gemv
-from gpu_node.quant.int4 import dequantize_int4, quantize_int4, to_kn, to_mma
+from gpu_node.quant.int4 import dequantize_int4, mma_step, quantize_int4, to_kn, to_mma
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -64,11 +68,12 @@ def sweep(
     chain_list: tuple[int, ...] = (1,),
     maxnreg_list: tuple[int, ...] = (0,),
     dtype: torch.dtype = torch.bfloat16,
+    group_size: int = GROUP,
 ) -> None:
     """M = 1: warps x row blocks per warp x chains x caps x splits, then the best
     config with its loads alone (MODE 1) and without the activation sums (MODE 2)."""
     x = torch.randn(1, k, device="cuda", dtype=dtype)
-    groups = k // GROUP
+    groups = k // mma_step(group_size)  # loop steps
     results = []
     for warps, rows, chains, maxnreg, per_split in itertools.product(
         warp_list, rows_list, chain_list, maxnreg_list, split_list
@@ -84,7 +89,7 @@ def sweep(
         }
         t = bench_graph([lambda q=q, c=cfg: w4a16_mma_gemv(x, q, config=c) for q in mmas])
         results.append((t * 1e3, cfg))
-    heuristic = mma_gemv_config(n, k, GROUP, num_sms)
+    heuristic = mma_gemv_config(n, k, group_size, num_sms)
     t_h = bench_graph([lambda q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
     results.sort(key=lambda r: r[0])
     best_t, best = results[0]
@@ -113,8 +118,10 @@ def main() -> None:
         default="bf16",
         help="activations and the dense baseline",
     )
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=GROUP)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    group = args.group_size
     batches = [int(b) for b in args.batches.split(",")]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.manual_seed(0)
@@ -122,15 +129,15 @@ def main() -> None:
     bw = copy_bandwidth()
     print(
         f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {bw / 1e12:.2f} TB/s"
-        f"; activations and dense baseline {args.dtype}"
+        f"; activations and dense baseline {args.dtype}; INT4 group {group}"
     )
     rows = []
     for k, n in args.shapes:
         w0 = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
         ws = [w0] + [torch.randn_like(w0) / k**0.5 for _ in range(copies_for(2 * n * k) - 1)]
-        q0 = quantize_int4(w0, GROUP)
+        q0 = quantize_int4(w0, group)
         qs = [q0] + [
-            quantize_int4(torch.randn_like(w0), GROUP) for _ in range(copies_for(q0.nbytes) - 1)
+            quantize_int4(torch.randn_like(w0), group) for _ in range(copies_for(q0.nbytes) - 1)
         ]
         kns = [to_kn(q) for q in qs]
         mmas = [to_mma(q) for q in qs]
@@ -145,6 +152,8 @@ def main() -> None:
             err_mma = rel_err(w4a16_mma_gemv(x, mmas[0]), ref)
             t_dense = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws]) * 1e3
             t_gemv = bench_graph([lambda x=x, q=q: w4a16_gemv(x, q) for q in kns]) * 1e3
+            x32 = x.float()
+            t_gemv32 = bench_graph([lambda x=x32, q=q: w4a16_gemv(x, q) for q in kns]) * 1e3
             t_mma = bench_graph([lambda x=x, q=q: w4a16_mma_gemv(x, q) for q in mmas]) * 1e3
             late = {"EARLY": 0}
             t_late = (
@@ -157,7 +166,10 @@ def main() -> None:
                 "N": n,
                 "M": m,
                 "dtype": args.dtype,
+                "group_size": group,
                 "dense_us": t_dense,
+                "gemv_fp32_us": t_gemv32,
+                "mma_vs_gemv_fp32": t_gemv32 / t_mma,
                 "gemv_us": t_gemv,
                 "mma_us": t_mma,
                 "mma_not_early_us": t_late,
@@ -191,22 +203,24 @@ def main() -> None:
                 ints(args.sweep_chains),
                 ints(args.sweep_maxnreg),
                 dtype,
+                group,
             )
         del ws, kns, mmas, w_ref
     print()
     print(
         f"| K x N | M | {args.dtype} us | GEMV us | MMA us | MMA not early us | MMA vs {args.dtype} "
         f"| GEMV vs {args.dtype} "
-        "| MMA vs GEMV "
+        "| MMA vs GEMV | GEMV fp32 us | MMA vs GEMV fp32 "
         f"| {args.dtype} BW | GEMV BW | MMA BW | ideal | read floor us | rel err GEMV | rel err MMA |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['K']}x{r['N']} | {r['M']} | {r['dense_us']:.1f} | {r['gemv_us']:.1f} | "
             f"{r['mma_us']:.1f} | {r['mma_not_early_us']:.1f} | **{r['mma_vs_dense']:.2f}x** | "
             f"{r['gemv_vs_dense']:.2f}x | "
-            f"{r['mma_vs_gemv']:.2f}x | {r['dense_bw']:.2f} | {r['gemv_bw']:.2f} | "
+            f"{r['mma_vs_gemv']:.2f}x | {r['gemv_fp32_us']:.1f} | {r['mma_vs_gemv_fp32']:.2f}x | "
+            f"{r['dense_bw']:.2f} | {r['gemv_bw']:.2f} | "
             f"{r['mma_bw']:.2f} | {r['ideal_vs_dense']:.2f}x | {r['read_floor_us']:.1f} | "
             f"{r['err_gemv']:.1e} | {r['err_mma']:.1e} |"
         )

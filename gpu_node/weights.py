@@ -101,6 +101,15 @@ def moe_model(name: str, seed: int = 0, device: torch.device | str = "cpu") -> L
     return model
 
 
+def activation_dtype(weights: str, device: torch.device | str) -> torch.dtype:
+    """What a node computes in: bf16 with bf16 weights, and with INT4 weights on a GPU
+    (the tensor-core W4A16 and MoE kernels take bf16 activations); fp32 otherwise (INT4
+    on CPU runs torch's int4 kernel from fp32 activations, and fp32 is the reference)."""
+    if weights == "bf16" or (weights == "int4" and torch.device(device).type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
 def build_model(
     model: str, weights: str, device: torch.device | str = "cpu", progress: Progress | None = None
 ) -> tuple[LlamaModel, ChatTokenizer]:
@@ -111,13 +120,14 @@ def build_model(
     from gpu_node.model_store import SYNTHETIC_MODELS, resolve_model
     from gpu_node.quant.linear import quantize_model
 
-    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    dtype = activation_dtype(weights, device)
     if model in SYNTHETIC_MODELS:
         tokenizer = ChatTokenizer(GGUFModel(resolve_model("smollm2")))
-        built = moe_model(model, device=device)
+        # Cast before quantizing: a cast after would round the INT4 scales (fp16) too.
+        built = moe_model(model, device=device).to(dtype)
         if weights == "int4":
             quantize_model(built, group_size=32, skip=("lm_head", "embed_tokens", "router"))
-        return built.to(dtype) if weights == "bf16" else built, tokenizer
+        return built, tokenizer
     gguf = GGUFModel(resolve_model(model))
     return load_llama(gguf, dtype, device, progress, int4=weights == "int4"), ChatTokenizer(gguf)
 

@@ -1,7 +1,8 @@
 """Fused INT4 MoE on tensor cores: the dense decode GEMV (w4a16_mma.py) over expert slots.
 
 Letters: T tokens, H hidden, E experts, K top-k, I expert hidden, A = T * K assignments,
-S slots (A at most), G group size (64 or 128), W warps per program.
+S slots (A at most), G group size (32, 64 or 128; a loop step is max(G, 64) k),
+W warps per program.
 
     x [T, H] --router--> topk_ids, topk_weights [T, K]
       expert_slots: assignments in slots of up to 8 of one expert        [S, 8]
@@ -52,7 +53,7 @@ from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma import LEAST_WARPS, _group
 from gpu_node.kernels.w4a16_mma_asm import MAGIC, group_step_constants
 from gpu_node.models.moe_routing import SLOT_TOKENS, ExpertSlots, Routing
-from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA
+from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA, mma_step
 
 WARPS = 4
 CHAINS = 2  # one row block a warp, each mma chain split in two (as the dense kernel's)
@@ -65,7 +66,7 @@ MOE_WAVE_WARPS = 20
 @triton.jit
 def _moe_mma_kernel(
     a_ptr,  # int32 [rows, K / 2]: bf16/fp16 pairs; row of assignment a = a // A_ROW_DIV
-    tiles_ptr,  # int32 [E, N16 / 16, K / G, 2G + 16] (Int4ExpertsMMA)
+    tiles_ptr,  # int32 [E, N16 / 16, steps, ...] (Int4ExpertsMMA: a step is max(G, 64) k)
     stride_te,  # tiles' strides (int32) along experts, row blocks and groups
     stride_tr,
     stride_tg,
@@ -102,8 +103,9 @@ def _moe_mma_kernel(
     ONE_TOKEN: tl.constexpr,  # T = 1: slot s is assignment s, of expert topk_ids[s]; no tables
     SUM_SLOTS: tl.constexpr,  # (ONE_TOKEN) out [1, N] = the sum of every slot's rows
 ):
-    tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
-    CPG: tl.constexpr = GROUP_SIZE // 64
+    tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
+    CPG: tl.constexpr = (GROUP_SIZE + 63) // 64  # chunks per step (T = max(G, 64) k)
+    SUBS: tl.constexpr = 64 * CPG // GROUP_SIZE  # groups per step: 2 (g32) or 1
     E: tl.constexpr = 128 * WARPS
     pid = tl.program_id(0)  # slot * programs_n + program along N
     pid_s = tl.program_id(1)
@@ -134,10 +136,10 @@ def _moe_mma_kernel(
         load_ok = rb_ok & in_range  # results are still stored (0) for an id out of range
         tile_at = tiles_ptr + expert.to(tl.int64) * stride_te + rb * stride_tr
         words_at = tile_at + e % 128
-        sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
+        sm_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j  # +32: group 2
         # [1, E]: the assignment of column g
         ids_g = tl.zeros_like(g) + slot if ONE_TOKEN else tl.load(slot_ids_ptr + slot * SLOT + g)
-        x_at = a_ptr + (ids_g // A_ROW_DIV).to(tl.int64) * stride_am + t * 8 + j
+        x_at = a_ptr + (ids_g // A_ROW_DIV).to(tl.int64) * stride_am + t * (8 // SUBS) + j
         sm_stride = 2 * stride_tg
         sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
 
@@ -147,6 +149,7 @@ def _moe_mma_kernel(
         w0 = tl.load(words_at + g_begin * stride_tg, mask=load_ok, other=0)
         w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=load_ok & (CPG == 2), other=0)
         sm = tl.load(sm_at + g_begin * sm_stride, mask=load_ok, other=0.0)
+        sm2 = tl.load(sm_at + g_begin * sm_stride + 32, mask=load_ok & (SUBS == 2), other=0.0)
         if EARLY and SLOTS_READY:
             gdc_wait()
         for grp in range(g_begin, g_end):
@@ -154,11 +157,12 @@ def _moe_mma_kernel(
             w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
             w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
             sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
+            sm2_n = tl.load(sm_at + (grp + 1) * sm_stride + 32, mask=ok & (SUBS == 2), other=0.0)
             acc = _group(
-                acc, w0, w1, sm, x_at, grp * CPG, OFFSET, sm_mul, CPG, 0, 2, HIGH,
+                acc, w0, w1, sm, sm2, x_at, grp * CPG, OFFSET, sm_mul, CPG, 0, 2, HIGH, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
             )  # fmt: skip
-            w0, w1, sm = w0_n, w1_n, sm_n
+            w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
         if EARLY:
             gdc_launch_dependents()  # this program's weights are read: the next may start
 
@@ -260,7 +264,7 @@ def moe_mma_config(num_slots: int, n: int, k: int, group_size: int, num_sms: int
     shortest; whole-K (no split) first, so prefill-sized launches never split. Split
     launches keep their (slot, row blocks) columns within the split-K counters.
     """
-    num_groups = k // group_size
+    num_groups = k // mma_step(group_size)  # loop steps
     warps_n = -(-n // MMA_ROWS)  # one row block a warp
     programs = num_slots * -(-warps_n // WARPS)
     candidates = [num_groups] + [c for c in (32, 16, 8, 4, 2) if c < num_groups]
@@ -310,7 +314,7 @@ def _grouped_gemv(
         tables = (slots.slot_experts, slots.slot_ids, slots.slot_counts)
     if per_split is None:
         per_split = moe_mma_config(num_slots, n, k, w.group_size, num_sms(a.device))
-    num_groups = k // w.group_size
+    num_groups = k // mma_step(w.group_size)  # loop steps
     splits = triton.cdiv(num_groups, per_split)
     row_blocks = w.tiles.shape[1]
     programs_n = triton.cdiv(row_blocks, WARPS)
@@ -357,7 +361,7 @@ def _grouped_gemv(
         GROUP_SIZE=w.group_size,
         WARPS=WARPS,
         SPLIT_K=splits,
-        **group_step_constants(a.dtype, CHAINS),
+        **group_step_constants(a.dtype, CHAINS, w.group_size),
         SLOT=SLOT_TOKENS,
         EARLY=early,
         SLOTS_READY=slots_ready,

@@ -1,7 +1,8 @@
 """W4A16 decode GEMV on tensor cores over Int4WeightMMA: y = x @ W^T for M <= 8.
 
-Letters: M tokens, N out features, K in features, G group size (64 or 128),
-S split-K ways, W warps per program, R row blocks (16 rows) per warp.
+Letters: M tokens, N out features, K in features, G group size (32, 64 or 128),
+T = max(G, 64) k values a loop step, S split-K ways, W warps per program, R row
+blocks (16 rows) per warp.
 
 The CUDA-core GEMV (w4a16_gemv.py) spends about five instructions a weight, so its
 arithmetic takes as long as reading the weight. Here a weight costs about two: the
@@ -56,7 +57,14 @@ from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma_asm import MAGIC, PTX, group_step_constants
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
-from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4WeightMMA, dequantize_int4, from_mma
+from gpu_node.quant.int4 import (
+    MMA_GROUP_SIZES,
+    MMA_ROWS,
+    Int4WeightMMA,
+    dequantize_int4,
+    from_mma,
+    mma_step,
+)
 
 
 @triton.jit
@@ -111,6 +119,7 @@ def _group(
     w0,
     w1,
     sm,
+    sm2,
     x_at,
     c0,
     OFFSET,
@@ -119,25 +128,34 @@ def _group(
     MODE: tl.constexpr,
     CHAINS: tl.constexpr,
     HIGH: tl.constexpr,
+    SUBS: tl.constexpr,
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
 ):
-    """acc [R, E] + one group's share of y: scale * D + (min - OFFSET * scale) * x_sum.
+    """acc [R, E] + one step's share of y: scale * D + (min - OFFSET * scale) * x_sum.
 
     CHAINS = 2 splits each mma chain (D and x_sum) into two accumulators of half the
-    length; the scale multiplies both halves in the same fused multiply-adds."""
+    length; the scale multiplies both halves in the same fused multiply-adds. SUBS = 2
+    (groups of 32, CHAINS 2 with HALVES_PTX): the step's chunk holds two groups, the
+    first accumulator is the first group's (scales and mins `sm`), the second the
+    second's (`sm2`)."""
     if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
         acc += w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
         if CPG == 2:
             acc += w1.to(tl.float32, bitcast=True)
+        if SUBS == 2:
+            acc += sm2.to(tl.float32)
         return acc
     zero_d = tl.full(w0.shape, 0.0, tl.float32)
     zero_s = tl.full((1, w0.shape[1]), 0.0, tl.float32)
+    X_HI: tl.constexpr = 4 + 12 * (SUBS - 1)  # 4, or 16 with groups of 32
     for c in tl.static_range(CPG):
-        x_lo = tl.load(x_at + (c0 + c) * 32)  # [1, E]: pairs 8t .. 8t + 3 of the chunk
-        x_hi = tl.load(x_at + (c0 + c) * 32 + 4)  # pairs 8t + 4 .. 8t + 7
+        # [1, E]: pairs 8t .. 8t + 3 of the chunk and 8t + 4 .. 8t + 7 (x_at is at 8t), or
+        # with groups of 32 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 (x_at at 4t)
+        x_lo = tl.load(x_at + (c0 + c) * 32)
+        x_hi = tl.load(x_at + (c0 + c) * 32 + X_HI)
         w = w0 if c == 0 else w1
         if c == 0:  # the chains start from zero
             d_a, d_b, s_a, s_b = zero_d, zero_d, zero_s, zero_s
@@ -150,6 +168,14 @@ def _group(
             if MODE != 2:
                 s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
     scale, corr = _scale_and_correction(sm, OFFSET, sm_mul, HIGH)
+    if SUBS == 2:
+        scale2, corr2 = _scale_and_correction(sm2, OFFSET, sm_mul, HIGH)
+        acc = tl.fma(d_a, scale, acc)
+        acc = tl.fma(d_b, scale2, acc)
+        if MODE == 2:
+            return acc + corr + corr2
+        acc = tl.fma(s_a, corr, acc)
+        return tl.fma(s_b, corr2, acc)
     acc = tl.fma(d_a, scale, acc)
     if CHAINS == 2:
         acc = tl.fma(d_b, scale, acc)
@@ -164,7 +190,7 @@ def _group(
 @triton.jit
 def _gemv_mma_kernel(
     x_ptr,  # int32 [M, K / 2]: bf16/fp16 pairs
-    tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]: words, then scales and mins
+    tiles_ptr,  # int32 [N16 / 16, K / T, 2T + 16 T / G]: words, then scales and mins
     stride_tr,  # tiles' strides (int32) along row blocks and groups; the last is 1
     stride_tg,
     part_ptr,  # fp32 [S, programs along N, R, 128 W]
@@ -175,8 +201,8 @@ def _gemv_mma_kernel(
     num_row_blocks,
     stride_xm,  # in int32 pairs
     stride_om,
-    num_groups,
-    groups_per_split,
+    num_groups,  # steps of T = max(G, 64) k: groups, or pairs of g32 groups
+    groups_per_split,  # steps
     GROUP_SIZE: tl.constexpr,
     WARPS: tl.constexpr,
     R: tl.constexpr,  # row blocks per warp
@@ -191,8 +217,10 @@ def _gemv_mma_kernel(
     CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
     EARLY: tl.constexpr = 0,  # PDL: 0 off; the next kernel may launch from 1 the start, 2 the tail
 ):
-    tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
-    CPG: tl.constexpr = GROUP_SIZE // 64  # chunks per group: 1 or 2
+    tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
+    tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
+    CPG: tl.constexpr = (GROUP_SIZE + 63) // 64  # chunks per step: 1 or 2
+    SUBS: tl.constexpr = 64 * CPG // GROUP_SIZE  # groups per step: 2 (g32) or 1
     E: tl.constexpr = 128 * WARPS  # elements of a row-block slot: 32 lanes x 4 per warp
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -210,8 +238,8 @@ def _gemv_mma_kernel(
     rb_ok = rb < num_row_blocks
     tile_at = tiles_ptr + rb * stride_tr  # [R, E]; + stride_tg * group
     words_at = tile_at + e % 128  # + 128 * chunk of the group
-    sm_at = (tile_at + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4 + j
-    x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * 8 + j  # [1, E]; + 32 c
+    sm_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j  # + 32: group 2
+    x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * (8 // SUBS) + j  # [1, E]; + 32 c
     sm_stride = 2 * stride_tg  # in fp16
     sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)  # [1, E]: the scale of rows g + 8
 
@@ -226,6 +254,7 @@ def _gemv_mma_kernel(
     w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
     w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
     sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
+    sm2 = tl.load(sm_at + g_begin * sm_stride + 32, mask=rb_ok & (SUBS == 2), other=0.0)
     if EARLY != 0:
         # The weights are nobody's output, so their first group is in flight before the
         # wait; x, the partials and the counters only after the previous kernel is done.
@@ -235,11 +264,12 @@ def _gemv_mma_kernel(
         w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
         w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
         sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
+        sm2_n = tl.load(sm_at + (grp + 1) * sm_stride + 32, mask=ok & (SUBS == 2), other=0.0)
         acc = _group(
-            acc, w0, w1, sm, x_at, grp * CPG, OFFSET, sm_mul, CPG, MODE, CHAINS, HIGH,
-            D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
+            acc, w0, w1, sm, sm2, x_at, grp * CPG, OFFSET, sm_mul, CPG, MODE, CHAINS, HIGH,
+            SUBS, D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
         )  # fmt: skip
-        w0, w1, sm = w0_n, w1_n, sm_n
+        w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
 
     if EARLY == 2:
         gdc_launch_dependents()  # the weights are read: the next kernel's may stream in now
@@ -287,7 +317,7 @@ LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group
 
 @functools.cache
 def _cached_config(n: int, k: int, group_size: int, num_sms: int) -> tuple[tuple[str, int], ...]:
-    num_groups = k // group_size
+    num_groups = k // mma_step(group_size)  # steps: groups, or pairs of g32 groups
 
     def warps(rows_per_warp: int, per_split: int) -> int:
         warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
@@ -302,7 +332,9 @@ def _cached_config(n: int, k: int, group_size: int, num_sms: int) -> tuple[tuple
         if fits:
             rows_per_warp, per_split = fits[0]
             break
-    chains = 2 if rows_per_warp == 1 else 1  # two-row-block warps: registers would cut a wave
+    # Two-row-block warps: registers would cut a wave (groups of 32 always take two
+    # chains: one accumulator a group).
+    chains = 2 if rows_per_warp == 1 or group_size == 32 else 1
     return (
         ("WARPS", 4),
         ("R", rows_per_warp),
@@ -326,6 +358,9 @@ def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, 
     warps split each mma chain in two (CHAINS = 2: 58 registers instead of 48, still
     a full wave); two-row-block warps do not (82 registers instead of 72 leave six
     programs a multiprocessor instead of seven: a second wave at 8192 x 28672).
+    Groups of 32 count as steps of two (one chunk) and always take CHAINS = 2; in the
+    H200 sweeps of the twelfth session their best configurations were two-row-block
+    warps too (4096 x 14336: 16.1 us against 19.6 for one row block, 8 steps a split).
     """
     return dict(_cached_config(n, k, group_size, num_sms))
 
@@ -381,10 +416,12 @@ def _launch(
     chains = cfg["CHAINS"]
     if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
+    if weight.group_size == 32 and chains != 2:
+        raise ValueError(f"groups of 32 take CHAINS 2 (one accumulator a group), got {chains}")
     early = int(cfg.get("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
-    num_groups = k // weight.group_size
+    num_groups = k // mma_step(weight.group_size)  # steps
     groups_per_split = cfg["GROUPS_PER_SPLIT"]
     splits = triton.cdiv(num_groups, groups_per_split)
     row_blocks = weight.tiles.shape[0]
@@ -420,7 +457,7 @@ def _launch(
         MODE=cfg.get("MODE", 0),
         CHAINS=chains,
         EARLY=early,
-        **group_step_constants(x.dtype, chains),
+        **group_step_constants(x.dtype, chains, weight.group_size),
         num_warps=warps,
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
         **({"launch_pdl": True} if early else {}),

@@ -56,11 +56,20 @@ def _dequant(word: str, magic: int, high_in_place: bool) -> list[str]:
     return lines
 
 
-def _d_asm(dtype: torch.dtype, chains: int = 1) -> str:
+def _chain(s: int, chains: int, halves: bool) -> tuple[int, bool]:
+    """k16 step s -> (its accumulator, whether it is that chain's first step)."""
+    if halves:  # steps 0-1 and 2-3: the chunk's two g32 groups apart
+        return s // 2, s % 2 == 0
+    return s % chains, s < chains
+
+
+def _d_asm(dtype: torch.dtype, chains: int = 1, halves: bool = False) -> str:
     """PTX for one 64-k chunk of one lane and row block: four words -> four mma into D.
 
     With `chains` = 2 the k16 steps alternate between two accumulators, so two mma
-    chains of half the length run side by side (their sum is taken by the caller).
+    chains of half the length run side by side (their sum is taken by the caller);
+    with `halves` steps 0-1 go to the first and 2-3 to the second, one group of 32 k
+    each (the caller scales each by its own group's scale).
     Operands: D out (4 per chain), then the words (k16 step s), then the lane's eight
     activation pairs (step s takes pairs 2s and 2s + 1), then D in (4 per chain).
     """
@@ -69,16 +78,17 @@ def _d_asm(dtype: torch.dtype, chains: int = 1) -> str:
     lines = ["{", ".reg .b32 a<4>, sh<3>;"]
     for s in range(4):
         lines += _dequant(f"${words + s}", magic, high_in_place=in_place)
-        chain = s % chains
-        c = _regs(d_in + 4 * chain) if s < chains else _regs(4 * chain)
+        chain, first = _chain(s, chains, halves)
+        c = _regs(d_in + 4 * chain) if first else _regs(4 * chain)
         b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
         lines.append(_mma(ab_type, _regs(4 * chain), "{a0, a1, a2, a3}", b, c))
     lines.append("}")
     return "\n".join(lines)
 
 
-def _s_asm(dtype: torch.dtype, chains: int = 1) -> str:
-    """PTX for one 64-k chunk: x_sum += 1 @ x (the activations' sum, every row alike).
+def _s_asm(dtype: torch.dtype, chains: int = 1, halves: bool = False) -> str:
+    """PTX for one 64-k chunk: x_sum += 1 @ x (the activations' sum, every row alike);
+    the steps go to the accumulators as in `_d_asm`.
 
     Operands: x_sum out (4 per chain), the activation pairs, x_sum in (4 per chain).
     """
@@ -86,8 +96,8 @@ def _s_asm(dtype: torch.dtype, chains: int = 1) -> str:
     x, s_in = 4 * chains, 4 * chains + 8
     lines = ["{", ".reg .b32 one;", f"mov.b32 one, {one:#x};"]
     for s in range(4):
-        chain = s % chains
-        c = _regs(s_in + 4 * chain) if s < chains else _regs(4 * chain)
+        chain, first = _chain(s, chains, halves)
+        c = _regs(s_in + 4 * chain) if first else _regs(4 * chain)
         b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
         lines.append(_mma(ab_type, _regs(4 * chain), "{one, one, one, one}", b, c))
     lines.append("}")
@@ -114,12 +124,24 @@ PTX = {
     )
     for chains in (1, 2)
 }
+# Groups of 32: two accumulators a chain, steps 0-1 in the first and 2-3 in the second.
+HALVES_PTX = (
+    {dt: _d_asm(dt, 2, halves=True) for dt in MAGIC},
+    _constraints(8, 12, 8),
+    {dt: _s_asm(dt, 2, halves=True) for dt in MAGIC},
+    _constraints(8, 8, 8),
+)
 
 
-def group_step_constants(dtype: torch.dtype, chains: int) -> dict[str, object]:
+def group_step_constants(
+    dtype: torch.dtype, chains: int, group_size: int = 64
+) -> dict[str, object]:
     """The constexprs a kernel built on w4a16_mma's group step takes for activations of
-    `dtype` and `chains` accumulators a chain: OFFSET, HIGH and the PTX with its constraints."""
-    d_asm, d_constraints, s_asm, s_constraints = PTX[chains]
+    `dtype`, `chains` accumulators a chain and groups of `group_size`: OFFSET, HIGH and the
+    PTX with its constraints. Groups of 32 take two chains, one a group (HALVES_PTX)."""
+    if group_size == 32 and chains != 2:
+        raise ValueError(f"groups of 32 take CHAINS 2 (one accumulator a group), got {chains}")
+    d_asm, d_constraints, s_asm, s_constraints = HALVES_PTX if group_size == 32 else PTX[chains]
     return {
         "OFFSET": MAGIC[dtype][1],
         "HIGH": HIGH_ROWS[dtype],

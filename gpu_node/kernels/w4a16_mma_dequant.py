@@ -1,8 +1,9 @@
 """Int4WeightMMA -> dense W^T, for the matmuls the tensor-core GEMV does not take.
 
-Letters: N out features, K in features, G group size (64 or 128).
+Letters: N out features, K in features, G group size (32, 64 or 128), T = max(G, 64)
+k values a tile.
 
-One program per (row block, group) tile: its 16 x G values, computed in fp32 as
+One program per (row block, step) tile: its 16 x T values, computed in fp32 as
 scale * q + min and stored into W^T [K, N]. Plain tl operations only, so the
 interpreter runs it too (the CPU tests, and torch.matmul past 8 rows on a GPU).
 """
@@ -19,27 +20,34 @@ from gpu_node.quant.int4 import Int4WeightMMA
 
 @triton.jit
 def _dequant_mma_kernel(
-    tiles_ptr,  # int32 [N16 / 16, K / G, 2G + 16]
-    stride_tr,  # along row blocks and groups, in int32; the last stride is 1
+    tiles_ptr,  # int32 [N16 / 16, K / T, 2T + 16 T / G], T = max(G, 64)
+    stride_tr,  # along row blocks and steps, in int32; the last stride is 1
     stride_tg,
     out_ptr,  # [K, N]: W^T, dense
     N,
     GROUP_SIZE: tl.constexpr,
 ):
-    tl.static_assert(GROUP_SIZE == 64 or GROUP_SIZE == 128)
+    tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
+    STEP: tl.constexpr = 64 if GROUP_SIZE < 64 else GROUP_SIZE
     rb = tl.program_id(0)
-    grp = tl.program_id(1)
-    tile = tiles_ptr + rb * stride_tr + grp * stride_tg
+    step = tl.program_id(1)
+    tile = tiles_ptr + rb * stride_tr + step * stride_tg
     # The tile's words taken in the order (chunk, t, s, g), g fastest, so neighbouring
     # lanes store neighbouring output rows n = 16rb + g (+ 8): eight n per k.
-    v = tl.arange(0, 2 * GROUP_SIZE)
+    v = tl.arange(0, 2 * STEP)
     chunk = v // 128
     t = (v // 32) % 4
     s = (v // 8) % 4
     g = v % 8
     words = tl.load(tile + chunk * 128 + (4 * g + t) * 4 + s)  # lane 4g + t, step s
-    kb = grp * GROUP_SIZE + chunk * 64 + t * 16 + s * 4
-    sm = (tile + 2 * GROUP_SIZE).to(tl.pointer_type(tl.float16)) + g * 4
+    # Groups of 32: steps 0-1 of every lane in the first group, 2-3 in the second.
+    if GROUP_SIZE == 32:  # noqa: SIM108 (a constexpr branch of the kernel)
+        k_in = (s // 2) * 32 + t * 8 + (s % 2) * 4
+    else:
+        k_in = chunk * 64 + t * 16 + s * 4  # within the step
+    kb = step * STEP + k_in
+    group_in = k_in // GROUP_SIZE  # 0, or 1 for the second g32 group of a chunk
+    sm = (tile + 2 * STEP + 16 * group_in).to(tl.pointer_type(tl.float16)) + g * 4
     for hr in tl.static_range(2):  # rows g, g + 8
         scale = tl.load(sm + 2 * hr).to(tl.float32)
         min_ = tl.load(sm + 2 * hr + 1).to(tl.float32)
@@ -59,8 +67,8 @@ def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
     # The interpreter's fp32 -> bf16 store truncates: keep fp32 there and round in torch.
     interpreted = is_interpreted(tiles)
     out = torch.empty(k, n, device=tiles.device, dtype=torch.float32 if interpreted else dtype)
-    row_blocks, num_groups = tiles.shape[:2]
-    _dequant_mma_kernel[(row_blocks, num_groups)](
+    row_blocks, num_steps = tiles.shape[:2]
+    _dequant_mma_kernel[(row_blocks, num_steps)](
         tiles, tiles.stride(0), tiles.stride(1), out, n, GROUP_SIZE=weight.group_size
     )
     return out.to(dtype)

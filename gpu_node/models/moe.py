@@ -41,6 +41,7 @@ from gpu_node.quant.int4 import (
     experts_to_mma,
     int4_expert,
     int4_from_gguf_q4_1,
+    mma_fits,
     quantize_int4,
 )
 from gpu_node.quant.linear import Int4Linear
@@ -250,8 +251,12 @@ class Int4MoeExperts(nn.Module):
         if x.is_cuda:
             from gpu_node.kernels import moe_mma
 
-            tensor_cores = moe_mma.takes(x, self.group_size)
-        # bf16/fp16 on CUDA with groups of 64 or 128: the tensor-core kernel over expert
+            tensor_cores = (
+                moe_mma.takes(x, self.group_size)
+                and mma_fits(self.w13_shape[2], self.group_size)
+                and mma_fits(self.w2_shape[2], self.group_size)
+            )
+        # bf16/fp16 on CUDA with groups of 32 (K a multiple of 64), 64 or 128: the tensor-core kernel over expert
         # slots; otherwise the fused CUDA-core kernel (CUDA) or the reference. Each path's
         # layout is taken in place when the path changes.
         if tensor_cores:

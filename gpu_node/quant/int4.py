@@ -246,7 +246,17 @@ def from_kn(weight: Int4WeightKN) -> Int4Weight:
 
 MMA_ROWS = 16  # output rows per row block: the M side of one mma.sync m16n8k16
 MMA_CHUNK = 64  # k values per chunk: four k16 steps, one int32 word per lane and step
-MMA_GROUP_SIZES = (64, 128)  # one or two chunks per group: what the kernels handle
+MMA_GROUP_SIZES = (32, 64, 128)  # half, one or two chunks per group: what the kernels handle
+
+
+def mma_step(group_size: int) -> int:
+    """k values per tile (the kernels' loop step): the group, or a chunk of two g32 groups."""
+    return max(group_size, MMA_CHUNK)
+
+
+def mma_fits(k: int, group_size: int) -> bool:
+    """Whether a weight of K = `k` in groups of `group_size` has an Int4WeightMMA layout."""
+    return group_size in MMA_GROUP_SIZES and k % mma_step(group_size) == 0
 
 
 @dataclass(frozen=True)
@@ -257,19 +267,24 @@ class Int4WeightMMA:
     16 rows and chunks of 64 k. Within a (row block rb, chunk c), lane L = 4g + t of
     a warp holds four words, one per k16 step s; each word is that lane's A fragment
     of `mma.m16n8k16` (rows g and g + 8) for the 4 k values kb .. kb + 3,
-    kb = 64c + 16t + 4s:
+    kb = 64c + 16t + 4s (groups of 64 or 128) or 64c + 32 (s // 2) + 8t + 4 (s % 2)
+    (groups of 32: steps 0-1 of every lane in the chunk's first group, 2-3 in its second):
 
         nibble 0 | 4: W[16rb + g,     kb + 0 | 1]      1 | 5: W[16rb + g + 8, kb + 0 | 1]
         nibble 2 | 6: W[16rb + g,     kb + 2 | 3]      3 | 7: W[16rb + g + 8, kb + 2 | 3]
 
     so `(word >> 4r) & 0x000F000F` is A register r with the codes of two
     neighbouring k in its two 16-bit halves, and lane t's activations for the whole
-    chunk are the 16 contiguous values x[64c + 16t .. 64c + 16t + 15]. One tile per
-    (row block, group) holds the group's G / 64 chunks and then its scales and mins:
+    chunk are the 16 contiguous values x[64c + 16t .. 64c + 16t + 15] (groups of 32: the
+    8 at 64c + 8t and the 8 at 64c + 32 + 8t). One tile per
+    (row block, step of T = max(G, 64) k) holds the step's T / 64 chunks and then the
+    scales and mins of its T / G groups (one group of 64 or 128; two of 32, the first
+    on steps 0-1 of the chunk, the second on steps 2-3):
 
-        tiles  int32 [N16 / 16, K / G, 2G + 16]   a view of storage [K / G, N16 / 16, 2G + 16]
-               [0, 2G):      words (chunk of the group, lane L, step s)
-               [2G, 2G + 16): fp16 (g, 4): scale, min of row 16rb + g, then of row 16rb + g + 8
+        tiles  int32 [N16 / 16, K / T, 2T + 16 T / G]   a view of storage [K / T, N16 / 16, ...]
+               [0, 2T):      words (chunk of the step, lane L, step s)
+               then 16 int32 a group: fp16 (g, 4): scale, min of row 16rb + g, then of
+               row 16rb + g + 8
 
     The storage is group-major: the warps of a split, which walk the groups together,
     read neighbouring row blocks' tiles from one region of memory at a time.
@@ -287,7 +302,8 @@ class Int4WeightMMA:
         if self.group_size not in MMA_GROUP_SIZES:
             message = f"Int4WeightMMA takes group sizes {MMA_GROUP_SIZES}, got {self.group_size}"
             raise ValueError(message)
-        expected = (-(-n // MMA_ROWS), k // self.group_size, 2 * self.group_size + 16)
+        step = mma_step(self.group_size)
+        expected = (-(-n // MMA_ROWS), k // step, 2 * step + 16 * (step // self.group_size))
         tiles = self.tiles
         if tiles.dtype != torch.int32 or tuple(tiles.shape) != expected or tiles.stride(2) != 1:
             raise ValueError(
@@ -302,42 +318,53 @@ class Int4WeightMMA:
     @property
     def words(self) -> torch.Tensor:
         """int32 [N16 / 16, K / 64, 32, 4] (a copy): the words of every chunk."""
-        rbs, groups = self.tiles.shape[:2]
-        words = self.tiles[:, :, : 2 * self.group_size].contiguous()
-        return words.reshape(rbs, groups * self.group_size // MMA_CHUNK, 32, 4)
+        rbs, steps = self.tiles.shape[:2]
+        step = mma_step(self.group_size)
+        words = self.tiles[:, :, : 2 * step].contiguous()
+        return words.reshape(rbs, steps * step // MMA_CHUNK, 32, 4)
 
     @property
     def scale_mins(self) -> torch.Tensor:
         """fp16 [N16 / 16, K / G, 8, 4] (a copy): per g, scale and min of rows g and g + 8."""
-        rbs, groups = self.tiles.shape[:2]
-        sm = self.tiles[:, :, 2 * self.group_size :].contiguous().view(torch.float16)
-        return sm.reshape(rbs, groups, 8, 4)
+        rbs, steps = self.tiles.shape[:2]
+        step = mma_step(self.group_size)
+        sm = self.tiles[:, :, 2 * step :].contiguous().view(torch.float16)
+        return sm.reshape(rbs, steps * step // self.group_size, 8, 4)
 
 
-def _mma_order(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N16, K] -> [N16/16, K/64, 8 (g), 4 (t), 4 (s), 8 (nibble)]."""
+def _mma_order(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Codes [N16, K] -> [N16/16, K/64, 8 (g), 4 (t), 4 (s = 2 s1 + s0), 8 (nibble)]."""
     n16, k = codes.shape
-    # n = 16rb + 8hr + g; k = 64c + 16t + 4s + 2h + e; nibble = hr + 2h + 4e
-    v = codes.reshape(n16 // 16, 2, 8, k // 64, 4, 4, 2, 2)  # rb hr g c t s h e
-    v = v.permute(0, 3, 2, 4, 5, 7, 6, 1)  # rb c g t s e h hr
+    # n = 16rb + 8hr + g; nibble = hr + 2h + 4e; k = 64c + 16t + 8s1 + 4s0 + 2h + e, or
+    # with groups of 32 k = 64c + 32s1 + 8t + 4s0 + 2h + e (steps 0-1 in the first group).
+    v = codes.reshape(n16 // 16, 2, 8, k // 64, 4, 2, 2, 2, 2)  # rb hr g c t s1 s0 h e
+    if group_size == 32:
+        v = v.reshape(n16 // 16, 2, 8, k // 64, 2, 4, 2, 2, 2)  # rb hr g c s1 t s0 h e
+        v = v.transpose(4, 5)  # rb hr g c t s1 s0 h e
+    v = v.permute(0, 3, 2, 4, 5, 6, 8, 7, 1)  # rb c g t s1 s0 e h hr
     return v.reshape(n16 // 16, k // 64, 8, 4, 4, 8)
 
 
-def _mma_order_inverse(nib: torch.Tensor) -> torch.Tensor:
+def _mma_order_inverse(nib: torch.Tensor, group_size: int) -> torch.Tensor:
     """[N16/16, K/64, 8, 4, 4, 8] -> codes [N16, K]: undoes `_mma_order`."""
     rbs, chunks = nib.shape[:2]
-    v = nib.reshape(rbs, chunks, 8, 4, 4, 2, 2, 2)  # rb c g t s e h hr
-    v = v.permute(0, 7, 2, 1, 3, 4, 6, 5)  # rb hr g c t s h e
+    v = nib.reshape(rbs, chunks, 8, 4, 2, 2, 2, 2, 2)  # rb c g t s1 s0 e h hr
+    v = v.permute(0, 8, 2, 1, 3, 4, 5, 7, 6)  # rb hr g c t s1 s0 h e
+    if group_size == 32:
+        v = v.transpose(4, 5)  # rb hr g c s1 t s0 h e
     return v.reshape(rbs * 16, chunks * 64)
 
 
 def to_mma(weight: Int4Weight) -> Int4WeightMMA:
-    """Int4Weight [N, K] -> Int4WeightMMA (lossless; `from_mma` inverts it). Groups of 64 or 128."""
+    """Int4Weight [N, K] -> Int4WeightMMA (lossless; `from_mma` inverts it). Groups of 32, 64
+    or 128 (K a multiple of 64)."""
     if len(weight.shape) != 2:
         raise ValueError(f"to_mma takes a 2-D weight, got shape {weight.shape}")
     n, k = weight.shape
     if weight.group_size not in MMA_GROUP_SIZES:
         raise ValueError(f"to_mma takes group sizes {MMA_GROUP_SIZES}, got {weight.group_size}")
+    if k % MMA_CHUNK:
+        raise ValueError(f"to_mma takes K a multiple of {MMA_CHUNK}, got {k}")
     n16 = -(-n // MMA_ROWS) * MMA_ROWS
     codes = unpack_int4(weight.packed).reshape(n, k)  # uint8 [N, K]
     scales, mins = weight.scales, weight.mins  # fp16 [N, K / G]
@@ -346,12 +373,17 @@ def to_mma(weight: Int4Weight) -> Int4WeightMMA:
         scales = torch.cat([scales, scales.new_zeros(n16 - n, scales.shape[1])])
         mins = torch.cat([mins, mins.new_zeros(n16 - n, mins.shape[1])])
     rbs, groups = n16 // 16, k // weight.group_size
+    step = mma_step(weight.group_size)
+    steps = k // step
     # [N16, K/G] -> [rb, hr, g, K/G, scale|min] -> [rb, K/G, g, hr, scale|min]
     sm = torch.stack([scales, mins], dim=-1).reshape(rbs, 2, 8, groups, 2)
-    sm = sm.permute(0, 3, 2, 1, 4).contiguous().view(torch.int32).reshape(rbs, groups, 16)
-    nib = _mma_order(codes)  # uint8 [..., 8]; byte b of a word = nibbles 2b | 2b + 1
+    sm = sm.permute(0, 3, 2, 1, 4).contiguous().view(torch.int32)
+    sm = sm.reshape(rbs, steps, 16 * groups // steps)  # a step's groups one after another
+    nib = _mma_order(
+        codes, weight.group_size
+    )  # uint8 [..., 8]; byte b of a word = nibbles 2b | 2b + 1
     pairs = nib[..., 0::2] | (nib[..., 1::2] << 4)
-    words = pairs.contiguous().view(torch.int32).reshape(rbs, groups, 2 * weight.group_size)
+    words = pairs.contiguous().view(torch.int32).reshape(rbs, steps, 2 * step)
     storage = torch.cat([words, sm], dim=-1).transpose(0, 1).contiguous()  # group-major
     return Int4WeightMMA(tiles=storage.transpose(0, 1), shape=(n, k), group_size=weight.group_size)
 
@@ -362,7 +394,7 @@ def from_mma(weight: Int4WeightMMA) -> Int4Weight:
     n16 = weight.tiles.shape[0] * MMA_ROWS
     pairs = weight.words.view(torch.uint8).reshape(n16 // 16, k // 64, 8, 4, 4, 4)
     nib = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(-2)  # [..., 8] by nibble
-    codes = _mma_order_inverse(nib)
+    codes = _mma_order_inverse(nib, weight.group_size)
     groups = k // weight.group_size
     sm = weight.scale_mins.reshape(n16 // 16, groups, 8, 2, 2)  # rb, K/G, g, hr, scale|min
     sm = sm.permute(0, 3, 2, 1, 4).reshape(n16, groups, 2)[:n]  # [N, K/G, scale|min]
@@ -393,7 +425,7 @@ def gated_row_order(n: int) -> torch.Tensor:
 class Int4ExpertsMMA:
     """A stack of E experts' weights [E, N, K] in Int4WeightMMA's layout, one after another.
 
-        tiles  int32 [E, N16 / 16, K / G, 2G + 16]   a view of storage [E, K / G, N16 / 16, 2G + 16]
+        tiles  int32 [E, N16 / 16, K / T, 2T + 16 T / G]   a view of storage [E, K / T, N16 / 16, ...]
 
     `tiles[e]` is expert e's Int4WeightMMA tiles exactly (group-major within the expert),
     so the MoE decode kernel (gpu_node/kernels/moe_mma.py) walks an expert as the dense
@@ -452,7 +484,7 @@ def experts_to_mma(weight: Int4Weight, gated: bool = False) -> Int4ExpertsMMA:
     # storage keeps every expert group-major.
     storage = torch.stack(
         [to_mma(int4_expert(weight, e)).tiles.transpose(0, 1) for e in range(weight.shape[0])]
-    )  # [E, K / G, N16 / 16, 2G + 16]
+    )  # [E, K / T, N16 / 16, 2T + 16 T / G]
     e, n, k = weight.shape
     return Int4ExpertsMMA(
         tiles=storage.transpose(1, 2), shape=(e, n, k), group_size=weight.group_size, gated=gated

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from gpu_node.quant.int4 import (
-    MMA_GROUP_SIZES,
     Int4Weight,
     Int4WeightKN,
     Int4WeightMMA,
@@ -39,6 +38,7 @@ from gpu_node.quant.int4 import (
     from_kn,
     from_mma,
     int4_from_gguf_q4_1,
+    mma_fits,
     quantize_int4,
     to_kn,
     to_mma,
@@ -153,7 +153,7 @@ class Int4Linear(nn.Module):
 
             if self.layout == "int4":
                 tensor_cores = x.dtype in (torch.bfloat16, torch.float16)
-                if tensor_cores and self.group_size in MMA_GROUP_SIZES:
+                if tensor_cores and mma_fits(self.in_features, self.group_size):
                     self.use_mma_layout()
                 else:
                     self.use_kn_layout()

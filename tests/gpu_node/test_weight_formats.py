@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+import gpu_node.weights as weights_module
 from gpu_node.config import EngineConfig
 from gpu_node.gguf_loader import GGUFModel
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.quant.linear import Int4Linear, model_bytes
-from gpu_node.weights import build_model, load_llama
+from gpu_node.weights import activation_dtype, build_model, load_llama
 from scheduler.sequence import SamplingParams
 
 from .test_parity import prompt_logits
@@ -91,3 +92,32 @@ def test_moe_small_runs_through_the_engine(weights):
 def test_bf16_weights_load_in_bf16(smollm2_path):
     model = load_llama(GGUFModel(smollm2_path), torch.bfloat16)
     assert model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("weights", "device", "expected"),
+    [
+        ("int4", "cpu", torch.float32),  # torch's int4 CPU kernel from fp32 activations
+        ("int4", "cuda", torch.bfloat16),  # the tensor-core kernels take bf16
+        ("int4", "cuda:1", torch.bfloat16),
+        ("bf16", "cpu", torch.bfloat16),
+        ("fp32", "cuda", torch.float32),
+    ],
+)
+def test_activation_dtype_by_weights_and_device(weights, device, expected):
+    assert activation_dtype(weights, device) is expected
+
+
+def test_moe_small_in_bf16_keeps_its_int4_scales_in_fp16(monkeypatch):
+    # As a GPU node builds it (bf16 activations), here on CPU: the cast comes before the
+    # quantization, so norms and embeddings are bf16 and the INT4 scales stay fp16.
+    monkeypatch.setattr(weights_module, "activation_dtype", lambda weights, device: torch.bfloat16)
+    model, _ = build_model("moe-small", "int4")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    q_proj = model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int4Linear) and q_proj.weight_int4.scales.dtype == torch.float16
+    experts = model.layers[0].mlp.experts
+    assert experts.weights()[0].scales.dtype == torch.float16
+    x = torch.randn(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
+    assert model.layers[0].mlp(x[0]).dtype == torch.bfloat16

@@ -53,6 +53,8 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
         (5, 8, 2, 128, 256, 128),
         (20, 4, 3, 64, 128, 64),  # 15 assignments an expert: two slots each
         (64, 64, 8, 64, 256, 128),  # 512 slots: whole K, no split
+        (1, 8, 2, 32, 128, 64),  # groups of 32 (the engine's moe-small)
+        (6, 8, 3, 32, 256, 128),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -174,7 +176,7 @@ def test_grouped_gemv_plain_and_gated(tokens: int) -> None:
     assert _relative_error(act, torch.nn.functional.silu(gate) * up) <= 1e-2
 
 
-@pytest.mark.parametrize("group_size", [64, 128])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_one_token_path_equals_the_slot_path(group_size: int) -> None:
     """T = 1 without slot tables, GEMM 2 summing the experts: the same result as the slots
     and a separate sum, up to where bf16 rounds (the slot path rounds each expert's rows
@@ -227,3 +229,86 @@ def test_a_split_override_past_the_counters_is_refused() -> None:
     x = torch.randn(16400, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="exceed the 65536 counters"):
         _grouped_gemv(x, experts_to_mma(w13, gated=True), expert_slots(ids, 2), None, 2, 1)
+
+
+def test_gemm2_split_k_at_several_tokens_equals_the_whole_k() -> None:
+    """T > 1 through the slots with GEMM 2's K (the expert hidden size) split: the same
+    result as one pass over K up to the order of the fp32 sums, and the reference's."""
+    from gpu_node.kernels.moe_mma import _grouped_gemv, fused_moe_mma, moe_mma_config
+    from gpu_node.kernels.moe_slots import expert_slots
+    from gpu_node.kernels.w4a16 import num_sms
+
+    w13, w2 = _experts(8, 128, 1024, 64, seed=14)  # GEMM 2: K = 1024, 16 groups
+    mma13, mma2 = _mma(w13, w2)
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(3, 128, generator=gen).to("cuda", torch.bfloat16)
+    routing = route(torch.randn(3, 8, generator=gen).to("cuda"), 2)
+    slots = expert_slots(routing.topk_ids, 8)
+    num_slots = slots.slot_experts.numel()
+    assert moe_mma_config(num_slots, 128, 1024, 64, num_sms(x.device)) < 16  # the heuristic splits
+    y = fused_moe_mma(x, mma13, mma2, routing)
+    assert _relative_error(y, moe_experts_ref(x.float(), w13, w2, routing)) <= 2e-2
+    act = _grouped_gemv(x, mma13, slots, None, 2)
+    weights = routing.topk_weights.reshape(-1).float().contiguous()
+    whole = _grouped_gemv(act, mma2, slots, weights, 1, per_split=16)
+    for per_split in (1, 2, 4, 8):
+        split = _grouped_gemv(act, mma2, slots, weights, 1, per_split=per_split)
+        assert _relative_error(split, whole) <= 8e-3  # each assignment's row rounds to bf16
+        assert not split_counters_dirty(x.device)
+
+
+def split_counters_dirty(device: torch.device) -> bool:
+    from gpu_node.kernels.w4a16_gemv import split_counters
+
+    return bool(split_counters(device).any())
+
+
+def test_one_token_path_replays_in_a_cuda_graph_with_new_routing() -> None:
+    """T = 1 (no slot tables, GEMM 2 summing the experts) captured once: each replay reads
+    the routing buffers' new ids and weights and gives the eager call's exact result."""
+    from gpu_node.kernels.moe_mma import fused_moe_mma
+
+    w13, w2 = _mma(*_experts(16, 128, 512, 64, seed=15))  # GEMM 2 over 8 groups: split K
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(1, 128, generator=gen).to("cuda", torch.bfloat16)
+    routings = [route(torch.randn(1, 16, generator=gen).to("cuda"), 4) for _ in range(3)]
+    ids, weights = routings[0].topk_ids.clone(), routings[0].topk_weights.clone()
+    fused_moe_mma(x, w13, w2, Routing(ids, weights))  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_mma(x, w13, w2, Routing(ids, weights))
+    for routing in (routings[1], routings[2], routings[0]):
+        ids.copy_(routing.topk_ids)
+        weights.copy_(routing.topk_weights)
+        graph.replay()
+        assert torch.equal(out, fused_moe_mma(x, w13, w2, routing))
+    assert not split_counters_dirty(x.device)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_folded_int4_moe_mlp_on_tensor_cores_equals_the_unfolded_fp32_path(tokens: int) -> None:
+    """A whole MoE MLP (router, routed experts, one shared expert) quantized to INT4 g64:
+    with its shared expert folded and bf16 activations it runs the fused router and the
+    tensor-core kernel; unfolded with fp32 activations, the CUDA-core kernels. Same
+    routing, outputs within bf16's rounding of each other."""
+    from gpu_node.models.moe import MoeConfig, MoeMLP
+    from gpu_node.quant.linear import quantize_model
+
+    config = MoeConfig(
+        hidden_size=256, num_experts=8, top_k=2, expert_hidden_size=128, num_shared_experts=1
+    )
+    mlp = MoeMLP.dummy(config, seed=16, dtype=torch.bfloat16, device="cuda")
+    mlp = quantize_model(mlp, group_size=64, skip=("router",))
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(16)).to("cuda")
+    x = x.to(torch.bfloat16)
+    unfolded_routing = mlp.router(x.float())
+    ref = mlp(x.float())  # fp32 activations: CUDA-core kernels, shared expert apart
+    assert mlp.fold_shared_experts()
+    folded_routing = mlp.router(x, mlp.num_always_on)
+    assert torch.equal(folded_routing.topk_ids[:, :2], unfolded_routing.topk_ids)
+    assert torch.equal(folded_routing.topk_ids[:, 2], torch.full((tokens,), 8, device="cuda"))
+    y = mlp(x)
+    assert isinstance(mlp.experts, Int4MoeExperts) and mlp.experts.layout == "mma"
+    assert y.dtype == torch.bfloat16 and y.shape == (tokens, 256)
+    assert _relative_error(y, ref) <= TOLERANCE[torch.bfloat16]

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.w4a16_mma as mma_module
 import gpu_node.kernels.w4a16_mma_dequant as dequant_module
-from gpu_node.kernels.w4a16_mma_asm import HIGH_ROWS, PTX
+from gpu_node.kernels.w4a16_mma_asm import HALVES_PTX, HIGH_ROWS, PTX, group_step_constants
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -104,9 +104,29 @@ def test_mma_layout_is_lossless_and_as_documented() -> None:
     assert mma.scale_mins[1, 1, 4, 2:].tolist() == [0.0, 0.0]  # row 28: padding
 
 
+def test_group_32_tiles_hold_a_chunk_and_both_groups_scales() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = quantize_int4(torch.randn(16, 128, generator=gen), 32)
+    mma = to_mma(weight)
+    # A step of 64 k: 128 words, then 16 int32 of scales and mins for each of its 2 groups.
+    assert mma.tiles.shape == (1, 2, 128 + 2 * 16)
+    assert mma.words.shape == (1, 2, 32, 4) and mma.scale_mins.shape == (1, 4, 8, 4)
+    # Step 1 holds groups 2 and 3: group 3's (g = 6) pair sits after group 2's.
+    second = mma.tiles[0, 1, 128 + 16 :].contiguous().view(torch.float16).reshape(8, 4)
+    assert second[6].tolist() == [
+        float(weight.scales[6, 3]),
+        float(weight.mins[6, 3]),
+        float(weight.scales[14, 3]),
+        float(weight.mins[14, 3]),
+    ]
+    back = from_mma(mma)
+    assert torch.equal(back.packed, weight.packed)
+    assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
+
+
 def test_to_mma_rejects_what_the_kernel_cannot_take() -> None:
-    with pytest.raises(ValueError, match=r"takes group sizes \(64, 128\), got 32"):
-        to_mma(quantize_int4(torch.randn(16, 64), 32))
+    with pytest.raises(ValueError, match="takes K a multiple of 64, got 96"):
+        to_mma(quantize_int4(torch.randn(16, 96), 32))
 
 
 def _halves(regs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -130,41 +150,51 @@ def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
     y = torch.zeros(m, rbs * 16)
     g_of = torch.arange(32) // 4
     t_of = torch.arange(32) % 4
-    per_group = weight.group_size // 64
-    for group in range(k // weight.group_size):
-        d = torch.zeros(rbs, 16, 8)  # C[row][col], per row block
-        s = torch.zeros(16, 8)
-        for c in range(group * per_group, (group + 1) * per_group):
-            for step in range(4):
-                a = torch.zeros(rbs, 16, 16)
-                words = weight.words[:, c, :, step]  # [rbs, 32 lanes]
-                for r in range(4):
-                    if x.dtype == torch.float16:  # odd registers keep their nibbles in place
-                        reg = ((words >> (8 * (r // 2))) & (0x000F000F << (4 * (r % 2)))) | magic
-                    else:
-                        reg = ((words >> (4 * r)) & 0x000F000F) | magic
-                    vals = _halves(reg, x.dtype)  # [rbs, 32, 2]
-                    for lane in range(32):
-                        row = g_of[lane] + 8 * (r % 2)
-                        col = 2 * t_of[lane] + 8 * (r // 2)
-                        a[:, row, col : col + 2] = vals[:, lane]
-                b = torch.zeros(16, 8)
+    size = weight.group_size
+    d = torch.zeros(k // size, rbs, 16, 8)  # C[row][col], per group and row block
+    s = torch.zeros(k // size, 16, 8)
+    for c in range(k // 64):
+        for step in range(4):
+            # Lane t's k for (step, h): Int4WeightMMA's docstring, independently of the kernel.
+            if size == 32:
+                group = 2 * c + step // 2
+
+                def k_of(t: int, h: int, c=c, step=step) -> int:
+                    return 64 * c + 32 * (step // 2) + 8 * t + 4 * (step % 2) + 2 * h
+            else:
+                group = 64 * c // size
+
+                def k_of(t: int, h: int, c=c, step=step) -> int:
+                    return 64 * c + 16 * t + 4 * step + 2 * h
+
+            a = torch.zeros(rbs, 16, 16)
+            words = weight.words[:, c, :, step]  # [rbs, 32 lanes]
+            for r in range(4):
+                if x.dtype == torch.float16:  # odd registers keep their nibbles in place
+                    reg = ((words >> (8 * (r // 2))) & (0x000F000F << (4 * (r % 2)))) | magic
+                else:
+                    reg = ((words >> (4 * r)) & 0x000F000F) | magic
+                vals = _halves(reg, x.dtype)  # [rbs, 32, 2]
                 for lane in range(32):
-                    g, t = int(g_of[lane]), int(t_of[lane])
-                    x_row = g if g < m else 0
-                    for h in range(2):
-                        pair = pairs[x_row, 32 * c + 8 * t + 2 * step + h]
-                        b[2 * t + 8 * h : 2 * t + 8 * h + 2, g] = _halves(pair.reshape(1), x.dtype)[
-                            0
-                        ]
-                d += a @ b
-                s += torch.ones(16, 16) @ b
+                    row = g_of[lane] + 8 * (r % 2)
+                    col = 2 * t_of[lane] + 8 * (r // 2)
+                    a[:, row, col : col + 2] = vals[:, lane]
+            b = torch.zeros(16, 8)
+            for lane in range(32):
+                g, t = int(g_of[lane]), int(t_of[lane])
+                x_row = g if g < m else 0
+                for h in range(2):
+                    pair = pairs[x_row, k_of(t, h) // 2]
+                    b[2 * t + 8 * h : 2 * t + 8 * h + 2, g] = _halves(pair.reshape(1), x.dtype)[0]
+            d[group] += a @ b
+            s[group] += torch.ones(16, 16) @ b
+    for group in range(k // size):
         sm = weight.scale_mins[:, group].float()  # [rbs, 8, 4]
         high = HIGH_ROWS[x.dtype]  # rows g + 8 came out this many times too large
         scale = torch.cat([sm[:, :, 0], sm[:, :, 2] / high], dim=1)  # [rbs, 16] by row g + 8h
         min_ = torch.cat([sm[:, :, 1], sm[:, :, 3]], dim=1)
         corr = min_ - offset * scale
-        out = scale[..., None] * d + corr[..., None] * s[0][None, None, :]  # [rbs, 16, 8]
+        out = scale[..., None] * d[group] + corr[..., None] * s[group][0][None, None, :]
         y += out[..., :m].reshape(rbs * 16, m).T
     return y[:, :n]
 
@@ -175,6 +205,8 @@ def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
         (1, 16, 64, 64, torch.bfloat16),
         (3, 40, 256, 128, torch.bfloat16),
         (8, 32, 128, 64, torch.float16),
+        (2, 24, 192, 32, torch.bfloat16),  # three chunks, each two groups of 32
+        (1, 16, 128, 32, torch.float16),
     ],
 )
 def test_fragment_emulation_equals_reference(m, n, k, group_size, dtype) -> None:
@@ -207,24 +239,39 @@ def test_asm_operands_match_their_constraints(dtype) -> None:
     assert ("bf16.bf16" in D_ASM[dtype]) == (dtype == torch.bfloat16)
 
 
-@pytest.mark.parametrize("asm", [D2_ASM[torch.bfloat16], S2_ASM[torch.bfloat16]])
-def test_two_chains_alternate_and_start_from_their_inputs(asm) -> None:
-    # k16 steps 0 and 2 accumulate into $0-$3, steps 1 and 3 into $4-$7; each chain's
-    # first mma reads its own input registers (the last eight operands), then itself.
+def _chains_of(asm: str, operands: int) -> list[tuple[str, str]]:
+    """(D, C) register groups of each mma of the PTX, in order."""
     import re
 
     chain_a, chain_b = "{$0, $1, $2, $3}", "{$4, $5, $6, $7}"
-    first = 28 if asm is D2_ASM[torch.bfloat16] else 24  # operands in all
-    in_a = "{" + ", ".join(f"${first - 8 + i}" for i in range(4)) + "}"
-    in_b = "{" + ", ".join(f"${first - 4 + i}" for i in range(4)) + "}"
+    in_a = "{" + ", ".join(f"${operands - 8 + i}" for i in range(4)) + "}"
+    in_b = "{" + ", ".join(f"${operands - 4 + i}" for i in range(4)) + "}"
+    names = {chain_a: "a", chain_b: "b", in_a: "in a", in_b: "in b"}
     mmas = [line for line in asm.splitlines() if line.startswith("mma.sync")]
-    outs_and_cs = [re.findall(r"\{[^}]*\}", line) for line in mmas]
-    assert [(parts[0], parts[3]) for parts in outs_and_cs] == [
-        (chain_a, in_a),
-        (chain_b, in_b),
-        (chain_a, chain_a),
-        (chain_b, chain_b),
-    ]
+    parts = [re.findall(r"\{[^}]*\}", line) for line in mmas]
+    return [(names[p[0]], names[p[3]]) for p in parts]
+
+
+@pytest.mark.parametrize(
+    "asm, operands", [(D2_ASM[torch.bfloat16], 28), (S2_ASM[torch.bfloat16], 24)]
+)
+def test_two_chains_alternate_and_start_from_their_inputs(asm, operands) -> None:
+    # k16 steps 0 and 2 accumulate into $0-$3, steps 1 and 3 into $4-$7; each chain's
+    # first mma reads its own input registers (the last eight operands), then itself.
+    assert _chains_of(asm, operands) == [("a", "in a"), ("b", "in b"), ("a", "a"), ("b", "b")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_group_32_chains_take_one_group_each(dtype) -> None:
+    # Steps 0-1 (the chunk's first group of 32) into $0-$3, steps 2-3 (the second) into $4-$7.
+    d_asm, d_constraints, s_asm, s_constraints = HALVES_PTX
+    for asm, constraints in ((d_asm[dtype], d_constraints), (s_asm[dtype], s_constraints)):
+        operands = len(constraints.split(","))
+        assert _chains_of(asm, operands) == [("a", "in a"), ("a", "a"), ("b", "in b"), ("b", "b")]
+    assert d_constraints == D2_CONSTRAINTS and s_constraints == S2_CONSTRAINTS
+    assert group_step_constants(dtype, 2, 32)["D_ASM"] == d_asm[dtype]
+    with pytest.raises(ValueError, match="groups of 32 take CHAINS 2"):
+        group_step_constants(dtype, 1, 32)
 
 
 def test_supports_and_errors_on_cpu() -> None:
@@ -237,7 +284,9 @@ def test_supports_and_errors_on_cpu() -> None:
         w4a16_mma_gemv(torch.randn(1, 64, dtype=torch.bfloat16), weight)
 
 
-@pytest.mark.parametrize("n, k, group_size", [(16, 64, 64), (40, 256, 128), (33, 384, 64)])
+@pytest.mark.parametrize(
+    "n, k, group_size", [(16, 64, 64), (40, 256, 128), (33, 384, 64), (24, 192, 32)]
+)
 def test_dequantize_kernel_equals_reference(n, k, group_size) -> None:
     device = "cuda" if CUDA else "cpu"
     weight = mma_weight(n, k, group_size, seed=n, device=device)
@@ -275,8 +324,8 @@ def test_int4_linear_relays_out_to_mma_without_loss() -> None:
     assert torch.equal(dequantize_int4(linear.weight_int4), dense)
     assert model_bytes(linear).total == size.total  # 48 rows: no pad rows
     assert torch.equal(linear(x), before)  # the CPU path reads the re-laid weight
-    with pytest.raises(ValueError, match=r"takes group sizes \(64, 128\)"):
-        Int4Linear(quantize_int4(torch.randn(16, 64), 32)).use_mma_layout()
+    with pytest.raises(ValueError, match="takes K a multiple of 64, got 96"):
+        Int4Linear(quantize_int4(torch.randn(16, 96), 32)).use_mma_layout()
 
 
 def test_config_fills_the_gpu() -> None:
@@ -298,6 +347,12 @@ def test_config_fills_the_gpu() -> None:
     # A small layer never fills the GPU: splits of 2 groups (or 1 when there is 1).
     assert mma_gemv_config(64, 512, 128, 132) == {**one, "GROUPS_PER_SPLIT": 2}
     assert mma_gemv_config(64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
+    # Groups of 32 count in steps of two (64 k) and always split their chains. 8192 in is
+    # 128 steps (long K): 512 one-row-block warps x 4 splits of 32 = 2048, 256 two-row-block
+    # warps x 8 splits of 16 = 2048, x 16 splits of 8 = 4096.
+    assert mma_gemv_config(8192, 8192, 32, 132) == {**two, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
+    assert mma_gemv_config(4096, 14336, 32, 132) == {**two, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
+    assert mma_gemv_config(576, 1536, 32, 132) == {**one, "GROUPS_PER_SPLIT": 2}
 
 
 def test_config_rejects_other_chains() -> None:
@@ -305,6 +360,8 @@ def test_config_rejects_other_chains() -> None:
     x = torch.zeros(1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CHAINS must be 1 or 2, got 3"):
         mma_module._launch(x, weight, {"CHAINS": 3})
+    with pytest.raises(ValueError, match="groups of 32 take CHAINS 2"):
+        mma_module._launch(x, mma_weight(16, 128, 32, seed=1), {"CHAINS": 1})
 
 
 @needs_cuda
@@ -317,6 +374,8 @@ def test_config_rejects_other_chains() -> None:
         (3, 200, 1024, 64),
         (8, 1000, 2048, 128),
         (5, 96, 8192, 128),
+        (1, 576, 1536, 32),  # SmolLM2's down projection, as its GGUF stores it (Q4_1)
+        (4, 1000, 4096, 32),
     ],
 )
 def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
@@ -357,6 +416,22 @@ def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split, chains) ->
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
     rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, 128)
     assert torch.equal(w4a16_mma_gemv(x, rb_major, config=config), got)
+
+
+@needs_cuda
+def test_group_32_configs_agree() -> None:
+    """Groups of 32 (two a chunk, one accumulator each) under warps x row blocks x steps a
+    split, including a split ending inside K and the row-major storage."""
+    weight = mma_weight(1040, 4096, 32, seed=8, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(13)
+    x = torch.randn(3, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = w4a16_mma_ref(x, weight)
+    rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, 32)
+    for warps, rows, per_split in ((4, 2, 8), (2, 1, 3), (8, 2, 64), (1, 4, 5)):
+        config = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split, "CHAINS": 2}
+        got = w4a16_mma_gemv(x, weight, config=config)
+        assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
+        assert torch.equal(w4a16_mma_gemv(x, rb_major, config=config), got)
 
 
 @needs_cuda
@@ -411,5 +486,9 @@ def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
     cuda_cores(x)  # fp32 activations: the CUDA-core GEMV's layout
     assert cuda_cores.layout == "kn"
     group_32 = Int4Linear(quantize_int4(torch.randn(64, 128, generator=gen), 32)).cuda()
-    group_32(x[:, :128].to(torch.bfloat16))  # group 32: no MMA layout
-    assert group_32.layout == "kn"
+    y = group_32(x[:, :128].to(torch.bfloat16))  # group 32, K a multiple of 64: tensor cores
+    assert group_32.layout == "mma"
+    assert relative_error(y, group_32.forward_ref(x[:, :128])) < TOLERANCE[torch.bfloat16]
+    odd_k = Int4Linear(quantize_int4(torch.randn(64, 96, generator=gen), 32)).cuda()
+    odd_k(x[:, :96].to(torch.bfloat16))  # K = 96: no tensor-core layout
+    assert odd_k.layout == "kn"
