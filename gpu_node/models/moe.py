@@ -44,7 +44,7 @@ from gpu_node.quant.int4 import (
     mma_fits,
     quantize_int4,
 )
-from gpu_node.quant.linear import Int4Linear
+from gpu_node.quant.linear import Int4Linear, KeepsInt4Dtypes
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class MoeExperts(nn.Module):
         )
 
 
-class Int4MoeExperts(nn.Module):
+class Int4MoeExperts(KeepsInt4Dtypes, nn.Module):
     """The routed experts in INT4; the fused Triton kernel on CUDA, the reference elsewhere."""
 
     w13_packed: torch.Tensor  # buffers, named for the type checker

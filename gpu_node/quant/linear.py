@@ -51,7 +51,22 @@ _HAS_CPU_INT4 = hasattr(
 )  # buffer-name suffixes that hold INT4 weights
 
 
-class Int4Linear(nn.Module):
+class KeepsInt4Dtypes:
+    """nn.Module mixin for modules whose buffers are all INT4 data: `.to(dtype)`, `.half()`
+    and the like move them but never cast them, so the scales and mins stay fp16 when a
+    whole model is cast to bf16 (a bf16 copy would drop 3 bits of each)."""
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        before = dict(self.named_buffers(recurse=False))  # type: ignore[attr-defined]
+        super()._apply(fn, recurse)  # type: ignore[misc]
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:  # a cast: redo it as a move from the original
+                setattr(self, name, old.to(new.device))
+        return self
+
+
+class Int4Linear(KeepsInt4Dtypes, nn.Module):
     """y = x @ W^T (+ bias) with W [out, in] held as INT4 (packed codes, fp16 scales and mins)."""
 
     packed: torch.Tensor  # buffers, named for the type checker

@@ -205,3 +205,16 @@ def test_int4_weight_moves_between_devices_intact() -> None:
     q = quantize_int4(torch.randn(4, 64), 32)
     moved = q.to("cpu")
     assert isinstance(moved, Int4Weight) and torch.equal(moved.packed, q.packed)
+
+
+def test_casting_a_model_moves_int4_buffers_without_rounding_them() -> None:
+    gen = torch.Generator().manual_seed(21)
+    linear = Int4Linear(quantize_int4(torch.randn(24, 64, generator=gen), 32))
+    model = torch.nn.Sequential(linear, torch.nn.LayerNorm(24))
+    scales, mins = linear.scales.clone(), linear.mins.clone()
+    model.to(torch.bfloat16)
+    assert model[1].weight.dtype == torch.bfloat16  # the float parts are cast
+    assert linear.scales.dtype == torch.float16 and torch.equal(linear.scales, scales)
+    assert linear.mins.dtype == torch.float16 and torch.equal(linear.mins, mins)
+    model.float()
+    assert torch.equal(linear.scales, scales)

@@ -325,3 +325,14 @@ def test_load_from_gguf_names_a_missing_tensor(tmp_path: Path) -> None:
     _write_moe_gguf(tmp_path / "moe.gguf", SMALL, quantize=False)
     with pytest.raises(KeyError, match=r"blk\.1\.ffn_gate_inp\.weight"):
         moe_mlp_from_gguf(tmp_path / "moe.gguf", layer=1, config=SMALL)
+
+
+def test_casting_int4_experts_keeps_their_scales() -> None:
+    mlp = quantize_model(MoeMLP.dummy(SMALL, seed=4, dtype=torch.float32), group_size=32)
+    before = mlp.experts.weights()
+    mlp.to(torch.bfloat16)
+    after = mlp.experts.weights()
+    assert mlp.router.weight.dtype == torch.bfloat16
+    for b, a in zip(before, after, strict=True):
+        assert a.scales.dtype == torch.float16 and torch.equal(a.scales, b.scales)
+        assert torch.equal(a.mins, b.mins) and torch.equal(a.packed, b.packed)
