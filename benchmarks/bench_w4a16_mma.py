@@ -75,6 +75,8 @@ def sweep(
     x = torch.randn(1, k, device="cuda", dtype=dtype)
     groups = k // mma_step(group_size)  # loop steps
     results = []
+    if group_size == 32:
+        chain_list = (2,)  # groups of 32 take two chains (one accumulator a group)
     for warps, rows, chains, maxnreg, per_split in itertools.product(
         warp_list, rows_list, chain_list, maxnreg_list, split_list
     ):

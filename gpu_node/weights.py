@@ -103,9 +103,12 @@ def moe_model(name: str, seed: int = 0, device: torch.device | str = "cpu") -> L
 
 def activation_dtype(weights: str, device: torch.device | str) -> torch.dtype:
     """What a node computes in: bf16 with bf16 weights, and with INT4 weights on a GPU
-    (the tensor-core W4A16 and MoE kernels take bf16 activations); fp32 otherwise (INT4
+    of compute capability 8.0 or newer (the tensor-core W4A16 and MoE kernels take bf16
+    activations; older GPUs keep the CUDA-core kernels, in fp32); fp32 otherwise (INT4
     on CPU runs torch's int4 kernel from fp32 activations, and fp32 is the reference)."""
-    if weights == "bf16" or (weights == "int4" and torch.device(device).type == "cuda"):
+    from gpu_node.kernels.launch import has_mma_sync
+
+    if weights == "bf16" or (weights == "int4" and has_mma_sync(torch.device(device))):
         return torch.bfloat16
     return torch.float32
 
@@ -123,11 +126,10 @@ def build_model(
     dtype = activation_dtype(weights, device)
     if model in SYNTHETIC_MODELS:
         tokenizer = ChatTokenizer(GGUFModel(resolve_model("smollm2")))
-        # Cast before quantizing: a cast after would round the INT4 scales (fp16) too.
-        built = moe_model(model, device=device).to(dtype)
-        if weights == "int4":
+        built = moe_model(model, device=device)
+        if weights == "int4":  # from the fp32 weights, so every device serves the same codes
             quantize_model(built, group_size=32, skip=("lm_head", "embed_tokens", "router"))
-        return built, tokenizer
+        return built.to(dtype), tokenizer  # the INT4 buffers are moved, never cast
     gguf = GGUFModel(resolve_model(model))
     return load_llama(gguf, dtype, device, progress, int4=weights == "int4"), ChatTokenizer(gguf)
 

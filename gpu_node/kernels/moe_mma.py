@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gpu_node.kernels.launch import launches_early
+from gpu_node.kernels.launch import has_mma_sync, launches_early
 from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
@@ -280,7 +280,11 @@ def moe_mma_config(num_slots: int, n: int, k: int, group_size: int, num_sms: int
 def takes(x: torch.Tensor, group_size: int) -> bool:
     """Whether fused_moe_mma takes activations like x and experts of this group size."""
     return (
-        x.is_cuda and not is_interpreted(x) and x.dtype in MAGIC and group_size in MMA_GROUP_SIZES
+        x.is_cuda
+        and not is_interpreted(x)
+        and has_mma_sync(x.device)
+        and x.dtype in MAGIC
+        and group_size in MMA_GROUP_SIZES
     )
 
 
@@ -383,7 +387,7 @@ def fused_moe_mma(
     """Routed experts on tensor cores: x [T, H] bf16/fp16 on CUDA -> [T, H] in x's dtype.
 
     w13: [E, 2I, H] (gate rows then up rows) laid out gated (`experts_to_mma(w13,
-    gated=True)`); w2: [E, H, I]; groups of 64 or 128.
+    gated=True)`); w2: [E, H, I]; groups of 32, 64 or 128 (H and I multiples of 64).
     """
     t, h = x.shape
     num_experts, two_i, h13 = w13.shape
@@ -393,7 +397,7 @@ def fused_moe_mma(
         raise ValueError("w13 must be laid out gated (experts_to_mma(w13, gated=True)), w2 not")
     if not takes(x, w13.group_size):
         raise ValueError(
-            f"fused_moe_mma takes bf16/fp16 x on CUDA (compiled, not interpreted) and "
+            f"fused_moe_mma takes bf16/fp16 x on CUDA (sm_80+, compiled, not interpreted) and "
             f"experts in Int4ExpertsMMA with groups of {MMA_GROUP_SIZES}; got {x.dtype} on "
             f"{x.device}, group {w13.group_size}"
         )

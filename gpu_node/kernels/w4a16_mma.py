@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gpu_node.kernels.launch import launches_early
+from gpu_node.kernels.launch import has_mma_sync, launches_early
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_M, MAX_TILES, split_counters
 from gpu_node.kernels.w4a16_mma_asm import MAGIC, PTX, group_step_constants
@@ -371,6 +371,7 @@ def supports(x: torch.Tensor, weight: object) -> bool:
         isinstance(weight, Int4WeightMMA)
         and x.is_cuda
         and not is_interpreted(x)
+        and has_mma_sync(x.device)
         and x.dtype in MAGIC
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_M
@@ -395,8 +396,8 @@ def w4a16_mma_gemv(
         raise ValueError(f"x on {x.device}, weight on {weight.tiles.device}")
     if not supports(x, weight):
         raise ValueError(
-            f"w4a16_mma_gemv takes bf16/fp16 x of 1..{MAX_M} rows on CUDA (compiled, not "
-            f"interpreted) and a group size in {MMA_GROUP_SIZES}; got {x.dtype} "
+            f"w4a16_mma_gemv takes bf16/fp16 x of 1..{MAX_M} rows on CUDA (sm_80+, compiled, "
+            f"not interpreted) and a group size in {MMA_GROUP_SIZES}; got {x.dtype} "
             f"{tuple(x.shape)} on {x.device}, group {weight.group_size}"
         )
     return _launch(x, weight, config)

@@ -303,6 +303,8 @@ class Int4WeightMMA:
             message = f"Int4WeightMMA takes group sizes {MMA_GROUP_SIZES}, got {self.group_size}"
             raise ValueError(message)
         step = mma_step(self.group_size)
+        if k % step:
+            raise ValueError(f"Int4WeightMMA takes K a multiple of {step}, got {k}")
         expected = (-(-n // MMA_ROWS), k // step, 2 * step + 16 * (step // self.group_size))
         tiles = self.tiles
         if tiles.dtype != torch.int32 or tuple(tiles.shape) != expected or tiles.stride(2) != 1:

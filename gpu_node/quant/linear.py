@@ -8,8 +8,8 @@ The model code stays plain (`nn.Linear(in, out, bias=False)` everywhere);
 
 Int4Linear runs the Triton W4A16 kernels on CUDA. Its first CUDA call re-lays its
 buffers out, in place and losslessly, for the GPU kernels (`weight_int4` converts
-back on demand): bf16/fp16 activations with a group size of 64 or 128 get
-Int4WeightMMA (the tensor-core decode GEMV of w4a16_mma.py; its tiles hold the
+back on demand): bf16/fp16 activations on an sm_80+ GPU with a group size of 64 or
+128, or of 32 with K a multiple of 64, get Int4WeightMMA (the tensor-core decode GEMV of w4a16_mma.py; its tiles hold the
 scales and mins too, so `packed` holds them and `scales`/`mins` are left empty),
 anything else Int4WeightKN (the CUDA-core GEMV of w4a16_gemv.py, same bytes).
 The layout is chosen once, from the first CUDA call. On a CPU it uses torch's own
@@ -52,16 +52,17 @@ _HAS_CPU_INT4 = hasattr(
 
 
 class KeepsInt4Dtypes:
-    """nn.Module mixin for modules whose buffers are all INT4 data: `.to(dtype)`, `.half()`
-    and the like move them but never cast them, so the scales and mins stay fp16 when a
-    whole model is cast to bf16 (a bf16 copy would drop 3 bits of each)."""
+    """nn.Module mixin for modules whose buffers are all INT4 data: `.to(dtype)`, `.half()`,
+    `.to(memory_format=...)` and the like move them but never cast or re-stride them, so
+    the scales and mins stay fp16 when a whole model is cast to bf16 (a bf16 copy would
+    drop 3 bits of each) and the kernels' tile layouts keep their strides."""
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         before = dict(self.named_buffers(recurse=False))  # type: ignore[attr-defined]
         super()._apply(fn, recurse)  # type: ignore[misc]
         for name, old in before.items():
             new = getattr(self, name)
-            if new.dtype != old.dtype:  # a cast: redo it as a move from the original
+            if new.dtype != old.dtype or new.stride() != old.stride():  # redo it as a move
                 setattr(self, name, old.to(new.device))
         return self
 
@@ -163,11 +164,12 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.is_cuda:
+            from gpu_node.kernels.launch import has_mma_sync
             from gpu_node.kernels.w4a16_gemv import w4a16_kn_matmul
             from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
 
             if self.layout == "int4":
-                tensor_cores = x.dtype in (torch.bfloat16, torch.float16)
+                tensor_cores = x.dtype in (torch.bfloat16, torch.float16) and has_mma_sync(x.device)
                 if tensor_cores and mma_fits(self.in_features, self.group_size):
                     self.use_mma_layout()
                 else:

@@ -336,3 +336,13 @@ def test_casting_int4_experts_keeps_their_scales() -> None:
     for b, a in zip(before, after, strict=True):
         assert a.scales.dtype == torch.float16 and torch.equal(a.scales, b.scales)
         assert torch.equal(a.mins, b.mins) and torch.equal(a.packed, b.packed)
+
+
+def test_int4_experts_keep_their_tile_strides_through_a_memory_format_move() -> None:
+    mlp = quantize_model(MoeMLP.dummy(SMALL, seed=5, dtype=torch.float32), group_size=32)
+    mlp.experts.use_mma_layout()  # 4-D tiles, stored group-major (not contiguous)
+    strides = mlp.experts.w13_packed.stride()
+    mlp.to(memory_format=torch.channels_last)
+    assert mlp.experts.w13_packed.stride() == strides
+    w13, _ = mlp.experts.weights_mma()  # would refuse tiles without a unit last stride
+    assert w13.group_size == 32

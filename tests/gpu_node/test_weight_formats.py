@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import gpu_node.kernels.launch as launch
 import gpu_node.weights as weights_module
 from gpu_node.config import EngineConfig
 from gpu_node.gguf_loader import GGUFModel
@@ -95,29 +96,35 @@ def test_bf16_weights_load_in_bf16(smollm2_path):
 
 
 @pytest.mark.parametrize(
-    ("weights", "device", "expected"),
+    ("weights", "device", "mma", "expected"),
     [
-        ("int4", "cpu", torch.float32),  # torch's int4 CPU kernel from fp32 activations
-        ("int4", "cuda", torch.bfloat16),  # the tensor-core kernels take bf16
-        ("int4", "cuda:1", torch.bfloat16),
-        ("bf16", "cpu", torch.bfloat16),
-        ("fp32", "cuda", torch.float32),
+        ("int4", "cpu", False, torch.float32),  # torch's int4 CPU kernel from fp32 activations
+        ("int4", "cuda", True, torch.bfloat16),  # the tensor-core kernels take bf16
+        ("int4", "cuda:1", True, torch.bfloat16),
+        ("int4", "cuda", False, torch.float32),  # before sm_80: the CUDA-core kernels, fp32
+        ("bf16", "cpu", False, torch.bfloat16),
+        ("fp32", "cuda", True, torch.float32),
     ],
 )
-def test_activation_dtype_by_weights_and_device(weights, device, expected):
+def test_activation_dtype_by_weights_and_device(monkeypatch, weights, device, mma, expected):
+    monkeypatch.setattr(launch, "has_mma_sync", lambda dev: mma and dev.type == "cuda")
     assert activation_dtype(weights, device) is expected
 
 
-def test_moe_small_in_bf16_keeps_its_int4_scales_in_fp16(monkeypatch):
-    # As a GPU node builds it (bf16 activations), here on CPU: the cast comes before the
-    # quantization, so norms and embeddings are bf16 and the INT4 scales stay fp16.
+def test_moe_small_in_bf16_serves_the_codes_of_the_fp32_build(monkeypatch):
+    # As a GPU node builds it (bf16 activations), here on CPU: norms and embeddings in
+    # bf16, the INT4 codes, scales and mins exactly those quantized from the fp32 weights.
+    fp32, _ = build_model("moe-small", "int4")
     monkeypatch.setattr(weights_module, "activation_dtype", lambda weights, device: torch.bfloat16)
     model, _ = build_model("moe-small", "int4")
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
-    q_proj = model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, Int4Linear) and q_proj.weight_int4.scales.dtype == torch.float16
-    experts = model.layers[0].mlp.experts
-    assert experts.weights()[0].scales.dtype == torch.float16
-    x = torch.randn(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
-    assert model.layers[0].mlp(x[0]).dtype == torch.bfloat16
+    for layer, ref in zip(model.layers, fp32.layers, strict=True):
+        mine, theirs = layer.self_attn.q_proj.weight_int4, ref.self_attn.q_proj.weight_int4
+        assert mine.scales.dtype == torch.float16
+        assert torch.equal(mine.packed, theirs.packed) and torch.equal(mine.scales, theirs.scales)
+        for a, b in zip(layer.mlp.experts.weights(), ref.mlp.experts.weights(), strict=True):
+            assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales)
+            assert torch.equal(a.mins, b.mins)
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    assert model.layers[0].mlp(x).dtype == torch.bfloat16

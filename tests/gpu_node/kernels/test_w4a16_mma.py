@@ -127,6 +127,9 @@ def test_group_32_tiles_hold_a_chunk_and_both_groups_scales() -> None:
 def test_to_mma_rejects_what_the_kernel_cannot_take() -> None:
     with pytest.raises(ValueError, match="takes K a multiple of 64, got 96"):
         to_mma(quantize_int4(torch.randn(16, 96), 32))
+    # Nor a hand-built layout whose K ends inside a step (the kernel would skip the rest).
+    with pytest.raises(ValueError, match="Int4WeightMMA takes K a multiple of 64, got 96"):
+        Int4WeightMMA(torch.zeros(1, 1, 160, dtype=torch.int32), (16, 96), 32)
 
 
 def _halves(regs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -230,6 +233,8 @@ def test_asm_operands_match_their_constraints(dtype) -> None:
         (S_ASM[dtype], S_CONSTRAINTS, 4),
         (D2_ASM[dtype], D2_CONSTRAINTS, 8),
         (S2_ASM[dtype], S2_CONSTRAINTS, 8),
+        (HALVES_PTX[0][dtype], HALVES_PTX[1], 8),
+        (HALVES_PTX[2][dtype], HALVES_PTX[3], 8),
     ):
         used = {int(v) for v in re.findall(r"\$(\d+)", asm)}
         kinds = constraints.split(",")
