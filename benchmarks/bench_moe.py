@@ -5,7 +5,8 @@
 
 GPU part, config `moe-medium` (hidden 2048, 64 experts, top-8, expert hidden
 1408, one shared expert; DeepSeek-V2-Lite's layer):
-  1. routed experts at decode batch sizes T: the fused INT4 kernels (group 128;
+  1. routed experts at decode batch sizes T: the fused INT4 kernels (group 128, or
+     --group-size 32 / 64;
      the tensor-core one over expert slots, moe_mma.py, and the CUDA-core one,
      moe.py) vs the bf16 torch reference (loop over the experts that got tokens), and
      vs the time a bf16 kernel would take at copy bandwidth (active experts'
@@ -83,7 +84,9 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
-def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dict]:
+def bench_experts(
+    config: MoeConfig, bw: float, num_copies: int = 4, group: int = GROUP
+) -> list[dict]:
     """Routed experts only. INT4: CUDA-graph replays over `num_copies` layers (1.2 GB,
     so experts come from HBM, not L2); bf16 reference: eager (it syncs on the host)."""
     import triton.testing
@@ -96,11 +99,11 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
     mlp = MoeMLP.dummy(config, seed=0, dtype=torch.bfloat16, device="cuda")
     w13_bf16, w2_bf16 = mlp.experts.w13, mlp.experts.w2
     routers = [mlp.router]
-    layers = [mlp.experts.to_int4(GROUP).weights()]
+    layers = [mlp.experts.to_int4(group).weights()]
     for seed in range(1, num_copies):
         other = MoeMLP.dummy(config, seed=seed, dtype=torch.bfloat16, device="cuda")
         routers.append(other.router)
-        layers.append(other.experts.to_int4(GROUP).weights())
+        layers.append(other.experts.to_int4(group).weights())
         del other
     layers_mma = [(experts_to_mma(w13, gated=True), experts_to_mma(w2)) for w13, w2 in layers]
     w13, w2 = layers[0]
@@ -153,7 +156,9 @@ def bench_experts(config: MoeConfig, bw: float, num_copies: int = 4) -> list[dic
     return rows
 
 
-def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+def bench_parts(
+    config: MoeConfig, batches: tuple[int, ...] = (1, 8), group: int = GROUP
+) -> list[dict]:
     """Microseconds of each launch of the tensor-core MoE layer (CUDA-graph replays over
     4 layers' copies), so the layer's time can be read against its parts. The router is
     timed with one always-on expert appended (the folded shared expert); the GEMMs
@@ -166,7 +171,7 @@ def bench_parts(config: MoeConfig, batches: tuple[int, ...] = (1, 8)) -> list[di
     layers, routers = [], []
     for seed in range(4):
         mlp = MoeMLP.dummy(config, seed=seed, dtype=torch.bfloat16, device="cuda")
-        w13, w2 = mlp.experts.to_int4(GROUP).weights()
+        w13, w2 = mlp.experts.to_int4(group).weights()
         layers.append((experts_to_mma(w13, gated=True), experts_to_mma(w2)))
         routers.append(mlp.router)
         del mlp
@@ -255,7 +260,7 @@ def graph_ms(model: nn.Module, x: torch.Tensor) -> float | None:
         return None
 
 
-def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
+def bench_decode(config: MoeConfig, num_layers: int, bw: float, group: int = GROUP) -> dict:
     torch.manual_seed(0)
     bf16 = nn.Sequential(
         *(
@@ -263,9 +268,9 @@ def bench_decode(config: MoeConfig, num_layers: int, bw: float) -> dict:
             for i in range(num_layers)
         )
     )
-    int4_unfolded = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
-    int4_core = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
-    int4 = quantize_model(copy.deepcopy(bf16), group_size=GROUP)
+    int4_unfolded = quantize_model(copy.deepcopy(bf16), group_size=group)
+    int4_core = quantize_model(copy.deepcopy(bf16), group_size=group)
+    int4 = quantize_model(copy.deepcopy(bf16), group_size=group)
     for block in int4:  # the shared expert as one more expert of the fused call
         assert block.mlp.fold_shared_experts()
     x = torch.randn(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -365,6 +370,7 @@ def main() -> None:
         "--memory", nargs="?", const="", default=None, help="print the memory table (CPU)"
     )
     parser.add_argument("--layers", type=int, default=26)
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=GROUP)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.memory is not None:
@@ -374,10 +380,11 @@ def main() -> None:
     bw = copy_bandwidth()
     print(
         f"device {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; config {config}"
+        f"; INT4 group {args.group_size}"
     )
-    parts = bench_parts(config)
-    rows = bench_experts(config, bw)
-    decode = bench_decode(config, args.layers, bw)
+    parts = bench_parts(config, group=args.group_size)
+    rows = bench_experts(config, bw, group=args.group_size)
+    decode = bench_decode(config, args.layers, bw, group=args.group_size)
     print()
     print(
         "| T | active experts (mean) | INT4 tensor-core us | INT4 CUDA-core us | tensor-core gain "
