@@ -267,12 +267,20 @@ def gateway(
     on_redis_error: str = typer.Option(
         "open", help="open: local share of the limits | closed: 503 while Redis is away"
     ),
+    redis_timeout_s: float = typer.Option(
+        0.25, help="bound on each admission call to Redis; past it, --on-redis-error applies"
+    ),
     queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
     """One stateless gateway reading keys, capacity and limits from Redis."""
     token = _internal_token(internal_token)
     if on_redis_error not in ("open", "closed"):
         raise typer.BadParameter("must be 'open' or 'closed'", param_hint="--on-redis-error")
+    if not redis_timeout_s > 0:
+        raise typer.BadParameter(
+            f"must be a positive number of seconds, got {redis_timeout_s}",
+            param_hint="--redis-timeout-s",
+        )
 
     async def main() -> None:
         from gateway.app import create_app
@@ -280,7 +288,7 @@ def gateway(
 
         stores = await _stores(
             redis_url, prefix, port, local=False, database_url=database_url,
-            on_redis_error=on_redis_error,
+            on_redis_error=on_redis_error, redis_timeout_s=redis_timeout_s,
         )  # fmt: skip
         telemetry = _telemetry("edgeserve-gateway")
         app = create_app(
@@ -350,6 +358,7 @@ async def _stores(
     local: bool,
     database_url: str | None = None,
     on_redis_error: str = "open",
+    redis_timeout_s: float = 0.25,
     run_billing_worker: bool = False,
 ) -> _Stores:
     from billing.ledger import default_sqlite_path, open_ledger
@@ -394,6 +403,7 @@ async def _stores(
         policy=policy,
         key_prefix=prefix.rstrip(":"),
         on_redis_error="closed" if on_redis_error == "closed" else "open",
+        redis_timeout_s=redis_timeout_s,
     )
     limit_store = RedisLimitStore(client, admission.key_prefix)
     worker = None

@@ -73,6 +73,10 @@ def fleet(engine: Any, tmp_path: Path) -> Iterator[list[str]]:
                 INTERNAL_TOKEN,
                 "--queue-deadline-s",
                 "30",
+                # Exactness holds while Redis answers; on a loaded 2-core machine a call once
+                # outlasted the default 0.25 s and that gateway fell back to its local share.
+                "--redis-timeout-s",
+                "10",
             ],
             stdout=(tmp_path / f"gateway-{p}.log").open("wb"),
             stderr=subprocess.STDOUT,

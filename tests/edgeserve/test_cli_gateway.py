@@ -1,0 +1,22 @@
+"""`edgeserve gateway` refuses bad settings before it starts anything."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from edgeserve.cli import build_app
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--redis-timeout-s", "0"], "must be a positive number of seconds, got 0.0"),
+        (["--redis-timeout-s", "-1"], "must be a positive number of seconds, got -1.0"),
+        (["--on-redis-error", "maybe"], "must be 'open' or 'closed'"),
+    ],
+)
+def test_gateway_refuses_bad_admission_settings(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(build_app(), ["gateway", "--internal-token", "t", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.stderr.replace("│", " ").split())  # rich boxes and wraps it
