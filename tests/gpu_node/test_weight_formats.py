@@ -8,6 +8,7 @@ import gpu_node.weights as weights_module
 from gpu_node.config import EngineConfig
 from gpu_node.gguf_loader import GGUFModel
 from gpu_node.llm_engine import LLMEngine
+from gpu_node.quant.int4 import quantize_int4
 from gpu_node.quant.linear import Int4Linear, model_bytes
 from gpu_node.weights import activation_dtype, build_model, load_llama
 from scheduler.sequence import SamplingParams
@@ -113,18 +114,20 @@ def test_activation_dtype_by_weights_and_device(monkeypatch, weights, device, mm
 
 def test_moe_small_in_bf16_serves_the_codes_of_the_fp32_build(monkeypatch):
     # As a GPU node builds it (bf16 activations), here on CPU: norms and embeddings in
-    # bf16, the INT4 codes, scales and mins exactly those quantized from the fp32 weights.
-    fp32, _ = build_model("moe-small", "int4")
+    # bf16, the INT4 codes, scales and mins exactly those quantized from the fp32 weights
+    # (checked on layer 0 against its own fp32 weights, quantized here).
     monkeypatch.setattr(weights_module, "activation_dtype", lambda weights, device: torch.bfloat16)
     model, _ = build_model("moe-small", "int4")
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
-    for layer, ref in zip(model.layers, fp32.layers, strict=True):
-        mine, theirs = layer.self_attn.q_proj.weight_int4, ref.self_attn.q_proj.weight_int4
-        assert mine.scales.dtype == torch.float16
-        assert torch.equal(mine.packed, theirs.packed) and torch.equal(mine.scales, theirs.scales)
-        for a, b in zip(layer.mlp.experts.weights(), ref.mlp.experts.weights(), strict=True):
-            assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales)
-            assert torch.equal(a.mins, b.mins)
+    fp32 = weights_module.moe_model("moe-small").layers[0]  # the same seeds, unquantized
+    q_proj = model.layers[0].self_attn.q_proj.weight_int4
+    expected = quantize_int4(fp32.self_attn.q_proj.weight, 32)
+    assert q_proj.scales.dtype == torch.float16
+    assert torch.equal(q_proj.packed, expected.packed)
+    assert torch.equal(q_proj.scales, expected.scales) and torch.equal(q_proj.mins, expected.mins)
+    w13, w2 = model.layers[0].mlp.experts.weights()
+    assert torch.equal(w13.packed, quantize_int4(fp32.mlp.experts.w13, 32).packed)
+    assert torch.equal(w2.scales, quantize_int4(fp32.mlp.experts.w2, 32).scales)
     x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
     assert model.layers[0].mlp(x).dtype == torch.bfloat16

@@ -326,12 +326,17 @@ FAULTS = [
 ]
 
 
+# Each fault in the default blocks and in full (unmasked) blocks of 16 with one of the
+# three ways of loading their page ids (and scales) ahead, in turn: every way meets two or
+# three faults (the interpreter takes ~3 s a case; the whole 7 x 4 matrix took 2 minutes).
+FULL_BLOCKS = [(16, False), (16, True), (16, "scales")]
+OWNERSHIP_CASES = [(fault, None, False) for fault in FAULTS] + [
+    (fault, *FULL_BLOCKS[i % len(FULL_BLOCKS)]) for i, fault in enumerate(FAULTS)
+]
+
+
 @interpreted
-# 16: faults in full (unmasked) blocks too, their page ids (and scales) loaded ahead or not
-@pytest.mark.parametrize(
-    ("block_n", "prefetch"), [(None, False), (16, False), (16, True), (16, "scales")]
-)
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize(("fault", "block_n", "prefetch"), OWNERSHIP_CASES)
 def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n, prefetch):
     batch = fault_batch()
     clean, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
