@@ -10,6 +10,7 @@ from torch import nn
 
 from gpu_node.errors import ModelNotFoundError
 from gpu_node.gguf_loader import GGUFModel
+from gpu_node.kernels import launch
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import LlamaModel, RotaryEmbedding, gguf_parameter_names
 from gpu_node.quant.linear import Int4Linear
@@ -106,9 +107,7 @@ def activation_dtype(weights: str, device: torch.device | str) -> torch.dtype:
     of compute capability 8.0 or newer (the tensor-core W4A16 and MoE kernels take bf16
     activations; older GPUs keep the CUDA-core kernels, in fp32); fp32 otherwise (INT4
     on CPU runs torch's int4 kernel from fp32 activations, and fp32 is the reference)."""
-    from gpu_node.kernels.launch import has_mma_sync
-
-    if weights == "bf16" or (weights == "int4" and has_mma_sync(torch.device(device))):
+    if weights == "bf16" or (weights == "int4" and launch.has_mma_sync(torch.device(device))):
         return torch.bfloat16
     return torch.float32
 
