@@ -417,8 +417,6 @@ def _launch(
     chains = cfg["CHAINS"]
     if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
-    if weight.group_size == 32 and chains != 2:
-        raise ValueError(f"groups of 32 take CHAINS 2 (one accumulator a group), got {chains}")
     early = int(cfg.get("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")

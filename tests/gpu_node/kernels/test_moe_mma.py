@@ -46,6 +46,13 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+def _counters_dirty(device: torch.device) -> bool:
+    """Whether a split-K counter was left non-zero (the next call would read it)."""
+    from gpu_node.kernels.w4a16_gemv import split_counters
+
+    return bool(split_counters(device).any())
+
+
 @pytest.mark.parametrize(
     ("tokens", "num_experts", "top_k", "group_size", "hidden", "inner"),
     [
@@ -254,13 +261,7 @@ def test_gemm2_split_k_at_several_tokens_equals_the_whole_k() -> None:
     for per_split in (1, 2, 4, 8):
         split = _grouped_gemv(act, mma2, slots, weights, 1, per_split=per_split)
         assert _relative_error(split, whole) <= 8e-3  # each assignment's row rounds to bf16
-        assert not split_counters_dirty(x.device)
-
-
-def split_counters_dirty(device: torch.device) -> bool:
-    from gpu_node.kernels.w4a16_gemv import split_counters
-
-    return bool(split_counters(device).any())
+        assert not _counters_dirty(x.device)
 
 
 def test_one_token_path_replays_in_a_cuda_graph_with_new_routing() -> None:
@@ -283,7 +284,7 @@ def test_one_token_path_replays_in_a_cuda_graph_with_new_routing() -> None:
         weights.copy_(routing.topk_weights)
         graph.replay()
         assert torch.equal(out, fused_moe_mma(x, w13, w2, routing))
-    assert not split_counters_dirty(x.device)
+    assert not _counters_dirty(x.device)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
