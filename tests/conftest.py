@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -23,6 +24,17 @@ import redis.asyncio as aioredis
 import uvicorn
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+# Under pytest-xdist the workers share the machine's cores: each worker's torch (and
+# the servers it starts) takes its share of them rather than all, which would
+# oversubscribe the cores with spinning OpenMP threads.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+# What the commands keep in the user's data dir (the embedded SQLite ledger of
+# `edgeserve up`) goes to a directory of this test process's own, never the user's.
+_DATA_HOME = tempfile.TemporaryDirectory(prefix="edgeserve-test-data-")
+os.environ["XDG_DATA_HOME"] = _DATA_HOME.name
 
 
 def free_port() -> int:
