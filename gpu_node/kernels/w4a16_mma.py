@@ -202,7 +202,6 @@ def _gemv_mma_kernel(
     stride_xm,  # in int32 pairs
     stride_om,
     num_groups,  # steps of T = max(G, 64) k: groups, or pairs of g32 groups
-    groups_per_split,  # steps
     GROUP_SIZE: tl.constexpr,
     WARPS: tl.constexpr,
     R: tl.constexpr,  # row blocks per warp
@@ -243,8 +242,10 @@ def _gemv_mma_kernel(
     sm_stride = 2 * stride_tg  # in fp16
     sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)  # [1, E]: the scale of rows g + 8
 
-    g_begin = pid_s * groups_per_split
-    g_end = tl.minimum(g_begin + groups_per_split, num_groups)
+    # The SPLIT_K splits share the steps evenly (their lengths differ by one at most), so
+    # a split count chosen to fill one wave never leaves a short last split behind.
+    g_begin = pid_s * num_groups // SPLIT_K
+    g_end = (pid_s + 1) * num_groups // SPLIT_K
     acc = tl.full((R, E), 0.0, tl.float32)
     # A group's words, scales and mins are loaded one group ahead, so they are always
     # in flight behind the tensor cores (the load past the split's last group is
@@ -421,8 +422,11 @@ def _launch(
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
     num_groups = k // mma_step(weight.group_size)  # steps
-    groups_per_split = cfg["GROUPS_PER_SPLIT"]
-    splits = triton.cdiv(num_groups, groups_per_split)
+    splits = triton.cdiv(num_groups, cfg["GROUPS_PER_SPLIT"])
+    if config and "SPLITS" in config:  # benchmarks: a split count given outright
+        splits = int(config["SPLITS"])
+        if not 1 <= splits <= num_groups:
+            raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
     row_blocks = weight.tiles.shape[0]
     programs = triton.cdiv(row_blocks, warps * rows_per_warp)
     if programs > MAX_TILES:
@@ -448,7 +452,6 @@ def _launch(
         pairs.stride(0),
         out.stride(0),
         num_groups,
-        groups_per_split,
         GROUP_SIZE=weight.group_size,
         WARPS=warps,
         R=rows_per_warp,

@@ -367,6 +367,8 @@ def test_config_rejects_other_chains() -> None:
         mma_module._launch(x, weight, {"CHAINS": 3})
     with pytest.raises(ValueError, match="groups of 32 take CHAINS 2"):
         mma_module._launch(x, mma_weight(16, 128, 32, seed=1), {"CHAINS": 1})
+    with pytest.raises(ValueError, match=r"SPLITS must be 1\.\.2 \(steps of K\), got 3"):
+        mma_module._launch(x, weight, {"SPLITS": 3})  # 128 in: two steps of 64
 
 
 @needs_cuda
@@ -421,6 +423,21 @@ def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split, chains) ->
     assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
     rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, 128)
     assert torch.equal(w4a16_mma_gemv(x, rb_major, config=config), got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [3, 7, 31, 32])
+def test_split_counts_that_do_not_divide_k_give_the_reference(splits) -> None:
+    """32 steps in 3, 7 or 31 splits (the kernel shares them evenly), or one step each."""
+    weight = mma_weight(1040, 4096, 128, seed=9, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(17)
+    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = w4a16_mma_ref(x, weight)
+    for chains in (1, 2):
+        config = {"WARPS": 4, "R": 1, "CHAINS": chains, "SPLITS": splits}
+        for _ in range(2):  # the counters are back at zero for the next call
+            got = w4a16_mma_gemv(x, weight, config=config)
+            assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
 
 
 @needs_cuda
