@@ -356,9 +356,10 @@ def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, 
     groups. In the sweeps (docs/bench/w4a16_gemv.md) the best configurations launched
     27-31 warps a multiprocessor; 2-row-block warps on splits shorter than 8 groups end
     before their loads one group ahead pay off, so they are never chosen. One-row-block
-    warps split each mma chain in two (CHAINS = 2: 58 registers instead of 48, still
-    a full wave); two-row-block warps do not (82 registers instead of 72 leave six
-    programs a multiprocessor instead of seven: a second wave at 8192 x 28672).
+    warps split each mma chain in two (CHAINS = 2: 56 registers instead of 50 on the
+    H200, still a full wave); two-row-block warps do not (both chain counts compile to
+    72 registers there now, 82 for two chains in the ninth session, and two chains
+    were 17% slower at 8192 x 28672 in the thirteenth session's sweep).
     Groups of 32 count as steps of two (one chunk) and always take CHAINS = 2; in the
     H200 sweeps of the twelfth session their best configurations were two-row-block
     warps too (4096 x 14336: 16.1 us against 19.6 for one row block, 8 steps a split).
