@@ -12,6 +12,8 @@ Shape legend:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -44,7 +46,11 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE; `interleaved` rotates adjacent pairs (GGUF's row order), else halves (HF's)."""
+    """RoPE; `interleaved` rotates adjacent pairs (GGUF's row order), else halves (HF's).
+
+    Within `at(positions)` (a model's forward) every layer's call at those positions
+    reuses one cos and sin instead of computing them twice a layer.
+    """
 
     def __init__(self, head_dim: int, theta: float, interleaved: bool):
         super().__init__()
@@ -52,12 +58,28 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.interleaved = interleaved
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, E/2] of positions [T]."""
+        step = self._step
+        if step is not None and step[0] is positions:
+            return step[1], step[2]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, E/2]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    @contextlib.contextmanager
+    def at(self, positions: torch.Tensor) -> Iterator[None]:
+        """Calls at `positions` (this very tensor) inside the block share its cos and sin."""
+        self._step = (positions, *self.angles(positions))
+        try:
+            yield
+        finally:
+            self._step = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [T, N, E], positions [T]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, E/2]
-        cos = freqs.cos()[:, None, :]
-        sin = freqs.sin()[:, None, :]
+        cos, sin = self.angles(positions)
         x32 = x.float()
         if self.interleaved:
             x1, x2 = x32[..., 0::2], x32[..., 1::2]
@@ -144,8 +166,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> logits [N, V] for the rows in `logits_indices` (all if None)."""
         x = self.embed_tokens(input_ids)  # [T, D]
-        for layer in self.layers:
-            x = layer(x, positions, self.rope, attention)
+        with self.rope.at(positions):
+            for layer in self.layers:
+                x = layer(x, positions, self.rope, attention)
         if logits_indices is not None:
             x = x[
                 logits_indices
