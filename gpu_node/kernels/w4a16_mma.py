@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -405,13 +406,27 @@ def w4a16_mma_gemv(
     return _launch(x, weight, config)
 
 
-def _launch(
-    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None
-) -> torch.Tensor:
-    """w4a16_mma_gemv once its checks passed (w4a16_mma_matmul comes here directly)."""
-    n, k = weight.shape
-    m = x.shape[0]
-    cfg = mma_gemv_config(n, k, weight.group_size, num_sms(x.device))
+@dataclass(frozen=True)
+class _Plan:
+    """What a call's launch takes besides its tensors: the grid and the constexprs."""
+
+    programs: int
+    splits: int
+    tile: tuple[int, int]  # a program's partial: (R, 128 W)
+    num_groups: int
+    constexprs: Mapping[str, object]  # the kernel's constexprs and launch options
+
+
+def _plan(
+    n: int,
+    k: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: Mapping[str, int] | None,
+) -> _Plan:
+    """The heuristic config (mma_gemv_config) with `config` over it, checked."""
+    cfg = mma_gemv_config(n, k, group_size, num_sms(device))
     cfg.update(config or {})
     if cfg["GROUPS_PER_SPLIT"] < 1:
         raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
@@ -419,27 +434,57 @@ def _launch(
     chains = cfg["CHAINS"]
     if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
-    early = int(cfg.get("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
+    early = int(cfg.get("EARLY", EARLY_AT_TAIL if launches_early(device) else 0))
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
-    num_groups = k // mma_step(weight.group_size)  # steps
+    num_groups = k // mma_step(group_size)  # steps
     splits = triton.cdiv(num_groups, cfg["GROUPS_PER_SPLIT"])
     if config and "SPLITS" in config:  # benchmarks: a split count given outright
         splits = int(config["SPLITS"])
         if not 1 <= splits <= num_groups:
             raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
-    row_blocks = weight.tiles.shape[0]
-    programs = triton.cdiv(row_blocks, warps * rows_per_warp)
+    programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), warps * rows_per_warp)
     if programs > MAX_TILES:
         raise ValueError(f"{programs} programs exceed {MAX_TILES}")
+    constexprs = {
+        "GROUP_SIZE": group_size,
+        "WARPS": warps,
+        "R": rows_per_warp,
+        "SPLIT_K": splits,
+        "MODE": cfg.get("MODE", 0),
+        "CHAINS": chains,
+        "EARLY": early,
+        **group_step_constants(dtype, chains, group_size),
+        "num_warps": warps,
+        **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
+        **({"launch_pdl": True} if early else {}),
+    }
+    return _Plan(programs, splits, (rows_per_warp, 128 * warps), num_groups, constexprs)
+
+
+# The serving path's calls (no config) reuse their shape's plan: at decode sizes the
+# host time of a call is most of its cost.
+_default_plan = functools.cache(functools.partial(_plan, config=None))
+
+
+def _launch(
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None
+) -> torch.Tensor:
+    """w4a16_mma_gemv once its checks passed (w4a16_mma_matmul comes here directly)."""
+    n, k = weight.shape
+    m = x.shape[0]
+    if config is None:
+        plan = _default_plan(n, k, weight.group_size, x.dtype, x.device)
+    else:
+        plan = _plan(n, k, weight.group_size, x.dtype, x.device, config)
     x = x.contiguous()
     if x.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
         x = x.clone()
     pairs = x.view(torch.int32)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    tile = (rows_per_warp, 128 * warps)
-    part = torch.empty(splits, programs, *tile, device=x.device) if splits > 1 else out
-    _gemv_mma_kernel[(programs, splits)](
+    splits = plan.splits
+    part = torch.empty(splits, plan.programs, *plan.tile, device=x.device) if splits > 1 else out
+    _gemv_mma_kernel[(plan.programs, splits)](
         pairs,
         weight.tiles,
         weight.tiles.stride(0),
@@ -449,21 +494,11 @@ def _launch(
         out,
         m,
         n,
-        row_blocks,
+        weight.tiles.shape[0],
         pairs.stride(0),
         out.stride(0),
-        num_groups,
-        GROUP_SIZE=weight.group_size,
-        WARPS=warps,
-        R=rows_per_warp,
-        SPLIT_K=splits,
-        MODE=cfg.get("MODE", 0),
-        CHAINS=chains,
-        EARLY=early,
-        **group_step_constants(x.dtype, chains, weight.group_size),
-        num_warps=warps,
-        **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
-        **({"launch_pdl": True} if early else {}),
+        plan.num_groups,
+        **plan.constexprs,
     )
     return out
 

@@ -84,6 +84,7 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
         self._cpu_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # see the module docstring
+        self._mma_view: Int4WeightMMA | None = None  # weight_mma's last wrapper
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         )
@@ -129,11 +130,17 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
     def weight_mma(self) -> Int4WeightMMA:
         if self.layout != "mma":
             return to_mma(self.weight_int4)
-        return Int4WeightMMA(
-            tiles=self.packed,
-            shape=(self.out_features, self.in_features),
-            group_size=self.group_size,
-        )
+        # Kept while `packed` is the same tensor (a move or a re-layout replaces it): the
+        # wrapper's checks cost more host time than the GPU's whole GEMV at decode sizes.
+        wrapped = self._mma_view
+        if wrapped is None or wrapped.tiles is not self.packed:
+            wrapped = Int4WeightMMA(
+                tiles=self.packed,
+                shape=(self.out_features, self.in_features),
+                group_size=self.group_size,
+            )
+            self._mma_view = wrapped
+        return wrapped
 
     @property
     def weight_kn(self) -> Int4WeightKN:

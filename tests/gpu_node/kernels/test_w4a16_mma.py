@@ -333,6 +333,30 @@ def test_int4_linear_relays_out_to_mma_without_loss() -> None:
         Int4Linear(quantize_int4(torch.randn(16, 96), 32)).use_mma_layout()
 
 
+def test_int4_linear_keeps_one_mma_wrapper_while_its_tiles_stay() -> None:
+    linear = Int4Linear(quantize_int4(torch.randn(48, 128), 64))
+    linear.use_mma_layout()
+    first = linear.weight_mma
+    assert linear.weight_mma is first and first.tiles is linear.packed
+    linear.packed = linear.packed.clone()  # what a move to another device does
+    second = linear.weight_mma
+    assert second is not first and second.tiles is linear.packed
+    assert torch.equal(second.tiles, first.tiles) and second.shape == (48, 128)
+
+
+def test_calls_without_a_config_reuse_their_shapes_plan() -> None:
+    cpu = torch.device("cpu")  # 4 multiprocessors for the heuristic
+    plan = mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu)
+    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu) is plan
+    config = mma_gemv_config(4096, 4096, 128, 4)
+    assert plan.splits == 32 // config["GROUPS_PER_SPLIT"]
+    assert plan.programs == 256 // (config["WARPS"] * config["R"])
+    assert plan.constexprs["SPLIT_K"] == plan.splits and plan.constexprs["EARLY"] == 0
+    # a config of its own is planned apart and leaves the shape's plan as it was
+    assert mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, {"SPLITS": 3}).splits == 3
+    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu) is plan
+
+
 def test_config_fills_the_gpu() -> None:
     one = {"WARPS": 4, "R": 1, "CHAINS": 2}  # one-row-block warps split their mma chains
     two = {"WARPS": 4, "R": 2, "CHAINS": 1}
