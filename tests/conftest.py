@@ -29,7 +29,8 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # the servers it starts) takes its share of them rather than all, which would
 # oversubscribe the cores with spinning OpenMP threads.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _share = (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
 # What the commands keep in the user's data dir (the embedded SQLite ledger of
 # `edgeserve up`) goes to a directory of this test process's own, never the user's.

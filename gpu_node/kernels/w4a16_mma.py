@@ -45,6 +45,7 @@ does not depend on timing.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -459,7 +460,8 @@ def _plan(
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
         **({"launch_pdl": True} if early else {}),
     }
-    return _Plan(programs, splits, (rows_per_warp, 128 * warps), num_groups, constexprs)
+    tile = (rows_per_warp, 128 * warps)
+    return _Plan(programs, splits, tile, num_groups, types.MappingProxyType(constexprs))
 
 
 # The serving path's calls (no config) reuse their shape's plan: at decode sizes the
