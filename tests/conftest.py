@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio
+import itertools
 import socket
 import tempfile
 import threading
@@ -38,9 +39,39 @@ _DATA_HOME = tempfile.TemporaryDirectory(prefix="edgeserve-test-data-")
 os.environ["XDG_DATA_HOME"] = _DATA_HOME.name
 
 
+def _port_slice() -> range:
+    """Ports this test process hands out: below the kernel's ephemeral range, where no
+    client connection (this worker's or another's) picks its source port, so nobody
+    takes a port between free_port() and the server binding it; one slice a worker."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    low = 10000
+    if ephemeral_low - low < 1000:
+        return range(0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (ephemeral_low - low) // max(1, workers)
+    return range(low + worker * size, low + (worker + 1) * size)
+
+
+_PORTS = _port_slice()
+_next_port = itertools.count(uuid.uuid4().int % max(1, len(_PORTS)))
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port nobody listens on now; each call in this process returns another."""
+    for _ in range(len(_PORTS)):
+        port = _PORTS[next(_next_port) % len(_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken (or in TIME_WAIT): the next one
+            return port
+    with socket.socket() as s:  # no slice here (not Linux): the OS picks one
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

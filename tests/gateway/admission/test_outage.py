@@ -21,6 +21,7 @@ from gateway.admission import (
     RedisLimiter,
     RedisLimitStore,
 )
+from tests.conftest import free_port
 
 # No skip: scripts/services.sh needs redis-server too, so its absence is an install bug.
 
@@ -32,9 +33,7 @@ class RedisServer:
     """A throwaway redis-server without persistence."""
 
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
