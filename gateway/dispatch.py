@@ -193,15 +193,11 @@ class Dispatcher:
     async def _place_and_connect(
         self, job: GenerationJob, started_at: float, headers: dict[str, str], trace: GenAISpan
     ) -> Upstream:
-        body = json.dumps(
-            {
-                "request_id": job.request_id,
-                "account_id": job.account_id,
-                "model": job.model.node_model,
-            }
-            | job.payload,
-            separators=(",", ":"),
-        ).encode()
+        body = {
+            "request_id": job.request_id,
+            "account_id": job.account_id,
+            "model": job.model.node_model,
+        } | job.payload
         with trace.step("placement"):
             try:
                 placement = await self._first_placement(job)
@@ -282,16 +278,20 @@ class Dispatcher:
         self,
         job: GenerationJob,
         placement: Placement,
-        body: bytes,
+        body: dict[str, Any],
         started_at: float,
         headers: dict[str, str],
         trace: GenAISpan,
     ) -> Upstream:
-        """POST to the node and wait for its first event; UpstreamError when the node is at fault."""
+        """POST to the node and wait for its first event; UpstreamError when the node is at fault.
+
+        A disaggregated placement names the prefill node, whose KV the decode node fetches."""
+        if placement.prefill_address is not None:
+            body = body | {"prefill_from": placement.prefill_address}
         request = self._client.build_request(
             "POST",
             f"{placement.address}/internal/v1/generate",
-            content=body,
+            content=json.dumps(body, separators=(",", ":")).encode(),
             headers=self._auth | {"content-type": "application/json"} | trace.traceparent(),
         )
         response: httpx.Response | None = None

@@ -229,6 +229,8 @@ class GenAISpan:
                 "edgeserve.node_id": placement.node_id,
             }
         )
+        if placement.prefill_address is not None:  # disaggregated: the prompt runs there
+            self.span.set_attribute("edgeserve.prefill_node.address", placement.prefill_address)
 
     def output(self, text: str, num_tokens: int) -> None:
         """A chunk of the answer arrived from the node."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from gpu_node.config import EngineConfig
 from gpu_node.errors import EngineError, EngineStoppedError
+from gpu_node.handoff import KVHandoff
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.outputs import EngineStats, RequestOutput
 from gpu_node.weights import Progress
@@ -34,6 +35,8 @@ class _Submit:
     params: SamplingParams
     cache_salt: str
     sink: _Sink
+    prefill_only: bool = False
+    handoff: KVHandoff | None = None
 
 
 @dataclass(frozen=True)
@@ -94,15 +97,23 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str = "",
+        *,
+        prefill_only: bool = False,
+        handoff: KVHandoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last has `finished=True`.
 
         Raises InvalidRequestError before the first output on bad input.
+        `prefill_only` and `handoff`: as LLMEngine.add_request.
         """
         if self._stopped.is_set():
             raise EngineStoppedError("the engine is shutting down")
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Submit(request_id, list(prompt_token_ids), params, cache_salt, sink))
+        self._commands.put(
+            _Submit(
+                request_id, list(prompt_token_ids), params, cache_salt, sink, prefill_only, handoff
+            )
+        )
         finished = False
         try:
             while True:
@@ -156,7 +167,12 @@ class AsyncEngine:
         if isinstance(command, _Submit):
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params, command.cache_salt
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.cache_salt,
+                    prefill_only=command.prefill_only,
+                    handoff=command.handoff,
                 )
             except EngineError as exc:
                 command.sink.put(exc)

@@ -7,6 +7,7 @@ thread (`AsyncEngine`, the CLI, tests); nothing here is thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,6 +17,7 @@ import torch
 
 from gpu_node.config import EngineConfig
 from gpu_node.errors import InvalidRequestError
+from gpu_node.handoff import KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.kv_cache import KVCache, bytes_per_page
 from gpu_node.model_runner import ModelRunner
 from gpu_node.models.llama import LlamaModel
@@ -25,7 +27,7 @@ from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import Progress, build_model
 from scheduler.block_manager import BlockManager, pages_for, sequence_tag
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import FinishReason, SamplingParams, Sequence
+from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class _RequestState:
     settled_chars: int = 0
     stop_at: int | None = None  # where a stop string begins in `text`
     events: list[EngineEvent] = field(default_factory=list)
+    prefill_only: bool = False  # hand the prompt's KV off after the first token
+    handoff: KVHandoff | None = None  # a prefilled prompt's KV, imported on admission
 
     def record(self, name: str) -> None:
         self.events.append(EngineEvent(name, time.time_ns(), len(self.seq.block_table)))
@@ -72,6 +76,7 @@ class LLMEngine:
             config.kv_dtype,
             config.device,
         )
+        self.kv_spec = KVSpec.of(self.kv_cache)
         self.block_manager = BlockManager(num_pages, config.page_size, config.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -106,9 +111,20 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str = "",
+        *,
+        prefill_only: bool = False,
+        handoff: KVHandoff | None = None,
     ) -> None:
-        """Queues a request. Raises InvalidRequestError, changing nothing, on bad input."""
+        """Queues a request. Raises InvalidRequestError, changing nothing, on bad input.
+
+        `prefill_only`: the request ends after its first token with finish reason
+        "handoff", its output carrying the prompt's KV (`RequestOutput.handoff`) for a
+        decode node. `handoff`: such a prefilled prompt; the request starts from its
+        first token, its KV imported into this pool when the request is admitted.
+        """
         self.validate(request_id, prompt_token_ids, params)
+        if handoff is not None:
+            self._validate_handoff(handoff, prompt_token_ids, params, prefill_only)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -123,7 +139,14 @@ class LLMEngine:
             else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         )
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        state = _RequestState(seq, generator)
+        if handoff is not None:
+            # The prompt's KV arrives with the request: it starts from the first token.
+            seq.output_token_ids.append(handoff.first_token)
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            if generator is not None and handoff.generator_state is not None:
+                state_bytes = bytearray(handoff.generator_state)
+                generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8).clone())
+        state = _RequestState(seq, generator, prefill_only=prefill_only, handoff=handoff)
         state.record("queued")
         self._requests[request_id] = state
         self.scheduler.add(seq)
@@ -153,6 +176,23 @@ class LLMEngine:
                 f"the request needs {needed} KV pages, more than this node's {self.block_manager.num_pages}"
             )
 
+    def _validate_handoff(
+        self,
+        handoff: KVHandoff,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool,
+    ) -> None:
+        problems = handoff.problems(self.kv_spec, prompt_token_ids)
+        if prefill_only:
+            problems.append("a request cannot both be prefilled here and arrive prefilled")
+        if not 0 <= handoff.first_token < self.model.config.vocab_size:
+            problems.append(f"the first token must be in [0, {self.model.config.vocab_size})")
+        if not params.is_greedy and handoff.generator_state is None:
+            problems.append("a sampled request's handoff carries its generator's state")
+        if problems:
+            raise InvalidRequestError("KV handoff refused: " + "; ".join(problems))
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancels a request at once, freeing its pages; returns its final output."""
         state = self._requests.pop(request_id, None)
@@ -174,10 +214,16 @@ class LLMEngine:
             return []
         for seq in batch.preempted:
             self._requests[seq.request_id].record("preempted")
-        for seq in batch.admitted:
-            self._requests[seq.request_id].record("admitted")
         outputs: list[RequestOutput] = []
-        chunks = batch.chunks
+        for seq in batch.admitted:
+            state = self._requests[seq.request_id]
+            state.record("admitted")
+            if state.handoff is not None:
+                outputs.append(self._import_handoff(state))
+        # A request that arrived prefilled may have ended at its first token.
+        chunks = [c for c in batch.chunks if c.seq.status is not SequenceStatus.FINISHED]
+        if not chunks:
+            return outputs
         # Integrity: a sequence whose block table reaches a page it does not own is
         # aborted before the step runs, so none of this step's tokens is sent.
         tables = self.runner.host_tables(chunks)
@@ -209,8 +255,42 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.num_output_tokens == 1:
                 state.record("first_token")
+            if state.prefill_only:
+                outputs.append(self._hand_off(state))
+                continue
             outputs.append(self._advance(state, token))
         return outputs
+
+    def _hand_off(self, state: _RequestState) -> RequestOutput:
+        """Ends a prefill-only request at its first token, exporting its prompt's KV."""
+        seq = state.seq
+        k, v, k_scale, v_scale = export_rows(self.kv_cache, seq.block_table, seq.num_prompt_tokens)
+        generator_state = (
+            None if state.generator is None else state.generator.get_state().numpy().tobytes()
+        )
+        handoff = KVHandoff(
+            self.kv_spec, tuple(seq.prompt_token_ids), seq.output_token_ids[0], generator_state,
+            k, v, k_scale, v_scale,
+        )  # fmt: skip
+        seq.finish_reason = FinishReason.HANDOFF
+        state.record("finished")
+        self.scheduler.finish(seq)
+        del self._requests[seq.request_id]
+        out = self._output(state, tuple(seq.output_token_ids), "", finished=True)
+        return dataclasses.replace(out, handoff=handoff)
+
+    def _import_handoff(self, state: _RequestState) -> RequestOutput:
+        """Writes an arriving request's prompt KV into the pages it was just given, then
+        emits its first token (stop conditions applied, as for any token)."""
+        seq, handoff = state.seq, state.handoff
+        assert handoff is not None
+        tag = sequence_tag(seq)
+        owners = self.block_manager.page_owner_host
+        assert all(int(owners[page]) == tag for page in seq.block_table)  # fresh pages, its own
+        import_rows(self.kv_cache, seq.block_table, handoff)
+        state.handoff = None  # a preemption from here on recomputes, as for any request
+        state.record("first_token")
+        return self._advance(state, handoff.first_token)
 
     def _fail_integrity(self, seq: Sequence) -> RequestOutput:
         tag = sequence_tag(seq)

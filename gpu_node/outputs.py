@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_node.handoff import KVHandoff
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     events: tuple[EngineEvent, ...] = ()  # the request's whole history, on the final output only
+    handoff: KVHandoff | None = None  # finish_reason "handoff": the prompt's KV for a decode node
 
 
 @dataclass(frozen=True)

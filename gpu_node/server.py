@@ -4,7 +4,11 @@
                                         also carries prompt_tokens and cached_tokens), then
                                         {"finish_reason", "usage": {prompt_tokens, completion_tokens,
                                         cached_tokens}}; a failure after the first line is one
-                                        {"error": {"code", "message"}} line
+                                        {"error": {"code", "message"}} line. With "prefill_from"
+                                        (a prefill node's base URL) the prompt runs there and
+                                        its KV comes here (gpu_node/handoff.py); this node decodes
+    POST   /internal/v1/prefill         the same JSON in; out the prompt's KV handoff (octet-stream):
+                                        the prompt and its first token, run for a decode node
     DELETE /internal/v1/requests/{id}   cancel a request (its pages are freed at once)
     GET    /internal/v1/health          200 once the model is loaded, 503 before and while draining
     GET    /internal/v1/capacity        the capacity record this node publishes
@@ -25,7 +29,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -39,6 +44,7 @@ from gpu_node.errors import EngineStoppedError, InvalidRequestError
 from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.node_app.service import NodeService, NodeSettings
 from gpu_node.telemetry import NodeSpan, NodeTelemetry
+from scheduler.sequence import SamplingParams
 
 __all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
@@ -60,6 +66,14 @@ _STATUS: dict[str, int] = {
     "over_capacity": 503,
     "internal": 500,
 }
+
+
+def _known_code(code: str) -> NodeErrorCode:
+    """Another node's error code as ours ("internal" for one we do not know)."""
+    for known in get_args(NodeErrorCode):
+        if code == known:
+            return known  # type: ignore[no-any-return]
+    return "internal"
 
 
 def error_response(code: NodeErrorCode, message: str) -> JSONResponse:
@@ -87,9 +101,18 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
-async def generate(request: Request) -> Response:
-    """Run one generation and stream it back as NDJSON (see the module docstring)."""
-    started_ns = time.time_ns()
+@dataclass(frozen=True)
+class _Call:
+    """A generate or prefill call that passed the checks every call gets."""
+
+    service: NodeService
+    body: GenerateRequest
+    params: SamplingParams
+    prompt_ids: list[int]
+
+
+async def _checked(request: Request) -> _Call | Response:
+    """The body parsed and checked, the prompt tokenized; an error response otherwise."""
     service: NodeService = request.app.state.service
     if service.engine is None or service.is_draining:
         why = "draining" if service.is_draining else "the model is still loading"
@@ -123,10 +146,61 @@ async def generate(request: Request) -> Response:
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
             f"context window of {engine.max_model_len} tokens",
         )
+    return _Call(service, body, params, prompt_ids)
 
+
+async def prefill(request: Request) -> Response:
+    """Run a prompt and its first token for a decode node: the KV handoff's bytes."""
+    call = await _checked(request)
+    if isinstance(call, Response):
+        return call
+    service, body = call.service, call.body
+    if body.prefill_from is not None:
+        return error_response(
+            "invalid_request", "a prefill call cannot itself be prefilled elsewhere"
+        )
+    assert service.engine is not None
+    service.num_in_flight += 1
+    try:
+        final = None
+        async for out in service.engine.generate(
+            body.request_id, call.prompt_ids, call.params, body.account_id, prefill_only=True
+        ):
+            final = out
+    except InvalidRequestError as exc:
+        return error_response("invalid_request", str(exc))
+    except EngineStoppedError:
+        return error_response("over_capacity", "the engine is stopping")
+    finally:
+        service.num_in_flight -= 1
+    if final is None or final.handoff is None:
+        message = final.error if final is not None and final.error else "no KV was handed off"
+        return error_response("internal", f"prefill failed: {message}")
+    return Response(final.handoff.to_bytes(), media_type="application/octet-stream")
+
+
+async def generate(request: Request) -> Response:
+    """Run one generation and stream it back as NDJSON (see the module docstring)."""
+    started_ns = time.time_ns()
+    call = await _checked(request)
+    if isinstance(call, Response):
+        return call
+    service, body, params, prompt_ids = call.service, call.body, call.params, call.prompt_ids
+    engine = service.engine
+    assert engine is not None
     telemetry: NodeTelemetry = request.app.state.telemetry
     span = telemetry.start(request.headers, body, len(prompt_ids), started_ns)
-    outputs = engine.generate(body.request_id, prompt_ids, params, cache_salt=body.account_id)
+    handoff = None
+    if body.prefill_from is not None:  # the prompt runs on that node; its KV comes here
+        fetched = await service.fetch_handoff(body, prompt_ids)
+        if isinstance(fetched, tuple):
+            code, message = _known_code(fetched[0]), fetched[1]
+            span.fail(code, message)
+            return error_response(code, message)
+        handoff = fetched
+    outputs = engine.generate(
+        body.request_id, prompt_ids, params, cache_salt=body.account_id, handoff=handoff
+    )
     service.num_in_flight += 1
     try:
         # The engine validates before yielding anything: pull the first output here so its
@@ -134,8 +208,10 @@ async def generate(request: Request) -> Response:
         first = await anext(outputs)
     except InvalidRequestError as exc:
         service.num_in_flight -= 1
-        span.fail("invalid_request", str(exc))
-        return error_response("invalid_request", str(exc))
+        # A handoff this node cannot take is the fleet's fault, not the client's.
+        refused: NodeErrorCode = "internal" if handoff is not None else "invalid_request"
+        span.fail(refused, str(exc))
+        return error_response(refused, str(exc))
     except EngineStoppedError:
         service.num_in_flight -= 1
         span.fail("over_capacity", "the engine is stopping")
@@ -266,6 +342,7 @@ def create_node_app(service: NodeService, telemetry: Telemetry | None = None) ->
     app = Starlette(
         routes=[
             Route("/internal/v1/generate", generate, methods=["POST"]),
+            Route("/internal/v1/prefill", prefill, methods=["POST"]),
             Route("/internal/v1/requests/{request_id}", cancel, methods=["DELETE"]),
             Route("/internal/v1/health", health, methods=["GET"]),
             Route("/internal/v1/capacity", capacity, methods=["GET"]),

@@ -47,6 +47,9 @@ class Placement:
     node_id: str
     address: str
     num_reserved_tokens: int
+    # Disaggregated: the prefill node whose KV the decode node `address` takes (the
+    # decode node holds the reservation; a prefill holds its pages only briefly).
+    prefill_address: str | None = None
 
 
 class Reservations(Protocol):
@@ -225,12 +228,28 @@ class Placer:
         num_tokens: int,
         exclude: frozenset[str] = frozenset(),
     ) -> Placement | None:
-        """Reserve `num_tokens` on the best live node serving `model`; None when none can take it."""
-        records = [
-            r
-            for r in await self._view.live(model)
-            if r.node_id not in exclude and r.role in ("mixed", "prefill")
-        ]
+        """Reserve `num_tokens` on the best live node serving `model`; None when none can take it.
+
+        Where the model has both decode and prefill nodes, the request is disaggregated:
+        the best decode node that can hold it, with the prefill node of the best score
+        (no reservation there). Otherwise, or when every decode node is full, the best
+        node that serves whole requests (mixed or prefill).
+        """
+        live = [r for r in await self._view.live(model) if r.node_id not in exclude]
+        decoders = [r for r in live if r.role == "decode"]
+        prefillers = [r for r in live if r.role == "prefill"]
+        if decoders and prefillers:
+            index = await self._reservations.reserve_best(
+                request_id, num_tokens, [self._candidate(r) for r in decoders]
+            )
+            if index is not None:
+                chosen = decoders[index]
+                # the best score; ties go to the lower node id, as in the reservation step
+                prefiller = min(prefillers, key=lambda r: (-self._score(r), r.node_id))
+                return Placement(
+                    request_id, chosen.node_id, chosen.address, num_tokens, prefiller.address
+                )
+        records = [r for r in live if r.role in ("mixed", "prefill")]
         index = await self._reservations.reserve_best(
             request_id, num_tokens, [self._candidate(r) for r in records]
         )
@@ -238,6 +257,11 @@ class Placer:
             return None
         chosen = records[index]
         return Placement(request_id, chosen.node_id, chosen.address, num_tokens)
+
+    def _score(self, record: CapacityRecord) -> int:
+        """A node's score without reservations: free KV tokens less its queue's cost."""
+        candidate = self._candidate(record)
+        return candidate.num_free_tokens - candidate.queue_cost_tokens
 
     async def release(self, placement: Placement) -> None:
         await self._reservations.release(placement.node_id, placement.request_id)

@@ -21,6 +21,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context window
     CANCELLED = "cancelled"
     ERROR = "error"
+    HANDOFF = "handoff"  # prefilled for a decode node, which carries the request on
 
 
 @dataclass(frozen=True)

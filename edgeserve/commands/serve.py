@@ -221,6 +221,10 @@ def node(
     ttl_s: float = typer.Option(3.0),
 ) -> None:
     """One GPU node: the engine behind the internal API, publishing its capacity to Redis."""
+    from scheduler.capacity import ROLES
+
+    if role not in ROLES:
+        raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
     token = _internal_token(internal_token)
 
     async def main() -> None:

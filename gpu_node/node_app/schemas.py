@@ -36,6 +36,9 @@ class GenerateRequest(BaseModel):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Disaggregation: the base URL of the prefill node that runs the prompt; this node
+    # fetches the prompt's KV from it and decodes (gpu_node/handoff.py).
+    prefill_from: str | None = Field(default=None, pattern=r"^https?://[^\s]+$", max_length=300)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(

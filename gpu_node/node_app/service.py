@@ -10,6 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import httpx
+
+from gpu_node.handoff import KVHandoff
 from gpu_node.node_app.schemas import GenerateRequest
 from scheduler.capacity import CapacityRecord, CapacityRegistry, load_estimate
 
@@ -28,6 +31,7 @@ class NodeSettings:
     heartbeat_s: float = 1.0
     ttl_s: float = 3.0  # a few heartbeats, so one late beat does not drop the node
     drain_timeout_s: float = 30.0
+    handoff_timeout_s: float = 120.0  # a prefill node's answer with a prompt's KV
     max_num_seqs: int = 16  # for the load estimate: how many requests make one batch
 
 
@@ -132,6 +136,36 @@ class NodeService:
                 await task
         if self.engine is not None and self._owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
+
+    async def fetch_handoff(
+        self, body: GenerateRequest, prompt_ids: list[int]
+    ) -> KVHandoff | tuple[str, str]:
+        """The prompt's KV from the prefill node `body.prefill_from` names, or the error
+        (code, message) to answer with: a prefill node that cannot be reached or is busy
+        makes this call retryable elsewhere (over_capacity)."""
+        assert body.prefill_from is not None
+        url = body.prefill_from.rstrip("/")
+        payload = body.model_dump(exclude={"prefill_from", "prompt", "messages", "raw"})
+        payload["prompt_token_ids"] = prompt_ids
+        headers = {"authorization": f"Bearer {self.settings.internal_token}"}
+        try:
+            async with httpx.AsyncClient(timeout=self.settings.handoff_timeout_s) as client:
+                response = await client.post(
+                    f"{url}/internal/v1/prefill", json=payload, headers=headers
+                )
+        except httpx.HTTPError as exc:
+            return "over_capacity", f"prefill node {url} unreachable: {type(exc).__name__}"
+        if response.status_code != 200:
+            try:
+                error = response.json()["error"]
+                code, message = str(error["code"]), str(error["message"])
+            except (ValueError, KeyError, TypeError):
+                code, message = "internal", f"status {response.status_code}"
+            return code, f"prefill node {url}: {message}"
+        try:
+            return KVHandoff.from_bytes(response.content)
+        except ValueError as exc:
+            return "internal", f"prefill node {url} sent no usable KV: {exc}"
 
     def prompt_token_ids(self, body: GenerateRequest) -> list[int]:
         assert self.engine is not None

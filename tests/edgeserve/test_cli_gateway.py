@@ -1,4 +1,4 @@
-"""`edgeserve gateway` refuses bad settings before it starts anything."""
+"""`edgeserve gateway` and `edgeserve node` refuse bad settings before they start anything."""
 
 from __future__ import annotations
 
@@ -20,3 +20,11 @@ def test_gateway_refuses_bad_admission_settings(args: list[str], message: str) -
     result = CliRunner().invoke(build_app(), ["gateway", "--internal-token", "t", *args])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())  # rich boxes and wraps it
+
+
+def test_node_refuses_a_role_it_does_not_know() -> None:
+    result = CliRunner().invoke(build_app(), ["node", "--internal-token", "t", "--role", "both"])
+    assert result.exit_code == 2
+    assert "must be one of mixed, prefill, decode" in " ".join(
+        result.stderr.replace("│", " ").split()
+    )

@@ -122,3 +122,29 @@ async def test_placer_answers_none_when_the_fleet_is_out_of_capacity() -> None:
     assert await placer.place("smollm2", "r2", 100) is None
     await placer.release(first)
     assert await placer.place("smollm2", "r2", 100) is not None
+
+
+async def test_decode_and_prefill_nodes_split_a_request_and_full_decoders_fall_back() -> None:
+    registry = LocalCapacityRegistry()
+    for r in [
+        record("node-m"),  # mixed: whole requests
+        record("dec-a", role="decode"),
+        record("dec-b", role="decode", free_pages=32),
+        record("pre-b", role="prefill", free_pages=16),
+        record("pre-a", role="prefill", free_pages=16),  # ties with pre-b: the lower id
+        record("pre-c", role="prefill", free_pages=16, waiting=1),
+    ]:
+        await registry.publish(r)
+    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), overcommit=1.0)
+    first = await placer.place("smollm2", "r1", 600)
+    assert first == Placement("r1", "dec-a", "http://dec-a:8081", 600, "http://pre-a:8081")
+    second = await placer.place("smollm2", "r2", 500)  # dec-a holds 600 of its 1024
+    assert second == Placement("r2", "dec-b", "http://dec-b:8081", 500, "http://pre-a:8081")
+    # both decode nodes are full: the request runs whole, on the best mixed or prefill node
+    third = await placer.place("smollm2", "r3", 600)
+    assert third == Placement("r3", "node-m", "http://node-m:8081", 600)
+    # without a prefill node, decode nodes take nothing
+    alone = LocalCapacityRegistry()
+    await alone.publish(record("dec-a", role="decode"))
+    lonely = Placer(CapacityView(alone, max_age_s=1.0), LocalReservations())
+    assert await lonely.place("smollm2", "r4", 10) is None

@@ -504,3 +504,20 @@ def test_genai_span_records_content_only_when_asked_and_errors_by_type() -> None
             "error.type": "UpstreamError",
         } | (content if record_content else {})
         assert genai.status.is_ok is False
+
+
+def test_a_disaggregated_placement_names_its_prefill_node() -> None:
+    from gateway.tracing import GenAITracer
+    from scheduler.placement import Placement
+
+    exporter, telemetry = traced(record_content=False)
+    span = GenAITracer(telemetry).start(job({"prompt": "Hi", "max_tokens": 4}))  # type: ignore[arg-type]
+    span.placed(Placement("req-9", "dec-1", "http://10.0.0.7:8081", 64, "http://10.0.0.8:8081"))
+    span.finish(
+        finish_reason="stop", num_input_tokens=1, num_output_tokens=1, num_cached_tokens=0,
+        error_type=None,
+    )  # fmt: skip
+    (genai,) = exporter.get_finished_spans()
+    attributes = dict(genai.attributes or {})
+    assert attributes["edgeserve.node_id"] == "dec-1"
+    assert attributes["edgeserve.prefill_node.address"] == "http://10.0.0.8:8081"

@@ -1,0 +1,164 @@
+"""Prefill/decode disaggregation through the gateway: a prefill node runs the prompt, a
+decode node takes its KV and decodes; the client sees one node's answer.
+
+Real servers on loopback (two SmolLM2 nodes sharing one set of weights, each with its
+own engine and KV pool), the official `openai` client, the gateway's usage events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import (
+    ACCOUNT_ID,
+    INTERNAL_TOKEN,
+    SMOLLM2,
+    ListSink,
+    ServerThread,
+    chat_prompt_ids,
+    free_port,
+    run_on_engine,
+)
+
+QUESTION = "Name three colours and say which one you like best."
+
+
+def start_node(engine: Any, registry: Any, node_id: str, role: str) -> tuple[ServerThread, Any]:
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+
+    port = free_port()
+    settings = NodeSettings(
+        node_id=node_id, address=f"http://127.0.0.1:{port}", internal_token=INTERNAL_TOKEN,
+        role=role, heartbeat_s=0.2, ttl_s=2.0,
+    )  # fmt: skip
+    service = NodeService(settings, registry, engine=engine)
+    return ServerThread(create_node_app(service), port).start(), service
+
+
+@pytest.fixture(scope="module")
+def decode_engine(engine: Any) -> Iterator[Any]:
+    """A second engine on the same weights, with a KV pool of its own."""
+    from gpu_node.async_engine import AsyncEngine
+    from gpu_node.llm_engine import LLMEngine
+
+    inner = engine.engine
+    second = AsyncEngine(LLMEngine(inner.config, inner.model, inner.tokenizer))
+    second.start()
+    yield second
+    second.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
+    from gateway.app import create_app
+    from gateway.keys import MemoryKeyStore, new_key
+    from gateway.settings import GatewaySettings
+    from scheduler.capacity import CapacityView, LocalCapacityRegistry
+    from scheduler.placement import LocalReservations, Placer
+
+    registry = LocalCapacityRegistry()
+    prefill_node, prefill_service = start_node(engine, registry, "prefill-1", "prefill")
+    decode_node, _ = start_node(decode_engine, registry, "decode-1", "decode")
+    keys, api_key, sink = MemoryKeyStore(), new_key(), ListSink()
+    asyncio.run(keys.add(api_key, ACCOUNT_ID))
+    app = create_app(
+        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
+        keys=keys,
+        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
+        usage_sink=sink,
+    )
+    gateway = ServerThread(app).start()
+    deadline = time.monotonic() + 10
+    while len(asyncio.run(registry.list_live())) < 2:
+        assert time.monotonic() < deadline, "the nodes never published their capacity"
+        time.sleep(0.05)
+    yield {
+        "gateway": gateway, "api_key": api_key, "sink": sink, "prefill": prefill_node,
+        "decode": decode_node, "prefill_service": prefill_service,
+    }  # fmt: skip
+    gateway.stop()
+    decode_node.stop()
+    prefill_node.stop()
+
+
+def test_a_chat_is_prefilled_on_one_node_and_decoded_on_the_other(
+    fleet: dict[str, Any], engine: Any, decode_engine: Any
+) -> None:
+    ids = chat_prompt_ids(engine, [{"role": "user", "content": QUESTION}])
+    reference = run_on_engine(engine, ids, max_tokens=12)
+    client = openai.OpenAI(base_url=f"{fleet['gateway'].url}/v1", api_key=fleet["api_key"])
+    completion = client.chat.completions.create(
+        model=SMOLLM2, messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+        temperature=0,
+    )  # fmt: skip
+    assert completion.choices[0].message.content == reference.text
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        reference.prompt_tokens,
+        reference.completion_tokens,
+    )
+    event = fleet["sink"].events[-1]
+    assert (event.node_id, event.input_tokens, event.output_tokens) == (
+        "decode-1",
+        len(ids),
+        reference.completion_tokens,
+    )
+    # both pools are whole again: the prefill node's pages went back at the handoff
+    for eng in (engine, decode_engine):
+        stats = eng.stats()
+        assert stats.num_free_pages == stats.num_pages
+
+
+def test_a_stream_through_the_decode_node_matches_too(fleet: dict[str, Any], engine: Any) -> None:
+    ids = chat_prompt_ids(engine, [{"role": "user", "content": "Hi"}])
+    reference = run_on_engine(engine, ids, max_tokens=8)
+    client = openai.OpenAI(base_url=f"{fleet['gateway'].url}/v1", api_key=fleet["api_key"])
+    stream = client.chat.completions.create(
+        model=SMOLLM2, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == reference.text
+    assert fleet["sink"].events[-1].node_id == "decode-1"
+
+
+def test_the_decode_node_says_which_prefill_node_failed(fleet: dict[str, Any]) -> None:
+    """Straight to the decode node's internal API: a prefill node nobody listens on."""
+    gone = f"http://127.0.0.1:{free_port()}"
+    body = {
+        "request_id": "r-gone", "model": "smollm2", "prompt": "Hi", "max_tokens": 2,
+        "prefill_from": gone,
+    }  # fmt: skip
+    response = httpx.post(
+        f"{fleet['decode'].url}/internal/v1/generate",
+        json=body,
+        headers={"authorization": f"Bearer {INTERNAL_TOKEN}"},
+        timeout=30,
+    )
+    assert response.status_code == 503
+    assert response.json() == {
+        "error": {
+            "code": "over_capacity",
+            "message": f"prefill node {gone} unreachable: ConnectError",
+        }
+    }
+    refused = httpx.post(
+        f"{fleet['prefill'].url}/internal/v1/prefill",
+        json=body | {"prefill_from": fleet["decode"].url},
+        headers={"authorization": f"Bearer {INTERNAL_TOKEN}"},
+        timeout=30,
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {
+        "code": "invalid_request",
+        "message": "a prefill call cannot itself be prefilled elsewhere",
+    }
+    unauthorized = httpx.post(f"{fleet['prefill'].url}/internal/v1/prefill", json=body, timeout=30)
+    assert unauthorized.status_code == 401

@@ -1,0 +1,100 @@
+"""Prefill/decode disaggregation in the engine: a prompt prefilled on one engine and
+decoded on another gives exactly one engine's tokens (real SmolLM2 weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_node.errors import InvalidRequestError
+from gpu_node.handoff import KVHandoff
+from scheduler.sequence import SamplingParams
+
+QUESTION = "Name three colours and say which one you like best."
+
+
+def prefill(engine, ids, params, request_id="r"):
+    """Runs `ids` prefill-only; the handoff, through its wire format."""
+    engine.add_request(request_id, ids, params, prefill_only=True)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    (out,) = outs
+    assert out.finished and out.finish_reason == "handoff" and out.num_completion_tokens == 1
+    assert out.handoff is not None and out.token_ids == (out.handoff.first_token,)
+    return KVHandoff.from_bytes(out.handoff.to_bytes())
+
+
+def decode(engine, ids, params, handoff, request_id="r"):
+    engine.add_request(request_id, ids, params, handoff=handoff)
+    tokens, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.token_ids)
+            final = out if out.finished else final
+    return tokens, final
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, params",
+    [
+        ("fp32", SamplingParams(max_tokens=16, ignore_eos=True)),
+        ("fp8", SamplingParams(max_tokens=16, ignore_eos=True)),
+        ("fp8", SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=7, ignore_eos=True)),
+        ("fp32", SamplingParams(max_tokens=1)),  # ends at the first token, on the decode node too
+    ],
+)
+def test_prefilled_on_one_engine_decoded_on_another_equals_one_engine(
+    make_engine, chat_ids, kv_dtype, params
+) -> None:
+    ids = chat_ids(QUESTION)
+    alone = make_engine(kv_dtype=kv_dtype).generate({"r": ids}, params)["r"]
+    prefiller, decoder = make_engine(kv_dtype=kv_dtype), make_engine(kv_dtype=kv_dtype)
+    handoff = prefill(prefiller, ids, params)
+    stats = prefiller.stats()
+    assert stats.num_free_pages == stats.num_pages  # its pages went back at the handoff
+    assert handoff.first_token == alone[0]
+    assert handoff.k.shape == (30, len(ids), 3, 64)
+    assert (handoff.k.dtype, handoff.k_scale is None) == (
+        (torch.uint8, False) if kv_dtype == "fp8" else (torch.float32, True)
+    )
+    tokens, final = decode(decoder, ids, params, handoff)
+    assert tokens == alone
+    assert (final.num_prompt_tokens, final.num_completion_tokens) == (len(ids), len(alone))
+    assert final.finish_reason == "length"
+    assert decoder.stats().num_free_pages == decoder.stats().num_pages
+
+
+def test_a_decode_engine_refuses_a_handoff_it_cannot_continue(make_engine, chat_ids) -> None:
+    ids = chat_ids(QUESTION)
+    greedy = SamplingParams(max_tokens=4)
+    handoff = prefill(make_engine(kv_dtype="fp32"), ids, greedy)
+    fp8 = make_engine(kv_dtype="fp8")
+    with pytest.raises(InvalidRequestError) as refused:
+        fp8.add_request("a", ids, greedy, handoff=handoff)
+    assert str(refused.value) == (
+        "KV handoff refused: the handoff's KV is KVSpec(kv_dtype='fp32', num_layers=30, "
+        "num_kv_heads=3, head_dim=64), this node's KVSpec(kv_dtype='fp8', num_layers=30, "
+        "num_kv_heads=3, head_dim=64)"
+    )
+    same = make_engine(kv_dtype="fp32")
+    with pytest.raises(InvalidRequestError, match="prefilled for another prompt"):
+        same.add_request("b", ids[:-1], greedy, handoff=handoff)
+    with pytest.raises(InvalidRequestError, match="carries its generator's state"):
+        same.add_request("c", ids, SamplingParams(max_tokens=4, temperature=0.5), handoff=handoff)
+    with pytest.raises(InvalidRequestError, match="cannot both be prefilled here and arrive"):
+        same.add_request("d", ids, greedy, prefill_only=True, handoff=handoff)
+    assert not same.has_unfinished() and not fp8.has_unfinished()
+
+
+def test_the_wire_format_refuses_what_it_did_not_write(make_engine, chat_ids) -> None:
+    data = prefill(make_engine(kv_dtype="fp8"), chat_ids("Hi"), SamplingParams(max_tokens=2))
+    raw = data.to_bytes()
+    again = KVHandoff.from_bytes(raw)
+    assert torch.equal(again.k, data.k) and torch.equal(again.v_scale, data.v_scale)
+    with pytest.raises(ValueError, match="tensor 'v_scale' is cut short"):
+        KVHandoff.from_bytes(raw[:-1])
+    with pytest.raises(ValueError, match="1 bytes past the last tensor"):
+        KVHandoff.from_bytes(raw + b"\0")
+    with pytest.raises(ValueError, match="not a KV handoff"):
+        KVHandoff.from_bytes(b"\x05\x00\x00\x00hello")
