@@ -35,6 +35,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits [V] (already penalized) -> token id."""
     if params.is_greedy:
         return int(torch.argmax(logits))
+    if generator is not None and generator.device != logits.device:
+        # Generators live on the host (their state moves between nodes with a KV handoff,
+        # and seeds draw the same tokens on every device): sample there.
+        logits = logits.to(generator.device)
     logits = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
