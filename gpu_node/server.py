@@ -151,6 +151,7 @@ async def _checked(request: Request) -> _Call | Response:
 
 async def prefill(request: Request) -> Response:
     """Run a prompt and its first token for a decode node: the KV handoff's bytes."""
+    started_ns = time.time_ns()
     call = await _checked(request)
     if isinstance(call, Response):
         return call
@@ -160,6 +161,8 @@ async def prefill(request: Request) -> Response:
             "invalid_request", "a prefill call cannot itself be prefilled elsewhere"
         )
     assert service.engine is not None
+    telemetry: NodeTelemetry = request.app.state.telemetry
+    span = telemetry.start(request.headers, body, len(call.prompt_ids), started_ns, "prefill")
     service.num_in_flight += 1
     try:
         final = None
@@ -168,14 +171,18 @@ async def prefill(request: Request) -> Response:
         ):
             final = out
     except InvalidRequestError as exc:
+        span.fail("invalid_request", str(exc))
         return error_response("invalid_request", str(exc))
     except EngineStoppedError:
+        span.fail("over_capacity", "the engine is stopping")
         return error_response("over_capacity", "the engine is stopping")
     finally:
         service.num_in_flight -= 1
     if final is None or final.handoff is None:
         message = final.error if final is not None and final.error else "no KV was handed off"
+        span.fail("engine_error", message)
         return error_response("internal", f"prefill failed: {message}")
+    span.finish(final)
     return Response(final.handoff.to_bytes(), media_type="application/octet-stream")
 
 
@@ -192,7 +199,7 @@ async def generate(request: Request) -> Response:
     span = telemetry.start(request.headers, body, len(prompt_ids), started_ns)
     handoff = None
     if body.prefill_from is not None:  # the prompt runs on that node; its KV comes here
-        fetched = await service.fetch_handoff(body, prompt_ids)
+        fetched = await service.fetch_handoff(body, prompt_ids, span.traceparent())
         if isinstance(fetched, tuple):
             code, message = _known_code(fetched[0]), fetched[1]
             span.fail(code, message)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -83,10 +83,14 @@ class NodeTelemetry:
         body: GenerateRequest,
         num_prompt_tokens: int,
         started_ns: int,
+        call: str = "generate",
     ) -> NodeSpan:
-        """The span of one generation, a child of the gateway's span when `traceparent` says so."""
+        """The span of one generation, a child of the gateway's span when `traceparent` says so.
+
+        `call` "prefill": a prompt run for a decode node (disaggregation), named so and left
+        out of the GenAI histograms (the decode node records the request)."""
         stats = self._stats()
-        return NodeSpan(self, headers, body, num_prompt_tokens, started_ns, stats)
+        return NodeSpan(self, headers, body, num_prompt_tokens, started_ns, stats, call)
 
 
 class NodeSpan:
@@ -98,9 +102,11 @@ class NodeSpan:
         num_prompt_tokens: int,
         started_ns: int,
         stats: EngineStats | None,
+        call: str = "generate",
     ) -> None:
         telemetry = owner.telemetry
         self._telemetry = telemetry
+        self._records_metrics = call == "generate"
         operation = "chat" if body.messages is not None else "text_completion"
         self._labels = GenAILabels(operation, PROVIDER_NAME, body.model, body.model)
         self._is_ended = False
@@ -129,7 +135,7 @@ class NodeSpan:
                 attributes["edgeserve.kv_page_size"] = stats.page_size
         parent = PROPAGATOR.extract(headers)
         self.span = telemetry.tracer.start_span(
-            f"generate {body.model}",
+            f"{call} {body.model}",
             context=parent,
             kind=SpanKind.SERVER,
             attributes=attributes,
@@ -144,7 +150,7 @@ class NodeSpan:
         times = {event.name: event.time_ns for event in out.events}
         error_type = "engine_error" if out.finish_reason == "error" else None
         queued, first, done = times.get("queued"), times.get("first_token"), times.get("finished")
-        if queued is not None and done is not None:
+        if queued is not None and done is not None and self._records_metrics:
             self._telemetry.genai.record(
                 self._labels,
                 duration_s=(done - queued) / 1e9,
@@ -175,6 +181,12 @@ class NodeSpan:
                 span.set_attribute("error.type", error_type)
                 span.set_status(Status(StatusCode.ERROR, out.error or error_type))
         span.end()
+
+    def traceparent(self) -> dict[str, str]:
+        """The W3C headers that make a call this span makes (a KV fetch) its child."""
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier, context=set_span_in_context(self.span))
+        return carrier
 
     def fail(self, error_type: str, message: str = "") -> None:
         """The request ended without a last output (refused, aborted, stream broken)."""

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -138,16 +138,17 @@ class NodeService:
             await asyncio.to_thread(self.engine.shutdown)
 
     async def fetch_handoff(
-        self, body: GenerateRequest, prompt_ids: list[int]
+        self, body: GenerateRequest, prompt_ids: list[int], trace_headers: Mapping[str, str]
     ) -> KVHandoff | tuple[str, str]:
         """The prompt's KV from the prefill node `body.prefill_from` names, or the error
         (code, message) to answer with: a prefill node that cannot be reached or is busy
-        makes this call retryable elsewhere (over_capacity)."""
+        makes this call retryable elsewhere (over_capacity). `trace_headers` make the
+        prefill node's span a child of this node's."""
         assert body.prefill_from is not None
         url = body.prefill_from.rstrip("/")
         payload = body.model_dump(exclude={"prefill_from", "prompt", "messages", "raw"})
         payload["prompt_token_ids"] = prompt_ids
-        headers = {"authorization": f"Bearer {self.settings.internal_token}"}
+        headers = {"authorization": f"Bearer {self.settings.internal_token}", **trace_headers}
         try:
             async with httpx.AsyncClient(timeout=self.settings.handoff_timeout_s) as client:
                 response = await client.post(

@@ -15,7 +15,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from tests.conftest import (
     ACCOUNT_ID,
     INTERNAL_TOKEN,
@@ -30,7 +33,14 @@ from tests.conftest import (
 QUESTION = "Name three colours and say which one you like best."
 
 
-def start_node(engine: Any, registry: Any, node_id: str, role: str) -> tuple[ServerThread, Any]:
+def traced(service: str, exporter: InMemorySpanExporter) -> Telemetry:
+    settings = TelemetrySettings(service)
+    return setup_telemetry(settings, span_processors=[SimpleSpanProcessor(exporter)])
+
+
+def start_node(
+    engine: Any, registry: Any, node_id: str, role: str, telemetry: Telemetry
+) -> tuple[ServerThread, Any]:
     from gpu_node.server import NodeService, NodeSettings, create_node_app
 
     port = free_port()
@@ -39,7 +49,7 @@ def start_node(engine: Any, registry: Any, node_id: str, role: str) -> tuple[Ser
         role=role, heartbeat_s=0.2, ttl_s=2.0,
     )  # fmt: skip
     service = NodeService(settings, registry, engine=engine)
-    return ServerThread(create_node_app(service), port).start(), service
+    return ServerThread(create_node_app(service, telemetry), port).start(), service
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +73,12 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
     from scheduler.capacity import CapacityView, LocalCapacityRegistry
     from scheduler.placement import LocalReservations, Placer
 
-    registry = LocalCapacityRegistry()
-    prefill_node, prefill_service = start_node(engine, registry, "prefill-1", "prefill")
-    decode_node, _ = start_node(decode_engine, registry, "decode-1", "decode")
+    registry, exporter = LocalCapacityRegistry(), InMemorySpanExporter()
+    prefill_telemetry, decode_telemetry = (traced("edgeserve-node", exporter) for _ in range(2))
+    prefill_node, prefill_service = start_node(
+        engine, registry, "prefill-1", "prefill", prefill_telemetry
+    )
+    decode_node, _ = start_node(decode_engine, registry, "decode-1", "decode", decode_telemetry)
     keys, api_key, sink = MemoryKeyStore(), new_key(), ListSink()
     asyncio.run(keys.add(api_key, ACCOUNT_ID))
     app = create_app(
@@ -73,6 +86,7 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
         keys=keys,
         placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
         usage_sink=sink,
+        telemetry=traced("edgeserve-gateway", exporter),
     )
     gateway = ServerThread(app).start()
     deadline = time.monotonic() + 10
@@ -81,7 +95,8 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
         time.sleep(0.05)
     yield {
         "gateway": gateway, "api_key": api_key, "sink": sink, "prefill": prefill_node,
-        "decode": decode_node, "prefill_service": prefill_service,
+        "decode": decode_node, "prefill_service": prefill_service, "exporter": exporter,
+        "telemetry": {"prefill": prefill_telemetry, "decode": decode_telemetry},
     }  # fmt: skip
     gateway.stop()
     decode_node.stop()
@@ -162,3 +177,51 @@ def test_the_decode_node_says_which_prefill_node_failed(fleet: dict[str, Any]) -
     }
     unauthorized = httpx.post(f"{fleet['prefill'].url}/internal/v1/prefill", json=body, timeout=30)
     assert unauthorized.status_code == 401
+
+
+def test_one_trace_runs_from_the_gateway_through_the_decode_node_to_the_prefill_node(
+    fleet: dict[str, Any],
+) -> None:
+    response = httpx.post(
+        f"{fleet['gateway'].url}/v1/chat/completions",
+        json={"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        headers={"authorization": f"Bearer {fleet['api_key']}"},
+        timeout=60,
+    )
+    assert response.status_code == 200
+    request_id = response.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    while True:  # the decode node's span ends just after its last byte
+        spans = [
+            s
+            for s in fleet["exporter"].get_finished_spans()
+            if (s.attributes or {}).get("edgeserve.request_id") == request_id
+        ]
+        names = sorted(s.name for s in spans)
+        if "generate smollm2" in names or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    by_name = {s.name: s for s in spans}
+    assert {"generate smollm2", "prefill smollm2"} <= set(by_name), names
+    decode, prefill = by_name["generate smollm2"], by_name["prefill smollm2"]
+    assert (decode.attributes or {})["edgeserve.node_id"] == "decode-1"
+    assert (prefill.attributes or {})["edgeserve.node_id"] == "prefill-1"
+    assert prefill.parent is not None and prefill.parent.span_id == decode.context.span_id
+    assert decode.parent is not None
+    assert len({s.context.trace_id for s in spans}) == 1  # the gateway's trace, one for all
+    assert (prefill.attributes or {})["gen_ai.usage.output_tokens"] == 1
+    # the request counts once in the nodes' GenAI histograms: on the decode node
+    labels = {
+        "gen_ai_operation_name": "chat",
+        "gen_ai_provider_name": "edgeserve",
+        "gen_ai_request_model": "smollm2",
+        "gen_ai_response_model": "smollm2",
+        "error_type": "",
+    }
+    counts = {
+        role: telemetry.registry.get_sample_value(
+            "gen_ai_server_request_duration_seconds_count", labels
+        )
+        for role, telemetry in fleet["telemetry"].items()
+    }
+    assert counts["prefill"] is None and counts["decode"] >= 1
