@@ -92,10 +92,9 @@ class KVHandoff:
             ],
         }
         head = json.dumps(header, separators=(",", ":")).encode()
-        body = [
-            t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for _, t in tensors
-        ]
-        return b"".join([struct.pack("<I", len(head)), head, *body])
+        arrays = [t.detach().cpu().contiguous().view(torch.uint8).numpy() for _, t in tensors]
+        # join reads the arrays' buffers in place: the rows are copied once
+        return b"".join([struct.pack("<I", len(head)), head, *(a.reshape(-1).data for a in arrays)])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KVHandoff:
@@ -107,15 +106,15 @@ class KVHandoff:
                 raise ValueError(f"handoff version {header['version']}, this node reads {VERSION}")
             spec = KVSpec(**header["spec"])
             offset = 4 + size
+            buffer = bytearray(data)  # one copy, which the tensors then share
             tensors: dict[str, torch.Tensor] = {}
             for entry in header["tensors"]:
                 dtype, shape = _DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
                 count = torch.Size(shape).numel() * dtype.itemsize
-                chunk = bytearray(data[offset : offset + count])
-                if len(chunk) != count:
+                if offset + count > len(buffer):
                     raise ValueError(f"tensor {entry['name']!r} is cut short")
                 raw = (
-                    torch.frombuffer(chunk, dtype=torch.uint8)
+                    torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset)
                     if count
                     else torch.empty(0, dtype=torch.uint8)
                 )
