@@ -231,13 +231,35 @@ class ListSink:
         self.events.append(event)
 
 
-def start_stack(engine: Any) -> Stack:
+def wait_for_nodes(registry: Any, count: int = 1) -> None:
+    """Until `count` nodes have published their capacity to `registry` (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while len(asyncio.run(registry.list_live())) < count:
+        assert time.monotonic() < deadline, "the nodes never published their capacity"
+        time.sleep(0.05)
+
+
+def start_local_gateway(registry: Any, keys: Any, **parts: Any) -> ServerThread:
+    """A gateway on loopback placing on `registry`'s nodes (reservations in-process);
+    `parts` go to create_app (usage sink, limiter, telemetry)."""
     from gateway.app import create_app
-    from gateway.keys import MemoryKeyStore, new_key
     from gateway.settings import GatewaySettings
-    from gpu_node.server import NodeService, NodeSettings, create_node_app
-    from scheduler.capacity import CapacityView, LocalCapacityRegistry
+    from scheduler.capacity import CapacityView
     from scheduler.placement import LocalReservations, Placer
+
+    app = create_app(
+        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
+        keys=keys,
+        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
+        **parts,
+    )
+    return ServerThread(app).start()
+
+
+def start_stack(engine: Any) -> Stack:
+    from gateway.keys import MemoryKeyStore, new_key
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import LocalCapacityRegistry
 
     registry = LocalCapacityRegistry()
     node_port = free_port()
@@ -258,17 +280,8 @@ def start_stack(engine: Any) -> Stack:
     asyncio.run(keys.add(api_key, ACCOUNT_ID))
     asyncio.run(keys.add(other_key, OTHER_ACCOUNT_ID))
     sink = ListSink()
-    app = create_app(
-        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
-        keys=keys,
-        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
-        usage_sink=sink,
-    )
-    gateway = ServerThread(app).start()
-    deadline = time.monotonic() + 10
-    while not asyncio.run(registry.list_live()):
-        assert time.monotonic() < deadline, "the node never published its capacity"
-        time.sleep(0.05)
+    gateway = start_local_gateway(registry, keys, usage_sink=sink)
+    wait_for_nodes(registry)
     return Stack(node, gateway, service, api_key, other_key, sink)
 
 

@@ -23,7 +23,14 @@ from billing.ledger import PostgresLedger
 from billing.sink import RedisUsageSink
 from billing.worker import BillingWorker, WorkerConfig
 from tests.billing.conftest import REDIS_URL
-from tests.conftest import INTERNAL_TOKEN, SMOLLM2, ServerThread, free_port
+from tests.conftest import (
+    INTERNAL_TOKEN,
+    SMOLLM2,
+    ServerThread,
+    free_port,
+    start_local_gateway,
+    wait_for_nodes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +58,9 @@ class Seen:
 
 
 def start_gateway(engine: Any, sink: RedisUsageSink) -> tuple[ServerThread, ServerThread]:
-    from gateway.app import create_app
     from gateway.keys import MemoryKeyStore
-    from gateway.settings import GatewaySettings
     from gpu_node.server import NodeService, NodeSettings, create_node_app
-    from scheduler.capacity import CapacityView, LocalCapacityRegistry
-    from scheduler.placement import LocalReservations, Placer
+    from scheduler.capacity import LocalCapacityRegistry
 
     registry = LocalCapacityRegistry()
     node_port = free_port()
@@ -72,17 +76,8 @@ def start_gateway(engine: Any, sink: RedisUsageSink) -> tuple[ServerThread, Serv
     keys = MemoryKeyStore()
     for key, account in ACCOUNTS.items():
         asyncio.run(keys.add(key, account))
-    app = create_app(
-        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
-        keys=keys,
-        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
-        usage_sink=sink,
-    )
-    gateway = ServerThread(app).start()
-    deadline = time.monotonic() + 10
-    while not asyncio.run(registry.list_live()):
-        assert time.monotonic() < deadline, "the node never published its capacity"
-        time.sleep(0.05)
+    gateway = start_local_gateway(registry, keys, usage_sink=sink)
+    wait_for_nodes(registry)
     return node, gateway
 
 

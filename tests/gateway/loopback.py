@@ -7,12 +7,18 @@ gateway per test, each wired with its own limiter, queue settings, sink or ledge
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tests.conftest import ACCOUNT_ID, INTERNAL_TOKEN, OTHER_ACCOUNT_ID, ServerThread, free_port
+from tests.conftest import (
+    ACCOUNT_ID,
+    INTERNAL_TOKEN,
+    OTHER_ACCOUNT_ID,
+    ServerThread,
+    free_port,
+    wait_for_nodes,
+)
 
 API_KEY = "es-e2e-key-a"
 OTHER_KEY = "es-e2e-key-b"
@@ -44,10 +50,7 @@ def start_node(engine: Any) -> Node:
     )
     server = ServerThread(create_node_app(NodeService(settings, registry, engine=engine)), port)
     server.start()
-    deadline = time.monotonic() + 10
-    while not asyncio.run(registry.list_live()):
-        assert time.monotonic() < deadline, "the node never published its capacity"
-        time.sleep(0.05)
+    wait_for_nodes(registry)
     return Node(server, registry)
 
 

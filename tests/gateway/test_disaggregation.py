@@ -28,6 +28,8 @@ from tests.conftest import (
     chat_prompt_ids,
     free_port,
     run_on_engine,
+    start_local_gateway,
+    wait_for_nodes,
 )
 
 QUESTION = "Name three colours and say which one you like best."
@@ -67,11 +69,8 @@ def decode_engine(engine: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
-    from gateway.app import create_app
     from gateway.keys import MemoryKeyStore, new_key
-    from gateway.settings import GatewaySettings
-    from scheduler.capacity import CapacityView, LocalCapacityRegistry
-    from scheduler.placement import LocalReservations, Placer
+    from scheduler.capacity import LocalCapacityRegistry
 
     registry, exporter = LocalCapacityRegistry(), InMemorySpanExporter()
     prefill_telemetry, decode_telemetry = (traced("edgeserve-node", exporter) for _ in range(2))
@@ -81,18 +80,10 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
     decode_node, _ = start_node(decode_engine, registry, "decode-1", "decode", decode_telemetry)
     keys, api_key, sink = MemoryKeyStore(), new_key(), ListSink()
     asyncio.run(keys.add(api_key, ACCOUNT_ID))
-    app = create_app(
-        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
-        keys=keys,
-        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
-        usage_sink=sink,
-        telemetry=traced("edgeserve-gateway", exporter),
+    gateway = start_local_gateway(
+        registry, keys, usage_sink=sink, telemetry=traced("edgeserve-gateway", exporter)
     )
-    gateway = ServerThread(app).start()
-    deadline = time.monotonic() + 10
-    while len(asyncio.run(registry.list_live())) < 2:
-        assert time.monotonic() < deadline, "the nodes never published their capacity"
-        time.sleep(0.05)
+    wait_for_nodes(registry, 2)
     yield {
         "gateway": gateway, "api_key": api_key, "sink": sink, "prefill": prefill_node,
         "decode": decode_node, "prefill_service": prefill_service, "exporter": exporter,

@@ -43,7 +43,15 @@ from edgeserve.telemetry import (
     TelemetrySettings,
     setup_telemetry,
 )
-from tests.conftest import ACCOUNT_ID, INTERNAL_TOKEN, SMOLLM2, ServerThread, free_port
+from tests.conftest import (
+    ACCOUNT_ID,
+    INTERNAL_TOKEN,
+    SMOLLM2,
+    ServerThread,
+    free_port,
+    start_local_gateway,
+    wait_for_nodes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -138,12 +146,9 @@ def start_traced_stack(
     engine: Any, otlp_url: str | None, *, record_content: bool = False
 ) -> TracedStack:
     from gateway.admission import Limits, LocalLimiter, MemoryLimitStore
-    from gateway.app import create_app
     from gateway.keys import MemoryKeyStore, new_key
-    from gateway.settings import GatewaySettings
     from gpu_node.server import NodeService, NodeSettings, create_node_app
-    from scheduler.capacity import CapacityView, LocalCapacityRegistry
-    from scheduler.placement import LocalReservations, Placer
+    from scheduler.capacity import LocalCapacityRegistry
 
     exporter = InMemorySpanExporter()
 
@@ -174,18 +179,10 @@ def start_traced_stack(
     asyncio.run(keys.add(limited_key, LIMITED_ACCOUNT))
     limits = MemoryLimitStore()
     asyncio.run(limits.save(LIMITED_ACCOUNT, Limits(requests_per_minute=1)))
-    app = create_app(
-        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=0.2),
-        keys=keys,
-        placer=Placer(CapacityView(registry, max_age_s=0.2), LocalReservations()),
-        limiter=LocalLimiter(store=limits),
-        telemetry=gateway_telemetry,
+    gateway = start_local_gateway(
+        registry, keys, limiter=LocalLimiter(store=limits), telemetry=gateway_telemetry
     )
-    gateway = ServerThread(app).start()
-    deadline = time.monotonic() + 10
-    while not asyncio.run(registry.list_live()):
-        assert time.monotonic() < deadline, "the node never published its capacity"
-        time.sleep(0.05)
+    wait_for_nodes(registry)
     return TracedStack(
         gateway, node, api_key, limited_key, gateway_telemetry, node_telemetry, exporter
     )
