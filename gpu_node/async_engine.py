@@ -177,6 +177,10 @@ class AsyncEngine:
             except EngineError as exc:
                 command.sink.put(exc)
                 return
+            except Exception as exc:  # a bug: refuse this request, keep the engine thread
+                log.exception("adding request %s failed", command.request_id)
+                command.sink.put(EngineError(f"could not add the request: {exc}"))
+                return
             self._sinks[command.request_id] = command.sink
         else:
             final = self.engine.abort(command.request_id)

@@ -11,7 +11,8 @@ outputs equal a single node's.
 
 Wire format (`to_bytes` / `from_bytes`), all little-endian:
 
-    u32 header length | header (JSON) | tensor bytes, in the header's order
+    u32 header length | header (JSON, space-padded so the tensors start 8-byte aligned)
+    | tensor bytes, in the header's order
 
     header: {"version", "spec": {kv_dtype, num_layers, num_kv_heads, head_dim},
              "prompt_token_ids", "first_token", "generator_state" (base64 or null),
@@ -92,6 +93,7 @@ class KVHandoff:
             ],
         }
         head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-(4 + len(head)) % 8)  # the rows start 8-byte aligned
         arrays = [t.detach().cpu().contiguous().view(torch.uint8).numpy() for _, t in tensors]
         # join reads the arrays' buffers in place: the rows are copied once
         return b"".join([struct.pack("<I", len(head)), head, *(a.reshape(-1).data for a in arrays)])

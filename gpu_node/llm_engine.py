@@ -188,8 +188,16 @@ class LLMEngine:
             problems.append("a request cannot both be prefilled here and arrive prefilled")
         if not 0 <= handoff.first_token < self.model.config.vocab_size:
             problems.append(f"the first token must be in [0, {self.model.config.vocab_size})")
-        if not params.is_greedy and handoff.generator_state is None:
-            problems.append("a sampled request's handoff carries its generator's state")
+        if not params.is_greedy:
+            if handoff.generator_state is None:
+                problems.append("a sampled request's handoff carries its generator's state")
+            else:
+                try:
+                    torch.Generator().set_state(
+                        torch.frombuffer(bytearray(handoff.generator_state), dtype=torch.uint8)
+                    )
+                except RuntimeError:
+                    problems.append("its generator state is not one this node can load")
         if problems:
             raise InvalidRequestError("KV handoff refused: " + "; ".join(problems))
 

@@ -58,3 +58,24 @@ async def test_invalid_request_raises_before_output(async_engine):
         async_engine, "ok", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)
     )
     assert outs[-1].num_completion_tokens == 2
+
+
+async def test_a_request_that_breaks_while_being_added_fails_alone(
+    async_engine, chat_ids, monkeypatch
+) -> None:
+    from gpu_node.errors import EngineError
+
+    engine = async_engine.engine
+    real_add = engine.add_request
+
+    def add_request(request_id, *args, **kwargs):
+        if request_id == "broken":
+            raise RuntimeError("a bug while queueing")
+        return real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with pytest.raises(EngineError, match="could not add the request: a bug while queueing"):
+        await collect(async_engine, "broken", chat_ids("Hi"), params)
+    outs = await collect(async_engine, "fine", chat_ids("Hi"), params)  # the thread lives on
+    assert outs[-1].finished and outs[-1].num_completion_tokens == 3

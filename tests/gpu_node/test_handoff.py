@@ -3,6 +3,9 @@ decoded on another gives exactly one engine's tokens (real SmolLM2 weights)."""
 
 from __future__ import annotations
 
+import dataclasses
+import struct
+
 import pytest
 import torch
 
@@ -84,6 +87,9 @@ def test_a_decode_engine_refuses_a_handoff_it_cannot_continue(make_engine, chat_
         same.add_request("c", ids, SamplingParams(max_tokens=4, temperature=0.5), handoff=handoff)
     with pytest.raises(InvalidRequestError, match="cannot both be prefilled here and arrive"):
         same.add_request("d", ids, greedy, prefill_only=True, handoff=handoff)
+    garbled = dataclasses.replace(handoff, generator_state=b"not a generator")
+    with pytest.raises(InvalidRequestError, match="not one this node can load"):
+        same.add_request("e", ids, SamplingParams(max_tokens=4, temperature=0.5), handoff=garbled)
     assert not same.has_unfinished() and not fp8.has_unfinished()
 
 
@@ -98,3 +104,5 @@ def test_the_wire_format_refuses_what_it_did_not_write(make_engine, chat_ids) ->
         KVHandoff.from_bytes(raw + b"\0")
     with pytest.raises(ValueError, match="not a KV handoff"):
         KVHandoff.from_bytes(b"\x05\x00\x00\x00hello")
+    (size,) = struct.unpack_from("<I", raw)
+    assert (4 + size) % 8 == 0  # the rows start aligned for any dtype
