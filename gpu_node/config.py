@@ -31,6 +31,9 @@ class EngineConfig:
     # Page-ownership checks before each step and inside the kernels. Off only to
     # measure what they cost (benchmarks/bench_engine_gpu.py).
     check_integrity: bool = True
+    # Prefix caching (gpu_node/prefix_cache.py): full prompt pages kept beside the pool,
+    # this many; 0 turns it off.
+    prefix_cache_blocks: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -56,6 +59,8 @@ class EngineConfig:
             problems.append(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.prefix_cache_blocks < 0:
+            problems.append(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
         if self.reserve_pages < 0:
             problems.append(f"reserve_pages must be >= 0, got {self.reserve_pages}")
         if problems:

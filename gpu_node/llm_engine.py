@@ -22,11 +22,12 @@ from gpu_node.kv_cache import KVCache, bytes_per_page
 from gpu_node.model_runner import ModelRunner
 from gpu_node.models.llama import LlamaModel
 from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
+from gpu_node.prefix_cache import PrefixCache
 from gpu_node.sampler import apply_penalties, sample
 from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import Progress, build_model
 from scheduler.block_manager import BlockManager, pages_for, sequence_tag
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class LLMEngine:
             config.device,
         )
         self.kv_spec = KVSpec.of(self.kv_cache)
+        self.prefix_cache = (
+            PrefixCache(self.kv_cache, config.prefix_cache_blocks)
+            if config.prefix_cache_blocks
+            else None
+        )
         self.block_manager = BlockManager(num_pages, config.page_size, config.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -208,6 +214,7 @@ class LLMEngine:
             return None
         state.seq.finish_reason = FinishReason.CANCELLED
         state.record("finished")
+        self._remember_prompt(state.seq)
         self.scheduler.finish(state.seq)
         return self._output(state, (), "", finished=True)
 
@@ -223,13 +230,25 @@ class LLMEngine:
         for seq in batch.preempted:
             self._requests[seq.request_id].record("preempted")
         outputs: list[RequestOutput] = []
+        warm: set[Sequence] = set()  # admitted with part of the prompt from the prefix cache
         for seq in batch.admitted:
             state = self._requests[seq.request_id]
             state.record("admitted")
             if state.handoff is not None:
                 outputs.append(self._import_handoff(state))
-        # A request that arrived prefilled may have ended at its first token.
-        chunks = [c for c in batch.chunks if c.seq.status is not SequenceStatus.FINISHED]
+            elif self._load_cached_prefix(seq):
+                warm.add(seq)
+        # A request that arrived prefilled may have ended at its first token; one that found
+        # its prefix cached computes from past it (as many tokens as scheduled, at most).
+        chunks = [
+            ScheduledChunk(
+                c.seq, min(c.num_new_tokens, c.seq.num_tokens - c.seq.num_computed_tokens)
+            )
+            if c.seq in warm
+            else c
+            for c in batch.chunks
+            if c.seq.status is not SequenceStatus.FINISHED
+        ]
         if not chunks:
             return outputs
         # Integrity: a sequence whose block table reaches a page it does not own is
@@ -269,6 +288,31 @@ class LLMEngine:
             outputs.append(self._advance(state, token))
         return outputs
 
+    def _load_cached_prefix(self, seq: Sequence) -> bool:
+        """Copies the cached blocks of `seq`'s prompt into its first pages (at least one
+        prompt token left to compute); whether any were found."""
+        if self.prefix_cache is None or seq.num_computed_tokens:
+            return False
+        size = self.block_manager.page_size
+        usable = min(seq.num_prompt_tokens, seq.num_tokens - 1) // size
+        digests = self.prefix_cache.digests(seq.prompt_token_ids[: usable * size], seq.cache_salt)
+        found = self.prefix_cache.load(digests, seq.block_table)
+        seq.num_computed_tokens = seq.num_cached_tokens = found * size
+        return found > 0
+
+    def _remember_prompt(self, seq: Sequence) -> None:
+        """Keeps the full pages of `seq`'s computed prompt in the prefix cache (before its
+        pages are freed; never for a request the integrity checks stopped)."""
+        if self.prefix_cache is None or seq.finish_reason is FinishReason.ERROR:
+            return
+        size = self.block_manager.page_size
+        blocks = min(seq.num_computed_tokens, seq.num_prompt_tokens) // size
+        if blocks:
+            digests = self.prefix_cache.digests(
+                seq.prompt_token_ids[: blocks * size], seq.cache_salt
+            )
+            self.prefix_cache.store(digests, seq.block_table[:blocks])
+
     def _hand_off(self, state: _RequestState) -> RequestOutput:
         """Ends a prefill-only request at its first token, exporting its prompt's KV."""
         seq = state.seq
@@ -282,6 +326,7 @@ class LLMEngine:
         )  # fmt: skip
         seq.finish_reason = FinishReason.HANDOFF
         state.record("finished")
+        self._remember_prompt(seq)
         self.scheduler.finish(seq)
         del self._requests[seq.request_id]
         out = self._output(state, tuple(seq.output_token_ids), "", finished=True)
@@ -376,6 +421,7 @@ class LLMEngine:
         if finished:
             seq.finish_reason = reason
             state.record("finished")
+            self._remember_prompt(seq)
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
         return self._output(state, new_tokens, delta, finished)

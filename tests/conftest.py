@@ -239,6 +239,21 @@ def wait_for_nodes(registry: Any, count: int = 1) -> None:
         time.sleep(0.05)
 
 
+def start_node_server(
+    engine: Any, registry: Any, node_id: str, role: str = "mixed", telemetry: Any = None
+) -> tuple[ServerThread, Any]:
+    """A node on loopback around `engine`, publishing to `registry`: (server, service)."""
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+
+    port = free_port()
+    settings = NodeSettings(
+        node_id=node_id, address=f"http://127.0.0.1:{port}", internal_token=INTERNAL_TOKEN,
+        role=role, heartbeat_s=0.2, ttl_s=2.0,
+    )  # fmt: skip
+    service = NodeService(settings, registry, engine=engine)
+    return ServerThread(create_node_app(service, telemetry), port).start(), service
+
+
 def start_local_gateway(registry: Any, keys: Any, **parts: Any) -> ServerThread:
     """A gateway on loopback placing on `registry`'s nodes (reservations in-process);
     `parts` go to create_app (usage sink, limiter, telemetry)."""

@@ -93,6 +93,7 @@ def _engine_factory(
     weights: str | None,
     max_model_len: int | None,
     kv_memory_mb: int | None,
+    prefix_cache_blocks: int = 0,
 ) -> Any:
     def load() -> Any:
         from gpu_node.async_engine import AsyncEngine
@@ -105,6 +106,7 @@ def _engine_factory(
             options["max_model_len"] = max_model_len
         if kv_memory_mb is not None:
             options["kv_memory_bytes"] = kv_memory_mb * 1024 * 1024
+        options["prefix_cache_blocks"] = prefix_cache_blocks
         return AsyncEngine.from_config(EngineConfig(**options))
 
     return load
@@ -137,6 +139,9 @@ def up(
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     max_model_len: int | None = typer.Option(None, help="context window cap"),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
+    prefix_cache_blocks: int = typer.Option(
+        0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
+    ),
     queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
@@ -168,7 +173,9 @@ def up(
             NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
                          internal_token=internal_token),
             stores.registry,
-            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len, kv_memory_mb),
+            engine_factory=_engine_factory(
+                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks
+            ),
         )  # fmt: skip
         gateway_app = create_app(
             GatewaySettings(internal_token=internal_token, admin_token=admin_token,
@@ -216,6 +223,9 @@ def node(
     weights: str | None = typer.Option(None),
     max_model_len: int | None = typer.Option(None),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
+    prefix_cache_blocks: int = typer.Option(
+        0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
+    ),
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
@@ -241,7 +251,9 @@ def node(
                 internal_token=token, role=role, heartbeat_s=heartbeat_s, ttl_s=ttl_s,
             ),
             RedisCapacityRegistry(client, prefix),
-            engine_factory=_engine_factory(model, kv_dtype, weights, max_model_len, kv_memory_mb),
+            engine_factory=_engine_factory(
+                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks
+            ),
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
         try:

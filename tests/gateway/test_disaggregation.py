@@ -24,11 +24,11 @@ from tests.conftest import (
     INTERNAL_TOKEN,
     SMOLLM2,
     ListSink,
-    ServerThread,
     chat_prompt_ids,
     free_port,
     run_on_engine,
     start_local_gateway,
+    start_node_server,
     wait_for_nodes,
 )
 
@@ -38,20 +38,6 @@ QUESTION = "Name three colours and say which one you like best."
 def traced(service: str, exporter: InMemorySpanExporter) -> Telemetry:
     settings = TelemetrySettings(service)
     return setup_telemetry(settings, span_processors=[SimpleSpanProcessor(exporter)])
-
-
-def start_node(
-    engine: Any, registry: Any, node_id: str, role: str, telemetry: Telemetry
-) -> tuple[ServerThread, Any]:
-    from gpu_node.server import NodeService, NodeSettings, create_node_app
-
-    port = free_port()
-    settings = NodeSettings(
-        node_id=node_id, address=f"http://127.0.0.1:{port}", internal_token=INTERNAL_TOKEN,
-        role=role, heartbeat_s=0.2, ttl_s=2.0,
-    )  # fmt: skip
-    service = NodeService(settings, registry, engine=engine)
-    return ServerThread(create_node_app(service, telemetry), port).start(), service
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +60,12 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
 
     registry, exporter = LocalCapacityRegistry(), InMemorySpanExporter()
     prefill_telemetry, decode_telemetry = (traced("edgeserve-node", exporter) for _ in range(2))
-    prefill_node, prefill_service = start_node(
+    prefill_node, prefill_service = start_node_server(
         engine, registry, "prefill-1", "prefill", prefill_telemetry
     )
-    decode_node, _ = start_node(decode_engine, registry, "decode-1", "decode", decode_telemetry)
+    decode_node, _ = start_node_server(
+        decode_engine, registry, "decode-1", "decode", decode_telemetry
+    )
     keys, api_key, sink = MemoryKeyStore(), new_key(), ListSink()
     asyncio.run(keys.add(api_key, ACCOUNT_ID))
     gateway = start_local_gateway(

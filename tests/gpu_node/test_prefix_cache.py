@@ -1,0 +1,90 @@
+"""Prefix caching on the real SmolLM2: cached prompt pages give exactly the cold tokens,
+are counted as cached tokens, never cross accounts, and make room oldest first."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_node.config import EngineConfig
+from scheduler.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+BASE = "Tell me about the sea, the moon and the stars, and how they move together."
+
+
+def run(engine, request_id, ids, params=GREEDY, salt="acct-a"):
+    engine.add_request(request_id, ids, params, cache_salt=salt)
+    tokens, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.token_ids)
+            final = out if out.finished else final
+    return tokens, final
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_a_shared_prefix_is_served_from_the_cache_with_the_cold_tokens(
+    make_engine, chat_ids, kv_dtype
+) -> None:
+    first, second = chat_ids(BASE + " One."), chat_ids(BASE + " Two, please, in detail.")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    cold = make_engine(kv_dtype=kv_dtype)
+    expected = [run(cold, "cold", second)[0]]
+    warm = make_engine(kv_dtype=kv_dtype, prefix_cache_blocks=16)
+    _, before = run(warm, "a", first)
+    assert before.num_cached_tokens == 0
+    assert len(warm.prefix_cache) == len(first) // 16
+    tokens, after = run(warm, "b", second)
+    assert [tokens] == expected
+    assert after.num_cached_tokens == shared // 16 * 16 > 0
+    assert after.num_prompt_tokens == len(second)
+    # the same prompt again: every full page but the one holding the last prompt token
+    again, final = run(warm, "c", second)
+    assert again == expected[0]
+    assert final.num_cached_tokens == (len(second) - 1) // 16 * 16
+    stats = warm.stats()
+    assert stats.num_free_pages == stats.num_pages  # cached blocks hold no pool pages
+
+
+def test_another_account_never_reads_a_cached_block(make_engine, chat_ids) -> None:
+    engine = make_engine(prefix_cache_blocks=16)
+    ids = chat_ids(BASE)
+    run(engine, "a", ids, salt="acct-a")
+    _, other = run(engine, "b", ids, salt="acct-b")
+    assert other.num_cached_tokens == 0
+    _, same = run(engine, "c", ids, salt="acct-a")
+    assert same.num_cached_tokens == (len(ids) - 1) // 16 * 16
+
+
+def test_a_full_cache_makes_room_oldest_first(make_engine, chat_ids) -> None:
+    engine = make_engine(prefix_cache_blocks=3)
+    one, two = chat_ids(BASE), chat_ids("Name three colours and say which one you like best.")
+    # 48 and 41 tokens: 3 and 2 full pages, the first (the chat template's) the same
+    assert (len(one), len(two)) == (48, 41) and one[:16] == two[:16]
+    run(engine, "one", one)  # keeps pages A1 A2 A3
+    run(engine, "two", two)  # A1 is used again; its page B2 takes the oldest, A2's, slot
+    _, two_again = run(engine, "two-again", two)
+    assert two_again.num_cached_tokens == 32  # A1 B2
+    _, one_again = run(engine, "one-again", one)
+    assert one_again.num_cached_tokens == 16  # A1, then A2 is gone: the chain stops
+
+
+def test_off_by_default_and_refuses_a_negative_size(make_engine, chat_ids) -> None:
+    engine = make_engine()
+    assert engine.prefix_cache is None
+    ids = chat_ids(BASE)
+    run(engine, "a", ids)
+    assert run(engine, "b", ids)[1].num_cached_tokens == 0
+    with pytest.raises(ValueError, match="prefix_cache_blocks must be >= 0, got -1"):
+        EngineConfig(prefix_cache_blocks=-1)
+
+
+def test_a_cancelled_request_leaves_its_computed_prompt_behind(make_engine, chat_ids) -> None:
+    engine = make_engine(prefix_cache_blocks=16)
+    ids = chat_ids(BASE)
+    engine.add_request("a", ids, SamplingParams(max_tokens=50), cache_salt="acct-a")
+    engine.step()  # the prompt is prefilled
+    engine.abort("a")
+    assert len(engine.prefix_cache) == len(ids) // 16
+    _, final = run(engine, "b", ids)
+    assert final.num_cached_tokens == (len(ids) - 1) // 16 * 16
