@@ -302,9 +302,12 @@ class LLMEngine:
 
     def _remember_prompt(self, seq: Sequence) -> None:
         """Keeps the full pages of `seq`'s computed prompt in the prefix cache (before its
-        pages are freed; never for a request the integrity checks stopped)."""
+        pages are freed; never for a request the integrity checks stopped, nor from a
+        block table that breaks an ownership rule)."""
         if self.prefix_cache is None or seq.finish_reason is FinishReason.ERROR:
             return
+        if self._first_bad_entry(seq, sequence_tag(seq))[0] != -1:
+            return  # a table that names a page not its own: never keep another's rows
         size = self.block_manager.page_size
         blocks = min(seq.num_computed_tokens, seq.num_prompt_tokens) // size
         if blocks:

@@ -88,3 +88,23 @@ def test_a_cancelled_request_leaves_its_computed_prompt_behind(make_engine, chat
     assert len(engine.prefix_cache) == len(ids) // 16
     _, final = run(engine, "b", ids)
     assert final.num_cached_tokens == (len(ids) - 1) // 16 * 16
+
+
+def test_a_block_table_naming_another_requests_page_is_never_cached(make_engine, chat_ids) -> None:
+    """The bug the integrity checks exist for, caught between steps: request a's table
+    names a page of b's, then a is cancelled. Nothing of it may enter the cache, or b's
+    rows would be served to a's account under a's prefix."""
+    import random
+
+    from gpu_node.faults import FaultInjector
+
+    engine = make_engine(prefix_cache_blocks=16)
+    params = SamplingParams(max_tokens=50)
+    engine.add_request("a", chat_ids(BASE), params, cache_salt="acct-a")
+    engine.add_request("b", chat_ids("Name three colours."), params, cache_salt="acct-b")
+    engine.step()  # both prompts prefilled
+    FaultInjector(engine, random.Random(3)).point_at_foreign_page("a", "b")
+    engine.abort("a")
+    assert len(engine.prefix_cache) == 0
+    engine.abort("b")  # b's own table is sound: its page is kept
+    assert len(engine.prefix_cache) == len(chat_ids("Name three colours.")) // 16
