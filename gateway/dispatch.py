@@ -219,6 +219,7 @@ class Dispatcher:
                             job.request_id,
                             job.estimated_tokens,
                             exclude=frozenset(tried),
+                            account_id=job.account_id,
                         )
                 if retry is None:
                     raise
@@ -240,7 +241,9 @@ class Dispatcher:
         num_tokens = min(job.estimated_tokens, largest) if largest else job.estimated_tokens
 
         async def try_place() -> Placement | None:
-            return await self._placer.place(job.model.node_model, job.request_id, num_tokens)
+            return await self._placer.place(
+                job.model.node_model, job.request_id, num_tokens, account_id=job.account_id
+            )
 
         # Waiting only makes sense when some node serves the model and may free up.
         if self._queue is None or not largest:

@@ -10,6 +10,8 @@ released when the request ends.
 Score of a candidate node (higher wins, ties go to the lower node id):
 
     free KV tokens - tokens reserved on it - num_waiting * queue_cost_tokens
+    (+ affinity_tokens on the node that last ran the same account's prompts for the
+       model: its prefix cache may hold them)
 
 A node is a candidate only while `reserved + this request <= total KV tokens *
 overcommit`: the node may queue some work, but past that the fleet is out of
@@ -20,6 +22,7 @@ gateway that dies holding one cannot leak it.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -199,19 +202,36 @@ class Placer:
         reservations: Reservations,
         overcommit: float = 2.0,
         queue_cost_tokens: int = 256,
+        affinity_tokens: int = 512,
+        max_affinities: int = 10_000,
     ) -> None:
         self._view = view
         self._reservations = reservations
         self._overcommit = overcommit
         self._queue_cost_tokens = queue_cost_tokens
+        # Prefix affinity: the node that last ran an account's prompts for a model (its
+        # prefix cache holds them) scores `affinity_tokens` more for that account's next
+        # request; a node freer by more than that still wins. This gateway's memory only.
+        self._affinity_tokens = affinity_tokens
+        self._max_affinities = max_affinities
+        self._affinity: OrderedDict[tuple[str, str], str] = OrderedDict()
 
-    def _candidate(self, record: CapacityRecord) -> Candidate:
+    def _candidate(self, record: CapacityRecord, affine: str | None = None) -> Candidate:
+        bonus = self._affinity_tokens if record.node_id == affine else 0
         return Candidate(
             node_id=record.node_id,
-            num_free_tokens=record.num_free_tokens,
+            num_free_tokens=record.num_free_tokens + bonus,
             limit_tokens=int(record.num_total_tokens * self._overcommit),
             queue_cost_tokens=record.num_waiting * self._queue_cost_tokens,
         )
+
+    def _remember(self, account_id: str, model: str, node_id: str) -> None:
+        if not account_id:
+            return
+        self._affinity[account_id, model] = node_id
+        self._affinity.move_to_end((account_id, model))
+        while len(self._affinity) > self._max_affinities:
+            self._affinity.popitem(last=False)
 
     async def has_nodes(self, model: str) -> bool:
         return bool(await self._view.live(model))
@@ -227,14 +247,18 @@ class Placer:
         request_id: str,
         num_tokens: int,
         exclude: frozenset[str] = frozenset(),
+        account_id: str = "",
     ) -> Placement | None:
         """Reserve `num_tokens` on the best live node serving `model`; None when none can take it.
 
         Where the model has both decode and prefill nodes, the request is disaggregated:
         the best decode node that can hold it, with the prefill node of the best score
         (no reservation there). Otherwise, or when every decode node is full, the best
-        node that serves whole requests (mixed or prefill).
+        node that serves whole requests (mixed or prefill). The node that runs the
+        prompt (the prefill node, or the whole-request one) gets the account's prefix
+        affinity for its next request.
         """
+        affine = self._affinity.get((account_id, model)) if account_id else None
         live = [r for r in await self._view.live(model) if r.node_id not in exclude]
         decoders = [r for r in live if r.role == "decode"]
         prefillers = [r for r in live if r.role == "prefill"]
@@ -245,22 +269,25 @@ class Placer:
             if index is not None:
                 chosen = decoders[index]
                 # the best score; ties go to the lower node id, as in the reservation step
-                prefiller = min(prefillers, key=lambda r: (-self._score(r), r.node_id))
+                prefiller = min(prefillers, key=lambda r: (-self._score(r, affine), r.node_id))
+                self._remember(account_id, model, prefiller.node_id)
                 return Placement(
                     request_id, chosen.node_id, chosen.address, num_tokens, prefiller.address
                 )
         records = [r for r in live if r.role in ("mixed", "prefill")]
         index = await self._reservations.reserve_best(
-            request_id, num_tokens, [self._candidate(r) for r in records]
+            request_id, num_tokens, [self._candidate(r, affine) for r in records]
         )
         if index is None:
             return None
         chosen = records[index]
+        self._remember(account_id, model, chosen.node_id)
         return Placement(request_id, chosen.node_id, chosen.address, num_tokens)
 
-    def _score(self, record: CapacityRecord) -> int:
-        """A node's score without reservations: free KV tokens less its queue's cost."""
-        candidate = self._candidate(record)
+    def _score(self, record: CapacityRecord, affine: str | None = None) -> int:
+        """A node's score without reservations: free KV tokens (and the account's prefix
+        affinity) less its queue's cost."""
+        candidate = self._candidate(record, affine)
         return candidate.num_free_tokens - candidate.queue_cost_tokens
 
     async def release(self, placement: Placement) -> None:

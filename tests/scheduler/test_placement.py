@@ -148,3 +148,45 @@ async def test_decode_and_prefill_nodes_split_a_request_and_full_decoders_fall_b
     await alone.publish(record("dec-a", role="decode"))
     lonely = Placer(CapacityView(alone, max_age_s=1.0), LocalReservations())
     assert await lonely.place("smollm2", "r4", 10) is None
+
+
+async def test_an_accounts_next_request_prefers_the_node_holding_its_prefix() -> None:
+    registry = LocalCapacityRegistry()
+    await registry.publish(record("node-a"))  # 1024 free tokens
+    await registry.publish(record("node-b", free_pages=60))  # 960
+    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), affinity_tokens=512)
+    first = await placer.place("smollm2", "r1", 300, account_id="acct-x")
+    assert first is not None and first.node_id == "node-a"  # 1024 > 960
+    # node-a now scores 724 against node-b's 960, but holds acct-x's prompt: 724 + 512 wins
+    second = await placer.place("smollm2", "r2", 300, account_id="acct-x")
+    assert second is not None and second.node_id == "node-a"
+    # another account has no affinity: the freer node
+    other = await placer.place("smollm2", "r3", 100, account_id="acct-y")
+    assert other is not None and other.node_id == "node-b"
+    # node-a at 424 + 512 = 936 against node-b's 860: still acct-x's; one more and it is not
+    third = await placer.place("smollm2", "r4", 300, account_id="acct-x")
+    assert third is not None and third.node_id == "node-a"
+    fourth = await placer.place("smollm2", "r5", 300, account_id="acct-x")
+    assert fourth is not None and fourth.node_id == "node-b"  # 124 + 512 < 860
+    # ... and the affinity follows the prompt to node-b
+    fifth = await placer.place("smollm2", "r6", 10, account_id="acct-x")
+    assert fifth is not None and fifth.node_id == "node-b"
+
+
+async def test_the_prefill_node_of_a_split_request_gets_the_affinity() -> None:
+    registry = LocalCapacityRegistry()
+    for r in [
+        record("dec-a", role="decode"),
+        record("pre-a", role="prefill", free_pages=16),
+        record("pre-b", role="prefill", free_pages=20),
+    ]:
+        await registry.publish(r)
+    view = CapacityView(registry, max_age_s=0.0)  # every placement reads the records anew
+    placer = Placer(view, LocalReservations(), affinity_tokens=512)
+    first = await placer.place("smollm2", "r1", 10, account_id="acct-x")
+    assert first is not None and first.prefill_address == "http://pre-b:8081"  # 320 > 256
+    await registry.publish(record("pre-b", role="prefill", free_pages=8))  # 128 now
+    again = await placer.place("smollm2", "r2", 10, account_id="acct-x")
+    assert again is not None and again.prefill_address == "http://pre-b:8081"  # 128 + 512
+    other = await placer.place("smollm2", "r3", 10, account_id="acct-y")
+    assert other is not None and other.prefill_address == "http://pre-a:8081"
