@@ -12,6 +12,7 @@ import torch
 from gpu_node.errors import InvalidRequestError
 from gpu_node.handoff import KVHandoff
 from scheduler.sequence import SamplingParams
+from tests.conftest import run_to_end
 
 QUESTION = "Name three colours and say which one you like best."
 
@@ -29,13 +30,7 @@ def prefill(engine, ids, params, request_id="r"):
 
 
 def decode(engine, ids, params, handoff, request_id="r"):
-    engine.add_request(request_id, ids, params, handoff=handoff)
-    tokens, final = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.token_ids)
-            final = out if out.finished else final
-    return tokens, final
+    return run_to_end(engine, request_id, ids, params, handoff=handoff)
 
 
 @pytest.mark.parametrize(

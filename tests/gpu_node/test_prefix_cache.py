@@ -7,19 +7,14 @@ import pytest
 
 from gpu_node.config import EngineConfig
 from scheduler.sequence import SamplingParams
+from tests.conftest import run_to_end
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 BASE = "Tell me about the sea, the moon and the stars, and how they move together."
 
 
 def run(engine, request_id, ids, params=GREEDY, salt="acct-a"):
-    engine.add_request(request_id, ids, params, cache_salt=salt)
-    tokens, final = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.token_ids)
-            final = out if out.finished else final
-    return tokens, final
+    return run_to_end(engine, request_id, ids, params, cache_salt=salt)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
