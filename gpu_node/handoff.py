@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_node.kv_cache import KVCache
-from gpu_node.kv_quant import FP8_DTYPE
+from gpu_node.kv_cache import KVCache, raw_storage
 
 VERSION = 1
 _DTYPES = {
@@ -167,11 +166,6 @@ def _slots(
     return pages, positions % page_size
 
 
-def _storage(cache_layer: torch.Tensor) -> torch.Tensor:
-    """The pool as its raw storage dtype: fp8 as uint8 (indexing fp8 is not everywhere)."""
-    return cache_layer.view(torch.uint8) if cache_layer.dtype == FP8_DTYPE else cache_layer
-
-
 def export_rows(
     cache: KVCache, block_table: list[int], num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -179,8 +173,8 @@ def export_rows(
     [L, T, H, D] (raw storage) and, for fp8 pools, k_scale, v_scale [L, T, H]; on CPU."""
     pages, offsets = _slots(block_table, num_tokens, cache.page_size)
     pages, offsets = pages.to(cache.device), offsets.to(cache.device)
-    k = torch.stack([_storage(layer)[pages, offsets] for layer in cache.k_cache]).cpu()
-    v = torch.stack([_storage(layer)[pages, offsets] for layer in cache.v_cache]).cpu()
+    k = torch.stack([raw_storage(layer)[pages, offsets] for layer in cache.k_cache]).cpu()
+    v = torch.stack([raw_storage(layer)[pages, offsets] for layer in cache.v_cache]).cpu()
     if cache.k_scale[0] is None:
         return k, v, None, None
     k_scale = torch.stack([s[pages, :, offsets] for s in cache.k_scale if s is not None]).cpu()
@@ -193,8 +187,8 @@ def import_rows(cache: KVCache, block_table: list[int], handoff: KVHandoff) -> N
     pages, offsets = _slots(block_table, len(handoff.prompt_token_ids), cache.page_size)
     pages, offsets = pages.to(cache.device), offsets.to(cache.device)
     for layer in range(len(cache.k_cache)):
-        _storage(cache.k_cache[layer])[pages, offsets] = handoff.k[layer].to(cache.device)
-        _storage(cache.v_cache[layer])[pages, offsets] = handoff.v[layer].to(cache.device)
+        raw_storage(cache.k_cache[layer])[pages, offsets] = handoff.k[layer].to(cache.device)
+        raw_storage(cache.v_cache[layer])[pages, offsets] = handoff.v[layer].to(cache.device)
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
         if k_scale is not None and v_scale is not None:
             assert handoff.k_scale is not None and handoff.v_scale is not None

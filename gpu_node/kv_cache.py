@@ -44,6 +44,13 @@ from gpu_node.kv_quant import (
 HEAD_MAJOR = True  # the pools' memory order (layout above)
 
 
+def raw_storage(pool: torch.Tensor) -> torch.Tensor:
+    """A pool layer as its raw storage: fp8 viewed as uint8 (indexing fp8 is not
+    implemented everywhere), other dtypes as they are. Copies between pools (a KV
+    handoff, the prefix cache) move these bytes exactly."""
+    return pool.view(torch.uint8) if pool.dtype == FP8_DTYPE else pool
+
+
 def bytes_per_page(
     kv_dtype: str, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
 ) -> int:

@@ -340,9 +340,8 @@ class LLMEngine:
         emits its first token (stop conditions applied, as for any token)."""
         seq, handoff = state.seq, state.handoff
         assert handoff is not None
-        tag = sequence_tag(seq)
-        owners = self.block_manager.page_owner_host
-        assert all(int(owners[page]) == tag for page in seq.block_table)  # fresh pages, its own
+        page, reason = self._first_bad_entry(seq, sequence_tag(seq))
+        assert page == -1, f"fresh pages that are not its own: page {page}, {reason}"
         import_rows(self.kv_cache, seq.block_table, handoff)
         state.handoff = None  # a preemption from here on recomputes, as for any request
         state.record("first_token")

@@ -27,13 +27,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from gpu_node.kv_cache import KVCache
-from gpu_node.kv_quant import FP8_DTYPE
-
-
-def _storage(pool: torch.Tensor) -> torch.Tensor:
-    """A pool layer as raw storage: fp8 as uint8 (indexing fp8 is not everywhere)."""
-    return pool.view(torch.uint8) if pool.dtype == FP8_DTYPE else pool
+from gpu_node.kv_cache import KVCache, raw_storage
 
 
 class PrefixCache:
@@ -47,7 +41,7 @@ class PrefixCache:
         def like(pools: list[torch.Tensor]) -> list[torch.Tensor]:
             return [
                 torch.empty((num_blocks, *p.shape[1:]), dtype=p.dtype, device=p.device)
-                for p in (_storage(pool) for pool in pools)
+                for p in (raw_storage(pool) for pool in pools)
             ]
 
         self._k, self._v = like(cache.k_cache), like(cache.v_cache)
@@ -108,7 +102,7 @@ class PrefixCache:
         device = cache.device
         slot_ids = torch.tensor(slots, dtype=torch.long, device=device)
         page_ids = torch.tensor(pages, dtype=torch.long, device=device)
-        pools = [_storage(p) for p in cache.k_cache + cache.v_cache]
+        pools = [raw_storage(p) for p in cache.k_cache + cache.v_cache]
         pools += [s for s in cache.k_scale + cache.v_scale if s is not None]
         for pool, store in zip(pools, self._k + self._v + self._scales, strict=True):
             if into_pool:

@@ -288,23 +288,10 @@ def start_local_gateway(registry: Any, keys: Any, **parts: Any) -> ServerThread:
 
 def start_stack(engine: Any) -> Stack:
     from gateway.keys import MemoryKeyStore, new_key
-    from gpu_node.server import NodeService, NodeSettings, create_node_app
     from scheduler.capacity import LocalCapacityRegistry
 
     registry = LocalCapacityRegistry()
-    node_port = free_port()
-    service = NodeService(
-        NodeSettings(
-            node_id="node-1",
-            address=f"http://127.0.0.1:{node_port}",
-            internal_token=INTERNAL_TOKEN,
-            heartbeat_s=0.2,
-            ttl_s=2.0,
-        ),
-        registry,
-        engine=engine,
-    )
-    node = ServerThread(create_node_app(service), node_port).start()
+    node, service = start_node_server(engine, registry, "node-1")
     keys = MemoryKeyStore()
     api_key, other_key = new_key(), new_key()
     asyncio.run(keys.add(api_key, ACCOUNT_ID))

@@ -16,7 +16,7 @@ from tests.conftest import (
     INTERNAL_TOKEN,
     OTHER_ACCOUNT_ID,
     ServerThread,
-    free_port,
+    start_node_server,
     wait_for_nodes,
 )
 
@@ -36,20 +36,10 @@ class Node:
 
 
 def start_node(engine: Any) -> Node:
-    from gpu_node.server import NodeService, NodeSettings, create_node_app
     from scheduler.capacity import LocalCapacityRegistry
 
     registry = LocalCapacityRegistry()
-    port = free_port()
-    settings = NodeSettings(
-        node_id="node-1",
-        address=f"http://127.0.0.1:{port}",
-        internal_token=INTERNAL_TOKEN,
-        heartbeat_s=0.2,
-        ttl_s=2.0,
-    )
-    server = ServerThread(create_node_app(NodeService(settings, registry, engine=engine)), port)
-    server.start()
+    server, _ = start_node_server(engine, registry, "node-1")
     wait_for_nodes(registry)
     return Node(server, registry)
 
