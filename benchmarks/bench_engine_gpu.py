@@ -6,6 +6,10 @@
 1. Decode step time with fp8 vs bf16 KV pages (batch x context), and KV tokens per GiB.
 2. Integrity checks on vs off: decode step time, same engine shape, alternated runs.
 3. Single-stream decode tok/s with INT4 vs bf16 weights (dense llama shape, and MoE).
+4. Decode steps replayed from CUDA graphs vs launched eagerly: tok/s at batch 1, 8 and
+   32, bf16 and INT4 weights, SmolLM2's shape, the dense llama shape and moe-medium.
+
+Sections 1-3 run eager steps (`cuda_graph_batch=0`), as in the sessions before graphs.
 
 Weights are seeded (the real GGUF is not on the GPU machine); the work per step
 is the same as with real weights. Imports only torch, triton, numpy and our code.
@@ -39,6 +43,11 @@ class NullTokenizer:
         return ""
 
 
+SMOLLM2 = ModelConfig(
+    architecture="llama", num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+    num_kv_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)  # fmt: skip
 LLAMA_1B = ModelConfig(
     architecture="llama", num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32,
     num_kv_heads=8, head_dim=64, vocab_size=32768, max_position_embeddings=40960,
@@ -86,7 +95,8 @@ def decode_step_ms(engine, batch, context, steps, device):
 
 def make_engine(model, device, **overrides):
     config = EngineConfig(**{"model": "bench", "device": device, "page_size": 16, "max_num_seqs": 256,
-                             "max_num_batched_tokens": 16384, **overrides})  # fmt: skip
+                             "max_num_batched_tokens": 16384, "cuda_graph_batch": 0,
+                             **overrides})  # fmt: skip
     return LLMEngine(config, model, NullTokenizer())
 
 
@@ -152,7 +162,7 @@ def check_fault_detected_on_device(model, device):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--sections", default="0123", help="which sections to run, e.g. 2")
+    parser.add_argument("--sections", default="01234", help="which sections to run, e.g. 2")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shape = TINY if args.tiny else LLAMA_1B
@@ -245,6 +255,39 @@ def main() -> None:
                 + "  "
                 + "  ".join(f"{w}/bf16 {row[w] / row['bf16']:.2f}x" for w in row if w != "bf16")
             )
+
+    if "4" in sections:
+        print("\n4. decode tok/s, CUDA graphs vs eager steps (context 512, median of steps)")
+        graph_vs_eager(args.tiny, device, dtype, kv16, steps)
+
+
+def graph_vs_eager(tiny, device, dtype, kv16, steps):
+    """tok/s of the same decode steps with and without CUDA graphs, alternated twice."""
+    models = {
+        "smollm2": lambda: seeded_llama(TINY if tiny else SMOLLM2, seed=0, device=device),
+        "llama-1b": lambda: seeded_llama(TINY if tiny else LLAMA_1B, seed=0, device=device),
+        "moe-medium": lambda: moe_model("moe-small" if tiny else "moe-medium", device=device),
+    }
+    for label, build in models.items():
+        for weights in ("bf16", "int4 g32", "int4 g128"):
+            model = build().to(dtype)
+            if weights != "bf16":
+                group = 32 if tiny else int(weights[len("int4 g") :])
+                quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens", "router"))
+            for batch in (1, 8, 32):
+                times = {0: [], 32: []}
+                for _ in range(2):
+                    for graphs in (0, 32):
+                        engine = make_engine(model, device, kv_dtype=kv16, num_pages=batch * 40 + 8,
+                                             cuda_graph_batch=graphs)  # fmt: skip
+                        times[graphs].append(decode_step_ms(engine, batch, 512, steps, device))
+                        del engine
+                eager, graph = min(times[0]), min(times[32])
+                print(f"  {label:10s} {weights:9s} batch {batch:2d}: eager {batch * 1e3 / eager:8.1f} tok/s"
+                      f"  graphs {batch * 1e3 / graph:8.1f} tok/s  {eager / graph:5.2f}x")  # fmt: skip
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

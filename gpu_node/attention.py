@@ -28,6 +28,11 @@ class StepMetadata:
     seq_tags: torch.Tensor  # int64 [B] owner tag of each sequence
     token_seq: torch.Tensor  # int64 [T] row -> sequence index
     page_owner: torch.Tensor  # int64 [num_pages], the block manager's ownership table
+    # Set by steps replayed from a CUDA graph (decode_graphs.py): the context lengths
+    # already on the device, and the bound the graph was captured for, which sizes the
+    # decode kernels' split grid instead of max(context_lens).
+    context_lens_device: torch.Tensor | None = None  # int32 [B]
+    max_context_len: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -56,8 +61,10 @@ class PagedAttention:
             len(metadata.query_lens), dtype=torch.int32, device=kv_cache.device
         )
         self._token_tags = metadata.token_tags
-        self._context_lens = torch.tensor(
-            metadata.context_lens, dtype=torch.int32, device=kv_cache.device
+        self._context_lens = (
+            metadata.context_lens_device
+            if metadata.context_lens_device is not None
+            else torch.tensor(metadata.context_lens, dtype=torch.int32, device=kv_cache.device)
         )
 
     def __call__(
@@ -73,7 +80,8 @@ class PagedAttention:
             out, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
                 md.page_owner, md.seq_tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],
-                max_context_len=max(md.context_lens), check_owner=self.check_owner,
+                max_context_len=md.max_context_len or max(md.context_lens),
+                check_owner=self.check_owner,
             )  # fmt: skip
             self.violations += foreign.int()
             return out

@@ -34,6 +34,9 @@ class EngineConfig:
     # Prefix caching (gpu_node/prefix_cache.py): full prompt pages kept beside the pool,
     # this many; 0 turns it off.
     prefix_cache_blocks: int = 0
+    # On a GPU, decode steps of up to this many sequences replay CUDA graphs
+    # (gpu_node/decode_graphs.py) instead of launching each kernel from Python; 0: never.
+    cuda_graph_batch: int = 32
 
     def __post_init__(self) -> None:
         problems = []
@@ -59,6 +62,8 @@ class EngineConfig:
             problems.append(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.cuda_graph_batch < 0:
+            problems.append(f"cuda_graph_batch must be >= 0, got {self.cuda_graph_batch}")
         if self.prefix_cache_blocks < 0:
             problems.append(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
         if self.reserve_pages < 0:

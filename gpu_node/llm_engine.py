@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_node.config import EngineConfig
+from gpu_node.decode_graphs import DecodeGraphs, capturable
 from gpu_node.errors import InvalidRequestError
 from gpu_node.handoff import KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.kv_cache import KVCache, bytes_per_page
@@ -97,11 +98,26 @@ class LLMEngine:
             self.block_manager.page_owner_host,
             self.block_manager.page_column_host,
             config.check_integrity,
+            self._decode_graphs(config, model),
         )
         self.num_integrity_violations = 0
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._rng = torch.Generator().manual_seed(config.seed)
+
+    def _decode_graphs(self, config: EngineConfig, model: LlamaModel) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps on a GPU (decode_graphs.py), where the config asks
+        for them and the model can be captured."""
+        if not config.cuda_graph_batch or self.kv_cache.device.type != "cuda":
+            return None
+        if not capturable(model):
+            log.info("this model's decode steps cannot be captured; they run eagerly")
+            return None
+        return DecodeGraphs(
+            model, self.kv_cache, self.block_manager.page_owner, model.config.head_dim**-0.5,
+            config.check_integrity, min(config.cuda_graph_batch, config.max_num_seqs),
+            self.max_model_len,
+        )  # fmt: skip
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:

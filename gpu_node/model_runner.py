@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gpu_node.attention import PagedAttention, StepMetadata
+from gpu_node.decode_graphs import DecodeGraphs, DecodeInputs, batch_bucket
 from gpu_node.kv_cache import KVCache
 from gpu_node.models.llama import LlamaModel
 from scheduler.block_manager import sequence_tag
@@ -74,8 +75,10 @@ class ModelRunner:
         page_owner_host: np.ndarray,
         page_column_host: np.ndarray,
         check_owner: bool = True,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
+        self.graphs = graphs  # all-decode steps it takes replay CUDA graphs
         self.check_owner = check_owner
         self.kv_cache = kv_cache
         self.page_owner = page_owner
@@ -148,9 +151,41 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], tables: HostTables | None = None) -> StepResult:
         """Computes the chunks' KV; returns logits for the chunks that complete a sequence."""
-        ids, pos, metadata = self.prepare(chunks, tables)
+        t = tables if tables is not None else self.host_tables(chunks)
+        if self.graphs is not None:
+            positions = np.array([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
+            if self.graphs.takes([c.num_new_tokens for c in chunks], positions, t.table_lens):
+                try:
+                    return self._run_decode_graph(self.graphs, chunks, positions, t)
+                except RuntimeError:
+                    if not self.graphs.disabled:  # not a capture failure: the step's own error
+                        raise
+        ids, pos, metadata = self.prepare(chunks, t)
         ends = torch.tensor(metadata.query_lens, device=self.device).cumsum(0) - 1
         completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
         attention = PagedAttention(self.kv_cache, metadata, self.scale, self.check_owner)
         logits = self.model(ids, pos, attention, logits_indices=ends[completing])
         return StepResult(logits, (attention.violations > 0).tolist())
+
+    def _run_decode_graph(
+        self,
+        graphs: DecodeGraphs,
+        chunks: list[ScheduledChunk],
+        positions: np.ndarray,
+        t: HostTables,
+    ) -> StepResult:
+        """One all-decode step through `graphs`: chunk i is the token at `positions[i]`."""
+        page_size = self.kv_cache.page_size
+        ids = np.array([c.seq.token_ids[p] for c, p in zip(chunks, positions, strict=True)])
+        slots = t.tables[np.arange(len(chunks)), positions // page_size] * page_size + (
+            positions % page_size
+        )
+        bucket = batch_bucket(len(chunks), graphs.max_batch)
+        assert bucket is not None  # graphs.takes checked it
+        inputs = DecodeInputs.padded(
+            ids, positions, slots, t.tables, t.context_lens, t.seq_tags, bucket, graphs.width
+        )
+        logits, violations = graphs.run(inputs, len(chunks))
+        completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
+        rows = torch.tensor(completing, dtype=torch.long, device=logits.device)
+        return StepResult(logits.index_select(0, rows), (violations[: len(chunks)] > 0).tolist())

@@ -94,12 +94,16 @@ def _engine_factory(
     max_model_len: int | None,
     kv_memory_mb: int | None,
     prefix_cache_blocks: int = 0,
+    device: str = "cpu",
+    cuda_graph_batch: int | None = None,
 ) -> Any:
     def load() -> Any:
         from gpu_node.async_engine import AsyncEngine
         from gpu_node.config import EngineConfig
 
-        options: dict[str, Any] = {"model": model, "kv_dtype": kv_dtype}
+        options: dict[str, Any] = {"model": model, "kv_dtype": kv_dtype, "device": device}
+        if cuda_graph_batch is not None:
+            options["cuda_graph_batch"] = cuda_graph_batch
         if weights is not None:
             options["weights"] = weights
         if max_model_len is not None:
@@ -110,6 +114,23 @@ def _engine_factory(
         return AsyncEngine.from_config(EngineConfig(**options))
 
     return load
+
+
+def _device(name: str) -> str:
+    """--device as an engine device: auto is a CUDA GPU where one is visible, else the CPU."""
+    if name not in ("auto", "cpu", "cuda") and not (
+        name.startswith("cuda:") and name[5:].isdigit()
+    ):
+        raise typer.BadParameter("must be auto, cpu, cuda or cuda:N", param_hint="--device")
+    if name == "cpu":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda" if name == "auto" else name
+    if name == "auto":
+        return "cpu"
+    raise typer.BadParameter(f"{name}: no CUDA GPU is visible here", param_hint="--device")
 
 
 def _internal_token(given: str | None) -> str:
@@ -142,6 +163,14 @@ def up(
     prefix_cache_blocks: int = typer.Option(
         0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
     ),
+    device: str = typer.Option(
+        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda | cuda:N"
+    ),
+    cuda_graph_batch: int | None = typer.Option(
+        None,
+        min=0,
+        help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
+    ),
     queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
@@ -150,6 +179,7 @@ def up(
     this process, moving the usage stream into the SQLite ledger."""
     from gateway.keys import new_key
 
+    engine_device = _device(device)
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
@@ -174,7 +204,8 @@ def up(
                          internal_token=internal_token),
             stores.registry,
             engine_factory=_engine_factory(
-                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks
+                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
+                engine_device, cuda_graph_batch,
             ),
         )  # fmt: skip
         gateway_app = create_app(
@@ -226,6 +257,14 @@ def node(
     prefix_cache_blocks: int = typer.Option(
         0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
     ),
+    device: str = typer.Option(
+        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda | cuda:N"
+    ),
+    cuda_graph_batch: int | None = typer.Option(
+        None,
+        min=0,
+        help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
+    ),
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
@@ -235,6 +274,7 @@ def node(
 
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
+    engine_device = _device(device)
     token = _internal_token(internal_token)
 
     async def main() -> None:
@@ -252,7 +292,8 @@ def node(
             ),
             RedisCapacityRegistry(client, prefix),
             engine_factory=_engine_factory(
-                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks
+                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
+                engine_device, cuda_graph_batch,
             ),
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)

@@ -28,3 +28,23 @@ def test_node_refuses_a_role_it_does_not_know() -> None:
     assert "must be one of mixed, prefill, decode" in " ".join(
         result.stderr.replace("│", " ").split()
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "device", "message"),
+    [
+        ("node", "gpu", "must be auto, cpu, cuda or cuda:N"),
+        ("up", "cuda:x", "must be auto, cpu, cuda or cuda:N"),
+        ("node", "cuda", "cuda: no CUDA GPU is visible here"),  # this machine has none
+        ("up", "cuda:1", "cuda:1: no CUDA GPU is visible here"),
+    ],
+)
+def test_node_and_up_refuse_a_device_they_cannot_use(command, device, message) -> None:
+    import torch
+
+    if torch.cuda.is_available() and "visible" in message:
+        pytest.skip("this machine has a CUDA GPU: the device is usable")  # never on CI
+    token = ["--internal-token", "t"] if command == "node" else []
+    result = CliRunner().invoke(build_app(), [command, *token, "--device", device])
+    assert result.exit_code == 2
+    assert message in " ".join(result.stderr.replace("│", " ").split())

@@ -1,0 +1,176 @@
+"""Decode steps from CUDA graphs (decode_graphs.py), what a CPU can check: the buckets,
+the padding, which steps a graph takes, and, with the static step run eagerly
+(`capture=False`), that the padded step gives the engine's own tokens and writes
+nothing but its own tokens' slots. The captured graphs run in
+tests/gpu_node/kernels/test_decode_graphs_gpu.py."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_node.config import EngineConfig
+from gpu_node.decode_graphs import (
+    PAD_TAG,
+    DecodeGraphs,
+    DecodeInputs,
+    batch_bucket,
+    capturable,
+    context_bucket,
+)
+from gpu_node.models.moe import MoeExperts
+from gpu_node.weights import moe_model
+from scheduler.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Count from one to five, then say done.",
+]
+
+
+def static_steps(engine, max_batch: int = 8) -> DecodeGraphs:
+    """The engine's decode steps through the padded static step, run eagerly."""
+    runner = engine.runner
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_cache, runner.page_owner, runner.scale, runner.check_owner,
+        max_batch, engine.max_model_len, capture=False,
+    )  # fmt: skip
+    runner.graphs = graphs
+    return graphs
+
+
+def test_batch_buckets_are_powers_of_two_up_to_the_cap() -> None:
+    assert [batch_bucket(b, 32) for b in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [
+        1, 2, 4, 4, 8, 8, 16, 32, 32,
+    ]  # fmt: skip
+    assert batch_bucket(5, 6) == 6  # the cap itself is a bucket
+    assert batch_bucket(33, 32) is None
+    assert batch_bucket(0, 32) is None
+
+
+def test_context_buckets_start_at_256_and_stop_at_the_window() -> None:
+    assert [context_bucket(n, 8192) for n in (1, 256, 257, 1000, 1024, 1025, 8000, 8192)] == [
+        256, 256, 512, 1024, 1024, 2048, 8192, 8192,
+    ]  # fmt: skip
+    assert context_bucket(300, 400) == 400
+
+
+def test_pad_rows_write_nothing_and_read_one_token_of_page_0_under_no_owner() -> None:
+    inputs = DecodeInputs.padded(
+        ids=np.array([11, 12, 13]),
+        positions=np.array([5, 40, 17]),
+        slots=np.array([7 * 16 + 5, 9 * 16 + 8, 3 * 16 + 1]),
+        tables=np.array([[7, 0, 0], [2, 4, 9], [6, 3, 0]]),
+        context_lens=np.array([6, 41, 18]),
+        seq_tags=np.array([65536, 131072, 196609]),
+        batch=4,
+        width=5,
+    )
+    assert inputs.ids.tolist() == [11, 12, 13, 0]
+    assert inputs.positions.tolist() == [5, 40, 17, 0]
+    assert inputs.slots.tolist() == [117, 152, 49, -1]
+    assert inputs.tables.tolist() == [[7, 0, 0, 0, 0], [2, 4, 9, 0, 0], [6, 3, 0, 0, 0], [0] * 5]
+    assert inputs.context_lens.tolist() == [6, 41, 18, 1]
+    assert inputs.seq_tags.tolist() == [65536, 131072, 196609, PAD_TAG]
+    assert inputs.tables.dtype == np.int32 and inputs.context_lens.dtype == np.int32
+    with pytest.raises(ValueError, match="3 rows of 6 pages do not fit a bucket of 4 x 5"):
+        DecodeInputs.padded(*(np.zeros(3, dtype=np.int64),) * 3, np.zeros((3, 6)),
+                            np.ones(3), np.ones(3), batch=4, width=5)  # fmt: skip
+
+
+def test_only_all_decode_steps_within_the_buckets_and_tables_are_taken(make_engine) -> None:
+    graphs = static_steps(make_engine(), max_batch=4)  # 128 pages of 16, window 8192: width 512
+    assert graphs.width == 512
+    lens = np.array([2, 3])
+    assert graphs.takes([1, 1], np.array([17, 40]), lens)
+    assert not graphs.takes([1, 5], np.array([17, 40]), lens)  # a prompt chunk
+    assert not graphs.takes([1] * 5, np.full(5, 3), np.full(5, 1))  # past the largest bucket
+    assert not graphs.takes([1, 1], np.array([17, 48]), lens)  # token 48 is past 3 pages
+    assert not graphs.takes([1], np.array([3]), np.array([513]))  # wider than the window
+    graphs.disabled = True
+    assert not graphs.takes([1, 1], np.array([17, 40]), lens)
+
+
+def test_the_padded_static_step_gives_the_engines_own_tokens(make_engine, chat_ids) -> None:
+    prompts = {f"r{i}": chat_ids(text) for i, text in enumerate(PROMPTS)}
+    plain = make_engine().generate(prompts, GREEDY)
+    engine = make_engine()
+    graphs = static_steps(engine)
+    calls = []
+    run = graphs.run
+    graphs.run = lambda inputs, n: calls.append((len(inputs.ids), n)) or run(inputs, n)
+    assert engine.generate(prompts, GREEDY) == plain
+    # three sequences decode in a bucket of 4 (one pad row) until they finish together
+    assert calls and set(calls) == {(4, 3)}
+    assert len(calls) == GREEDY.max_tokens - 1
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in plain.values())
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_a_padded_step_writes_only_its_own_tokens_slots(make_engine, chat_ids, kv_dtype) -> None:
+    engine = make_engine(kv_dtype=kv_dtype)
+    static_steps(engine)
+    for i, text in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", chat_ids(text), GREEDY)
+    engine.step()  # the three prompts, eagerly
+    seqs = list(engine.scheduler.running)
+    slots = [
+        s.block_table[s.num_computed_tokens // 16] * 16 + s.num_computed_tokens % 16 for s in seqs
+    ]
+    kv = engine.kv_cache
+    before = [t.clone() for t in kv.k_cache + kv.v_cache]
+    engine.step()  # one decode step, three rows and a pad row
+    changed = set()
+    for old, new in zip(before, kv.k_cache + kv.v_cache, strict=True):
+        rows = (old != new).reshape(kv.num_pages * 16, -1).any(dim=1)  # [slots]
+        changed |= set(torch.nonzero(rows).flatten().tolist())
+    assert changed == set(slots)
+    assert all(s.num_computed_tokens == s.num_prompt_tokens + 1 for s in seqs)
+
+
+def test_a_foreign_page_is_refused_with_the_static_step_as_without(make_engine, chat_ids) -> None:
+    from gpu_node.faults import FaultInjector
+
+    finals = []
+    for use_static in (False, True):
+        engine = make_engine()
+        if use_static:
+            static_steps(engine)
+        for i, text in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", chat_ids(text), GREEDY)
+        engine.step()
+        engine.step()
+        FaultInjector(engine, random.Random(0)).point_at_foreign_page("r1", "r0")
+        outcome, tokens = {}, {f"r{i}": 0 for i in range(len(PROMPTS))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += len(out.token_ids)
+                if out.finished:
+                    outcome[out.request_id] = (out.finish_reason, tokens[out.request_id])
+        finals.append(outcome)
+    assert finals[0] == finals[1]
+    assert finals[1]["r1"][0] == "error"
+    # the two steps before the fault gave each request its first two tokens
+    assert finals[1]["r0"] == finals[1]["r2"] == ("length", GREEDY.max_tokens - 2)
+
+
+def test_graphs_are_only_made_on_a_gpu_and_can_be_turned_off(make_engine) -> None:
+    assert make_engine().runner.graphs is None  # CPU
+    assert EngineConfig().cuda_graph_batch == 32
+    with pytest.raises(ValueError, match="cuda_graph_batch must be >= 0, got -1"):
+        EngineConfig(cuda_graph_batch=-1)
+
+
+def test_float_moe_experts_cannot_be_captured_and_int4_ones_can() -> None:
+    from gpu_node.quant.linear import quantize_model
+
+    model = moe_model("moe-small", device="cpu")
+    assert any(isinstance(m, MoeExperts) for m in model.modules())
+    assert not capturable(model)
+    quantize_model(model, group_size=32, skip=("lm_head", "embed_tokens", "router"))
+    assert capturable(model)
