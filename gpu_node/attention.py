@@ -57,15 +57,28 @@ class PagedAttention:
         self.check_owner = check_owner
         self.metadata = metadata
         self.scale = scale
-        self.violations = torch.zeros(
-            len(metadata.query_lens), dtype=torch.int32, device=kv_cache.device
-        )
+        # What each layer's kernels flagged, summed once after the last layer (a few
+        # kernels a step rather than four a layer).
+        self._refused: list[torch.Tensor] = []  # bool [T] a layer
+        self._foreign: list[torch.Tensor] = []  # bool [B] a layer
         self._token_tags = metadata.token_tags
         self._context_lens = (
             metadata.context_lens_device
             if metadata.context_lens_device is not None
             else torch.tensor(metadata.context_lens, dtype=torch.int32, device=kv_cache.device)
         )
+
+    @property
+    def violations(self) -> torch.Tensor:
+        """int32 [B]: refused writes and foreign pages of each sequence over the layers run."""
+        md = self.metadata
+        counts = torch.zeros(len(md.query_lens), dtype=torch.int32, device=self.kv_cache.device)
+        if self._refused:
+            per_token = torch.stack(self._refused).sum(0, dtype=torch.int32)  # [T]
+            counts.index_add_(0, md.token_seq, per_token)
+        if self._foreign:
+            counts += torch.stack(self._foreign).sum(0, dtype=torch.int32)
+        return counts
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -75,7 +88,7 @@ class PagedAttention:
         refused = kv.write(
             layer, k, v, md.slot_mapping, md.page_owner, self._token_tags, self.check_owner
         )  # [T]
-        self.violations.index_add_(0, md.token_seq, refused.int())
+        self._refused.append(refused)
         if kv.uses_kernels and md.is_decode:
             out, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
@@ -83,7 +96,7 @@ class PagedAttention:
                 max_context_len=md.max_context_len or max(md.context_lens),
                 check_owner=self.check_owner,
             )  # fmt: skip
-            self.violations += foreign.int()
+            self._foreign.append(foreign)
             return out
         out = torch.empty_like(q)
         start = 0

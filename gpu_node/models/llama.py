@@ -1,8 +1,10 @@
 """The llama family (dense, grouped-query attention), written plainly.
 
-The model knows nothing of pages, kernels or quantization: attention goes
-through an `AttentionBackend` the runner passes in (which owns the KV cache),
-and quantized linears are swapped in after the model is built.
+The model knows nothing of pages or quantization: attention goes through an
+`AttentionBackend` the runner passes in (which owns the KV cache), and quantized
+linears are swapped in after the model is built. On a GPU, RMSNorm, RoPE and
+SwiGLU's activation each run as one kernel (kernels/elementwise.py) with the
+arithmetic of the torch code here.
 
 Shape legend:
     T  tokens in the step (all sequences, flattened)
@@ -33,6 +35,16 @@ class AttentionBackend(Protocol):
         ...
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """On a GPU the small operations below run as one kernel each (kernels/elementwise.py),
+    with the same arithmetic as the torch code here, which CPUs run."""
+    if not x.is_cuda:
+        return False
+    from gpu_node.kernels.elementwise import use_kernels
+
+    return use_kernels(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -40,6 +52,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x) and x.dim() == 2:
+            from gpu_node.kernels.elementwise import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -80,6 +96,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [T, N, E], positions [T]
         cos, sin = self.angles(positions)
+        if _fused(x) and x.stride(2) == 1:
+            from gpu_node.kernels.elementwise import rope
+
+            return rope(x, cos, sin, self.interleaved)
         x32 = x.float()
         if self.interleaved:
             x1, x2 = x32[..., 0::2], x32[..., 1::2]
@@ -128,7 +148,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, D]
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, F]
+        if _fused(gate) and gate.dtype == up.dtype:
+            from gpu_node.kernels.elementwise import silu_mul
+
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)  # [T, D]
 
 
 class LlamaDecoderLayer(nn.Module):

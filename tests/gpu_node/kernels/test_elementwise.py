@@ -1,0 +1,105 @@
+"""The one-launch RMSNorm, RoPE and silu-and-multiply kernels against the model's own torch
+code (the CPU path), under the Triton interpreter; on a GPU the same tests run compiled."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpu_node.kernels.elementwise as elementwise_module
+from gpu_node.models.llama import RMSNorm, RotaryEmbedding
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated: decorate them again.
+elementwise = importlib.reload(elementwise_module)
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def max_ulps(dtype: torch.dtype, roundings: int = 1) -> int:
+    """What a result may differ by: fp32 sums in another order and another exp or sqrt
+    move a few fp32 steps; a bf16 result is within one step of the reference's rounding,
+    except that the interpreter truncates fp32 to bf16 (a step for each rounding)."""
+    if dtype == torch.float32:
+        return 8
+    return roundings if DEVICE == "cpu" else 1
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of b's dtype's rounding step at b's magnitude."""
+    step = torch.finfo(b.dtype).eps * b.float().abs().clamp_min(torch.finfo(b.dtype).tiny)
+    return ((a.float() - b.float()).abs() / step).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 576), (5, 2048), (3, 100), (0, 64)])
+def test_rms_norm_equals_the_modules_torch_code(dtype, tokens, dim):
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+    norm = norm.to(DEVICE, dtype)
+    x = (torch.randn(tokens, dim, generator=g) * 3).to(DEVICE, dtype)
+    got = elementwise.rms_norm(x, norm.weight, norm.eps)
+    want = norm(x)  # the module's torch code on CPU; on a GPU, the kernel again
+    assert got.dtype == dtype and got.shape == (tokens, dim)
+    if tokens:
+        x32 = x.float()
+        exact = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
+        assert ulps(got, exact.to(dtype)) <= max_ulps(dtype)
+        assert ulps(got, want) <= max_ulps(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 9, 64), (4, 3, 64), (2, 5, 32)])
+def test_rope_equals_the_modules_torch_code(dtype, interleaved, tokens, heads, head_dim):
+    g = torch.Generator().manual_seed(heads)
+    rope = RotaryEmbedding(head_dim, 10000.0, interleaved).to(DEVICE)
+    positions = torch.tensor([0, 7, 300, 4095][:tokens], device=DEVICE)
+    # q as the model makes it: a view of a projection's rows
+    q = (torch.randn(tokens, heads * head_dim, generator=g)).to(DEVICE, dtype)
+    x = q.view(tokens, heads, head_dim)
+    cos, sin = rope.angles(positions)
+    got = elementwise.rope(x, cos, sin, interleaved)
+    x32 = x.float()
+    if interleaved:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+        want = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x32.chunk(2, dim=-1)
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(
+        got.float(), want.to(dtype).float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 0.02
+    )
+    assert ulps(got, want.to(dtype)) <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "features"), [(1, 1536), (3, 1408), (2, 5000)])
+def test_silu_mul_equals_torchs_two_operations(dtype, tokens, features):
+    g = torch.Generator().manual_seed(features)
+    both = (torch.randn(tokens, 2 * features, generator=g) * 4).to(DEVICE, dtype)
+    gate, up = both[:, :features], both[:, features:]  # views with a row stride of 2F
+    got = elementwise.silu_mul(gate, up)
+    want = F.silu(gate) * up
+    assert got.shape == (tokens, features) and got.dtype == dtype
+    assert ulps(got, want) <= max_ulps(dtype, roundings=2)
+
+
+def test_bad_shapes_are_refused_with_what_was_given():
+    x = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"got \(2, 8\) and \(4,\)"):
+        elementwise.rms_norm(x, torch.ones(4, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="head dim must be twice a power of two, got 24"):
+        z = torch.zeros(1, 2, 24, device=DEVICE)
+        elementwise.rope(
+            z, torch.ones(1, 1, 12, device=DEVICE), torch.ones(1, 1, 12, device=DEVICE), True
+        )
+    with pytest.raises(ValueError, match="gate and up"):
+        elementwise.silu_mul(x, torch.zeros(2, 9, device=DEVICE))
