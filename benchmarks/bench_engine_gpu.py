@@ -261,6 +261,20 @@ def main() -> None:
         graph_vs_eager(args.tiny, device, dtype, kv16, steps)
 
 
+def replay_ms(graphs, device, iters=50):
+    """Median ms of replaying the last-captured decode graph alone (no host step around
+    it): what the GPU takes, against the whole step's time."""
+    graph = list(graphs._graphs.values())[-1][0]
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        graph.replay()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def graph_vs_eager(tiny, device, dtype, kv16, steps):
     """tok/s of the same decode steps with and without CUDA graphs, alternated twice."""
     models = {
@@ -276,15 +290,19 @@ def graph_vs_eager(tiny, device, dtype, kv16, steps):
                 quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens", "router"))
             for batch in (1, 8, 32):
                 times = {0: [], 32: []}
+                replays = []
                 for _ in range(2):
                     for graphs in (0, 32):
                         engine = make_engine(model, device, kv_dtype=kv16, num_pages=batch * 40 + 8,
                                              cuda_graph_batch=graphs)  # fmt: skip
                         times[graphs].append(decode_step_ms(engine, batch, 512, steps, device))
+                        if engine.runner.graphs is not None and engine.runner.graphs.num_graphs:
+                            replays.append(replay_ms(engine.runner.graphs, device))
                         del engine
                 eager, graph = min(times[0]), min(times[32])
+                gpu = f"  replay alone {min(replays):.3f} ms of {graph:.3f}" if replays else ""
                 print(f"  {label:10s} {weights:9s} batch {batch:2d}: eager {batch * 1e3 / eager:8.1f} tok/s"
-                      f"  graphs {batch * 1e3 / graph:8.1f} tok/s  {eager / graph:5.2f}x")  # fmt: skip
+                      f"  graphs {batch * 1e3 / graph:8.1f} tok/s  {eager / graph:5.2f}x{gpu}")  # fmt: skip
             del model
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -34,6 +34,16 @@ from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceS
 log = logging.getLogger(__name__)
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with no penalty: the token is its logits' argmax."""
+    return (
+        params.is_greedy
+        and params.repetition_penalty == 1.0
+        and not params.frequency_penalty
+        and not params.presence_penalty
+    )
+
+
 @dataclass
 class _RequestState:
     seq: Sequence
@@ -281,6 +291,11 @@ class LLMEngine:
             if not chunks:
                 return outputs
         result = self.runner.run(chunks, tables)
+        greedy = (
+            self._greedy_tokens(result.logits)
+            if any(_plain_greedy(c.seq.params) for c in chunks)
+            else []
+        )
         row = 0
         for chunk, flagged in zip(chunks, result.violations, strict=True):
             seq = chunk.seq
@@ -293,7 +308,11 @@ class LLMEngine:
             if not completes:
                 continue
             state = self._requests[seq.request_id]
-            token = self._sample(state, result.logits[row])
+            token = (
+                greedy[row]
+                if _plain_greedy(seq.params)
+                else self._sample(state, result.logits[row])
+            )
             row += 1
             seq.output_token_ids.append(token)
             if seq.num_output_tokens == 1:
@@ -393,6 +412,12 @@ class LLMEngine:
                     f"its own, named at column {column}, handed out for {int(columns[page])}",
                 )
         return -1, "flagged by the kernels"  # e.g. a write the device copy refused
+
+    @staticmethod
+    def _greedy_tokens(logits: torch.Tensor) -> list[int]:
+        """The argmax of every row in one operation and one read back (a GPU step would
+        otherwise wait for the device once per sequence); used by the greedy rows."""
+        return logits.argmax(dim=-1).tolist() if len(logits) else []
 
     def _sample(self, state: _RequestState, logits: torch.Tensor) -> int:
         seq = state.seq

@@ -74,10 +74,10 @@ def test_rope_equals_the_modules_torch_code(dtype, interleaved, tokens, heads, h
         x1, x2 = x32.chunk(2, dim=-1)
         want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
-    torch.testing.assert_close(
-        got.float(), want.to(dtype).float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 0.02
-    )
-    assert ulps(got, want.to(dtype)) <= 1
+    # within one step of the dtype of the exact value, plus what fp32 products fused into
+    # one rounding (the GPU's FMA) move where the two terms cancel
+    atol = 4 * torch.finfo(torch.float32).eps * x.float().abs().amax().item()
+    torch.testing.assert_close(got.float(), want, rtol=torch.finfo(dtype).eps, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
