@@ -26,11 +26,19 @@ def use_kernels(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, D, stride_x, stride_r, stride_out, stride_sum, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # the sum rounded to the dtype, as torch's add leaves it, then normed
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
+        x = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(
@@ -38,29 +46,37 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BLOCK:
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D] * rsqrt(mean(x^2) + eps) * weight, in fp32, returned in x's dtype."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] * rsqrt(mean(x^2) + eps) * weight, in fp32, returned in x's dtype. With
+    `residual` [T, D], of x + residual instead: (the norm, the sum), in one launch."""
     if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(f"rms_norm needs x [T, D] with unit column stride and weight [D], "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")  # fmt: skip
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1
+    ):
+        raise ValueError(f"rms_norm's residual must be x's shape and dtype, got "
+                         f"{tuple(residual.shape)} {residual.dtype} for {tuple(x.shape)} {x.dtype}")  # fmt: skip
     out = torch.empty_like(x)
+    summed = out if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
-            x, weight, out, x.shape[1], x.stride(0), out.stride(0), eps, BLOCK=block,
+            x, r, weight, out, summed, x.shape[1], x.stride(0), r.stride(0), out.stride(0),
+            summed.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
             num_warps=4 if block >= 1024 else 1,
         )  # fmt: skip
-    return out
+    return out if residual is None else (out, summed)
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, N, stride_t, stride_n, stride_cs,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
+def _rotate(x_ptr, out_ptr, t, N, stride_t, stride_n, cos, sin, pairs,
+            HALF: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Token t's N heads of x rotated into out (contiguous [T, N, 2 HALF])."""
     heads = tl.arange(0, BLOCK_N)[:, None]  # [BN, 1]
-    pairs = tl.arange(0, HALF)[None, :]  # [1, E/2]
     mask = (heads < N) & (pairs < HALF)
     if INTERLEAVED:  # pairs (2i, 2i + 1)
         first, second = 2 * pairs, 2 * pairs + 1
@@ -69,31 +85,64 @@ def _rope_kernel(
     base = t * stride_t + heads * stride_n
     x1 = tl.load(x_ptr + base + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + base + second, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + t * stride_cs + pairs)
-    sin = tl.load(sin_ptr + t * stride_cs + pairs)
     out_base = out_ptr + (t * N + heads) * (2 * HALF)
     dtype = out_ptr.dtype.element_ty
     tl.store(out_base + first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(out_base + second, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [T, N, E] rotated by angles whose cos and sin are [T, 1, E/2] (fp32): adjacent pairs
-    when `interleaved`, else the two halves; returned contiguous in x's dtype."""
-    t, n, e = x.shape
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, NQ, NK,
+    stride_qt, stride_qn, stride_kt, stride_kn, stride_cs,
+    HALF: tl.constexpr, BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    pairs = tl.arange(0, HALF)[None, :]  # [1, E/2]
+    cos = tl.load(cos_ptr + t * stride_cs + pairs)
+    sin = tl.load(sin_ptr + t * stride_cs + pairs)
+    _rotate(
+        q_ptr, q_out_ptr, t, NQ, stride_qt, stride_qn, cos, sin, pairs, HALF, BLOCK_NQ, INTERLEAVED
+    )
+    if HAS_K:
+        _rotate(k_ptr, k_out_ptr, t, NK, stride_kt, stride_kn, cos, sin, pairs, HALF, BLOCK_NK,
+                INTERLEAVED)  # fmt: skip
+
+
+def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    t, _, e = x.shape
     if x.stride(2) != 1 or e % 2 or cos.shape != (t, 1, e // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope needs x [T, N, E] with unit last stride and cos, sin [T, 1, E/2], "
                          f"got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")  # fmt: skip
     if triton.next_power_of_2(e // 2) != e // 2:
         raise ValueError(f"rope's head dim must be twice a power of two, got {e}")
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+    k: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [T, N, E] rotated by angles whose cos and sin are [T, 1, E/2] (fp32): adjacent pairs
+    when `interleaved`, else the two halves; returned contiguous in x's dtype. With `k`
+    [T, K, E] (a layer's keys beside its queries) both are rotated in the one launch and
+    both returned."""
+    _check_rope(x, cos, sin)
+    if k is not None:
+        _check_rope(k, cos, sin)
+    t, n, e = x.shape
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty((t, n, e), dtype=x.dtype, device=x.device)
+    k_in = x if k is None else k
+    k_out = out if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t:
         _rope_kernel[(t,)](
-            x, cos, sin, out, n, x.stride(0), x.stride(1), cos.stride(0),
-            HALF=e // 2, BLOCK_N=triton.next_power_of_2(n), INTERLEAVED=interleaved, num_warps=1,
+            x, k_in, cos, sin, out, k_out, n, k_in.shape[1], x.stride(0), x.stride(1),
+            k_in.stride(0), k_in.stride(1), cos.stride(0), HALF=e // 2,
+            BLOCK_NQ=triton.next_power_of_2(n), BLOCK_NK=triton.next_power_of_2(k_in.shape[1]),
+            INTERLEAVED=interleaved, HAS_K=k is not None, num_warps=1,
         )  # fmt: skip
-    return out
+    return out if k is None else (out, k_out)
 
 
 @triton.jit

@@ -55,10 +55,22 @@ class RMSNorm(nn.Module):
         if _fused(x) and x.dim() == 2:
             from gpu_node.kernels.elementwise import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)  # type: ignore[return-value]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum in x's dtype; one launch on a GPU."""
+        if _fused(x) and x.dim() == 2 and residual.dtype == x.dtype:
+            from gpu_node.kernels.elementwise import rms_norm
+
+            normed, summed = rms_norm(x, self.weight, self.eps, residual)
+            return normed, summed
+        summed = x + residual
+        return self(summed), summed
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,13 +105,25 @@ class RotaryEmbedding(nn.Module):
         finally:
             self._step = None
 
+    def pair(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's queries and keys rotated alike; one launch on a GPU."""
+        if _fused(q) and q.stride(2) == 1 and k.stride(2) == 1 and k.dtype == q.dtype:
+            from gpu_node.kernels.elementwise import rope
+
+            cos, sin = self.angles(positions)
+            q, k = rope(q, cos, sin, self.interleaved, k)
+            return q, k
+        return self(q, positions), self(k, positions)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [T, N, E], positions [T]
         cos, sin = self.angles(positions)
         if _fused(x) and x.stride(2) == 1:
             from gpu_node.kernels.elementwise import rope
 
-            return rope(x, cos, sin, self.interleaved)
+            return rope(x, cos, sin, self.interleaved)  # type: ignore[return-value]
         x32 = x.float()
         if self.interleaved:
             x1, x2 = x32[..., 0::2], x32[..., 1::2]
@@ -131,8 +155,9 @@ class LlamaAttention(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)  # [T, H, E]
-        k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)  # [T, K, E]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, E]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, K, E]
+        q, k = rope.pair(q, k, positions)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, K, E]
         out = attention(self.layer, q, k, v)  # [T, H, E]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -166,8 +191,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: nn.Module = LlamaMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, positions, rope, attention):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), positions, rope, attention)
+        normed, x = self.post_attention_layernorm.add_norm(x, attended)  # x + attended
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -55,6 +55,30 @@ def test_rms_norm_equals_the_modules_torch_code(dtype, tokens, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 576), (4, 2048), (2, 100)])
+def test_rms_norm_of_a_sum_returns_the_sum_as_torchs_add_leaves_it(dtype, tokens, dim):
+    g = torch.Generator().manual_seed(dim + 1)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+    norm = norm.to(DEVICE, dtype)
+    x = (torch.randn(tokens, dim, generator=g) * 3).to(DEVICE, dtype)
+    residual = torch.randn(tokens, dim, generator=g).to(DEVICE, dtype)
+    got, summed = elementwise.rms_norm(x, norm.weight, norm.eps, residual)
+    want_sum = x + residual
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(summed, want_sum)
+    else:  # the interpreter truncates the bf16 sum
+        assert ulps(summed, want_sum) <= 1
+    s32 = summed.float()
+    exact = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
+    assert ulps(got, exact.to(dtype)) <= max_ulps(dtype)
+    normed, total = norm.add_norm(x, residual)  # the module: torch on CPU, this kernel on a GPU
+    assert ulps(normed, exact.to(dtype)) <= max_ulps(dtype, roundings=2)
+    assert ulps(total, want_sum) <= max_ulps(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 9, 64), (4, 3, 64), (2, 5, 32)])
 def test_rope_equals_the_modules_torch_code(dtype, interleaved, tokens, heads, head_dim):
@@ -78,6 +102,24 @@ def test_rope_equals_the_modules_torch_code(dtype, interleaved, tokens, heads, h
     # one rounding (the GPU's FMA) move where the two terms cancel
     atol = 4 * torch.finfo(torch.float32).eps * x.float().abs().amax().item()
     torch.testing.assert_close(got.float(), want, rtol=torch.finfo(dtype).eps, atol=atol)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_queries_and_keys_rotate_in_one_launch_as_each_alone(interleaved):
+    g = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(64, 10000.0, interleaved).to(DEVICE)
+    positions = torch.tensor([3, 90, 1000], device=DEVICE)
+    q = torch.randn(3, 9 * 64, generator=g).to(DEVICE, torch.bfloat16).view(3, 9, 64)
+    k = torch.randn(3, 3 * 64, generator=g).to(DEVICE, torch.bfloat16).view(3, 3, 64)
+    cos, sin = rope.angles(positions)
+    q_out, k_out = elementwise.rope(q, cos, sin, interleaved, k)
+    assert torch.equal(q_out, elementwise.rope(q, cos, sin, interleaved))
+    assert torch.equal(k_out, elementwise.rope(k, cos, sin, interleaved))
+    assert k_out.shape == (3, 3, 64) and k_out.is_contiguous()
+    q_mod, k_mod = rope.pair(q, k, positions)  # the module: torch on CPU, this kernel on a GPU
+    atol = 4 * torch.finfo(torch.float32).eps * 8
+    for got, want in ((q_mod, q_out), (k_mod, k_out)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
