@@ -28,6 +28,7 @@ from gpu_node.config import EngineConfig
 from gpu_node.kv_cache import bytes_per_page
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.models.config import ModelConfig
+from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import quantize_model
 from gpu_node.weights import moe_model, seeded_llama
 from scheduler.sequence import SamplingParams
@@ -288,6 +289,7 @@ def graph_vs_eager(tiny, device, dtype, kv16, steps):
             if weights != "bf16":
                 group = 32 if tiny else int(weights[len("int4 g") :])
                 quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens", "router"))
+            fuse_projections(model)  # as a GPU node serves it (gpu_node/weights.py)
             for batch in (1, 8, 32):
                 times = {0: [], 32: []}
                 replays = []

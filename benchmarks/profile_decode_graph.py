@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_engine_gpu import LLAMA_1B, SMOLLM2, TINY, make_engine, sync
 
+from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import quantize_model
 from gpu_node.weights import seeded_llama
 from scheduler.sequence import SamplingParams
@@ -45,7 +46,9 @@ def main() -> None:
         torch.float32 if args.tiny else torch.bfloat16
     )
     if args.weights == "int4":
-        quantize_model(model, group_size=32 if args.tiny else 128, skip=("lm_head", "embed_tokens"))
+        group = 32 if args.tiny or args.model == "smollm2" else 128  # 576 is no multiple of 128
+        quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens"))
+    fuse_projections(model)  # as a GPU node serves it
     engine = make_engine(model, device, kv_dtype="fp32" if args.tiny else "bf16",
                          num_pages=args.batch * 40 + 8, cuda_graph_batch=32)  # fmt: skip
     for i in range(args.batch):

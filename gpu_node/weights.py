@@ -12,7 +12,12 @@ from gpu_node.errors import ModelNotFoundError
 from gpu_node.gguf_loader import GGUFModel
 from gpu_node.kernels import launch
 from gpu_node.models.config import ModelConfig
-from gpu_node.models.llama import LlamaModel, RotaryEmbedding, gguf_parameter_names
+from gpu_node.models.llama import (
+    LlamaModel,
+    RotaryEmbedding,
+    fuse_projections,
+    gguf_parameter_names,
+)
 from gpu_node.quant.linear import Int4Linear
 from gpu_node.tokenizer import ChatTokenizer
 
@@ -123,14 +128,19 @@ def build_model(
     from gpu_node.quant.linear import quantize_model
 
     dtype = activation_dtype(weights, device)
+    # On a GPU a layer's q/k/v and gate/up run as one product each (fuse_projections: the
+    # same dot products, fewer launches); a CPU keeps the modules as loaded.
+    on_gpu = torch.device(device).type == "cuda"
     if model in SYNTHETIC_MODELS:
         tokenizer = ChatTokenizer(GGUFModel(resolve_model("smollm2")))
         built = moe_model(model, device=device)
         if weights == "int4":  # from the fp32 weights, so every device serves the same codes
             quantize_model(built, group_size=32, skip=("lm_head", "embed_tokens", "router"))
-        return built.to(dtype), tokenizer  # the INT4 buffers are moved, never cast
+        built = built.to(dtype)  # the INT4 buffers are moved, never cast
+        return (fuse_projections(built) if on_gpu else built), tokenizer
     gguf = GGUFModel(resolve_model(model))
-    return load_llama(gguf, dtype, device, progress, int4=weights == "int4"), ChatTokenizer(gguf)
+    loaded = load_llama(gguf, dtype, device, progress, int4=weights == "int4")
+    return (fuse_projections(loaded) if on_gpu else loaded), ChatTokenizer(gguf)
 
 
 def seeded_llama(

@@ -73,10 +73,11 @@ def rms_norm(
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, t, N, stride_t, stride_n, cos, sin, pairs,
-            HALF: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
-    """Token t's N heads of x rotated into out (contiguous [T, N, 2 HALF])."""
-    heads = tl.arange(0, BLOCK_N)[:, None]  # [BN, 1]
+def _rotate(x_ptr, out_ptr, t, h0, N, stride_t, stride_n, cos, sin, pairs,
+            HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Heads h0 .. h0 + BLOCK_H - 1 (those < N) of token t of x rotated into out
+    (contiguous [T, N, 2 HALF])."""
+    heads = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
     mask = (heads < N) & (pairs < HALF)
     if INTERLEAVED:  # pairs (2i, 2i + 1)
         first, second = 2 * pairs, 2 * pairs + 1
@@ -95,19 +96,22 @@ def _rotate(x_ptr, out_ptr, t, N, stride_t, stride_n, cos, sin, pairs,
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, NQ, NK,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_cs,
-    HALF: tl.constexpr, BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_K: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
+    """Grid (T, q head blocks + k head blocks): a program rotates BLOCK_H heads of one
+    token, of q or, past q's blocks, of k."""
     t = tl.program_id(0)
+    block = tl.program_id(1)
+    q_blocks = tl.cdiv(NQ, BLOCK_H)
     pairs = tl.arange(0, HALF)[None, :]  # [1, E/2]
     cos = tl.load(cos_ptr + t * stride_cs + pairs)
     sin = tl.load(sin_ptr + t * stride_cs + pairs)
-    _rotate(
-        q_ptr, q_out_ptr, t, NQ, stride_qt, stride_qn, cos, sin, pairs, HALF, BLOCK_NQ, INTERLEAVED
-    )
-    if HAS_K:
-        _rotate(k_ptr, k_out_ptr, t, NK, stride_kt, stride_kn, cos, sin, pairs, HALF, BLOCK_NK,
-                INTERLEAVED)  # fmt: skip
+    if block < q_blocks:
+        _rotate(q_ptr, q_out_ptr, t, block * BLOCK_H, NQ, stride_qt, stride_qn, cos, sin, pairs,
+                HALF, BLOCK_H, INTERLEAVED)  # fmt: skip
+    else:
+        _rotate(k_ptr, k_out_ptr, t, (block - q_blocks) * BLOCK_H, NK, stride_kt, stride_kn,
+                cos, sin, pairs, HALF, BLOCK_H, INTERLEAVED)  # fmt: skip
 
 
 def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -136,11 +140,12 @@ def rope(
     k_in = x if k is None else k
     k_out = out if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t:
-        _rope_kernel[(t,)](
+        block_h = 4  # heads a program: 4 x 32 pairs is one warp's 4 values a lane at E = 64
+        blocks = triton.cdiv(n, block_h) + (0 if k is None else triton.cdiv(k.shape[1], block_h))
+        _rope_kernel[(t, blocks)](
             x, k_in, cos, sin, out, k_out, n, k_in.shape[1], x.stride(0), x.stride(1),
-            k_in.stride(0), k_in.stride(1), cos.stride(0), HALF=e // 2,
-            BLOCK_NQ=triton.next_power_of_2(n), BLOCK_NK=triton.next_power_of_2(k_in.shape[1]),
-            INTERLEAVED=interleaved, HAS_K=k is not None, num_warps=1,
+            k_in.stride(0), k_in.stride(1), cos.stride(0), HALF=e // 2, BLOCK_H=block_h,
+            INTERLEAVED=interleaved, num_warps=1,
         )  # fmt: skip
     return out if k is None else (out, k_out)
 

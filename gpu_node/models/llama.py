@@ -146,6 +146,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, config.num_kv_heads * e, bias=False)
         self.v_proj = nn.Linear(d, config.num_kv_heads * e, bias=False)
         self.o_proj = nn.Linear(config.num_heads * e, d, bias=False)
+        # q, k and v as one product (`fuse_projections`, on GPU nodes); None: three
+        self.qkv_proj: nn.Module | None = None
 
     def forward(
         self,
@@ -154,11 +156,13 @@ class LlamaAttention(nn.Module):
         rope: RotaryEmbedding,
         attention: AttentionBackend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, E]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, K, E]
-        q, k = rope.pair(q, k, positions)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, K, E]
+        t, h, kv, e = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:  # views of one [T, (H + 2K) E] product
+            q, k, v = self.qkv_proj(x).split((h * e, kv * e, kv * e), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = rope.pair(q.view(t, h, e), k.view(t, kv, e), positions)  # [T, H, E], [T, K, E]
+        v = v.view(t, kv, e)  # [T, K, E]
         out = attention(self.layer, q, k, v)  # [T, H, E]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -171,9 +175,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one product, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, F]
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] views
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [T, F]
         if _fused(gate) and gate.dtype == up.dtype:
             from gpu_node.kernels.elementwise import silu_mul
 
@@ -225,6 +233,54 @@ class LlamaModel(nn.Module):
                 logits_indices
             ]  # only the tokens we sample from: the lm_head is the widest matmul
         return self.lm_head(self.norm(x)).float()  # [N, V]
+
+
+def fuse_projections(model: LlamaModel) -> LlamaModel:
+    """Each layer's q, k and v projections as one product, and its MLP's gate and up as one,
+    in place (fewer, wider products: at decode a small product costs its launch, not its
+    bytes). Parts are fused only when all are plain linears without bias or all INT4 of
+    one group size; the rows of the fused weight are the parts' rows, in order, so every
+    output is the same dot product as before. Returns `model`."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.qkv_proj is None and (
+            fused := _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        ):
+            attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None
+        mlp = layer.mlp
+        if (
+            isinstance(mlp, LlamaMLP)
+            and mlp.gate_up_proj is None
+            and (fused := _fused_linear(mlp.gate_proj, mlp.up_proj))
+        ):
+            mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
+    return model
+
+
+def _fused_linear(*parts: nn.Module) -> nn.Module | None:
+    from gpu_node.quant.int4 import Int4Weight
+    from gpu_node.quant.linear import Int4Linear
+
+    if all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
+        weights = [p.weight for p in parts if isinstance(p, nn.Linear)]
+        rows = sum(w.shape[0] for w in weights)
+        fused = nn.Linear(weights[0].shape[1], rows, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+        return fused
+    if all(isinstance(p, Int4Linear) and p.bias is None for p in parts):
+        ws = [p.weight_int4 for p in parts if isinstance(p, Int4Linear)]
+        if len({(w.group_size, w.shape[1]) for w in ws}) != 1:
+            return None
+        return Int4Linear(
+            Int4Weight(
+                packed=torch.cat([w.packed for w in ws]),
+                scales=torch.cat([w.scales for w in ws]),
+                mins=torch.cat([w.mins for w in ws]),
+                shape=(sum(w.shape[0] for w in ws), ws[0].shape[1]),
+                group_size=ws[0].group_size,
+            )
+        )
+    return None
 
 
 # GGUF tensor names -> our parameter names, per layer.

@@ -34,6 +34,7 @@ class _Tokens:
 
 def _model(weights):
     from gpu_node.models.config import ModelConfig
+    from gpu_node.models.llama import fuse_projections
     from gpu_node.quant.linear import quantize_model
     from gpu_node.weights import seeded_llama
 
@@ -47,7 +48,7 @@ def _model(weights):
         quantize_model(
             model, group_size=int(weights[len("int4 g") :]), skip=("lm_head", "embed_tokens")
         )
-    return model
+    return fuse_projections(model)  # as a GPU node serves it
 
 
 def _engine(model, kv_dtype, cuda_graph_batch):
