@@ -19,6 +19,10 @@ together span 4x the L2, replay time / R):
   mma not early   the same, each call launched after the previous one completes
 and prints speedups, each kernel's bandwidth as a fraction of a device-to-device copy
 measured in the same run, and the relative error against the fp32 reference.
+--equal-bytes also times, at M = 1, cuBLAS over a dense matrix of the same N and as
+many bytes as the INT4 weight (K cut to match): the time a kernel reading INT4's bytes
+as efficiently as cuBLAS reads its own would take, so the ratio over the dense baseline
+a GEMV of INT4 weights could reach at that size without beating cuBLAS's efficiency.
 --sweep also times the mma kernel over warps x row blocks per warp x accumulator chains
 x register caps x groups per split at M = 1. INT4 is group 128 (--group-size 32 or 64
 for others; a group of 32 is SmolLM2's GGUF Q4_1), fp16 scale and min per group. Needs
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES)
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--equal-bytes", action="store_true", help="see the docstring")
     parser.add_argument("--sweep-warps", default="2,4,8")
     parser.add_argument("--sweep-splits", default="1,2,4,8,16,32", help="groups per split")
     parser.add_argument("--sweep-rows", default="1,2", help="row blocks per warp")
@@ -187,6 +192,17 @@ def main() -> None:
                 "err_gemv": err_gemv,
                 "err_mma": err_mma,
             }
+            if args.equal_bytes and m == 1:
+                k_eq = max(64, round(mmas[0].nbytes / (2 * n) / 64) * 64)
+                copies = copies_for(2 * n * k_eq)
+                eqs = [torch.randn(n, k_eq, device="cuda", dtype=dtype) for _ in range(copies)]
+                x_eq = torch.randn(1, k_eq, device="cuda", dtype=dtype)
+                t_eq = bench_graph([lambda x=x_eq, w=w: F.linear(x, w) for w in eqs]) * 1e3
+                row["dense_equal_bytes_K"] = k_eq
+                row["dense_equal_bytes_us"] = t_eq
+                row["equal_bytes_vs_dense"] = t_dense / t_eq
+                row["us_for_3x"] = t_dense / 3
+                del eqs
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.sweep:
