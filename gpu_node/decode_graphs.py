@@ -40,6 +40,10 @@ PAD_TAG = -1  # owns no page: owner tags are > 0 and FREE is 0
 MIN_CONTEXT = 256
 
 
+class GraphCaptureError(RuntimeError):
+    """A decode step could not be recorded; the graphs are off and steps run eagerly."""
+
+
 def batch_bucket(batch: int, max_batch: int) -> int | None:
     """The smallest power of two >= `batch`, capped at `max_batch`; None past it."""
     if batch < 1 or batch > max_batch:
@@ -61,7 +65,7 @@ class DecodeInputs:
     ids: np.ndarray  # int64 [b]
     positions: np.ndarray  # int64 [b]
     slots: np.ndarray  # int64 [b], -1 in pad rows
-    tables: np.ndarray  # int32 [b, width], 0 past each table
+    tables: np.ndarray  # int32 [b, w] (w: the step's widest table), 0 past each table
     context_lens: np.ndarray  # int32 [b]
     seq_tags: np.ndarray  # int64 [b]
 
@@ -82,7 +86,9 @@ class DecodeInputs:
         n, w = tables.shape
         if n > batch or w > width:
             raise ValueError(f"{n} rows of {w} pages do not fit a bucket of {batch} x {width}")
-        padded_tables = np.zeros((batch, width), dtype=np.int32)
+        # The step's own width only: the kernels read a row's first ceil(context / page)
+        # entries, so the static table's columns past it are never read.
+        padded_tables = np.zeros((batch, max(w, 1)), dtype=np.int32)
         padded_tables[:n, :w] = tables
         return cls(
             ids=_pad(ids, batch, 0, np.int64),
@@ -186,13 +192,14 @@ class DecodeGraphs:
         return logits, violations
 
     def _stage(self, inputs: DecodeInputs) -> None:
-        b = len(inputs.ids)
+        b, w = inputs.tables.shape
         for static, values in (
             (self._ids, inputs.ids), (self._positions, inputs.positions),
-            (self._slots, inputs.slots), (self._tables, inputs.tables),
-            (self._context_lens, inputs.context_lens), (self._seq_tags, inputs.seq_tags),
+            (self._slots, inputs.slots), (self._context_lens, inputs.context_lens),
+            (self._seq_tags, inputs.seq_tags),
         ):  # fmt: skip
             static[:b].copy_(torch.from_numpy(values))
+        self._tables[:b, :w].copy_(torch.from_numpy(inputs.tables))
 
     def _forward(
         self, b: int, context_lens: list[int], bound: int
@@ -225,20 +232,20 @@ class DecodeGraphs:
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             return self._forward(b, context_lens, bound)
 
+        side = torch.cuda.Stream(self.kv_cache.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and autotune outside the capture
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         try:
-            side = torch.cuda.Stream(self.kv_cache.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile and autotune outside the capture
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits, violations = step()
-        except RuntimeError:
+        except RuntimeError as exc:  # the step did something a graph cannot record
             self.disabled = True
             log.exception("decode graph capture failed; decode steps run eagerly from now on")
-            raise
+            raise GraphCaptureError(str(exc)) from exc
         log.info("captured the decode graph for %d rows, contexts up to %d", b, bound)
         return graph, logits, violations

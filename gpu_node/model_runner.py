@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from gpu_node.attention import PagedAttention, StepMetadata
-from gpu_node.decode_graphs import DecodeGraphs, DecodeInputs, batch_bucket
+from gpu_node.decode_graphs import DecodeGraphs, DecodeInputs, GraphCaptureError, batch_bucket
 from gpu_node.kv_cache import KVCache
 from gpu_node.models.llama import LlamaModel
 from scheduler.block_manager import sequence_tag
@@ -157,9 +157,8 @@ class ModelRunner:
             if self.graphs.takes([c.num_new_tokens for c in chunks], positions, t.table_lens):
                 try:
                     return self._run_decode_graph(self.graphs, chunks, positions, t)
-                except RuntimeError:
-                    if not self.graphs.disabled:  # not a capture failure: the step's own error
-                        raise
+                except GraphCaptureError:
+                    pass  # logged; this step and every later one run eagerly
         ids, pos, metadata = self.prepare(chunks, t)
         ends = torch.tensor(metadata.query_lens, device=self.device).cumsum(0) - 1
         completing = [i for i, c in enumerate(chunks) if c.completes_sequence]

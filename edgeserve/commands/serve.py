@@ -117,20 +117,24 @@ def _engine_factory(
 
 
 def _device(name: str) -> str:
-    """--device as an engine device: auto is a CUDA GPU where one is visible, else the CPU."""
-    if name not in ("auto", "cpu", "cuda") and not (
-        name.startswith("cuda:") and name[5:].isdigit()
-    ):
-        raise typer.BadParameter("must be auto, cpu, cuda or cuda:N", param_hint="--device")
+    """--device as an engine device: auto is a CUDA GPU where one is visible, else the CPU.
+
+    A node drives one GPU, the first visible one: CUDA_VISIBLE_DEVICES chooses it (the
+    engine's kernels launch on the current device, so `cuda:N` is not offered)."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise typer.BadParameter(
+            "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)",
+            param_hint="--device",
+        )
     if name == "cpu":
         return name
     import torch
 
     if torch.cuda.is_available():
-        return "cuda" if name == "auto" else name
+        return "cuda"
     if name == "auto":
         return "cpu"
-    raise typer.BadParameter(f"{name}: no CUDA GPU is visible here", param_hint="--device")
+    raise typer.BadParameter("cuda: no CUDA GPU is visible here", param_hint="--device")
 
 
 def _internal_token(given: str | None) -> str:
@@ -164,7 +168,7 @@ def up(
         0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
     ),
     device: str = typer.Option(
-        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda | cuda:N"
+        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
     ),
     cuda_graph_batch: int | None = typer.Option(
         None,
@@ -258,7 +262,7 @@ def node(
         0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
     ),
     device: str = typer.Option(
-        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda | cuda:N"
+        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
     ),
     cuda_graph_batch: int | None = typer.Option(
         None,

@@ -46,30 +46,45 @@ def _rms_norm_kernel(
     )
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] * rsqrt(mean(x^2) + eps) * weight, in fp32, returned in x's dtype. With
-    `residual` [T, D], of x + residual instead: (the norm, the sum), in one launch."""
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(f"rms_norm needs x [T, D] with unit column stride and weight [D], "
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")  # fmt: skip
-    if residual is not None and (
-        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1
-    ):
-        raise ValueError(f"rms_norm's residual must be x's shape and dtype, got "
-                         f"{tuple(residual.shape)} {residual.dtype} for {tuple(x.shape)} {x.dtype}")  # fmt: skip
-    out = torch.empty_like(x)
-    summed = out if residual is None else torch.empty_like(x)
-    r = x if residual is None else residual
+
+
+def _launch_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+    summed: torch.Tensor, eps: float,
+) -> None:  # fmt: skip
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
-            x, r, weight, out, summed, x.shape[1], x.stride(0), r.stride(0), out.stride(0),
-            summed.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            x, residual, weight, out, summed, x.shape[1], x.stride(0), residual.stride(0),
+            out.stride(0), summed.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not x,
             num_warps=4 if block >= 1024 else 1,
         )  # fmt: skip
-    return out if residual is None else (out, summed)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] * rsqrt(mean(x^2) + eps) * weight, in fp32, returned in x's dtype."""
+    _check_norm(x, weight)
+    out = torch.empty_like(x)
+    _launch_norm(x, x, weight, out, out, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one launch, the sum rounded to x's dtype
+    first, as torch's add leaves it."""
+    _check_norm(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+        raise ValueError(f"rms_norm's residual must be x's shape and dtype, got "
+                         f"{tuple(residual.shape)} {residual.dtype} for {tuple(x.shape)} {x.dtype}")  # fmt: skip
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    _launch_norm(x, residual, weight, out, summed, eps)
+    return out, summed
 
 
 @triton.jit
@@ -96,16 +111,17 @@ def _rotate(x_ptr, out_ptr, t, h0, N, stride_t, stride_n, cos, sin, pairs,
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, NQ, NK,
     stride_qt, stride_qn, stride_kt, stride_kn, stride_cs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, q head blocks + k head blocks): a program rotates BLOCK_H heads of one
-    token, of q or, past q's blocks, of k."""
+    token, of q or, past q's blocks, of k. BLOCK_P: E/2 rounded up to a power of two."""
     t = tl.program_id(0)
     block = tl.program_id(1)
     q_blocks = tl.cdiv(NQ, BLOCK_H)
-    pairs = tl.arange(0, HALF)[None, :]  # [1, E/2]
-    cos = tl.load(cos_ptr + t * stride_cs + pairs)
-    sin = tl.load(sin_ptr + t * stride_cs + pairs)
+    pairs = tl.arange(0, BLOCK_P)[None, :]  # [1, BP], the first E/2 real
+    cos = tl.load(cos_ptr + t * stride_cs + pairs, mask=pairs < HALF, other=0.0)
+    sin = tl.load(sin_ptr + t * stride_cs + pairs, mask=pairs < HALF, other=0.0)
     if block < q_blocks:
         _rotate(q_ptr, q_out_ptr, t, block * BLOCK_H, NQ, stride_qt, stride_qn, cos, sin, pairs,
                 HALF, BLOCK_H, INTERLEAVED)  # fmt: skip
@@ -119,35 +135,45 @@ def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.stride(2) != 1 or e % 2 or cos.shape != (t, 1, e // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope needs x [T, N, E] with unit last stride and cos, sin [T, 1, E/2], "
                          f"got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")  # fmt: skip
-    if triton.next_power_of_2(e // 2) != e // 2:
-        raise ValueError(f"rope's head dim must be twice a power of two, got {e}")
 
 
-def rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-    k: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """x [T, N, E] rotated by angles whose cos and sin are [T, 1, E/2] (fp32): adjacent pairs
-    when `interleaved`, else the two halves; returned contiguous in x's dtype. With `k`
-    [T, K, E] (a layer's keys beside its queries) both are rotated in the one launch and
-    both returned."""
-    _check_rope(x, cos, sin)
-    if k is not None:
-        _check_rope(k, cos, sin)
-    t, n, e = x.shape
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    out = torch.empty((t, n, e), dtype=x.dtype, device=x.device)
-    k_in = x if k is None else k
-    k_out = out if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+def _launch_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
+    k_out: torch.Tensor, interleaved: bool,
+) -> None:  # fmt: skip
+    t, n, e = q.shape
     if t:
         block_h = 4  # heads a program: 4 x 32 pairs is one warp's 4 values a lane at E = 64
-        blocks = triton.cdiv(n, block_h) + (0 if k is None else triton.cdiv(k.shape[1], block_h))
+        blocks = triton.cdiv(n, block_h) + (0 if k is q else triton.cdiv(k.shape[1], block_h))
         _rope_kernel[(t, blocks)](
-            x, k_in, cos, sin, out, k_out, n, k_in.shape[1], x.stride(0), x.stride(1),
-            k_in.stride(0), k_in.stride(1), cos.stride(0), HALF=e // 2, BLOCK_H=block_h,
-            INTERLEAVED=interleaved, num_warps=1,
+            q, k, cos, sin, q_out, k_out, n, k.shape[1], q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), cos.stride(0), HALF=e // 2,
+            BLOCK_P=triton.next_power_of_2(e // 2), BLOCK_H=block_h, INTERLEAVED=interleaved,
+            num_warps=1,
         )  # fmt: skip
-    return out if k is None else (out, k_out)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [T, N, E] rotated by angles whose cos and sin are [T, 1, E/2] (fp32): adjacent pairs
+    when `interleaved`, else the two halves; returned contiguous in x's dtype."""
+    _check_rope(x, cos, sin)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rope(x, x, cos, sin, out, out, interleaved)
+    return out
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's queries [T, H, E] and keys [T, K, E] rotated as `rope` does, in one launch."""
+    _check_rope(q, cos, sin)
+    _check_rope(k, cos, sin)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_rope(q, k, cos, sin, q_out, k_out, interleaved)
+    return q_out, k_out
 
 
 @triton.jit

@@ -33,10 +33,10 @@ def test_node_refuses_a_role_it_does_not_know() -> None:
 @pytest.mark.parametrize(
     ("command", "device", "message"),
     [
-        ("node", "gpu", "must be auto, cpu, cuda or cuda:N"),
-        ("up", "cuda:x", "must be auto, cpu, cuda or cuda:N"),
+        ("node", "gpu", "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)"),
+        ("up", "cuda:1", "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)"),
         ("node", "cuda", "cuda: no CUDA GPU is visible here"),  # this machine has none
-        ("up", "cuda:1", "cuda:1: no CUDA GPU is visible here"),
+        ("up", "cuda", "cuda: no CUDA GPU is visible here"),
     ],
 )
 def test_node_and_up_refuse_a_device_they_cannot_use(command, device, message) -> None:

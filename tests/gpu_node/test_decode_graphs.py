@@ -74,7 +74,8 @@ def test_pad_rows_write_nothing_and_read_one_token_of_page_0_under_no_owner() ->
     assert inputs.ids.tolist() == [11, 12, 13, 0]
     assert inputs.positions.tolist() == [5, 40, 17, 0]
     assert inputs.slots.tolist() == [117, 152, 49, -1]
-    assert inputs.tables.tolist() == [[7, 0, 0, 0, 0], [2, 4, 9, 0, 0], [6, 3, 0, 0, 0], [0] * 5]
+    # the step's own width: a row's columns past its context are never read
+    assert inputs.tables.tolist() == [[7, 0, 0], [2, 4, 9], [6, 3, 0], [0, 0, 0]]
     assert inputs.context_lens.tolist() == [6, 41, 18, 1]
     assert inputs.seq_tags.tolist() == [65536, 131072, 196609, PAD_TAG]
     assert inputs.tables.dtype == np.int32 and inputs.context_lens.dtype == np.int32
@@ -109,6 +110,31 @@ def test_the_padded_static_step_gives_the_engines_own_tokens(make_engine, chat_i
     assert calls and set(calls) == {(4, 3)}
     assert len(calls) == GREEDY.max_tokens - 1
     assert all(len(tokens) == GREEDY.max_tokens for tokens in plain.values())
+
+
+def test_one_token_prompt_chunks_that_complete_nothing_take_the_static_step(
+    make_engine, chat_ids
+) -> None:
+    """With two tokens a step, the second prompt is computed a token a step beside the
+    first one's decode token: steps whose rows complete and do not complete sequences
+    go through the static step, and only the completing rows' logits are sampled."""
+    prompts = {f"r{i}": chat_ids(text) for i, text in enumerate(PROMPTS[:2])}
+    plain = make_engine(max_num_batched_tokens=2).generate(prompts, GREEDY)
+    engine = make_engine(max_num_batched_tokens=2)
+    static_steps(engine)
+    completing = []
+    run = engine.runner._run_decode_graph
+
+    def record(graphs, chunks, positions, tables):
+        completing.append([c.completes_sequence for c in chunks])
+        return run(graphs, chunks, positions, tables)
+
+    engine.runner._run_decode_graph = record
+    assert engine.generate(prompts, GREEDY) == plain
+    # r0's last prompt token, then its nine decode tokens, each beside one of r1's prompt
+    # tokens; then r1 alone: the rest of its prompt in 2-token chunks (eager), and its
+    # nine decode tokens
+    assert completing == [[True, False]] * 10 + [[True]] * 9
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])

@@ -155,3 +155,34 @@ def test_the_captured_kernels_refuse_a_foreign_page():
     assert {r: t for r, t in tokens.items() if r != "r1"} == {
         r: t for r, t in expected.items() if r != "r1"
     }
+
+
+@needs_cuda
+def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
+    """A 300-token context (bucket 512) decodes alone, then beside five more (the bucket of
+    6, a cap that is no power of two), then alone again: the graph of one row replays
+    after another graph was captured into the shared pool, with the eager logits."""
+    from gpu_node.decode_graphs import DecodeGraphs
+
+    model = _model("int4 g32")
+    long_ids = [(11 * j) % 4000 + 1 for j in range(300)]
+    runs = []
+    for capture in (False, True):
+        engine = _engine(model, "fp8", 0)
+        runner = engine.runner
+        runner.graphs = DecodeGraphs(
+            model, runner.kv_cache, runner.page_owner, runner.scale, True, 6,
+            engine.max_model_len, capture=capture,
+        )  # fmt: skip
+        steps = _record_logits(runner)
+        engine.add_request("long", long_ids, SamplingParams(max_tokens=16, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        for i in range(5):
+            ids = [(5 * i + j) % 4000 + 1 for j in range(20)]
+            engine.add_request(f"s{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        runs.append((torch.cat(steps), sorted(runner.graphs._graphs)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[1][1] == [(1, 512), (6, 512)]

@@ -64,7 +64,7 @@ def test_rms_norm_of_a_sum_returns_the_sum_as_torchs_add_leaves_it(dtype, tokens
     norm = norm.to(DEVICE, dtype)
     x = (torch.randn(tokens, dim, generator=g) * 3).to(DEVICE, dtype)
     residual = torch.randn(tokens, dim, generator=g).to(DEVICE, dtype)
-    got, summed = elementwise.rms_norm(x, norm.weight, norm.eps, residual)
+    got, summed = elementwise.add_rms_norm(x, residual, norm.weight, norm.eps)
     want_sum = x + residual
     if dtype == torch.float32 or DEVICE == "cuda":
         assert torch.equal(summed, want_sum)
@@ -78,48 +78,62 @@ def test_rms_norm_of_a_sum_returns_the_sum_as_torchs_add_leaves_it(dtype, tokens
     assert ulps(total, want_sum) <= max_ulps(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 9, 64), (4, 3, 64), (2, 5, 32)])
-def test_rope_equals_the_modules_torch_code(dtype, interleaved, tokens, heads, head_dim):
-    g = torch.Generator().manual_seed(heads)
-    rope = RotaryEmbedding(head_dim, 10000.0, interleaved).to(DEVICE)
-    positions = torch.tensor([0, 7, 300, 4095][:tokens], device=DEVICE)
-    # q as the model makes it: a view of a projection's rows
-    q = (torch.randn(tokens, heads * head_dim, generator=g)).to(DEVICE, dtype)
-    x = q.view(tokens, heads, head_dim)
-    cos, sin = rope.angles(positions)
-    got = elementwise.rope(x, cos, sin, interleaved)
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """The rotation in fp32, written out: what the kernel and the module must give."""
     x32 = x.float()
     if interleaved:
         x1, x2 = x32[..., 0::2], x32[..., 1::2]
-        want = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        x1, x2 = x32.chunk(2, dim=-1)
-        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
-    # within one step of the dtype of the exact value, plus what fp32 products fused into
-    # one rounding (the GPU's FMA) move where the two terms cancel
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    x1, x2 = x32.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def assert_rotated(got: torch.Tensor, x: torch.Tensor, want: torch.Tensor) -> None:
+    """Within one step of the dtype of the exact value, plus what fp32 products fused into
+    one rounding (the GPU's FMA) move where the two terms cancel."""
+    assert got.shape == x.shape and got.dtype == x.dtype and got.is_contiguous()
     atol = 4 * torch.finfo(torch.float32).eps * x.float().abs().amax().item()
-    torch.testing.assert_close(got.float(), want, rtol=torch.finfo(dtype).eps, atol=atol)
+    torch.testing.assert_close(got.float(), want, rtol=torch.finfo(x.dtype).eps, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim"), [(1, 9, 64), (4, 3, 64), (2, 5, 32), (3, 6, 80)]
+)  # 80: 40 pairs, no power of two
+def test_rope_equals_the_rotation_written_out(dtype, interleaved, tokens, heads, head_dim):
+    g = torch.Generator().manual_seed(heads)
+    rope = RotaryEmbedding(head_dim, 10000.0, interleaved).to(DEVICE)
+    positions = torch.tensor([0, 7, 300, 4095][:tokens], device=DEVICE)
+    x = torch.randn(tokens, heads * head_dim, generator=g).to(DEVICE, dtype)
+    x = x.view(tokens, heads, head_dim)
+    cos, sin = rope.angles(positions)
+    want = rotated(x, cos, sin, interleaved)
+    assert_rotated(elementwise.rope(x, cos, sin, interleaved), x, want)
+    assert_rotated(rope(x, positions), x, want)  # the module: torch on CPU, the kernel on a GPU
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_queries_and_keys_rotate_in_one_launch_as_each_alone(interleaved):
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_queries_and_keys_of_one_fused_product_rotate_in_one_launch(interleaved, head_dim):
+    """q and k as the model has them after fuse_projections: views of one [T, (H + 2K) E]
+    product, rows strided by its width."""
     g = torch.Generator().manual_seed(5)
-    rope = RotaryEmbedding(64, 10000.0, interleaved).to(DEVICE)
+    rope = RotaryEmbedding(head_dim, 10000.0, interleaved).to(DEVICE)
     positions = torch.tensor([3, 90, 1000], device=DEVICE)
-    q = torch.randn(3, 9 * 64, generator=g).to(DEVICE, torch.bfloat16).view(3, 9, 64)
-    k = torch.randn(3, 3 * 64, generator=g).to(DEVICE, torch.bfloat16).view(3, 3, 64)
+    e = head_dim
+    qkv = torch.randn(3, (9 + 2 * 3) * e, generator=g).to(DEVICE, torch.bfloat16)
+    q, k, _ = qkv.split((9 * e, 3 * e, 3 * e), dim=-1)
+    q, k = q.view(3, 9, e), k.view(3, 3, e)
+    assert q.stride(0) == 15 * e and not q.is_contiguous()
     cos, sin = rope.angles(positions)
-    q_out, k_out = elementwise.rope(q, cos, sin, interleaved, k)
+    q_out, k_out = elementwise.rope_qk(q, k, cos, sin, interleaved)
     assert torch.equal(q_out, elementwise.rope(q, cos, sin, interleaved))
     assert torch.equal(k_out, elementwise.rope(k, cos, sin, interleaved))
-    assert k_out.shape == (3, 3, 64) and k_out.is_contiguous()
-    q_mod, k_mod = rope.pair(q, k, positions)  # the module: torch on CPU, this kernel on a GPU
-    atol = 4 * torch.finfo(torch.float32).eps * 8
-    for got, want in ((q_mod, q_out), (k_mod, k_out)):
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=atol)
+    for got, x in ((q_out, q), (k_out, k)):
+        assert_rotated(got, x, rotated(x, cos, sin, interleaved))
+    for got, x in zip(rope.pair(q, k, positions), (q, k), strict=True):  # the module
+        assert_rotated(got, x, rotated(x, cos, sin, interleaved))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,10 +152,13 @@ def test_bad_shapes_are_refused_with_what_was_given():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"got \(2, 8\) and \(4,\)"):
         elementwise.rms_norm(x, torch.ones(4, device=DEVICE), 1e-5)
-    with pytest.raises(ValueError, match="head dim must be twice a power of two, got 24"):
+    with pytest.raises(ValueError, match=r"got \(1, 2, 24\), \(1, 1, 11\), \(1, 1, 11\)"):
         z = torch.zeros(1, 2, 24, device=DEVICE)
         elementwise.rope(
-            z, torch.ones(1, 1, 12, device=DEVICE), torch.ones(1, 1, 12, device=DEVICE), True
+            z, torch.ones(1, 1, 11, device=DEVICE), torch.ones(1, 1, 11, device=DEVICE), True
         )
+    with pytest.raises(ValueError, match="residual must be x's shape and dtype"):
+        elementwise.add_rms_norm(x, torch.zeros(2, 8, device=DEVICE, dtype=torch.float64),
+                                 torch.ones(8, device=DEVICE), 1e-5)  # fmt: skip
     with pytest.raises(ValueError, match="gate and up"):
         elementwise.silu_mul(x, torch.zeros(2, 9, device=DEVICE))
