@@ -11,7 +11,8 @@ Score of a candidate node (higher wins, ties go to the lower node id):
 
     free KV tokens - tokens reserved on it - num_waiting * queue_cost_tokens
     (+ affinity_tokens on the node that last ran the same account's prompts for the
-       model: its prefix cache may hold them)
+       model: its prefix cache may hold them; remembered in Redis for fleets, so every
+       gateway sends an account's next prompt where the last one went)
 
 A node is a candidate only while `reserved + this request <= total KV tokens *
 overcommit`: the node may queue some work, but past that the fleet is out of
@@ -193,6 +194,51 @@ class LocalReservations:
         return sum(tokens for tokens, _ in self._live(node_id, time.monotonic()).values())
 
 
+class Affinities(Protocol):
+    """Which node last ran an account's prompts for a model."""
+
+    async def get(self, account_id: str, model: str) -> str | None: ...
+
+    async def remember(self, account_id: str, model: str, node_id: str) -> None: ...
+
+
+class RedisAffinities:
+    """Affinities shared by the fleet's gateways: `{prefix}affinity:{model}:{account}` ->
+    node id, kept `ttl_s` after the last prompt (a prefix cache forgets old prompts too)."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "edgeserve:", ttl_s: float = 600.0):
+        self._redis = client
+        self._prefix = prefix
+        self._ttl_ms = int(ttl_s * 1000)
+
+    def _key(self, account_id: str, model: str) -> str:
+        return f"{self._prefix}affinity:{model}:{account_id}"
+
+    async def get(self, account_id: str, model: str) -> str | None:
+        value = await self._redis.get(self._key(account_id, model))
+        return None if value is None else value.decode() if isinstance(value, bytes) else str(value)
+
+    async def remember(self, account_id: str, model: str, node_id: str) -> None:
+        await self._redis.set(self._key(account_id, model), node_id, px=self._ttl_ms)
+
+
+class LocalAffinities:
+    """The same in one process: the `max_entries` most recent accounts and models."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self._max_entries = max_entries
+        self._table: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    async def get(self, account_id: str, model: str) -> str | None:
+        return self._table.get((account_id, model))
+
+    async def remember(self, account_id: str, model: str, node_id: str) -> None:
+        self._table[account_id, model] = node_id
+        self._table.move_to_end((account_id, model))
+        while len(self._table) > self._max_entries:
+            self._table.popitem(last=False)
+
+
 class Placer:
     """Chooses a node for a request among the live ones serving its model."""
 
@@ -203,7 +249,7 @@ class Placer:
         overcommit: float = 2.0,
         queue_cost_tokens: int = 256,
         affinity_tokens: int = 512,
-        max_affinities: int = 10_000,
+        affinities: Affinities | None = None,
     ) -> None:
         self._view = view
         self._reservations = reservations
@@ -211,10 +257,10 @@ class Placer:
         self._queue_cost_tokens = queue_cost_tokens
         # Prefix affinity: the node that last ran an account's prompts for a model (its
         # prefix cache holds them) scores `affinity_tokens` more for that account's next
-        # request; a node freer by more than that still wins. This gateway's memory only.
+        # request; a node freer by more than that still wins. Shared through Redis in a
+        # fleet (RedisAffinities); this process's memory by default.
         self._affinity_tokens = affinity_tokens
-        self._max_affinities = max_affinities
-        self._affinity: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._affinities: Affinities = affinities if affinities is not None else LocalAffinities()
 
     def _candidate(self, record: CapacityRecord, affine: str | None = None) -> Candidate:
         bonus = self._affinity_tokens if record.node_id == affine else 0
@@ -225,13 +271,9 @@ class Placer:
             queue_cost_tokens=record.num_waiting * self._queue_cost_tokens,
         )
 
-    def _remember(self, account_id: str, model: str, node_id: str) -> None:
-        if not account_id:
-            return
-        self._affinity[account_id, model] = node_id
-        self._affinity.move_to_end((account_id, model))
-        while len(self._affinity) > self._max_affinities:
-            self._affinity.popitem(last=False)
+    async def _remember(self, account_id: str, model: str, node_id: str) -> None:
+        if account_id:
+            await self._affinities.remember(account_id, model, node_id)
 
     async def has_nodes(self, model: str) -> bool:
         return bool(await self._view.live(model))
@@ -258,7 +300,7 @@ class Placer:
         prompt (the prefill node, or the whole-request one) gets the account's prefix
         affinity for its next request.
         """
-        affine = self._affinity.get((account_id, model)) if account_id else None
+        affine = await self._affinities.get(account_id, model) if account_id else None
         live = [r for r in await self._view.live(model) if r.node_id not in exclude]
         decoders = [r for r in live if r.role == "decode"]
         prefillers = [r for r in live if r.role == "prefill"]
@@ -270,7 +312,7 @@ class Placer:
                 chosen = decoders[index]
                 # the best score; ties go to the lower node id, as in the reservation step
                 prefiller = min(prefillers, key=lambda r: (-self._score(r, affine), r.node_id))
-                self._remember(account_id, model, prefiller.node_id)
+                await self._remember(account_id, model, prefiller.node_id)
                 return Placement(
                     request_id, chosen.node_id, chosen.address, num_tokens, prefiller.address
                 )
@@ -281,7 +323,7 @@ class Placer:
         if index is None:
             return None
         chosen = records[index]
-        self._remember(account_id, model, chosen.node_id)
+        await self._remember(account_id, model, chosen.node_id)
         return Placement(request_id, chosen.node_id, chosen.address, num_tokens)
 
     def _score(self, record: CapacityRecord, affine: str | None = None) -> int:

@@ -434,7 +434,12 @@ async def _stores(
     )
     from gateway.keys import MemoryKeyStore, RedisKeyStore
     from scheduler.capacity import CapacityView, LocalCapacityRegistry, RedisCapacityRegistry
-    from scheduler.placement import LocalReservations, Placer, RedisReservations
+    from scheduler.placement import (
+        LocalReservations,
+        Placer,
+        RedisAffinities,
+        RedisReservations,
+    )
 
     location: str = database_url or str(default_sqlite_path())
     if database_url is None:
@@ -457,8 +462,9 @@ async def _stores(
     client = aioredis.Redis.from_url(redis_url or DEFAULT_REDIS_URL)
     shared_registry = RedisCapacityRegistry(client, prefix)
     shared_placer = Placer(
-        CapacityView(shared_registry, max_age_s=1.0), RedisReservations(client, prefix)
-    )
+        CapacityView(shared_registry, max_age_s=1.0), RedisReservations(client, prefix),
+        affinities=RedisAffinities(client, prefix),
+    )  # fmt: skip
     stream_key = f"{prefix}usage"
     admission = AdmissionSettings(
         policy=policy,

@@ -8,9 +8,11 @@ import pytest
 from scheduler.capacity import CapacityRecord, CapacityView, LocalCapacityRegistry
 from scheduler.placement import (
     Candidate,
+    LocalAffinities,
     LocalReservations,
     Placement,
     Placer,
+    RedisAffinities,
     RedisReservations,
 )
 
@@ -40,6 +42,13 @@ def reservations(request, redis_client, redis_prefix):
     if request.param == "local":
         return LocalReservations()
     return RedisReservations(redis_client, prefix=redis_prefix)
+
+
+@pytest.fixture(params=["local", "redis"])
+def affinities(request, redis_client, redis_prefix):
+    if request.param == "local":
+        return LocalAffinities()
+    return RedisAffinities(redis_client, prefix=redis_prefix)
 
 
 async def test_reserve_best_picks_the_highest_score_and_counts_reservations(reservations) -> None:
@@ -150,11 +159,14 @@ async def test_decode_and_prefill_nodes_split_a_request_and_full_decoders_fall_b
     assert await lonely.place("smollm2", "r4", 10) is None
 
 
-async def test_an_accounts_next_request_prefers_the_node_holding_its_prefix() -> None:
+async def test_an_accounts_next_request_prefers_the_node_holding_its_prefix(affinities) -> None:
     registry = LocalCapacityRegistry()
     await registry.publish(record("node-a"))  # 1024 free tokens
     await registry.publish(record("node-b", free_pages=60))  # 960
-    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), affinity_tokens=512)
+    placer = Placer(
+        CapacityView(registry, max_age_s=1.0), LocalReservations(), affinity_tokens=512,
+        affinities=affinities,
+    )  # fmt: skip
     first = await placer.place("smollm2", "r1", 300, account_id="acct-x")
     assert first is not None and first.node_id == "node-a"  # 1024 > 960
     # node-a now scores 724 against node-b's 960, but holds acct-x's prompt: 724 + 512 wins
@@ -173,7 +185,7 @@ async def test_an_accounts_next_request_prefers_the_node_holding_its_prefix() ->
     assert fifth is not None and fifth.node_id == "node-b"
 
 
-async def test_the_prefill_node_of_a_split_request_gets_the_affinity() -> None:
+async def test_the_prefill_node_of_a_split_request_gets_the_affinity(affinities) -> None:
     registry = LocalCapacityRegistry()
     for r in [
         record("dec-a", role="decode"),
@@ -182,7 +194,7 @@ async def test_the_prefill_node_of_a_split_request_gets_the_affinity() -> None:
     ]:
         await registry.publish(r)
     view = CapacityView(registry, max_age_s=0.0)  # every placement reads the records anew
-    placer = Placer(view, LocalReservations(), affinity_tokens=512)
+    placer = Placer(view, LocalReservations(), affinity_tokens=512, affinities=affinities)
     first = await placer.place("smollm2", "r1", 10, account_id="acct-x")
     assert first is not None and first.prefill_address == "http://pre-b:8081"  # 320 > 256
     await registry.publish(record("pre-b", role="prefill", free_pages=8))  # 128 now
@@ -190,3 +202,40 @@ async def test_the_prefill_node_of_a_split_request_gets_the_affinity() -> None:
     assert again is not None and again.prefill_address == "http://pre-b:8081"  # 128 + 512
     other = await placer.place("smollm2", "r3", 10, account_id="acct-y")
     assert other is not None and other.prefill_address == "http://pre-a:8081"
+
+
+async def test_gateways_sharing_redis_send_an_account_where_its_last_prompt_went(
+    redis_client, redis_prefix
+) -> None:
+    registry = LocalCapacityRegistry()  # both gateways read the same records
+    await registry.publish(record("node-a"))  # 1024 free tokens
+    await registry.publish(record("node-b", free_pages=60))  # 960
+
+    def gateway() -> Placer:
+        return Placer(
+            CapacityView(registry, max_age_s=1.0),
+            RedisReservations(redis_client, redis_prefix),
+            affinity_tokens=512,
+            affinities=RedisAffinities(redis_client, redis_prefix, ttl_s=60),
+        )
+
+    gateways = [gateway(), gateway()]
+    first = await gateways[0].place("smollm2", "r1", 300, account_id="acct-x")
+    assert first is not None and first.node_id == "node-a"  # 1024 > 960
+    # the other gateway: node-a at 724 (the shared reservation) + 512 against node-b's 960
+    second = await gateways[1].place("smollm2", "r2", 300, account_id="acct-x")
+    assert second is not None and second.node_id == "node-a"
+    other = await gateways[1].place("smollm2", "r3", 10, account_id="acct-y")
+    assert other is not None and other.node_id == "node-b"
+    key = f"{redis_prefix}affinity:smollm2:acct-x"
+    assert await redis_client.get(key) in (b"node-a", "node-a")
+    assert 0 < await redis_client.pttl(key) <= 60_000
+
+
+async def test_local_affinities_keep_the_most_recent_accounts() -> None:
+    affinities = LocalAffinities(max_entries=2)
+    for account, node in (("a", "n1"), ("b", "n2"), ("a", "n3"), ("c", "n1")):
+        await affinities.remember(account, "smollm2", node)
+    # "b" was the least recently placed when "c" came
+    assert [await affinities.get(a, "smollm2") for a in "abc"] == ["n3", None, "n1"]
+    assert await affinities.get("a", "other-model") is None
