@@ -82,15 +82,21 @@ def decode_step_ms(engine, batch, context, steps, device):
         engine.step()
     engine.step()
     engine.step()
-    times = []
-    for _ in range(steps):
-        sync(device)
-        start = time.perf_counter()
-        engine.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    ms = median_ms(engine.step, device, steps)
     for i in range(batch):
         engine.abort(f"s{i}")
+    return ms
+
+
+def median_ms(fn, device, iters):
+    """Median milliseconds of `fn()` between two device syncs."""
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
@@ -266,14 +272,7 @@ def replay_ms(graphs, device, iters=50):
     """Median ms of replaying the last-captured decode graph alone (no host step around
     it): what the GPU takes, against the whole step's time."""
     graph = list(graphs._graphs.values())[-1][0]
-    times = []
-    for _ in range(iters):
-        sync(device)
-        start = time.perf_counter()
-        graph.replay()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_ms(graph.replay, device, iters)
 
 
 def graph_vs_eager(tiny, device, dtype, kv16, steps):

@@ -20,6 +20,17 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
 ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
 
+# Engine options `up` and `node` share.
+_PREFIX_CACHE_BLOCKS = typer.Option(
+    0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
+)
+_DEVICE = typer.Option(
+    "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
+)
+_CUDA_GRAPH_BATCH = typer.Option(
+    None, min=0,
+    help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
+)  # fmt: skip
 _QUEUE_DEADLINE = typer.Option(
     10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
 )
@@ -164,17 +175,9 @@ def up(
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     max_model_len: int | None = typer.Option(None, help="context window cap"),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
-    prefix_cache_blocks: int = typer.Option(
-        0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
-    ),
-    device: str = typer.Option(
-        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
-    ),
-    cuda_graph_batch: int | None = typer.Option(
-        None,
-        min=0,
-        help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
-    ),
+    prefix_cache_blocks: int = _PREFIX_CACHE_BLOCKS,
+    device: str = _DEVICE,
+    cuda_graph_batch: int | None = _CUDA_GRAPH_BATCH,
     queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
@@ -258,17 +261,9 @@ def node(
     weights: str | None = typer.Option(None),
     max_model_len: int | None = typer.Option(None),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
-    prefix_cache_blocks: int = typer.Option(
-        0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
-    ),
-    device: str = typer.Option(
-        "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
-    ),
-    cuda_graph_batch: int | None = typer.Option(
-        None,
-        min=0,
-        help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
-    ),
+    prefix_cache_blocks: int = _PREFIX_CACHE_BLOCKS,
+    device: str = _DEVICE,
+    cuda_graph_batch: int | None = _CUDA_GRAPH_BATCH,
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
