@@ -271,8 +271,7 @@ def main() -> None:
 def replay_ms(graphs, device, iters=50):
     """Median ms of replaying the last-captured decode graph alone (no host step around
     it): what the GPU takes, against the whole step's time."""
-    graph = list(graphs._graphs.values())[-1][0]
-    return median_ms(graph.replay, device, iters)
+    return median_ms(graphs.replay_last, device, iters)
 
 
 def graph_vs_eager(tiny, device, dtype, kv16, steps):
@@ -297,7 +296,7 @@ def graph_vs_eager(tiny, device, dtype, kv16, steps):
                         engine = make_engine(model, device, kv_dtype=kv16, num_pages=batch * 40 + 8,
                                              cuda_graph_batch=graphs)  # fmt: skip
                         times[graphs].append(decode_step_ms(engine, batch, 512, steps, device))
-                        if engine.runner.graphs is not None and engine.runner.graphs.num_graphs:
+                        if engine.runner.graphs is not None and engine.runner.graphs.captured:
                             replays.append(replay_ms(engine.runner.graphs, device))
                         del engine
                 eager, graph = min(times[0]), min(times[32])

@@ -57,20 +57,19 @@ def main() -> None:
     for _ in range(4):  # prefill, then decode steps: captured and warm
         engine.step()
     graphs = engine.runner.graphs
-    if graphs is None or not graphs.num_graphs:
+    if graphs is None or not graphs.captured:
         print(f"no decode graph on {device}: nothing to profile")
         return
-    graph = list(graphs._graphs.values())[-1][0]
     walls = []
     for _ in range(args.replays):
         sync(device)
         start = time.perf_counter()
-        graph.replay()
+        graphs.replay_last()
         sync(device)
         walls.append(time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.replays):
-            graph.replay()
+            graphs.replay_last()
         sync(device)
     kernels: dict[str, list[float]] = defaultdict(list)
     for event in prof.events():

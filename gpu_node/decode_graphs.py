@@ -160,8 +160,15 @@ class DecodeGraphs:
         self.disabled = False  # set when a capture failed: every step runs eagerly then
 
     @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
+    def captured(self) -> list[tuple[int, int]]:
+        """(batch bucket, context bucket) of each graph captured so far, sorted."""
+        return sorted(self._graphs)
+
+    def replay_last(self) -> None:
+        """Replays the graph captured last, on whatever the static buffers hold (benchmarks:
+        the GPU's share of a step without the host's)."""
+        graph, _, _ = next(reversed(self._graphs.values()))
+        graph.replay()
 
     def takes(self, query_lens: list[int], positions: np.ndarray, table_lens: np.ndarray) -> bool:
         """Whether a step of chunks of `query_lens` tokens, the first at `positions`, over

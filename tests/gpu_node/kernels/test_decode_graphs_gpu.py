@@ -83,7 +83,7 @@ def test_graph_steps_give_the_eager_tokens(weights, kv_dtype):
     assert _generate(engine) == eager
     assert [len(eager[r]) for r in PROMPTS] == list(MAX_TOKENS.values())
     # buckets 8, 4, 2 and 1, all within the first context bucket (256 tokens)
-    assert sorted(engine.runner.graphs._graphs) == [(1, 256), (2, 256), (4, 256), (8, 256)]
+    assert engine.runner.graphs.captured == [(1, 256), (2, 256), (4, 256), (8, 256)]
 
 
 def _record_logits(runner):
@@ -120,7 +120,7 @@ def test_a_replay_equals_the_same_padded_step_launched_eagerly(kv_dtype):
         for _ in range(4):
             engine.step()
         logits.append(torch.cat(steps))
-        assert runner.graphs.num_graphs == (1 if capture else 0)
+        assert len(runner.graphs.captured) == (1 if capture else 0)
     assert torch.equal(logits[0], logits[1])
 
 
@@ -142,7 +142,7 @@ def test_the_captured_kernels_refuse_a_foreign_page():
     finals = {}
     for step in range(1000):
         if step == 3:  # the graphs of the first bucket were captured and replayed by now
-            assert engine.runner.graphs.num_graphs == 1
+            assert len(engine.runner.graphs.captured) == 1
             FaultInjector(engine, random.Random(0)).point_at_foreign_page("r1", "r0")
         if not engine.has_unfinished():
             break
@@ -183,6 +183,6 @@ def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
             engine.add_request(f"s{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-        runs.append((torch.cat(steps), sorted(runner.graphs._graphs)))
+        runs.append((torch.cat(steps), runner.graphs.captured))
     assert torch.equal(runs[0][0], runs[1][0])
     assert runs[1][1] == [(1, 512), (6, 512)]
