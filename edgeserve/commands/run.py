@@ -6,6 +6,8 @@ import sys
 
 import typer
 
+from edgeserve.engine_options import DEVICE, resolve_device
+
 
 def register(app: typer.Typer) -> None:
     @app.command("run")
@@ -23,7 +25,7 @@ def register(app: typer.Typer) -> None:
         raw: bool = typer.Option(
             False, "--raw", help="send the prompt as is, without the chat template"
         ),
-        device: str = typer.Option("cpu", "--device"),
+        device: str = DEVICE,
     ) -> None:
         """Generate a reply to PROMPT, streamed token by token."""
         from rich.console import Console
@@ -37,8 +39,9 @@ def register(app: typer.Typer) -> None:
         err = Console(stderr=True)
         try:
             config = EngineConfig(
-                model=model, kv_dtype=kv_dtype, weights=weights, device=device, max_num_seqs=1
-            )
+                model=model, kv_dtype=kv_dtype, weights=weights, device=resolve_device(device),
+                max_num_seqs=1,
+            )  # fmt: skip
             with Progress(console=err, transient=True) as bar:
                 task = bar.add_task(f"loading {model}", total=None)
                 engine = LLMEngine.from_config(

@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from edgeserve.engine_options import (
+    CUDA_GRAPH_BATCH,
+    DEVICE,
+    PREFIX_CACHE_BLOCKS,
+    resolve_device,
+)
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -20,17 +27,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
 ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
 
-# Engine options `up` and `node` share.
-_PREFIX_CACHE_BLOCKS = typer.Option(
-    0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
-)
-_DEVICE = typer.Option(
-    "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
-)
-_CUDA_GRAPH_BATCH = typer.Option(
-    None, min=0,
-    help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
-)  # fmt: skip
 _QUEUE_DEADLINE = typer.Option(
     10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
 )
@@ -127,27 +123,6 @@ def _engine_factory(
     return load
 
 
-def _device(name: str) -> str:
-    """--device as an engine device: auto is a CUDA GPU where one is visible, else the CPU.
-
-    A node drives one GPU, the first visible one: CUDA_VISIBLE_DEVICES chooses it (the
-    engine's kernels launch on the current device, so `cuda:N` is not offered)."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise typer.BadParameter(
-            "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)",
-            param_hint="--device",
-        )
-    if name == "cpu":
-        return name
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if name == "auto":
-        return "cpu"
-    raise typer.BadParameter("cuda: no CUDA GPU is visible here", param_hint="--device")
-
-
 def _internal_token(given: str | None) -> str:
     token = given or os.environ.get("EDGESERVE_INTERNAL_TOKEN")
     if not token:
@@ -175,9 +150,9 @@ def up(
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     max_model_len: int | None = typer.Option(None, help="context window cap"),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
-    prefix_cache_blocks: int = _PREFIX_CACHE_BLOCKS,
-    device: str = _DEVICE,
-    cuda_graph_batch: int | None = _CUDA_GRAPH_BATCH,
+    prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS,
+    device: str = DEVICE,
+    cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
     queue_deadline_s: float = _QUEUE_DEADLINE,
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
@@ -186,7 +161,7 @@ def up(
     this process, moving the usage stream into the SQLite ledger."""
     from gateway.keys import new_key
 
-    engine_device = _device(device)
+    engine_device = resolve_device(device)
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
@@ -261,9 +236,9 @@ def node(
     weights: str | None = typer.Option(None),
     max_model_len: int | None = typer.Option(None),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
-    prefix_cache_blocks: int = _PREFIX_CACHE_BLOCKS,
-    device: str = _DEVICE,
-    cuda_graph_batch: int | None = _CUDA_GRAPH_BATCH,
+    prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS,
+    device: str = DEVICE,
+    cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
@@ -273,7 +248,7 @@ def node(
 
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
-    engine_device = _device(device)
+    engine_device = resolve_device(device)
     token = _internal_token(internal_token)
 
     async def main() -> None:

@@ -37,14 +37,16 @@ def test_node_refuses_a_role_it_does_not_know() -> None:
         ("up", "cuda:1", "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)"),
         ("node", "cuda", "cuda: no CUDA GPU is visible here"),  # this machine has none
         ("up", "cuda", "cuda: no CUDA GPU is visible here"),
+        ("run", "tpu", "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)"),
+        ("run", "cuda", "cuda: no CUDA GPU is visible here"),
     ],
 )
-def test_node_and_up_refuse_a_device_they_cannot_use(command, device, message) -> None:
+def test_node_up_and_run_refuse_a_device_they_cannot_use(command, device, message) -> None:
     import torch
 
     if torch.cuda.is_available() and "visible" in message:
         pytest.skip("this machine has a CUDA GPU: the device is usable")  # never on CI
-    token = ["--internal-token", "t"] if command == "node" else []
-    result = CliRunner().invoke(build_app(), [command, *token, "--device", device])
+    extra = {"node": ["--internal-token", "t"], "run": ["smollm2", "Hello"]}.get(command, [])
+    result = CliRunner().invoke(build_app(), [command, *extra, "--device", device])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())

@@ -1,0 +1,37 @@
+"""Engine options the commands share (`up`, `node`, `run`), and what `--device` means."""
+
+from __future__ import annotations
+
+import typer
+
+PREFIX_CACHE_BLOCKS = typer.Option(
+    0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
+)
+DEVICE = typer.Option(
+    "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
+)
+CUDA_GRAPH_BATCH = typer.Option(
+    None, min=0,
+    help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
+)  # fmt: skip
+
+
+def resolve_device(name: str) -> str:
+    """--device as an engine device: auto is a CUDA GPU where one is visible, else the CPU.
+
+    A node drives one GPU, the first visible one: CUDA_VISIBLE_DEVICES chooses it (the
+    engine's kernels launch on the current device, so `cuda:N` is not offered)."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise typer.BadParameter(
+            "must be auto, cpu or cuda (CUDA_VISIBLE_DEVICES chooses the GPU)",
+            param_hint="--device",
+        )
+    if name == "cpu":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if name == "auto":
+        return "cpu"
+    raise typer.BadParameter("cuda: no CUDA GPU is visible here", param_hint="--device")
