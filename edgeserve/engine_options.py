@@ -7,6 +7,9 @@ import typer
 PREFIX_CACHE_BLOCKS = typer.Option(
     0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
 )
+KV_DTYPE = typer.Option(
+    "auto", help="auto (fp32 on the CPU, bf16 on a GPU) | fp32 | bf16 | fp16 | fp8"
+)
 DEVICE = typer.Option(
     "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
 )
@@ -35,3 +38,15 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cpu"
     raise typer.BadParameter("cuda: no CUDA GPU is visible here", param_hint="--device")
+
+
+def resolve_kv_dtype(name: str, device: str) -> str:
+    """--kv-dtype for an engine on `device` (resolved): auto is fp32 on the CPU (the exact
+    reference) and bf16 on a GPU (the activations' dtype, half fp32's memory)."""
+    from gpu_node.config import KV_DTYPES
+
+    if name == "auto":
+        return "fp32" if device == "cpu" else "bf16"
+    if name not in KV_DTYPES:
+        raise typer.BadParameter(f"must be auto, {', '.join(KV_DTYPES)}", param_hint="--kv-dtype")
+    return name

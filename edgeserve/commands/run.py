@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from edgeserve.engine_options import DEVICE, resolve_device
+from edgeserve.engine_options import DEVICE, KV_DTYPE, resolve_device, resolve_kv_dtype
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p"),
         top_k: int = typer.Option(0, "--top-k"),
         seed: int | None = typer.Option(None, "--seed"),
-        kv_dtype: str = typer.Option("fp32", "--kv-dtype", help="fp32, bf16 or fp8"),
+        kv_dtype: str = KV_DTYPE,
         weights: str = typer.Option("int4", "--weights", help="int4 (default), bf16 or fp32"),
         system: str | None = typer.Option(None, "--system", help="a system message"),
         raw: bool = typer.Option(
@@ -38,9 +38,10 @@ def register(app: typer.Typer) -> None:
 
         err = Console(stderr=True)
         try:
+            engine_device = resolve_device(device)
             config = EngineConfig(
-                model=model, kv_dtype=kv_dtype, weights=weights, device=resolve_device(device),
-                max_num_seqs=1,
+                model=model, kv_dtype=resolve_kv_dtype(kv_dtype, engine_device), weights=weights,
+                device=engine_device, max_num_seqs=1,
             )  # fmt: skip
             with Progress(console=err, transient=True) as bar:
                 task = bar.add_task(f"loading {model}", total=None)

@@ -16,8 +16,10 @@ import typer
 from edgeserve.engine_options import (
     CUDA_GRAPH_BATCH,
     DEVICE,
+    KV_DTYPE,
     PREFIX_CACHE_BLOCKS,
     resolve_device,
+    resolve_kv_dtype,
 )
 
 if TYPE_CHECKING:
@@ -146,7 +148,7 @@ def up(
     ),
     prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
     model: str = typer.Option("smollm2", help="node model name or GGUF path"),
-    kv_dtype: str = typer.Option("fp32", help="fp32 | bf16 | fp16 | fp8"),
+    kv_dtype: str = KV_DTYPE,
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     max_model_len: int | None = typer.Option(None, help="context window cap"),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
@@ -162,6 +164,7 @@ def up(
     from gateway.keys import new_key
 
     engine_device = resolve_device(device)
+    kv_dtype = resolve_kv_dtype(kv_dtype, engine_device)
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
@@ -232,7 +235,7 @@ def node(
     prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
     internal_token: str | None = typer.Option(None, help="or EDGESERVE_INTERNAL_TOKEN"),
     model: str = typer.Option("smollm2"),
-    kv_dtype: str = typer.Option("fp32"),
+    kv_dtype: str = KV_DTYPE,
     weights: str | None = typer.Option(None),
     max_model_len: int | None = typer.Option(None),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
@@ -249,6 +252,7 @@ def node(
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
     engine_device = resolve_device(device)
+    kv_dtype = resolve_kv_dtype(kv_dtype, engine_device)
     token = _internal_token(internal_token)
 
     async def main() -> None:

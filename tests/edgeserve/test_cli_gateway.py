@@ -50,3 +50,23 @@ def test_node_up_and_run_refuse_a_device_they_cannot_use(command, device, messag
     result = CliRunner().invoke(build_app(), [command, *extra, "--device", device])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("command", ["node", "up", "run"])
+def test_a_kv_dtype_the_engine_does_not_have_is_refused(command) -> None:
+    extra = {"node": ["--internal-token", "t"], "run": ["smollm2", "Hello"]}.get(command, [])
+    result = CliRunner().invoke(
+        build_app(), [command, *extra, "--device", "cpu", "--kv-dtype", "int8"]
+    )
+    assert result.exit_code == 2
+    assert "must be auto, fp32, bf16, fp16, fp8" in " ".join(
+        result.stderr.replace("│", " ").split()
+    )
+
+
+def test_auto_kv_dtype_is_fp32_on_the_cpu_and_bf16_on_a_gpu() -> None:
+    from edgeserve.engine_options import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "cpu") == "fp32"
+    assert resolve_kv_dtype("auto", "cuda") == "bf16"
+    assert resolve_kv_dtype("fp8", "cuda") == "fp8" and resolve_kv_dtype("fp8", "cpu") == "fp8"
