@@ -8,10 +8,12 @@ call. A graph replays fixed shapes and addresses, so:
 - the step's inputs live in static buffers, padded to a batch bucket (1, 2, 4, ...
   up to `max_batch`); a pad row writes nothing (slot -1), attends over one token of
   page 0 under a tag no page has (`PAD_TAG`), and its outputs are dropped;
-- block tables are padded to the widest table `max_model_len` allows;
+- the block tables live in a buffer as wide as `max_model_len` allows; a step writes
+  its own width, since the kernels never read a row past its context;
 - the attention kernels' split grid is sized from a context bound (`context_bucket`:
   powers of two from `MIN_CONTEXT` to `max_model_len`), so there is a graph per
-  (batch bucket, context bucket), captured the first time a step needs it.
+  (batch bucket, context bucket), captured the first time a step needs it. The graphs
+  share one memory pool: a replay's outputs are read before the next replay.
 
 Page ownership is checked as in an eager step: the host check before the step is
 unchanged, and the captured kernels check every write and read against the device
