@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ import torch
 from gpu_node.attention import PagedAttention, StepMetadata
 from gpu_node.kv_cache import KVCache
 from gpu_node.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from gpu_node.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +164,16 @@ class DecodeGraphs:
         ] = {}
         self._pool = None
         self.disabled = False  # set when a capture failed: every step runs eagerly then
+
+    @classmethod
+    def for_runner(
+        cls, runner: ModelRunner, max_batch: int, max_model_len: int, capture: bool = True
+    ) -> DecodeGraphs:
+        """Graphs over `runner`'s model, pool, ownership table and settings."""
+        return cls(
+            runner.model, runner.kv_cache, runner.page_owner, runner.scale, runner.check_owner,
+            max_batch, max_model_len, capture,
+        )  # fmt: skip
 
     @property
     def captured(self) -> list[tuple[int, int]]:

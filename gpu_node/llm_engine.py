@@ -108,26 +108,23 @@ class LLMEngine:
             self.block_manager.page_owner_host,
             self.block_manager.page_column_host,
             config.check_integrity,
-            self._decode_graphs(config, model),
         )
+        self.runner.graphs = self._decode_graphs(config)
         self.num_integrity_violations = 0
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._rng = torch.Generator().manual_seed(config.seed)
 
-    def _decode_graphs(self, config: EngineConfig, model: LlamaModel) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps on a GPU (decode_graphs.py), where the config asks
-        for them and the model can be captured."""
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """CUDA graphs for the runner's decode steps on a GPU (decode_graphs.py), where the
+        config asks for them and the model can be captured."""
         if not config.cuda_graph_batch or self.kv_cache.device.type != "cuda":
             return None
-        if not capturable(model):
+        if not capturable(self.model):
             log.info("this model's decode steps cannot be captured; they run eagerly")
             return None
-        return DecodeGraphs(
-            model, self.kv_cache, self.block_manager.page_owner, model.config.head_dim**-0.5,
-            config.check_integrity, min(config.cuda_graph_batch, config.max_num_seqs),
-            self.max_model_len,
-        )  # fmt: skip
+        max_batch = min(config.cuda_graph_batch, config.max_num_seqs)
+        return DecodeGraphs.for_runner(self.runner, max_batch, self.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:

@@ -75,10 +75,10 @@ class ModelRunner:
         page_owner_host: np.ndarray,
         page_column_host: np.ndarray,
         check_owner: bool = True,
-        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
-        self.graphs = graphs  # all-decode steps it takes replay CUDA graphs
+        # All-decode steps it takes replay CUDA graphs (set by the engine on a GPU).
+        self.graphs: DecodeGraphs | None = None
         self.check_owner = check_owner
         self.kv_cache = kv_cache
         self.page_owner = page_owner
@@ -152,16 +152,16 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], tables: HostTables | None = None) -> StepResult:
         """Computes the chunks' KV; returns logits for the chunks that complete a sequence."""
         t = tables if tables is not None else self.host_tables(chunks)
+        completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
         if self.graphs is not None:
             positions = np.array([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
             if self.graphs.takes([c.num_new_tokens for c in chunks], positions, t.table_lens):
                 try:
-                    return self._run_decode_graph(self.graphs, chunks, positions, t)
+                    return self._run_decode_graph(self.graphs, chunks, positions, t, completing)
                 except GraphCaptureError:
                     pass  # logged; this step and every later one run eagerly
         ids, pos, metadata = self.prepare(chunks, t)
         ends = torch.tensor(metadata.query_lens, device=self.device).cumsum(0) - 1
-        completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
         attention = PagedAttention(self.kv_cache, metadata, self.scale, self.check_owner)
         logits = self.model(ids, pos, attention, logits_indices=ends[completing])
         return StepResult(logits, (attention.violations > 0).tolist())
@@ -172,8 +172,10 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         positions: np.ndarray,
         t: HostTables,
+        completing: list[int],
     ) -> StepResult:
-        """One all-decode step through `graphs`: chunk i is the token at `positions[i]`."""
+        """One all-decode step through `graphs`: chunk i is the token at `positions[i]`;
+        logits come back for the chunks at `completing`."""
         page_size = self.kv_cache.page_size
         ids = np.array([c.seq.token_ids[p] for c, p in zip(chunks, positions, strict=True)])
         slots = t.tables[np.arange(len(chunks)), positions // page_size] * page_size + (
@@ -185,6 +187,5 @@ class ModelRunner:
             ids, positions, slots, t.tables, t.context_lens, t.seq_tags, bucket, graphs.width
         )
         logits, violations = graphs.run(inputs, len(chunks))
-        completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
         rows = torch.tensor(completing, dtype=torch.long, device=logits.device)
         return StepResult(logits.index_select(0, rows), (violations[: len(chunks)] > 0).tolist())

@@ -35,12 +35,8 @@ PROMPTS = [
 
 def static_steps(engine, max_batch: int = 8) -> DecodeGraphs:
     """The engine's decode steps through the padded static step, run eagerly."""
-    runner = engine.runner
-    graphs = DecodeGraphs(
-        runner.model, runner.kv_cache, runner.page_owner, runner.scale, runner.check_owner,
-        max_batch, engine.max_model_len, capture=False,
-    )  # fmt: skip
-    runner.graphs = graphs
+    graphs = DecodeGraphs.for_runner(engine.runner, max_batch, engine.max_model_len, capture=False)
+    engine.runner.graphs = graphs
     return graphs
 
 
@@ -125,9 +121,9 @@ def test_one_token_prompt_chunks_that_complete_nothing_take_the_static_step(
     completing = []
     run = engine.runner._run_decode_graph
 
-    def record(graphs, chunks, positions, tables):
+    def record(graphs, chunks, *rest):
         completing.append([c.completes_sequence for c in chunks])
-        return run(graphs, chunks, positions, tables)
+        return run(graphs, chunks, *rest)
 
     engine.runner._run_decode_graph = record
     assert engine.generate(prompts, GREEDY) == plain

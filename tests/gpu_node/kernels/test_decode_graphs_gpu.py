@@ -109,10 +109,7 @@ def test_a_replay_equals_the_same_padded_step_launched_eagerly(kv_dtype):
     for capture in (False, True):
         engine = _engine(model, kv_dtype, 0)
         runner = engine.runner
-        runner.graphs = DecodeGraphs(
-            model, runner.kv_cache, runner.page_owner, runner.scale, True, 8,
-            engine.max_model_len, capture=capture,
-        )  # fmt: skip
+        runner.graphs = DecodeGraphs.for_runner(runner, 8, engine.max_model_len, capture=capture)
         for rid, ids in list(PROMPTS.items())[:3]:
             engine.add_request(rid, ids, SamplingParams(max_tokens=8, ignore_eos=True))
         engine.step()  # the prompts
@@ -170,10 +167,7 @@ def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
     for capture in (False, True):
         engine = _engine(model, "fp8", 0)
         runner = engine.runner
-        runner.graphs = DecodeGraphs(
-            model, runner.kv_cache, runner.page_owner, runner.scale, True, 6,
-            engine.max_model_len, capture=capture,
-        )  # fmt: skip
+        runner.graphs = DecodeGraphs.for_runner(runner, 6, engine.max_model_len, capture=capture)
         steps = _record_logits(runner)
         engine.add_request("long", long_ids, SamplingParams(max_tokens=16, ignore_eos=True))
         for _ in range(3):
