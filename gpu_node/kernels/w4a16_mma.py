@@ -100,19 +100,36 @@ def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr
 
 
 @triton.jit
-def _scale_and_correction(sm, OFFSET, sm_mul, HIGH: tl.constexpr):
-    """sm [R, E]: (scale, min) of rows g and g + 8 per lane -> scale, min - OFFSET * scale
-    per C element (rows g, g, g + 8, g + 8), all within the lane. With HIGH > 1 the
-    rows g + 8 came out of the mma HIGH times too large: sm_mul [1, E] divides their
-    scale (1 / HIGH at the lane's element 2, exact: a power of two)."""
-    sm = sm.to(tl.float32)
-    if HIGH != 1.0:
-        sm = sm * sm_mul
-    scale, min_ = tl.split(tl.reshape(sm, (sm.shape[0], sm.shape[1] // 2, 2)))  # rows g, g + 8
-    corr = min_ - OFFSET * scale
-    scale = tl.reshape(tl.join(scale, scale), sm.shape)
-    corr = tl.reshape(tl.join(corr, corr), sm.shape)
-    return scale, corr
+def _load_step(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: tl.constexpr,
+               SM2: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
+    """A step's words (two chunks with groups of 128) and scales (and mins) [R, E] each.
+
+    FENCE: a warp barrier after the loads, which ptxas does not move them across, so they
+    are issued here rather than sunk towards their first use (ptxas's choice, for fewer
+    live registers), and a whole step's math hides their latency."""
+    at = step * stride_tg
+    w0 = tl.load(words_at + at, mask=mask)
+    w1 = tl.load(words_at + at + 128, mask=mask & (CPG == 2))
+    sm = tl.load(sm_at + at, mask=mask)
+    sm2 = tl.load(sm_at + at + SM2, mask=mask & (SUBS == 2))
+    if FENCE:
+        tl.inline_asm_elementwise(
+            "bar.warp.sync -1;\nmov.b32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    return w0, w1, sm, sm2
+
+
+@triton.jit
+def _scales_asm(sm, pick, ASM: tl.constexpr):
+    """sm [R, E] int32 (the 16 bytes of a group's scales and mins a lane loads) and pick
+    [1, E] (g % 4: where its own words sit) -> (scale, correction) fp32 per C element, in
+    inline PTX (w4a16_mma_asm.scales_asm)."""
+    pick = pick + tl.zeros_like(sm)
+    return tl.inline_asm_elementwise(
+        ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r", [sm, pick],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -122,19 +139,18 @@ def _group(
     w1,
     sm,
     sm2,
+    sm_pick,
     x_at,
     c0,
-    OFFSET,
-    sm_mul,
     CPG: tl.constexpr,
     MODE: tl.constexpr,
     CHAINS: tl.constexpr,
-    HIGH: tl.constexpr,
     SUBS: tl.constexpr,
     D_ASM: tl.constexpr,
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
+    SM_ASM: tl.constexpr,
 ):
     """acc [R, E] + one step's share of y: scale * D + (min - OFFSET * scale) * x_sum.
 
@@ -169,9 +185,9 @@ def _group(
             d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
             if MODE != 2:
                 s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
-    scale, corr = _scale_and_correction(sm, OFFSET, sm_mul, HIGH)
+    scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
     if SUBS == 2:
-        scale2, corr2 = _scale_and_correction(sm2, OFFSET, sm_mul, HIGH)
+        scale2, corr2 = _scales_asm(sm2, sm_pick, SM_ASM)
         acc = tl.fma(d_a, scale, acc)
         acc = tl.fma(d_b, scale2, acc)
         if MODE == 2:
@@ -214,9 +230,13 @@ def _gemv_mma_kernel(
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
+    SM_ASM: tl.constexpr,  # a step's scales (and mins) -> scale and correction (PTX)
     MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
     CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
     EARLY: tl.constexpr = 0,  # PDL: 0 off; the next kernel may launch from 1 the start, 2 the tail
+    SYMMETRIC: tl.constexpr = False,  # the tiles hold scales alone (min = -8 scale)
+    PIPE: tl.constexpr = 2,  # loop buffers: 2 (two steps an iteration) or 1 (benchmarks)
+    FENCE: tl.constexpr = True,  # each step's loads issued where the code asks (_load_step)
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
@@ -237,42 +257,92 @@ def _gemv_mma_kernel(
     t = lane % 4
     rb = (pid_n * R + i) * WARPS + e // 128  # [R, E]
     rb_ok = rb < num_row_blocks
-    tile_at = tiles_ptr + rb * stride_tr  # [R, E]; + stride_tg * group
+    # Every tile and step starts 16-byte aligned (Int4WeightMMA checks the strides), which
+    # Triton cannot see when a stride is no multiple of 16 int32 (a symmetric tile is 264).
+    stride_tg = tl.multiple_of(stride_tg, 4)
+    tile_at = tiles_ptr + tl.multiple_of(rb * stride_tr, [4, 4])  # [R, E]; + stride_tg * step
     words_at = tile_at + e % 128  # + 128 * chunk of the group
-    sm_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j  # + 32: group 2
+    # A step's scales (and mins) come as whole int32 words (two fp16 each), each lane
+    # loading the aligned 16 bytes that hold its own (_scales_asm picks them out by g):
+    # fp16 halves were split apart where the registers that carry them into the next
+    # iteration were filled, at the end of the previous one, waiting for their loads.
+    if SYMMETRIC:  # one word a g and group: the scales of rows g and g + 8
+        sm_at = tile_at + 128 * CPG + (g // 4) * 4 + j
+        SM2: tl.constexpr = 8  # the second g32 group's words
+    else:  # two words a g and group: (scale, min) of row g, then of row g + 8
+        sm_at = tile_at + 128 * CPG + (g // 2) * 4 + j
+        SM2: tl.constexpr = 16
+    sm_pick = g % 4  # [1, E]: where the lane's own words sit in the 16 bytes it loads
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * (8 // SUBS) + j  # [1, E]; + 32 c
-    sm_stride = 2 * stride_tg  # in fp16
-    sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)  # [1, E]: the scale of rows g + 8
 
     # The SPLIT_K splits share the steps evenly (their lengths differ by one at most), so
     # a split count chosen to fill one wave never leaves a short last split behind.
     g_begin = pid_s * num_groups // SPLIT_K
     g_end = (pid_s + 1) * num_groups // SPLIT_K
     acc = tl.full((R, E), 0.0, tl.float32)
-    # A group's words, scales and mins are loaded one group ahead, so they are always
-    # in flight behind the tensor cores (the load past the split's last group is
-    # masked off and its values never used). Splits are never empty.
     if EARLY == 1:
         gdc_launch_dependents()  # the next kernel may launch once every program has started
-    w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
-    w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
-    sm = tl.load(sm_at + g_begin * sm_stride, mask=rb_ok, other=0.0)
-    sm2 = tl.load(sm_at + g_begin * sm_stride + 32, mask=rb_ok & (SUBS == 2), other=0.0)
+    # A step's words, scales and mins are loaded a step ahead, so they are in flight
+    # behind the tensor cores. Splits are never empty. Masked-off loads (past the
+    # split's last step, or a row block past N) are never used.
+    a = _load_step(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2, FENCE)
     if EARLY != 0:
-        # The weights are nobody's output, so their first group is in flight before the
+        # The weights are nobody's output, so their first step is in flight before the
         # wait; x, the partials and the counters only after the previous kernel is done.
         gdc_wait()
-    for grp in range(g_begin, g_end):
-        ok = rb_ok & (grp + 1 < g_end)
-        w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
-        w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
-        sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
-        sm2_n = tl.load(sm_at + (grp + 1) * sm_stride + 32, mask=ok & (SUBS == 2), other=0.0)
-        acc = _group(
-            acc, w0, w1, sm, sm2, x_at, grp * CPG, OFFSET, sm_mul, CPG, MODE, CHAINS, HIGH,
-            SUBS, D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS,
-        )  # fmt: skip
-        w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
+    if PIPE == 1:
+        # One buffer: the next step's registers are copied into the current step's at
+        # the end of each iteration, and that copy waits for their loads (the ninth to
+        # fourteenth sessions' loop; kept for the benchmarks).
+        for grp in range(g_begin, g_end):
+            b = _load_step(
+                words_at,
+                sm_at,
+                grp + 1,
+                stride_tg,
+                rb_ok & (grp + 1 < g_end),
+                CPG,
+                SUBS,
+                SM2,
+                FENCE,
+            )
+            acc = _group(
+                acc, a[0], a[1], a[2], a[3], sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
+            )  # fmt: skip
+            a = b
+    else:
+        # Two buffers, two steps an iteration: b is loaded while a is used, then a again
+        # while b is used. Each load lands in the registers its step is used from, so
+        # nothing at the loop's end waits for a load still in flight (with one buffer
+        # the copy of the next step's registers did, once an iteration).
+        pairs_end = g_begin + (g_end - g_begin) // 2 * 2
+        for grp in range(g_begin, pairs_end, 2):
+            b = _load_step(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2, FENCE)
+            acc = _group(
+                acc, a[0], a[1], a[2], a[3], sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
+            )  # fmt: skip
+            a = _load_step(
+                words_at,
+                sm_at,
+                grp + 2,
+                stride_tg,
+                rb_ok & (grp + 2 < g_end),
+                CPG,
+                SUBS,
+                SM2,
+                FENCE,
+            )
+            acc = _group(
+                acc, b[0], b[1], b[2], b[3], sm_pick, x_at, (grp + 1) * CPG, CPG, MODE, CHAINS, SUBS,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
+            )  # fmt: skip
+        if pairs_end < g_end:  # an odd step count: the last step is in a
+            acc = _group(
+                acc, a[0], a[1], a[2], a[3], sm_pick, x_at, pairs_end * CPG, CPG, MODE, CHAINS, SUBS,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
+            )  # fmt: skip
 
     if EARLY == 2:
         gdc_launch_dependents()  # the weights are read: the next kernel's may stream in now
@@ -384,7 +454,7 @@ def supports(x: torch.Tensor, weight: object) -> bool:
 
 
 def w4a16_mma_gemv(
-    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None = None
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int | str] | None = None
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
@@ -424,7 +494,8 @@ def _plan(
     group_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    config: Mapping[str, int] | None,
+    symmetric: bool,
+    config: Mapping[str, int | str] | None,
 ) -> _Plan:
     """The heuristic config (mma_gemv_config) with `config` over it, checked."""
     cfg = mma_gemv_config(n, k, group_size, num_sms(device))
@@ -455,7 +526,10 @@ def _plan(
         "MODE": cfg.get("MODE", 0),
         "CHAINS": chains,
         "EARLY": early,
-        **group_step_constants(dtype, chains, group_size),
+        "SYMMETRIC": symmetric,
+        "PIPE": int(cfg.get("PIPE", 2)),
+        "FENCE": bool(cfg.get("FENCE", 1)),
+        **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
         **({"launch_pdl": True} if early else {}),
@@ -470,15 +544,15 @@ _default_plan = functools.cache(functools.partial(_plan, config=None))
 
 
 def _launch(
-    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int | str] | None
 ) -> torch.Tensor:
     """w4a16_mma_gemv once its checks passed (w4a16_mma_matmul comes here directly)."""
     n, k = weight.shape
     m = x.shape[0]
     if config is None:
-        plan = _default_plan(n, k, weight.group_size, x.dtype, x.device)
+        plan = _default_plan(n, k, weight.group_size, x.dtype, x.device, weight.symmetric)
     else:
-        plan = _plan(n, k, weight.group_size, x.dtype, x.device, config)
+        plan = _plan(n, k, weight.group_size, x.dtype, x.device, weight.symmetric, config)
     x = x.contiguous()
     if x.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
         x = x.clone()

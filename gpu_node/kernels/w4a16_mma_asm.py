@@ -10,6 +10,8 @@ wider mantissa also takes the odd nibbles in place, as 1024 + 16 q (HIGH_ROWS).
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 # activation dtype -> (LOP3 magic: two 16-bit floats 2^e, its value 2^e, two 1.0s)
@@ -133,12 +135,88 @@ HALVES_PTX = (
 )
 
 
+def _f32(value: float) -> str:
+    """A PTX fp32 immediate, exactly (0fXXXXXXXX)."""
+    return "0f" + struct.pack(">f", value).hex().upper()
+
+
+def scales_asm(dtype: torch.dtype, symmetric: bool) -> str:
+    """PTX: the 16 bytes of a group's scales that lane 4g + t loads ($8..$11, four words of
+    two fp16 each) and g % 4 ($12) -> the scale ($0..$3) and the correction
+    min - OFFSET * scale ($4..$7) of its C elements 0..3 (rows g, g, g + 8, g + 8), fp32.
+
+    Asymmetric tiles hold two words a g, (scale, min) of row g then of row g + 8: the
+    lane's are words 0-1 of its 16 bytes for even g, 2-3 for odd. Symmetric tiles hold one
+    word a g, (scale of row g, scale of row g + 8), word g % 4 of the 16 bytes; the min is
+    -8 * scale. Rows g + 8 came
+    out of the mma HIGH_ROWS times too large, so their scale is divided by it (exact: a
+    power of two). Every product here is exact in fp32 (an fp16 times a power of two, or
+    times 136 / 1032 / 72, two set bits), so the correction rounds once, as the fused
+    multiply-add of the Triton code it replaces did: the same bits.
+    """
+    offset, high = MAGIC[dtype][1], HIGH_ROWS[dtype]
+    lines = [
+        "{",
+        ".reg .b16 h<4>;",
+        ".reg .b32 w0, w1, w2, w3;",
+        ".reg .pred odd, high;",
+        ".reg .f32 s0, s1, m0, m1, c0, c1;",
+        "and.b32 w0, $12, 1;",
+        "setp.ne.b32 odd, w0, 0;",
+    ]
+    if symmetric:
+        lines += [
+            "and.b32 w0, $12, 2;",
+            "setp.ne.b32 high, w0, 0;",
+            "selp.b32 w1, $9, $8, odd;",
+            "selp.b32 w2, $11, $10, odd;",
+            "selp.b32 w0, w2, w1, high;",
+            "mov.b32 {h0, h1}, w0;",
+            "cvt.f32.f16 s0, h0;",
+            "cvt.f32.f16 s1, h1;",
+            f"mul.f32 c0, s0, {_f32(-(8 + offset))};",
+            f"mul.f32 c1, s1, {_f32(-(8 + offset / high))};",
+        ]
+        if high != 1:
+            lines.append(f"mul.f32 s1, s1, {_f32(1 / high)};")
+    else:
+        lines += [
+            "selp.b32 w0, $10, $8, odd;",
+            "selp.b32 w1, $11, $9, odd;",
+            "mov.b32 {h0, h1}, w0;",
+            "mov.b32 {h2, h3}, w1;",
+            "cvt.f32.f16 s0, h0;",
+            "cvt.f32.f16 m0, h1;",
+            "cvt.f32.f16 s1, h2;",
+            "cvt.f32.f16 m1, h3;",
+        ]
+        if high != 1:
+            lines.append(f"mul.f32 s1, s1, {_f32(1 / high)};")
+        lines += [
+            f"fma.rn.f32 c0, s0, {_f32(-offset)}, m0;",
+            f"fma.rn.f32 c1, s1, {_f32(-offset)}, m1;",
+        ]
+    lines += [
+        "mov.b32 $0, s0;",
+        "mov.b32 $1, s0;",
+        "mov.b32 $2, s1;",
+        "mov.b32 $3, s1;",
+        "mov.b32 $4, c0;",
+        "mov.b32 $5, c0;",
+        "mov.b32 $6, c1;",
+        "mov.b32 $7, c1;",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
 def group_step_constants(
-    dtype: torch.dtype, chains: int, group_size: int = 64
+    dtype: torch.dtype, chains: int, group_size: int = 64, symmetric: bool = False
 ) -> dict[str, object]:
     """The constexprs a kernel built on w4a16_mma's group step takes for activations of
-    `dtype`, `chains` accumulators a chain and groups of `group_size`: OFFSET, HIGH and the
-    PTX with its constraints. Groups of 32 take two chains, one a group (HALVES_PTX)."""
+    `dtype`, `chains` accumulators a chain, groups of `group_size` and tiles with or without
+    mins (`symmetric`): OFFSET, HIGH and the PTX with its constraints. Groups of 32 take two
+    chains, one a group (HALVES_PTX)."""
     if group_size == 32 and chains != 2:
         raise ValueError(f"groups of 32 take CHAINS 2 (one accumulator a group), got {chains}")
     d_asm, d_constraints, s_asm, s_constraints = HALVES_PTX if group_size == 32 else PTX[chains]
@@ -149,4 +227,5 @@ def group_step_constants(
         "D_CONSTRAINTS": d_constraints,
         "S_ASM": s_asm[dtype],
         "S_CONSTRAINTS": s_constraints,
+        "SM_ASM": scales_asm(dtype, symmetric),
     }

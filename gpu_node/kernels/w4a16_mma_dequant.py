@@ -4,7 +4,7 @@ Letters: N out features, K in features, G group size (32, 64 or 128), T = max(G,
 k values a tile.
 
 One program per (row block, step) tile: its 16 x T values, computed in fp32 as
-scale * q + min and stored into W^T [K, N]. Plain tl operations only, so the
+scale * q + min (a symmetric weight's min being -8 * scale) and stored into W^T [K, N]. Plain tl operations only, so the
 interpreter runs it too (the CPU tests, and torch.matmul past 8 rows on a GPU).
 """
 
@@ -26,6 +26,7 @@ def _dequant_mma_kernel(
     out_ptr,  # [K, N]: W^T, dense
     N,
     GROUP_SIZE: tl.constexpr,
+    SYMMETRIC: tl.constexpr,  # the tiles hold scales alone (every min -8 * scale)
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     STEP: tl.constexpr = 64 if GROUP_SIZE < 64 else GROUP_SIZE
@@ -47,10 +48,16 @@ def _dequant_mma_kernel(
         k_in = chunk * 64 + t * 16 + s * 4  # within the step
     kb = step * STEP + k_in
     group_in = k_in // GROUP_SIZE  # 0, or 1 for the second g32 group of a chunk
-    sm = (tile + 2 * STEP + 16 * group_in).to(tl.pointer_type(tl.float16)) + g * 4
+    PER_GROUP: tl.constexpr = 8 if SYMMETRIC else 16  # int32 of scales (and mins) a group
+    PER_ROW: tl.constexpr = 1 if SYMMETRIC else 2  # fp16 a row and group
+    sm = (tile + 2 * STEP + PER_GROUP * group_in).to(tl.pointer_type(tl.float16))
+    sm += g * 2 * PER_ROW
     for hr in tl.static_range(2):  # rows g, g + 8
-        scale = tl.load(sm + 2 * hr).to(tl.float32)
-        min_ = tl.load(sm + 2 * hr + 1).to(tl.float32)
+        scale = tl.load(sm + PER_ROW * hr).to(tl.float32)
+        if SYMMETRIC:  # noqa: SIM108 (a constexpr branch of the kernel)
+            min_ = scale * -8.0
+        else:
+            min_ = tl.load(sm + 2 * hr + 1).to(tl.float32)
         n = rb * 16 + g + 8 * hr
         for h in tl.static_range(2):
             for e in tl.static_range(2):  # nibble hr + 2h + 4e holds W[n, kb + 2h + e]
@@ -69,6 +76,12 @@ def dequantize_mma(weight: Int4WeightMMA, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(k, n, device=tiles.device, dtype=torch.float32 if interpreted else dtype)
     row_blocks, num_steps = tiles.shape[:2]
     _dequant_mma_kernel[(row_blocks, num_steps)](
-        tiles, tiles.stride(0), tiles.stride(1), out, n, GROUP_SIZE=weight.group_size
+        tiles,
+        tiles.stride(0),
+        tiles.stride(1),
+        out,
+        n,
+        GROUP_SIZE=weight.group_size,
+        SYMMETRIC=weight.symmetric,
     )
     return out.to(dtype)

@@ -285,16 +285,20 @@ class Int4WeightMMA:
                [0, 2T):      words (chunk of the step, lane L, step s)
                then 16 int32 a group: fp16 (g, 4): scale, min of row 16rb + g, then of
                row 16rb + g + 8
+               symmetric: 8 int32 a group instead, fp16 (g, 2): the scales of rows
+               16rb + g and 16rb + g + 8 (every min is -8 * scale, so none is stored)
 
     The storage is group-major: the warps of a split, which walk the groups together,
     read neighbouring row blocks' tiles from one region of memory at a time.
 
-    The arithmetic is Int4Weight's: w = scale * q + min. Same bytes, plus the pad rows.
+    The arithmetic is Int4Weight's: w = scale * q + min. Same bytes, plus the pad rows
+    (a symmetric weight: 2 bytes a group and row fewer, 3% of a group of 128's).
     """
 
     tiles: torch.Tensor
     shape: tuple[int, int]
     group_size: int
+    symmetric: bool = False
 
     def __post_init__(self) -> None:
         # What the kernels can read (they take the tiles' strides; the last must be 1).
@@ -305,12 +309,21 @@ class Int4WeightMMA:
         step = mma_step(self.group_size)
         if k % step:
             raise ValueError(f"Int4WeightMMA takes K a multiple of {step}, got {k}")
-        expected = (-(-n // MMA_ROWS), k // step, 2 * step + 16 * (step // self.group_size))
+        per_group = 8 if self.symmetric else 16  # int32 of scales (and mins) a group
+        expected = (-(-n // MMA_ROWS), k // step, 2 * step + per_group * (step // self.group_size))
         tiles = self.tiles
-        if tiles.dtype != torch.int32 or tuple(tiles.shape) != expected or tiles.stride(2) != 1:
+        aligned = tiles.stride(0) % 4 == 0 and tiles.stride(1) % 4 == 0  # 16-byte tiles
+        if (
+            tiles.dtype != torch.int32
+            or tuple(tiles.shape) != expected
+            or tiles.stride(2) != 1
+            or not aligned
+            or tiles.storage_offset() % 4
+        ):
             raise ValueError(
-                f"Int4WeightMMA.tiles must be int32 {list(expected)} with unit last stride, "
-                f"got {tiles.dtype} {list(tiles.shape)} strides {tiles.stride()}"
+                f"Int4WeightMMA.tiles must be int32 {list(expected)} with unit last stride "
+                f"and the others (and the offset) multiples of 4, got {tiles.dtype} "
+                f"{list(tiles.shape)} strides {tiles.stride()} offset {tiles.storage_offset()}"
             )
 
     @property
@@ -327,11 +340,16 @@ class Int4WeightMMA:
 
     @property
     def scale_mins(self) -> torch.Tensor:
-        """fp16 [N16 / 16, K / G, 8, 4] (a copy): per g, scale and min of rows g and g + 8."""
+        """fp16 [N16 / 16, K / G, 8, 4] (a copy): per g, scale and min of rows g and g + 8
+        (a symmetric weight's mins, -8 * scale, written out)."""
         rbs, steps = self.tiles.shape[:2]
         step = mma_step(self.group_size)
         sm = self.tiles[:, :, 2 * step :].contiguous().view(torch.float16)
-        return sm.reshape(rbs, steps * step // self.group_size, 8, 4)
+        if not self.symmetric:
+            return sm.reshape(rbs, steps * step // self.group_size, 8, 4)
+        scales = sm.reshape(rbs, steps * step // self.group_size, 8, 2)
+        mins = (scales.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
+        return torch.stack([scales, mins], dim=-1).flatten(-2)
 
 
 def _mma_order(codes: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -357,9 +375,16 @@ def _mma_order_inverse(nib: torch.Tensor, group_size: int) -> torch.Tensor:
     return v.reshape(rbs * 16, chunks * 64)
 
 
-def to_mma(weight: Int4Weight) -> Int4WeightMMA:
+def is_symmetric(weight: Int4Weight) -> bool:
+    """Whether every min is -8 * its scale (quantize_int4(..., symmetric=True) makes them so),
+    so the scales alone describe the weight."""
+    return bool(torch.equal(weight.mins, (weight.scales.float() * -8).to(torch.float16)))
+
+
+def to_mma(weight: Int4Weight, symmetric: bool = False) -> Int4WeightMMA:
     """Int4Weight [N, K] -> Int4WeightMMA (lossless; `from_mma` inverts it). Groups of 32, 64
-    or 128 (K a multiple of 64)."""
+    or 128 (K a multiple of 64). `symmetric`: store the scales alone (every min must be
+    -8 * its scale, `is_symmetric`), 2 bytes a group and row fewer."""
     if len(weight.shape) != 2:
         raise ValueError(f"to_mma takes a 2-D weight, got shape {weight.shape}")
     n, k = weight.shape
@@ -374,20 +399,28 @@ def to_mma(weight: Int4Weight) -> Int4WeightMMA:
         codes = torch.cat([codes, codes.new_zeros(n16 - n, k)])
         scales = torch.cat([scales, scales.new_zeros(n16 - n, scales.shape[1])])
         mins = torch.cat([mins, mins.new_zeros(n16 - n, mins.shape[1])])
+    if symmetric and not is_symmetric(weight):
+        raise ValueError("to_mma(symmetric=True) takes a weight whose mins are -8 * scale")
     rbs, groups = n16 // 16, k // weight.group_size
     step = mma_step(weight.group_size)
     steps = k // step
     # [N16, K/G] -> [rb, hr, g, K/G, scale|min] -> [rb, K/G, g, hr, scale|min]
-    sm = torch.stack([scales, mins], dim=-1).reshape(rbs, 2, 8, groups, 2)
-    sm = sm.permute(0, 3, 2, 1, 4).contiguous().view(torch.int32)
-    sm = sm.reshape(rbs, steps, 16 * groups // steps)  # a step's groups one after another
+    parts = [scales] if symmetric else [scales, mins]
+    sm = torch.stack(parts, dim=-1).reshape(rbs, 2, 8, groups, len(parts))
+    sm = sm.permute(0, 3, 2, 1, 4).reshape(rbs, groups, -1).contiguous().view(torch.int32)
+    sm = sm.reshape(rbs, steps, -1)  # a step's groups one after another
     nib = _mma_order(
         codes, weight.group_size
     )  # uint8 [..., 8]; byte b of a word = nibbles 2b | 2b + 1
     pairs = nib[..., 0::2] | (nib[..., 1::2] << 4)
     words = pairs.contiguous().view(torch.int32).reshape(rbs, steps, 2 * step)
     storage = torch.cat([words, sm], dim=-1).transpose(0, 1).contiguous()  # group-major
-    return Int4WeightMMA(tiles=storage.transpose(0, 1), shape=(n, k), group_size=weight.group_size)
+    return Int4WeightMMA(
+        tiles=storage.transpose(0, 1),
+        shape=(n, k),
+        group_size=weight.group_size,
+        symmetric=symmetric,
+    )
 
 
 def from_mma(weight: Int4WeightMMA) -> Int4Weight:

@@ -58,10 +58,13 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def mma_weight(n: int, k: int, group_size: int, seed: int, device: str = "cpu") -> Int4WeightMMA:
+def mma_weight(
+    n: int, k: int, group_size: int, seed: int, device: str = "cpu", symmetric: bool = False
+) -> Int4WeightMMA:
     gen = torch.Generator().manual_seed(seed)
-    mma = to_mma(quantize_int4(torch.randn(n, k, generator=gen), group_size))
-    return Int4WeightMMA(mma.tiles.to(device), mma.shape, group_size)
+    weight = quantize_int4(torch.randn(n, k, generator=gen), group_size, symmetric=symmetric)
+    mma = to_mma(weight, symmetric=symmetric)
+    return Int4WeightMMA(mma.tiles.to(device), mma.shape, group_size, symmetric)
 
 
 def test_mma_layout_is_lossless_and_as_documented() -> None:
@@ -122,6 +125,61 @@ def test_group_32_tiles_hold_a_chunk_and_both_groups_scales() -> None:
     back = from_mma(mma)
     assert torch.equal(back.packed, weight.packed)
     assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
+
+
+def test_symmetric_tiles_hold_the_scales_alone() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = quantize_int4(torch.randn(20, 256, generator=gen), 128, symmetric=True)
+    mma = to_mma(weight, symmetric=True)
+    # 256 words and 8 int32 of scales per (row block, group): 264 * 4 bytes for 16 x 128
+    # values, against 272 * 4 with the mins.
+    assert mma.symmetric and mma.tiles.shape == (2, 2, 2 * 128 + 8)
+    assert mma.nbytes == 2 * 2 * 264 * 4
+    assert to_mma(weight).nbytes == 2 * 2 * 272 * 4
+    # fp16 (g, 2) a group: the scales of rows 16rb + g and 16rb + g + 8 (rb 0, group 1, g 5).
+    scales = mma.tiles[0, 1, 256:].contiguous().view(torch.float16).reshape(8, 2)
+    assert scales[5].tolist() == [float(weight.scales[5, 1]), float(weight.scales[13, 1])]
+    assert mma.scale_mins[0, 1, 5].tolist() == [
+        float(weight.scales[5, 1]),
+        float(weight.mins[5, 1]),
+        float(weight.scales[13, 1]),
+        float(weight.mins[13, 1]),
+    ]
+    assert torch.equal(mma.words, to_mma(weight).words)  # the codes are laid out alike
+    back = from_mma(mma)
+    assert torch.equal(back.packed, weight.packed)
+    assert torch.equal(back.scales, weight.scales) and torch.equal(back.mins, weight.mins)
+    # Groups of 32: a step's two groups' scales one after the other (8 int32 each).
+    g32 = quantize_int4(torch.randn(16, 128, generator=gen), 32, symmetric=True)
+    tiles = to_mma(g32, symmetric=True).tiles
+    assert tiles.shape == (1, 2, 128 + 2 * 8)
+    second = tiles[0, 1, 128 + 8 :].contiguous().view(torch.float16).reshape(8, 2)
+    assert second[6].tolist() == [float(g32.scales[6, 3]), float(g32.scales[14, 3])]
+    assert torch.equal(dequantize_int4(from_mma(to_mma(g32, symmetric=True))), dequantize_int4(g32))
+
+
+def test_symmetric_tiles_refuse_a_weight_with_its_own_mins() -> None:
+    weight = quantize_int4(torch.randn(16, 128, generator=torch.Generator().manual_seed(6)), 64)
+    with pytest.raises(ValueError, match=r"symmetric=True\) takes a weight whose mins are -8"):
+        to_mma(weight, symmetric=True)
+    with pytest.raises(ValueError, match=r"must be int32 \[1, 2, 136\]"):
+        Int4WeightMMA(to_mma(weight).tiles, (16, 128), 64, symmetric=True)
+
+
+def test_tiles_must_start_16_byte_aligned() -> None:
+    # The kernels load 16 bytes a lane from every tile and step: a stride or offset that
+    # is no multiple of 4 int32 is refused, not read misaligned.
+    padded = torch.zeros(1, 2, 145, dtype=torch.int32)[:, :, :144]  # step stride 145
+    with pytest.raises(
+        ValueError,
+        match=r"multiples of 4, got torch.int32 \[1, 2, 144\] "
+        r"strides \(290, 145, 1\) offset 0",
+    ):
+        Int4WeightMMA(padded, (16, 128), 64)
+    shifted = torch.zeros(2 * 144 + 1, dtype=torch.int32)[1:].reshape(1, 2, 144)
+    with pytest.raises(ValueError, match="offset 1"):
+        Int4WeightMMA(shifted, (16, 128), 64)
+    Int4WeightMMA(torch.zeros(1, 2, 144, dtype=torch.int32), (16, 128), 64)  # aligned: taken
 
 
 def test_to_mma_rejects_what_the_kernel_cannot_take() -> None:
@@ -290,16 +348,24 @@ def test_supports_and_errors_on_cpu() -> None:
 
 
 @pytest.mark.parametrize(
-    "n, k, group_size", [(16, 64, 64), (40, 256, 128), (33, 384, 64), (24, 192, 32)]
+    "n, k, group_size, symmetric",
+    [
+        (16, 64, 64, False),
+        (40, 256, 128, False),
+        (33, 384, 64, False),
+        (24, 192, 32, False),
+        (40, 256, 128, True),
+        (24, 192, 32, True),
+    ],
 )
-def test_dequantize_kernel_equals_reference(n, k, group_size) -> None:
+def test_dequantize_kernel_equals_reference(n, k, group_size, symmetric) -> None:
     device = "cuda" if CUDA else "cpu"
-    weight = mma_weight(n, k, group_size, seed=n, device=device)
+    weight = mma_weight(n, k, group_size, seed=n, device=device, symmetric=symmetric)
     expected = dequantize_int4(from_mma(weight)).T  # fp32 [K, N]
     assert torch.equal(dequantize_mma(weight, torch.float32), expected)  # exact: same fp32 math
     assert torch.equal(dequantize_mma(weight, torch.bfloat16), expected.to(torch.bfloat16))
     # The kernels take the tiles' strides: row-block-major storage reads the same.
-    rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, group_size)
+    rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, group_size, symmetric)
     assert torch.equal(dequantize_mma(rb_major, torch.float32), expected)
 
 
@@ -346,15 +412,15 @@ def test_int4_linear_keeps_one_mma_wrapper_while_its_tiles_stay() -> None:
 
 def test_calls_without_a_config_reuse_their_shapes_plan() -> None:
     cpu = torch.device("cpu")  # 4 multiprocessors for the heuristic
-    plan = mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu)
-    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu) is plan
+    plan = mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu, False)
+    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
     config = mma_gemv_config(4096, 4096, 128, 4)
     assert plan.splits == 32 // config["GROUPS_PER_SPLIT"]
     assert plan.programs == 256 // (config["WARPS"] * config["R"])
     assert plan.constexprs["SPLIT_K"] == plan.splits and plan.constexprs["EARLY"] == 0
     # a config of its own is planned apart and leaves the shape's plan as it was
-    assert mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, {"SPLITS": 3}).splits == 3
-    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu) is plan
+    assert mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, False, {"SPLITS": 3}).splits == 3
+    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
 
 
 def test_config_fills_the_gpu() -> None:
@@ -478,6 +544,47 @@ def test_group_32_configs_agree() -> None:
         got = w4a16_mma_gemv(x, weight, config=config)
         assert relative_error(got, ref) < TOLERANCE[torch.bfloat16]
         assert torch.equal(w4a16_mma_gemv(x, rb_major, config=config), got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, k, group_size", [(1, 4096, 4096, 128), (3, 200, 1024, 64), (4, 1000, 4096, 32)]
+)
+def test_symmetric_tiles_give_the_asymmetric_kernels_bits(m, n, k, group_size, dtype) -> None:
+    """A symmetric weight through its scales-only tiles equals the same weight through
+    tiles that store its mins (-8 * scale): the correction comes out the same in fp32."""
+    sym = mma_weight(n, k, group_size, seed=n + k, device="cuda", symmetric=True)
+    both = to_mma(from_mma(sym))  # the mins written out
+    assert both.nbytes > sym.nbytes
+    gen = torch.Generator("cuda").manual_seed(m + 1)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    got = w4a16_mma_gemv(x, sym)
+    assert torch.equal(got, w4a16_mma_gemv(x, Int4WeightMMA(both.tiles.cuda(), (n, k), group_size)))
+    assert relative_error(got, w4a16_mma_ref(x, sym)) < TOLERANCE[dtype]
+    for config in ({"R": 2, "CHAINS": 2 if group_size == 32 else 1}, {"R": 1, "CHAINS": 2}):
+        assert (
+            relative_error(w4a16_mma_gemv(x, sym, config), w4a16_mma_ref(x, sym)) < TOLERANCE[dtype]
+        )
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows_per_warp", [1, 2])
+def test_pipeline_variants_give_the_same_bits(rows_per_warp) -> None:
+    """One register buffer or two, loads fenced or not: the same arithmetic in the same
+    order, so the same bits, for even and odd step counts a split (5 and 4 groups of 128,
+    10 and 8 steps of 32) and splits of one step."""
+    x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
+    for group_size, symmetric in ((128, False), (128, True), (32, False), (64, True)):
+        weight = mma_weight(1040, 4096, group_size, seed=21, device="cuda", symmetric=symmetric)
+        chains = 2 if group_size == 32 or rows_per_warp == 1 else 1
+        for per_split in (5, 4, 1):
+            base = {"R": rows_per_warp, "CHAINS": chains, "WARPS": 4, "GROUPS_PER_SPLIT": per_split}
+            expected = w4a16_mma_gemv(x, weight, {**base, "PIPE": 1, "FENCE": 0})
+            assert relative_error(expected, w4a16_mma_ref(x, weight)) < TOLERANCE[torch.bfloat16]
+            for pipe, fence in ((1, 1), (2, 0), (2, 1)):
+                got = w4a16_mma_gemv(x, weight, {**base, "PIPE": pipe, "FENCE": fence})
+                assert torch.equal(got, expected), (group_size, symmetric, per_split, pipe, fence)
 
 
 @needs_cuda

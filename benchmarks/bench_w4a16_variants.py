@@ -1,0 +1,147 @@
+"""The tensor-core W4A16 GEMV's load and layout variants side by side, at M = 1.
+
+    python benchmarks/bench_w4a16_variants.py [--shapes 70b] [--rounds 2]
+        [--variants 'name=JSON;name=JSON'] [--json out.json]
+
+For each layer shape (K in -> N out) it times, in one run and in rounds that alternate
+the variants (the machine is shared and noisy: each round is a fresh pass over all of
+them), bf16 cuBLAS (F.linear) and w4a16_mma_gemv over the same weight laid out two ways:
+
+  asym      Int4WeightMMA with a scale and a min per group and row (Q4_1's arithmetic)
+  sym       the scales alone (a symmetric weight: every min is -8 * scale), 3% fewer
+            bytes at groups of 128
+
+each under its heuristic config and the variants' config overrides (PIPE: one or two
+register buffers for the steps in flight; FENCE: the loads pinned where the code issues
+them; R, CHAINS, GROUPS_PER_SPLIT: the launch; any key of w4a16_mma_gemv's config). Timing is
+bench_w4a16.py's CUDA-graph harness (weight copies spanning 4x the L2). It prints each
+variant's median over the rounds, its spread, its speedup over bf16 and its bandwidth as a
+fraction of a device-to-device copy measured in the same run. Needs torch, triton, numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_w4a16 import GROUP, bench_graph, copies_for, copy_bandwidth, parse_shapes
+
+from gpu_node.kernels.w4a16_mma import mma_gemv_config, w4a16_mma_gemv
+from gpu_node.quant.int4 import dequantize_int4, from_mma, quantize_int4, to_mma
+
+DEFAULT_VARIANTS = {
+    "heuristic": {},
+    "one buffer": {"PIPE": 1},
+    "unfenced": {"FENCE": 0},
+    "one buffer, unfenced": {"PIPE": 1, "FENCE": 0},
+}
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+    out = {}
+    for part in text.split(";"):
+        if part.strip():
+            name, _, cfg = part.partition("=")
+            out[name.strip()] = json.loads(cfg)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("70b"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", type=parse_variants, default=DEFAULT_VARIANTS)
+    parser.add_argument("--layouts", default="asym,sym")
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=GROUP)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    group = args.group_size
+    layouts = args.layouts.split(",")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    print(
+        f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s; bf16 activations; INT4 group {group}; rounds {args.rounds}",
+        flush=True,
+    )
+    rows = []
+    for k, n in args.shapes:
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        dense = [w0] + [torch.randn_like(w0) / k**0.5 for _ in range(copies_for(2 * n * k) - 1)]
+        # Symmetric weights, so both layouts hold the same values (the asym tiles store the
+        # mins, -8 * scale, that the sym tiles leave out).
+        quants = [quantize_int4(w, group, symmetric=True) for w in dense[:1]]
+        copies = copies_for(to_mma(quants[0]).nbytes)
+        quants += [
+            quantize_int4(torch.randn_like(w0) / k**0.5, group, symmetric=True)
+            for _ in range(copies - 1)
+        ]
+        weights = {
+            "asym": [to_mma(q) for q in quants],
+            "sym": [to_mma(q, symmetric=True) for q in quants],
+        }
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ dequantize_int4(from_mma(weights["sym"][0])).T
+        base = mma_gemv_config(n, k, group, props.multi_processor_count)
+        times: dict[str, list[float]] = {}
+        for _ in range(args.rounds):
+            times.setdefault("bf16", []).append(
+                bench_graph([lambda w=w, x=x: F.linear(x, w) for w in dense]) * 1e3
+            )
+            for layout in layouts:
+                for name, cfg in args.variants.items():
+                    c = {**base, **cfg}
+                    t = bench_graph(
+                        [
+                            lambda q=q, c=c, x=x: w4a16_mma_gemv(x, q, config=c)
+                            for q in weights[layout]
+                        ]
+                    )
+                    times.setdefault(f"{layout} {name}", []).append(t * 1e3)
+        t_dense = statistics.median(times["bf16"])
+        print(f"\n{k}x{n} M=1 (heuristic {base}); bf16 {t_dense:.1f} us {times['bf16']}")
+        for layout in layouts:
+            nbytes = weights[layout][0].nbytes
+            for name, cfg in args.variants.items():
+                key = f"{layout} {name}"
+                t = statistics.median(times[key])
+                c = {**base, **cfg}
+                y = w4a16_mma_gemv(x, weights[layout][0], config=c)
+                err = float((y.float() - ref).norm() / ref.norm())
+                row = {
+                    "K": k,
+                    "N": n,
+                    "layout": layout,
+                    "variant": name,
+                    "config": c,
+                    "us": t,
+                    "us_rounds": times[key],
+                    "bf16_us": t_dense,
+                    "vs_bf16": t_dense / t,
+                    "bw": (nbytes + 2 * (k + n)) / (t * 1e-6) / bw,
+                    "int4_mb": nbytes / 1e6,
+                    "rel_err": err,
+                }
+                rows.append(row)
+                spread = max(times[key]) - min(times[key])
+                print(
+                    f"  {key:28s} {t:6.1f} us (spread {spread:.1f}) {t_dense / t:5.2f}x bf16"
+                    f"  {row['bw']:.2f} of copy  {nbytes / 1e6:.1f} MB  err {err:.1e}",
+                    flush=True,
+                )
+        del dense, quants, weights
+    if args.json:
+        args.json.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
