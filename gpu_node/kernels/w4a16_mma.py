@@ -101,22 +101,22 @@ def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr
 
 @triton.jit
 def _load_step(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: tl.constexpr,
-               SM2: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
-    """A step's words (two chunks with groups of 128) and scales (and mins) [R, E] each.
+               SM2: tl.constexpr):  # fmt: skip
+    """The two-buffer loop's (PIPE 2) loads of a step: words (two chunks with groups of 128)
+    and the 16 bytes of scales (and mins) a lane reads, [R, E] each.
 
-    FENCE: a warp barrier after the loads, which ptxas does not move them across, so they
-    are issued here rather than sunk towards their first use (ptxas's choice, for fewer
-    live registers), and a whole step's math hides their latency."""
+    A warp barrier follows them, which ptxas does not move loads across, so they are issued
+    here rather than sunk towards their first use (ptxas's choice, for fewer live
+    registers), and a step's math hides their latency (faster than without, H200)."""
     at = step * stride_tg
     w0 = tl.load(words_at + at, mask=mask)
     w1 = tl.load(words_at + at + 128, mask=mask & (CPG == 2))
     sm = tl.load(sm_at + at, mask=mask)
     sm2 = tl.load(sm_at + at + SM2, mask=mask & (SUBS == 2))
-    if FENCE:
-        tl.inline_asm_elementwise(
-            "bar.warp.sync -1;\nmov.b32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+    tl.inline_asm_elementwise(
+        "bar.warp.sync -1;\nmov.b32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
     return w0, w1, sm, sm2
 
 
@@ -130,6 +130,25 @@ def _scales_asm(sm, pick, ASM: tl.constexpr):
         ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r", [sm, pick],
         dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
     )  # fmt: skip
+
+
+@triton.jit
+def _scales_fp16(sm, sm_mul, OFFSET: tl.constexpr, HIGH: tl.constexpr, SYMMETRIC: tl.constexpr):
+    """The one-buffer loop's (PIPE 0) scales: sm [R, E] fp16, (scale, min) of rows g and
+    g + 8 per lane (symmetric: each C element's own scale, min = -8 scale) -> scale and
+    min - OFFSET * scale per C element, in Triton. With HIGH > 1 the rows g + 8 came out
+    of the mma HIGH times too large: sm_mul [1, E] divides their scale (exact)."""
+    sm = sm.to(tl.float32)
+    if SYMMETRIC:
+        scale = sm * sm_mul if HIGH != 1.0 else sm
+        return scale, sm * -8.0 - OFFSET * scale
+    if HIGH != 1.0:
+        sm = sm * sm_mul
+    scale, min_ = tl.split(tl.reshape(sm, (sm.shape[0], sm.shape[1] // 2, 2)))  # rows g, g + 8
+    corr = min_ - OFFSET * scale
+    scale = tl.reshape(tl.join(scale, scale), sm.shape)
+    corr = tl.reshape(tl.join(corr, corr), sm.shape)
+    return scale, corr
 
 
 @triton.jit
@@ -151,6 +170,11 @@ def _group(
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
     SM_ASM: tl.constexpr,
+    sm_mul=None,  # with FP16_SCALES (PIPE 0): sm is fp16, scaled in Triton (_scales_fp16)
+    FP16_SCALES: tl.constexpr = False,
+    OFFSET: tl.constexpr = 128.0,
+    HIGH: tl.constexpr = 1.0,
+    SYMMETRIC: tl.constexpr = False,
 ):
     """acc [R, E] + one step's share of y: scale * D + (min - OFFSET * scale) * x_sum.
 
@@ -185,9 +209,13 @@ def _group(
             d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
             if MODE != 2:
                 s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
-    scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
+    if FP16_SCALES:
+        scale, corr = _scales_fp16(sm, sm_mul, OFFSET, HIGH, SYMMETRIC)
+        scale2, corr2 = _scales_fp16(sm2, sm_mul, OFFSET, HIGH, SYMMETRIC)  # used at g32
+    else:
+        scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
+        scale2, corr2 = _scales_asm(sm2, sm_pick, SM_ASM)  # used at groups of 32
     if SUBS == 2:
-        scale2, corr2 = _scales_asm(sm2, sm_pick, SM_ASM)
         acc = tl.fma(d_a, scale, acc)
         acc = tl.fma(d_b, scale2, acc)
         if MODE == 2:
@@ -235,8 +263,7 @@ def _gemv_mma_kernel(
     CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
     EARLY: tl.constexpr = 0,  # PDL: 0 off; the next kernel may launch from 1 the start, 2 the tail
     SYMMETRIC: tl.constexpr = False,  # the tiles hold scales alone (min = -8 scale)
-    PIPE: tl.constexpr = 2,  # loop buffers: 2 (two steps an iteration) or 1 (benchmarks)
-    FENCE: tl.constexpr = True,  # each step's loads issued where the code asks (_load_step)
+    PIPE: tl.constexpr = 0,  # the loop: 0 one buffer, fp16 scales; 2 two buffers, int32 scales
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
@@ -285,55 +312,58 @@ def _gemv_mma_kernel(
     # A step's words, scales and mins are loaded a step ahead, so they are in flight
     # behind the tensor cores. Splits are never empty. Masked-off loads (past the
     # split's last step, or a row block past N) are never used.
-    a = _load_step(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2, FENCE)
-    if EARLY != 0:
+    if PIPE == 0:
+        # One buffer (the next step's registers copied into this step's at the end of
+        # each iteration), fp16 scales (a 64-bit load a lane) unpacked in Triton. The copy
+        # waits for the next step's loads; yet on the H200 this loop is as fast as the
+        # two-buffer one or faster at every asymmetric shape measured (w4a16_gemv.md).
+        if SYMMETRIC:  # fp16 (g, 2): C element j takes the scale of its own row
+            smh_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 2 + j // 2
+            sm_mul = tl.where(j >= 2, 1.0 / HIGH, 1.0)
+        else:  # fp16 (g, 4): scale, min of row g, then of row g + 8
+            smh_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j
+            sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
+        w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
+        w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
+        sm = tl.load(smh_at + 2 * g_begin * stride_tg, mask=rb_ok, other=0.0)
+        sm2 = tl.load(
+            smh_at + 2 * g_begin * stride_tg + 2 * SM2, mask=rb_ok & (SUBS == 2), other=0.0
+        )
+        if EARLY != 0:
+            gdc_wait()
+        for grp in range(g_begin, g_end):
+            ok = rb_ok & (grp + 1 < g_end)
+            at = (grp + 1) * stride_tg
+            w0_n = tl.load(words_at + at, mask=ok, other=0)
+            w1_n = tl.load(words_at + at + 128, mask=ok & (CPG == 2), other=0)
+            sm_n = tl.load(smh_at + 2 * at, mask=ok, other=0.0)
+            sm2_n = tl.load(smh_at + 2 * at + 2 * SM2, mask=ok & (SUBS == 2), other=0.0)
+            acc = _group(
+                acc, w0, w1, sm, sm2, sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET,
+                HIGH, SYMMETRIC,
+            )  # fmt: skip
+            w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
+    else:
+        a = _load_step(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
+    if EARLY != 0 and PIPE != 0:
         # The weights are nobody's output, so their first step is in flight before the
         # wait; x, the partials and the counters only after the previous kernel is done.
         gdc_wait()
-    if PIPE == 1:
-        # One buffer: the next step's registers are copied into the current step's at
-        # the end of each iteration, and that copy waits for their loads (the ninth to
-        # fourteenth sessions' loop; kept for the benchmarks).
-        for grp in range(g_begin, g_end):
-            b = _load_step(
-                words_at,
-                sm_at,
-                grp + 1,
-                stride_tg,
-                rb_ok & (grp + 1 < g_end),
-                CPG,
-                SUBS,
-                SM2,
-                FENCE,
-            )
-            acc = _group(
-                acc, a[0], a[1], a[2], a[3], sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
-                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
-            )  # fmt: skip
-            a = b
-    else:
+    if PIPE == 2:
         # Two buffers, two steps an iteration: b is loaded while a is used, then a again
         # while b is used. Each load lands in the registers its step is used from, so
-        # nothing at the loop's end waits for a load still in flight (with one buffer
-        # the copy of the next step's registers did, once an iteration).
+        # nothing at the loop's end waits for a load still in flight. Symmetric tiles take
+        # this loop: their scales are one word a g, which as fp16 loads four 2-byte loads.
         pairs_end = g_begin + (g_end - g_begin) // 2 * 2
         for grp in range(g_begin, pairs_end, 2):
-            b = _load_step(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2, FENCE)
+            b = _load_step(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2)
             acc = _group(
                 acc, a[0], a[1], a[2], a[3], sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
-            a = _load_step(
-                words_at,
-                sm_at,
-                grp + 2,
-                stride_tg,
-                rb_ok & (grp + 2 < g_end),
-                CPG,
-                SUBS,
-                SM2,
-                FENCE,
-            )
+            a_mask = rb_ok & (grp + 2 < g_end)
+            a = _load_step(words_at, sm_at, grp + 2, stride_tg, a_mask, CPG, SUBS, SM2)
             acc = _group(
                 acc, b[0], b[1], b[2], b[3], sm_pick, x_at, (grp + 1) * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
@@ -416,7 +446,9 @@ def _cached_config(n: int, k: int, group_size: int, num_sms: int) -> tuple[tuple
     )
 
 
-def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
+def mma_gemv_config(
+    n: int, k: int, group_size: int, num_sms: int, symmetric: bool = False
+) -> dict[str, int]:
     """Warps, row blocks per warp, groups per split and accumulator chains (from the H200
     sweeps); M does not matter.
 
@@ -435,8 +467,21 @@ def mma_gemv_config(n: int, k: int, group_size: int, num_sms: int) -> dict[str, 
     Groups of 32 count as steps of two (one chunk) and always take CHAINS = 2; in the
     H200 sweeps of the twelfth session their best configurations were two-row-block
     warps too (4096 x 14336: 16.1 us against 19.6 for one row block, 8 steps a split).
+
+    Symmetric tiles run the two-buffer loop, whose registers (about 126 for two row blocks
+    a warp) leave 4 programs a multiprocessor: two-row-block warps on splits of 8 steps up
+    to 64 steps of K, else 16 (the fifteenth session's sweep: best or within 5% at every
+    70B / DeepSeek shape), unless those launch fewer than LEAST_WARPS a multiprocessor,
+    where the asymmetric choice stands.
     """
-    return dict(_cached_config(n, k, group_size, num_sms))
+    cfg = dict(_cached_config(n, k, group_size, num_sms))
+    if symmetric:
+        num_groups = k // mma_step(group_size)
+        per_split = min(num_groups, 8 if num_groups <= 64 else 16)
+        warps = -(-n // (MMA_ROWS * 2)) * -(-num_groups // per_split)
+        if warps >= LEAST_WARPS * num_sms:
+            cfg.update(R=2, GROUPS_PER_SPLIT=per_split, CHAINS=2 if group_size == 32 else 1)
+    return cfg
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:
@@ -498,8 +543,11 @@ def _plan(
     config: Mapping[str, int | str] | None,
 ) -> _Plan:
     """The heuristic config (mma_gemv_config) with `config` over it, checked."""
-    cfg = mma_gemv_config(n, k, group_size, num_sms(device))
+    cfg = mma_gemv_config(n, k, group_size, num_sms(device), symmetric)
     cfg.update(config or {})
+    pipe = int(cfg.get("PIPE", 2 if symmetric else 0))
+    if pipe not in (0, 2) or (symmetric and pipe != 2):
+        raise ValueError(f"PIPE must be 0 or 2 (2 for symmetric tiles), got {pipe}")
     if cfg["GROUPS_PER_SPLIT"] < 1:
         raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
@@ -527,8 +575,7 @@ def _plan(
         "CHAINS": chains,
         "EARLY": early,
         "SYMMETRIC": symmetric,
-        "PIPE": int(cfg.get("PIPE", 2)),
-        "FENCE": bool(cfg.get("FENCE", 1)),
+        "PIPE": pipe,
         **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps

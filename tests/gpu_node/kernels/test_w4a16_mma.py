@@ -450,6 +450,26 @@ def test_config_fills_the_gpu() -> None:
     assert mma_gemv_config(576, 1536, 32, 132) == {**one, "GROUPS_PER_SPLIT": 2}
 
 
+def test_symmetric_tiles_take_the_two_buffer_loop() -> None:
+    cpu = torch.device("cpu")
+    assert (
+        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, False, None).constexprs["PIPE"] == 0
+    )
+    assert (
+        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, True, None).constexprs["PIPE"] == 2
+    )
+    with pytest.raises(ValueError, match=r"PIPE must be 0 or 2 \(2 for symmetric tiles\), got 0"):
+        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, True, {"PIPE": 0})
+    with pytest.raises(ValueError, match=r"PIPE must be 0 or 2 .*, got 1"):
+        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, False, {"PIPE": 1})
+    two = {"WARPS": 4, "R": 2, "CHAINS": 1}
+    # 64 steps of K or fewer: splits of 8 (28672 rows: 896 x 8 = 7168 warps); more: 16.
+    assert mma_gemv_config(28672, 8192, 128, 132, True) == {**two, "GROUPS_PER_SPLIT": 8}
+    assert mma_gemv_config(8192, 28672, 128, 132, True) == {**two, "GROUPS_PER_SPLIT": 16}
+    # 4096 x 4096: 128 warps x 4 splits of 8 = 512 < 12 x 132: the asymmetric choice stands.
+    assert mma_gemv_config(4096, 4096, 128, 132, True) == mma_gemv_config(4096, 4096, 128, 132)
+
+
 def test_config_rejects_other_chains() -> None:
     weight = mma_weight(16, 128, 64, seed=1)
     x = torch.zeros(1, 128, dtype=torch.bfloat16)
@@ -570,21 +590,21 @@ def test_symmetric_tiles_give_the_asymmetric_kernels_bits(m, n, k, group_size, d
 
 @needs_cuda
 @pytest.mark.parametrize("rows_per_warp", [1, 2])
-def test_pipeline_variants_give_the_same_bits(rows_per_warp) -> None:
-    """One register buffer or two, loads fenced or not: the same arithmetic in the same
-    order, so the same bits, for even and odd step counts a split (5 and 4 groups of 128,
-    10 and 8 steps of 32) and splits of one step."""
+def test_both_loops_give_the_same_bits(rows_per_warp) -> None:
+    """The one-buffer loop with fp16 scales unpacked in Triton (PIPE 0) and the two-buffer
+    loop with int32 scales unpacked in PTX (PIPE 2): the same arithmetic in the same order,
+    so the same bits, for even and odd step counts a split (5 and 4 groups of 128 or 64,
+    10 and 8 steps of 32) and one-step splits."""
     x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
-    for group_size, symmetric in ((128, False), (128, True), (32, False), (64, True)):
-        weight = mma_weight(1040, 4096, group_size, seed=21, device="cuda", symmetric=symmetric)
+    for group_size in (128, 64, 32):
+        weight = mma_weight(1040, 4096, group_size, seed=21, device="cuda")
         chains = 2 if group_size == 32 or rows_per_warp == 1 else 1
         for per_split in (5, 4, 1):
             base = {"R": rows_per_warp, "CHAINS": chains, "WARPS": 4, "GROUPS_PER_SPLIT": per_split}
-            expected = w4a16_mma_gemv(x, weight, {**base, "PIPE": 1, "FENCE": 0})
-            assert relative_error(expected, w4a16_mma_ref(x, weight)) < TOLERANCE[torch.bfloat16]
-            for pipe, fence in ((1, 1), (2, 0), (2, 1)):
-                got = w4a16_mma_gemv(x, weight, {**base, "PIPE": pipe, "FENCE": fence})
-                assert torch.equal(got, expected), (group_size, symmetric, per_split, pipe, fence)
+            one = w4a16_mma_gemv(x, weight, {**base, "PIPE": 0})
+            assert relative_error(one, w4a16_mma_ref(x, weight)) < TOLERANCE[torch.bfloat16]
+            two = w4a16_mma_gemv(x, weight, {**base, "PIPE": 2})
+            assert torch.equal(two, one), (group_size, per_split)
 
 
 @needs_cuda
