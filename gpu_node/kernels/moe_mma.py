@@ -137,32 +137,31 @@ def _moe_mma_kernel(
         load_ok = rb_ok & in_range  # results are still stored (0) for an id out of range
         tile_at = tiles_ptr + expert.to(tl.int64) * stride_te + rb * stride_tr
         words_at = tile_at + e % 128
-        # (scale, min) of rows g and g + 8 as two int32 words, in the aligned 16 bytes the
-        # lane loads (w4a16_mma.py); + 16: the second g32 group's
-        sm_at = tile_at + 128 * CPG + (g // 2) * 4 + j
-        sm_pick = g % 4
+        sm_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j  # +32: group 2
         # [1, E]: the assignment of column g
         ids_g = tl.zeros_like(g) + slot if ONE_TOKEN else tl.load(slot_ids_ptr + slot * SLOT + g)
         x_at = a_ptr + (ids_g // A_ROW_DIV).to(tl.int64) * stride_am + t * (8 // SUBS) + j
+        sm_stride = 2 * stride_tg
+        sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
 
         g_begin = pid_s * groups_per_split
         g_end = tl.minimum(g_begin + groups_per_split, num_groups)
         acc = tl.full((1, E), 0.0, tl.float32)
         w0 = tl.load(words_at + g_begin * stride_tg, mask=load_ok, other=0)
         w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=load_ok & (CPG == 2), other=0)
-        sm = tl.load(sm_at + g_begin * stride_tg, mask=load_ok, other=0)
-        sm2 = tl.load(sm_at + g_begin * stride_tg + 16, mask=load_ok & (SUBS == 2), other=0)
+        sm = tl.load(sm_at + g_begin * sm_stride, mask=load_ok, other=0.0)
+        sm2 = tl.load(sm_at + g_begin * sm_stride + 32, mask=load_ok & (SUBS == 2), other=0.0)
         if EARLY and SLOTS_READY:
             gdc_wait()
         for grp in range(g_begin, g_end):
             ok = load_ok & (grp + 1 < g_end)
             w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
             w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
-            sm_n = tl.load(sm_at + (grp + 1) * stride_tg, mask=ok, other=0)
-            sm2_n = tl.load(sm_at + (grp + 1) * stride_tg + 16, mask=ok & (SUBS == 2), other=0)
+            sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
+            sm2_n = tl.load(sm_at + (grp + 1) * sm_stride + 32, mask=ok & (SUBS == 2), other=0.0)
             acc = _group(
-                acc, w0, w1, sm, sm2, sm_pick, x_at, grp * CPG, CPG, 0, 2, SUBS,
-                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
+                acc, w0, w1, sm, sm2, None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
+                D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip
             w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
         if EARLY:

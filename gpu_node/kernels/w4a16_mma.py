@@ -133,15 +133,12 @@ def _scales_asm(sm, pick, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scales_fp16(sm, sm_mul, OFFSET: tl.constexpr, HIGH: tl.constexpr, SYMMETRIC: tl.constexpr):
-    """The one-buffer loop's (PIPE 0) scales: sm [R, E] fp16, (scale, min) of rows g and
-    g + 8 per lane (symmetric: each C element's own scale, min = -8 scale) -> scale and
-    min - OFFSET * scale per C element, in Triton. With HIGH > 1 the rows g + 8 came out
-    of the mma HIGH times too large: sm_mul [1, E] divides their scale (exact)."""
+def _scales_fp16(sm, sm_mul, OFFSET: tl.constexpr, HIGH: tl.constexpr):
+    """The one-buffer loop's (PIPE 0, and the MoE kernel's) scales: sm [R, E] fp16, (scale,
+    min) of rows g and g + 8 per lane -> scale and min - OFFSET * scale per C element, in
+    Triton. With HIGH > 1 the rows g + 8 came out of the mma HIGH times too large:
+    sm_mul [1, E] divides their scale (1 / HIGH at the lane's element 2, exact)."""
     sm = sm.to(tl.float32)
-    if SYMMETRIC:
-        scale = sm * sm_mul if HIGH != 1.0 else sm
-        return scale, sm * -8.0 - OFFSET * scale
     if HIGH != 1.0:
         sm = sm * sm_mul
     scale, min_ = tl.split(tl.reshape(sm, (sm.shape[0], sm.shape[1] // 2, 2)))  # rows g, g + 8
@@ -170,11 +167,10 @@ def _group(
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
     SM_ASM: tl.constexpr,
-    sm_mul=None,  # with FP16_SCALES (PIPE 0): sm is fp16, scaled in Triton (_scales_fp16)
+    sm_mul=None,  # with FP16_SCALES: sm is fp16, scaled in Triton (_scales_fp16)
     FP16_SCALES: tl.constexpr = False,
     OFFSET: tl.constexpr = 128.0,
     HIGH: tl.constexpr = 1.0,
-    SYMMETRIC: tl.constexpr = False,
 ):
     """acc [R, E] + one step's share of y: scale * D + (min - OFFSET * scale) * x_sum.
 
@@ -210,8 +206,8 @@ def _group(
             if MODE != 2:
                 s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
     if FP16_SCALES:
-        scale, corr = _scales_fp16(sm, sm_mul, OFFSET, HIGH, SYMMETRIC)
-        scale2, corr2 = _scales_fp16(sm2, sm_mul, OFFSET, HIGH, SYMMETRIC)  # used at g32
+        scale, corr = _scales_fp16(sm, sm_mul, OFFSET, HIGH)
+        scale2, corr2 = _scales_fp16(sm2, sm_mul, OFFSET, HIGH)  # used at groups of 32
     else:
         scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
         scale2, corr2 = _scales_asm(sm2, sm_pick, SM_ASM)  # used at groups of 32
@@ -289,10 +285,10 @@ def _gemv_mma_kernel(
     stride_tg = tl.multiple_of(stride_tg, 4)
     tile_at = tiles_ptr + tl.multiple_of(rb * stride_tr, [4, 4])  # [R, E]; + stride_tg * step
     words_at = tile_at + e % 128  # + 128 * chunk of the group
-    # A step's scales (and mins) come as whole int32 words (two fp16 each), each lane
-    # loading the aligned 16 bytes that hold its own (_scales_asm picks them out by g):
-    # fp16 halves were split apart where the registers that carry them into the next
-    # iteration were filled, at the end of the previous one, waiting for their loads.
+    # The two-buffer loop's scales (and mins) come as whole int32 words (two fp16 each),
+    # each lane loading the aligned 16 bytes that hold its own (_scales_asm picks them out
+    # by g): carried as fp16 halves, they were split apart at the end of the previous
+    # iteration, right after their loads, and the split waited for them.
     if SYMMETRIC:  # one word a g and group: the scales of rows g and g + 8
         sm_at = tile_at + 128 * CPG + (g // 4) * 4 + j
         SM2: tl.constexpr = 8  # the second g32 group's words
@@ -314,15 +310,11 @@ def _gemv_mma_kernel(
     # split's last step, or a row block past N) are never used.
     if PIPE == 0:
         # One buffer (the next step's registers copied into this step's at the end of
-        # each iteration), fp16 scales (a 64-bit load a lane) unpacked in Triton. The copy
-        # waits for the next step's loads; yet on the H200 this loop is as fast as the
-        # two-buffer one or faster at every asymmetric shape measured (w4a16_gemv.md).
-        if SYMMETRIC:  # fp16 (g, 2): C element j takes the scale of its own row
-            smh_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 2 + j // 2
-            sm_mul = tl.where(j >= 2, 1.0 / HIGH, 1.0)
-        else:  # fp16 (g, 4): scale, min of row g, then of row g + 8
-            smh_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j
-            sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
+        # each iteration), fp16 scales and mins, (g, 4) a group (a 64-bit load a lane),
+        # unpacked in Triton. The copy waits for the next step's loads; yet on the H200
+        # this loop is the faster at most asymmetric shapes measured (w4a16_gemv.md).
+        smh_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j
+        sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
         w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
         w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
         sm = tl.load(smh_at + 2 * g_begin * stride_tg, mask=rb_ok, other=0.0)
@@ -341,7 +333,7 @@ def _gemv_mma_kernel(
             acc = _group(
                 acc, w0, w1, sm, sm2, sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET,
-                HIGH, SYMMETRIC,
+                HIGH,
             )  # fmt: skip
             w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
     else:
@@ -499,7 +491,7 @@ def supports(x: torch.Tensor, weight: object) -> bool:
 
 
 def w4a16_mma_gemv(
-    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int | str] | None = None
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None = None
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
@@ -540,7 +532,7 @@ def _plan(
     dtype: torch.dtype,
     device: torch.device,
     symmetric: bool,
-    config: Mapping[str, int | str] | None,
+    config: Mapping[str, int] | None,
 ) -> _Plan:
     """The heuristic config (mma_gemv_config) with `config` over it, checked."""
     cfg = mma_gemv_config(n, k, group_size, num_sms(device), symmetric)
@@ -591,7 +583,7 @@ _default_plan = functools.cache(functools.partial(_plan, config=None))
 
 
 def _launch(
-    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int | str] | None
+    x: torch.Tensor, weight: Int4WeightMMA, config: Mapping[str, int] | None
 ) -> torch.Tensor:
     """w4a16_mma_gemv once its checks passed (w4a16_mma_matmul comes here directly)."""
     n, k = weight.shape
