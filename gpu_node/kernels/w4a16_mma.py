@@ -289,12 +289,11 @@ def _gemv_mma_kernel(
     # each lane loading the aligned 16 bytes that hold its own (_scales_asm picks them out
     # by g): carried as fp16 halves, they were split apart at the end of the previous
     # iteration, right after their loads, and the split waited for them.
+    SM2: tl.constexpr = 8 if SYMMETRIC else 16  # the second g32 group's words, in int32
     if SYMMETRIC:  # one word a g and group: the scales of rows g and g + 8
         sm_at = tile_at + 128 * CPG + (g // 4) * 4 + j
-        SM2: tl.constexpr = 8  # the second g32 group's words
     else:  # two words a g and group: (scale, min) of row g, then of row g + 8
         sm_at = tile_at + 128 * CPG + (g // 2) * 4 + j
-        SM2: tl.constexpr = 16
     sm_pick = g % 4  # [1, E]: where the lane's own words sit in the 16 bytes it loads
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * (8 // SUBS) + j  # [1, E]; + 32 c
 

@@ -302,6 +302,88 @@ def test_asm_operands_match_their_constraints(dtype) -> None:
     assert ("bf16.bf16" in D_ASM[dtype]) == (dtype == torch.bfloat16)
 
 
+def _run_scales_ptx(asm: str, words: list[int], pick: int) -> list[float]:
+    """Execute scales_asm's PTX (its few instructions) on one lane's inputs: $8..$11 the
+    four words it loads, $12 g % 4. Returns $0..$7 as fp32. numpy does each step in the
+    instruction's own precision (fp32, exact fp16 -> fp32)."""
+    import re
+
+    import numpy as np
+
+    regs: dict[str, object] = {f"${8 + i}": np.uint32(w) for i, w in enumerate(words)}
+    regs["$12"] = np.uint32(pick)
+
+    def val(token: str) -> object:
+        token = token.strip()
+        if token.startswith("0f"):
+            return np.frombuffer(bytes.fromhex(token[2:]), dtype=">f4")[0].astype(np.float32)
+        if token in regs:
+            return regs[token]
+        return np.uint32(int(token, 0))
+
+    def f32(v: object) -> np.float32:
+        if isinstance(v, np.float32):
+            return v
+        return np.array([v], dtype=np.uint32).view(np.float32)[0]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, _, rest = line.partition(" ")
+        args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
+        if op == "mov.b32" and args[0].startswith("{"):
+            lo, hi = (a.strip() for a in args[0].strip("{}").split(","))
+            w = int(val(args[1]))
+            regs[lo], regs[hi] = np.uint16(w & 0xFFFF), np.uint16(w >> 16)
+        elif op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op == "and.b32":
+            regs[args[0]] = np.uint32(int(val(args[1])) & int(val(args[2])))
+        elif op == "setp.ne.b32":
+            regs[args[0]] = int(val(args[1])) != int(val(args[2]))
+        elif op == "selp.b32":
+            regs[args[0]] = val(args[1]) if regs[args[3]] else val(args[2])
+        elif op == "cvt.f32.f16":
+            regs[args[0]] = np.array([regs[args[1]]], dtype=np.uint16).view(np.float16)[0].astype(
+                np.float32
+            )
+        elif op == "mul.f32":
+            regs[args[0]] = np.float32(f32(val(args[1])) * f32(val(args[2])))
+        elif op == "fma.rn.f32":  # every product here is exact in fp32: one rounding
+            a, b, c = (np.float64(f32(val(x))) for x in args[1:])
+            regs[args[0]] = np.float32(a * b + c)
+        else:
+            raise AssertionError(f"scales_asm uses {op}, which this emulator does not know")
+    return [float(f32(regs[f"${i}"])) for i in range(8)]
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scales_ptx_picks_each_lanes_own_scales(symmetric, dtype) -> None:
+    """scales_asm run on the 16 bytes each lane of a real tile loads ((g // 2) * 4 + j, or
+    (g // 4) * 4 + j for symmetric tiles) gives every C element its own row's scale (over
+    HIGH_ROWS for rows g + 8) and min - OFFSET * scale, exactly."""
+    from gpu_node.kernels.w4a16_mma_asm import MAGIC, scales_asm
+
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize_int4(torch.randn(16, 128, generator=gen), 128, symmetric=symmetric)
+    tile = to_mma(weight, symmetric=symmetric).tiles[0, 0]
+    scales_at = tile[256:].tolist()  # the group's scale (and min) words
+    asm = scales_asm(dtype, symmetric)
+    offset, high = MAGIC[dtype][1], HIGH_ROWS[dtype]
+    for g in range(8):
+        first = (g // 4) * 4 if symmetric else (g // 2) * 4
+        words = [scales_at[first + j] & 0xFFFFFFFF for j in range(4)]
+        got = _run_scales_ptx(asm, words, g % 4)
+        rows = (g, g, g + 8, g + 8)
+        scales = [float(weight.scales[r, 0]) / (high if r >= 8 else 1.0) for r in rows]
+        corrections = [
+            float(weight.mins[r, 0]) - offset * scale for r, scale in zip(rows, scales, strict=True)
+        ]
+        assert got == scales + corrections, g
+
+
 def _chains_of(asm: str, operands: int) -> list[tuple[str, str]]:
     """(D, C) register groups of each mma of the PTX, in order."""
     import re
