@@ -345,8 +345,8 @@ def _run_scales_ptx(asm: str, words: list[int], pick: int) -> list[float]:
         elif op == "selp.b32":
             regs[args[0]] = val(args[1]) if regs[args[3]] else val(args[2])
         elif op == "cvt.f32.f16":
-            regs[args[0]] = np.array([regs[args[1]]], dtype=np.uint16).view(np.float16)[0].astype(
-                np.float32
+            regs[args[0]] = (
+                np.array([regs[args[1]]], dtype=np.uint16).view(np.float16)[0].astype(np.float32)
             )
         elif op == "mul.f32":
             regs[args[0]] = np.float32(f32(val(args[1])) * f32(val(args[2])))
