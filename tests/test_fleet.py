@@ -219,8 +219,14 @@ def open_counting_stream(fleet: Fleet, stack: contextlib.ExitStack) -> Iterator[
 
 def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
     with contextlib.ExitStack() as stack:
-        # Open streams until one runs on node-a (a stream's reservation pushes the next one over).
-        for _ in range(5):
+        # Open streams until one runs on node-a (a stream's reservation pushes the next one
+        # over). On a loaded machine a heartbeat can lapse for a moment, and a gateway then
+        # sees node-b alone: each stream waits until both nodes are live again.
+        for _ in range(8):
+            deadline = time.monotonic() + 10
+            while sorted(fleet.live_nodes()) != ["node-a", "node-b"]:
+                assert time.monotonic() < deadline, f"live nodes: {fleet.live_nodes()}"
+                time.sleep(0.05)
             lines = open_counting_stream(fleet, stack)
             if fleet.placements()[-1] == "node-a":
                 break
