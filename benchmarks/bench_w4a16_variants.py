@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_w4a16 import GROUP, bench_graph, copies_for, copy_bandwidth, parse_shapes
+from bench_w4a16_mma import rel_err
 
 from gpu_node.kernels.w4a16_mma import mma_gemv_config, w4a16_mma_gemv
 from gpu_node.quant.int4 import dequantize_int4, from_mma, quantize_int4, to_mma
@@ -95,61 +96,54 @@ def main() -> None:
         }
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ dequantize_int4(from_mma(weights["sym"][0])).T
-        base = mma_gemv_config(n, k, group, props.multi_processor_count)  # each layout's own:
-        bases = {
-            "asym": base,
-            "sym": mma_gemv_config(n, k, group, props.multi_processor_count, symmetric=True),
+        sms = props.multi_processor_count
+        bases = {  # each layout's own heuristic
+            "asym": mma_gemv_config(n, k, group, sms),
+            "sym": mma_gemv_config(n, k, group, sms, symmetric=True),
+        }
+        configs = {  # the variants each layout takes (PIPE 0 is refused for symmetric tiles)
+            f"{layout} {name}": (layout, name, {**bases[layout], **cfg})
+            for layout in layouts
+            for name, cfg in args.variants.items()
+            if takes(weights[layout][0], x, {**bases[layout], **cfg})
         }
         times: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             times.setdefault("bf16", []).append(
                 bench_graph([lambda w=w, x=x: F.linear(x, w) for w in dense]) * 1e3
             )
-            for layout in layouts:
-                for name, cfg in args.variants.items():
-                    c = {**bases[layout], **cfg}
-                    if not takes(weights[layout][0], x, c):
-                        continue
-                    t = bench_graph(
-                        [
-                            lambda q=q, c=c, x=x: w4a16_mma_gemv(x, q, config=c)
-                            for q in weights[layout]
-                        ]
-                    )
-                    times.setdefault(f"{layout} {name}", []).append(t * 1e3)
-        t_dense = statistics.median(times["bf16"])
-        print(f"\n{k}x{n} M=1 (heuristic {base}); bf16 {t_dense:.1f} us {times['bf16']}")
-        for layout in layouts:
-            nbytes = weights[layout][0].nbytes
-            for name, cfg in args.variants.items():
-                key = f"{layout} {name}"
-                if key not in times:
-                    continue
-                t = statistics.median(times[key])
-                c = {**bases[layout], **cfg}
-                y = w4a16_mma_gemv(x, weights[layout][0], config=c)
-                err = float((y.float() - ref).norm() / ref.norm())
-                row = {
-                    "K": k,
-                    "N": n,
-                    "layout": layout,
-                    "variant": name,
-                    "config": c,
-                    "us": t,
-                    "us_rounds": times[key],
-                    "bf16_us": t_dense,
-                    "vs_bf16": t_dense / t,
-                    "bw": (nbytes + 2 * (k + n)) / (t * 1e-6) / bw,
-                    "int4_mb": nbytes / 1e6,
-                    "rel_err": err,
-                }
-                rows.append(row)
-                spread = max(times[key]) - min(times[key])
-                print(
-                    f"  {key:28s} {t:6.1f} us (spread {spread:.1f}) {t_dense / t:5.2f}x bf16"
-                    f"  {row['bw']:.2f} of copy  {nbytes / 1e6:.1f} MB  err {err:.1e}",
-                    flush=True,
+            for key, (layout, _, c) in configs.items():
+                t = bench_graph(
+                    [lambda q=q, c=c, x=x: w4a16_mma_gemv(x, q, config=c) for q in weights[layout]]
                 )
+                times.setdefault(key, []).append(t * 1e3)
+        t_dense = statistics.median(times["bf16"])
+        print(f"\n{k}x{n} M=1 (heuristics {bases}); bf16 {t_dense:.1f} us {times['bf16']}")
+        for key, (layout, name, c) in configs.items():
+            nbytes = weights[layout][0].nbytes
+            t = statistics.median(times[key])
+            err = rel_err(w4a16_mma_gemv(x, weights[layout][0], config=c), ref)
+            row = {
+                "K": k,
+                "N": n,
+                "layout": layout,
+                "variant": name,
+                "config": c,
+                "us": t,
+                "us_rounds": times[key],
+                "bf16_us": t_dense,
+                "vs_bf16": t_dense / t,
+                "bw": (nbytes + 2 * (k + n)) / (t * 1e-6) / bw,
+                "int4_mb": nbytes / 1e6,
+                "rel_err": err,
+            }
+            rows.append(row)
+            spread = max(times[key]) - min(times[key])
+            print(
+                f"  {key:28s} {t:6.1f} us (spread {spread:.1f}) {t_dense / t:5.2f}x bf16"
+                f"  {row['bw']:.2f} of copy  {nbytes / 1e6:.1f} MB  err {err:.1e}",
+                flush=True,
+            )
         del dense, quants, weights
     if args.json:
         args.json.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))

@@ -97,7 +97,7 @@ def _moe_mma_kernel(
     D_CONSTRAINTS: tl.constexpr,
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
-    SM_ASM: tl.constexpr,
+    SM_ASM: tl.constexpr,  # unused here: this kernel's scales are fp16 (FP16_SCALES)
     SLOT: tl.constexpr,  # SLOT_TOKENS
     EARLY: tl.constexpr,  # launched early (PDL) behind the previous kernel
     SLOTS_READY: tl.constexpr,  # the slots were complete before the previous kernel began
@@ -160,7 +160,7 @@ def _moe_mma_kernel(
             sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
             sm2_n = tl.load(sm_at + (grp + 1) * sm_stride + 32, mask=ok & (SUBS == 2), other=0.0)
             acc = _group(
-                acc, w0, w1, sm, sm2, None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
+                acc, (w0, w1, sm, sm2), None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
                 D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip
             w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n

@@ -36,6 +36,11 @@ Each chunk's mma form a dependent chain (four k16 steps into one accumulator);
 CHAINS = 2 alternates the steps between two accumulators, halving the chain, and the
 group's scale multiplies both in the same fused multiply-adds.
 
+Two loops (PIPE): 0, one register buffer with the scales and mins as fp16, the default
+for asymmetric tiles; 2, two buffers with them as int32 words unpacked in PTX
+(w4a16_mma_asm.scales_asm), which symmetric tiles (scales alone) always take. Both give
+the same bits; docs/bench/w4a16_gemv.md has the H200 figures of each.
+
 Split K (grid dim 1): each program writes an fp32 partial; the last of a column of
 programs (same row blocks) to finish (a release/acquire counter, as in
 w4a16_gemv.py) adds the S partials in a fixed order and writes y, so the result
@@ -100,7 +105,7 @@ def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr
 
 
 @triton.jit
-def _load_step(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: tl.constexpr,
+def _load_step_int32(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: tl.constexpr,
                SM2: tl.constexpr):  # fmt: skip
     """The two-buffer loop's (PIPE 2) loads of a step: words (two chunks with groups of 128)
     and the 16 bytes of scales (and mins) a lane reads, [R, E] each.
@@ -117,6 +122,19 @@ def _load_step(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: 
         "bar.warp.sync -1;\nmov.b32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
+    return w0, w1, sm, sm2
+
+
+@triton.jit
+def _load_step_fp16(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr,
+                    SUBS: tl.constexpr, SM2: tl.constexpr):  # fmt: skip
+    """The one-buffer loop's (PIPE 0) loads of a step: words, and the scales and mins as
+    fp16 (sm_at an fp16 pointer, so offsets twice the int32 ones), [R, E] each."""
+    at = step * stride_tg
+    w0 = tl.load(words_at + at, mask=mask, other=0)
+    w1 = tl.load(words_at + at + 128, mask=mask & (CPG == 2), other=0)
+    sm = tl.load(sm_at + 2 * at, mask=mask, other=0.0)
+    sm2 = tl.load(sm_at + 2 * at + 2 * SM2, mask=mask & (SUBS == 2), other=0.0)
     return w0, w1, sm, sm2
 
 
@@ -149,12 +167,20 @@ def _scales_fp16(sm, sm_mul, OFFSET: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _scales(sm, sm_pick, sm_mul, SM_ASM: tl.constexpr, FP16_SCALES: tl.constexpr,
+            OFFSET: tl.constexpr, HIGH: tl.constexpr):  # fmt: skip
+    """A step's (scale, correction) per C element, from whichever form its loop loaded."""
+    if FP16_SCALES:
+        scale, corr = _scales_fp16(sm, sm_mul, OFFSET, HIGH)
+    else:
+        scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
+    return scale, corr
+
+
+@triton.jit
 def _group(
     acc,
-    w0,
-    w1,
-    sm,
-    sm2,
+    step,  # (w0, w1, sm, sm2) as the step's loop loaded them
     sm_pick,
     x_at,
     c0,
@@ -179,6 +205,7 @@ def _group(
     (groups of 32, CHAINS 2 with HALVES_PTX): the step's chunk holds two groups, the
     first accumulator is the first group's (scales and mins `sm`), the second the
     second's (`sm2`)."""
+    w0, w1, sm, sm2 = step
     if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
         acc += w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
         if CPG == 2:
@@ -205,13 +232,9 @@ def _group(
             d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
             if MODE != 2:
                 s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
-    if FP16_SCALES:
-        scale, corr = _scales_fp16(sm, sm_mul, OFFSET, HIGH)
-        scale2, corr2 = _scales_fp16(sm2, sm_mul, OFFSET, HIGH)  # used at groups of 32
-    else:
-        scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
-        scale2, corr2 = _scales_asm(sm2, sm_pick, SM_ASM)  # used at groups of 32
+    scale, corr = _scales(sm, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
     if SUBS == 2:
+        scale2, corr2 = _scales(sm2, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
         acc = tl.fma(d_a, scale, acc)
         acc = tl.fma(d_b, scale2, acc)
         if MODE == 2:
@@ -285,16 +308,7 @@ def _gemv_mma_kernel(
     stride_tg = tl.multiple_of(stride_tg, 4)
     tile_at = tiles_ptr + tl.multiple_of(rb * stride_tr, [4, 4])  # [R, E]; + stride_tg * step
     words_at = tile_at + e % 128  # + 128 * chunk of the group
-    # The two-buffer loop's scales (and mins) come as whole int32 words (two fp16 each),
-    # each lane loading the aligned 16 bytes that hold its own (_scales_asm picks them out
-    # by g): carried as fp16 halves, they were split apart at the end of the previous
-    # iteration, right after their loads, and the split waited for them.
     SM2: tl.constexpr = 8 if SYMMETRIC else 16  # the second g32 group's words, in int32
-    if SYMMETRIC:  # one word a g and group: the scales of rows g and g + 8
-        sm_at = tile_at + 128 * CPG + (g // 4) * 4 + j
-    else:  # two words a g and group: (scale, min) of row g, then of row g + 8
-        sm_at = tile_at + 128 * CPG + (g // 2) * 4 + j
-    sm_pick = g % 4  # [1, E]: where the lane's own words sit in the 16 bytes it loads
     x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * (8 // SUBS) + j  # [1, E]; + 32 c
 
     # The SPLIT_K splits share the steps evenly (their lengths differ by one at most), so
@@ -312,56 +326,54 @@ def _gemv_mma_kernel(
         # each iteration), fp16 scales and mins, (g, 4) a group (a 64-bit load a lane),
         # unpacked in Triton. The copy waits for the next step's loads; yet on the H200
         # this loop is the faster at most asymmetric shapes measured (w4a16_gemv.md).
-        smh_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j
+        sm_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j
         sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
-        w0 = tl.load(words_at + g_begin * stride_tg, mask=rb_ok, other=0)
-        w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=rb_ok & (CPG == 2), other=0)
-        sm = tl.load(smh_at + 2 * g_begin * stride_tg, mask=rb_ok, other=0.0)
-        sm2 = tl.load(
-            smh_at + 2 * g_begin * stride_tg + 2 * SM2, mask=rb_ok & (SUBS == 2), other=0.0
-        )
-        if EARLY != 0:
-            gdc_wait()
-        for grp in range(g_begin, g_end):
-            ok = rb_ok & (grp + 1 < g_end)
-            at = (grp + 1) * stride_tg
-            w0_n = tl.load(words_at + at, mask=ok, other=0)
-            w1_n = tl.load(words_at + at + 128, mask=ok & (CPG == 2), other=0)
-            sm_n = tl.load(smh_at + 2 * at, mask=ok, other=0.0)
-            sm2_n = tl.load(smh_at + 2 * at + 2 * SM2, mask=ok & (SUBS == 2), other=0.0)
-            acc = _group(
-                acc, w0, w1, sm, sm2, sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
-                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET,
-                HIGH,
-            )  # fmt: skip
-            w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
+        a = _load_step_fp16(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
     else:
-        a = _load_step(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
-    if EARLY != 0 and PIPE != 0:
+        # Whole int32 words (two fp16 each), each lane loading the aligned 16 bytes that
+        # hold its own (_scales_asm picks them out by g): carried as fp16 halves, they
+        # were split apart at the end of the previous iteration, right after their
+        # loads, and the split waited for them.
+        if SYMMETRIC:  # one word a g and group: the scales of rows g and g + 8
+            sm_at = tile_at + 128 * CPG + (g // 4) * 4 + j
+        else:  # two words a g and group: (scale, min) of row g, then of row g + 8
+            sm_at = tile_at + 128 * CPG + (g // 2) * 4 + j
+        sm_pick = g % 4  # [1, E]: where the lane's own words sit in the 16 bytes it loads
+        a = _load_step_int32(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
+    if EARLY != 0:
         # The weights are nobody's output, so their first step is in flight before the
         # wait; x, the partials and the counters only after the previous kernel is done.
         gdc_wait()
-    if PIPE == 2:
+    if PIPE == 0:
+        for grp in range(g_begin, g_end):
+            b_mask = rb_ok & (grp + 1 < g_end)
+            b = _load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, SM2)
+            acc = _group(
+                acc, a, None, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
+            )  # fmt: skip
+            a = b
+    else:
         # Two buffers, two steps an iteration: b is loaded while a is used, then a again
         # while b is used. Each load lands in the registers its step is used from, so
         # nothing at the loop's end waits for a load still in flight. Symmetric tiles take
         # this loop: their scales are one word a g, which as fp16 loads four 2-byte loads.
         pairs_end = g_begin + (g_end - g_begin) // 2 * 2
         for grp in range(g_begin, pairs_end, 2):
-            b = _load_step(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2)
+            b = _load_step_int32(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2)
             acc = _group(
-                acc, a[0], a[1], a[2], a[3], sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, a, sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
             a_mask = rb_ok & (grp + 2 < g_end)
-            a = _load_step(words_at, sm_at, grp + 2, stride_tg, a_mask, CPG, SUBS, SM2)
+            a = _load_step_int32(words_at, sm_at, grp + 2, stride_tg, a_mask, CPG, SUBS, SM2)
             acc = _group(
-                acc, b[0], b[1], b[2], b[3], sm_pick, x_at, (grp + 1) * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, b, sm_pick, x_at, (grp + 1) * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
         if pairs_end < g_end:  # an odd step count: the last step is in a
             acc = _group(
-                acc, a[0], a[1], a[2], a[3], sm_pick, x_at, pairs_end * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, a, sm_pick, x_at, pairs_end * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
 
@@ -410,13 +422,20 @@ LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group
 
 
 @functools.cache
-def _cached_config(n: int, k: int, group_size: int, num_sms: int) -> tuple[tuple[str, int], ...]:
+def _cached_config(
+    n: int, k: int, group_size: int, num_sms: int, symmetric: bool
+) -> tuple[tuple[str, int], ...]:
     num_groups = k // mma_step(group_size)  # steps: groups, or pairs of g32 groups
 
     def warps(rows_per_warp: int, per_split: int) -> int:
         warp_rows = -(-n // (MMA_ROWS * rows_per_warp))  # warps along N
         return warp_rows * -(-num_groups // per_split)
 
+    if symmetric:  # the two-buffer loop (mma_gemv_config says why)
+        per_split = min(num_groups, 8 if num_groups <= 64 else 16)
+        if warps(2, per_split) >= LEAST_WARPS * num_sms:
+            chains = 2 if group_size == 32 else 1
+            return (("WARPS", 4), ("R", 2), ("GROUPS_PER_SPLIT", per_split), ("CHAINS", chains))
     candidates = [(2, 16), (2, 8), (1, 32), (1, 16), (1, 8), (1, 4)]
     if num_groups >= LONG_K_GROUPS:
         candidates.insert(0, (1, 32))
@@ -461,18 +480,11 @@ def mma_gemv_config(
 
     Symmetric tiles run the two-buffer loop, whose registers (about 126 for two row blocks
     a warp) leave 4 programs a multiprocessor: two-row-block warps on splits of 8 steps up
-    to 64 steps of K, else 16 (the fifteenth session's sweep: best or within 5% at every
-    70B / DeepSeek shape), unless those launch fewer than LEAST_WARPS a multiprocessor,
-    where the asymmetric choice stands.
+    to 64 steps of K, else 16 (the fifteenth session's sweep: the best of its two-row-block
+    launches at the 70B and DeepSeek-V3 shapes, or within 5%), unless those launch fewer
+    than LEAST_WARPS a multiprocessor, where the asymmetric choice stands.
     """
-    cfg = dict(_cached_config(n, k, group_size, num_sms))
-    if symmetric:
-        num_groups = k // mma_step(group_size)
-        per_split = min(num_groups, 8 if num_groups <= 64 else 16)
-        warps = -(-n // (MMA_ROWS * 2)) * -(-num_groups // per_split)
-        if warps >= LEAST_WARPS * num_sms:
-            cfg.update(R=2, GROUPS_PER_SPLIT=per_split, CHAINS=2 if group_size == 32 else 1)
-    return cfg
+    return dict(_cached_config(n, k, group_size, num_sms, symmetric))
 
 
 def supports(x: torch.Tensor, weight: object) -> bool:
@@ -496,8 +508,8 @@ def w4a16_mma_gemv(
 
     `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap, EARLY:
     programmatic dependent launch, 0 off, 1 the next kernel may launch from this one's
-    start, 2 from its tail, the default where the GPU can) overrides the heuristic;
-    benchmarks sweep it.
+    start, 2 from its tail, the default where the GPU can; PIPE: the loop, 0 or 2, 2
+    always for symmetric tiles) overrides the heuristic; benchmarks sweep it.
     """
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:

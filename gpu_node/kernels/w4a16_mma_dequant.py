@@ -4,8 +4,9 @@ Letters: N out features, K in features, G group size (32, 64 or 128), T = max(G,
 k values a tile.
 
 One program per (row block, step) tile: its 16 x T values, computed in fp32 as
-scale * q + min (a symmetric weight's min being -8 * scale) and stored into W^T [K, N]. Plain tl operations only, so the
-interpreter runs it too (the CPU tests, and torch.matmul past 8 rows on a GPU).
+scale * q + min (a symmetric weight's min being -8 * scale) and stored into W^T [K, N].
+Plain tl operations only, so the interpreter runs it too (the CPU tests, and
+torch.matmul past 8 rows on a GPU).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from gpu_node.quant.int4 import Int4WeightMMA
 
 @triton.jit
 def _dequant_mma_kernel(
-    tiles_ptr,  # int32 [N16 / 16, K / T, 2T + 16 T / G], T = max(G, 64)
+    tiles_ptr,  # int32 [N16 / 16, K / T, 2T + 16 T / G] (symmetric: 8 T / G), T = max(G, 64)
     stride_tr,  # along row blocks and steps, in int32; the last stride is 1
     stride_tg,
     out_ptr,  # [K, N]: W^T, dense

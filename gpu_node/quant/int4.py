@@ -76,6 +76,11 @@ def _check_shape(shape: tuple[int, ...], group_size: int) -> None:
         raise ValueError(f"last dim {shape[-1]} is not a multiple of group_size {group_size}")
 
 
+def symmetric_mins(scales: torch.Tensor) -> torch.Tensor:
+    """The fp16 mins of symmetric quantization, -8 * scale (exact: a power-of-two multiple)."""
+    return (scales.float() * -8).to(torch.float16)
+
+
 def _fp16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
     """fp32 -> fp16 rounding towards +inf (up) or -inf, so stored ranges still cover the data."""
     h = x.to(torch.float16)
@@ -128,7 +133,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int, symmetric: bool = False
     if symmetric:
         absmax = groups.abs().amax(dim=-1)
         scales = _fp16_round(absmax / 7, up=True)
-        mins = (scales.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
+        mins = symmetric_mins(scales)
     else:
         mins = _fp16_round(groups.amin(dim=-1), up=False)
         scales = _fp16_round((groups.amax(dim=-1) - mins.float()) / 15, up=True)
@@ -348,8 +353,7 @@ class Int4WeightMMA:
         if not self.symmetric:
             return sm.reshape(rbs, steps * step // self.group_size, 8, 4)
         scales = sm.reshape(rbs, steps * step // self.group_size, 8, 2)
-        mins = (scales.float() * -8).to(torch.float16)  # exact: a power-of-two multiple
-        return torch.stack([scales, mins], dim=-1).flatten(-2)
+        return torch.stack([scales, symmetric_mins(scales)], dim=-1).flatten(-2)
 
 
 def _mma_order(codes: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -378,7 +382,7 @@ def _mma_order_inverse(nib: torch.Tensor, group_size: int) -> torch.Tensor:
 def is_symmetric(weight: Int4Weight) -> bool:
     """Whether every min is -8 * its scale (quantize_int4(..., symmetric=True) makes them so),
     so the scales alone describe the weight."""
-    return bool(torch.equal(weight.mins, (weight.scales.float() * -8).to(torch.float16)))
+    return bool(torch.equal(weight.mins, symmetric_mins(weight.scales)))
 
 
 def to_mma(weight: Int4Weight, symmetric: bool = False) -> Int4WeightMMA:
