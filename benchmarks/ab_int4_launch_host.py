@@ -44,7 +44,9 @@ def main() -> None:
     engine = make_engine(model.to(torch.bfloat16), "cuda", kv_dtype="fp8", num_pages=64)
     cached = (w4a16_mma._default_plan, Int4Linear.weight_mma)
     uncached = (
-        lambda n, k, g, dtype, device: w4a16_mma._plan(n, k, g, dtype, device, None),
+        lambda n, k, g, dtype, device, symmetric: w4a16_mma._plan(
+            n, k, g, dtype, device, symmetric, None
+        ),
         property(_fresh_wrapper),
     )
     arms = {"cached": cached, "not cached": uncached}
