@@ -399,11 +399,17 @@ def _gemv_mma_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
+            # RED partials at a time (a loop ptxas does not unroll): with all SPLIT_K loads
+            # hoisted at once, two-row-block warps on 14 or more splits took 128-144
+            # registers for this epilogue alone, against 70-72 for the loop.
             total = tl.full((R, E), 0.0, tl.float32)
-            for p in tl.static_range(SPLIT_K):
-                total += tl.load(
-                    part_at + p * split_stride, mask=part_mask, other=0.0, cache_modifier=".cg"
-                )
+            RED: tl.constexpr = 8 // R
+            for p0 in tl.range(0, SPLIT_K, RED, loop_unroll_factor=1):
+                for q in tl.static_range(RED):
+                    total += tl.load(
+                        part_at + (p0 + q) * split_stride, mask=part_mask & (p0 + q < SPLIT_K),
+                        other=0.0, cache_modifier=".cg",
+                    )  # fmt: skip
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
@@ -419,6 +425,24 @@ EARLY_AT_TAIL = 2
 FULL_WAVE_WARPS = 24
 LEAST_WARPS = 12
 LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group splits first
+
+# Registers a thread of the one-buffer loop takes at groups of 128, by row blocks a warp, as
+# Triton 3.6 compiles it for sm_90 over 4 to 28 splits (56-64 and 70-72; bf16 and fp16
+# alike): they set how many programs of 4 warps a multiprocessor holds. Groups of 64 and
+# 32 move more with the split count (40-80), too much for a table, and skip the wave check.
+PIPE0_REGISTERS = {1: 58, 2: 72}
+# A launch past one wave of resident programs must fill more than this much of the second:
+# the few programs of a short second wave run at a fraction of the bandwidth (H200, the
+# sixteenth session: 1.09 waves at DeepSeek-V3's dense shapes took 31-33 us where 0.95 or
+# 1.9 waves of other launches took 25-27).
+SECOND_WAVE_LEAST = 0.25
+
+
+def resident_programs(rows_per_warp: int, warps: int = 4) -> int:
+    """Programs of the one-buffer loop a multiprocessor holds: 64K registers, given out 8
+    a thread at a time, and at most 64 warps."""
+    registers = -(-PIPE0_REGISTERS[rows_per_warp] // 8) * 8
+    return min(65536 // (registers * 32 * warps), 64 // warps)
 
 
 @functools.cache
@@ -436,12 +460,23 @@ def _cached_config(
         if warps(2, per_split) >= LEAST_WARPS * num_sms:
             chains = 2 if group_size == 32 else 1
             return (("WARPS", 4), ("R", 2), ("GROUPS_PER_SPLIT", per_split), ("CHAINS", chains))
+
+    def short_second_wave(rows_per_warp: int, per_split: int) -> bool:
+        if group_size != 128:
+            return False
+        resident = resident_programs(rows_per_warp) * num_sms
+        return 1 < warps(rows_per_warp, per_split) / 4 / resident < 1 + SECOND_WAVE_LEAST
+
     candidates = [(2, 16), (2, 8), (1, 32), (1, 16), (1, 8), (1, 4)]
     if num_groups >= LONG_K_GROUPS:
         candidates.insert(0, (1, 32))
     rows_per_warp, per_split = 1, min(2, num_groups)  # a small layer never fills the GPU
     for least in (FULL_WAVE_WARPS, LEAST_WARPS):
-        fits = [c for c in candidates if c[1] <= num_groups and warps(*c) >= least * num_sms]
+        fits = [
+            c
+            for c in candidates
+            if c[1] <= num_groups and warps(*c) >= least * num_sms and not short_second_wave(*c)
+        ]
         if fits:
             rows_per_warp, per_split = fits[0]
             break
@@ -467,7 +502,9 @@ def mma_gemv_config(
     warps (FULL_WAVE_WARPS a multiprocessor) -- with LONG_K_GROUPS groups or more, (1
     row block, 32 groups) is tried first; failing that, the first that launches
     LEAST_WARPS; failing that (a small layer), 1 row block a warp and splits of 2
-    groups. In the sweeps (docs/bench/w4a16_gemv.md) the best configurations launched
+    groups. At groups of 128 a launch just past one wave of resident programs
+    (PIPE0_REGISTERS; between 1 and 1 + SECOND_WAVE_LEAST waves) is passed over. In the sweeps
+    (docs/bench/w4a16_gemv.md) the best configurations launched
     27-31 warps a multiprocessor; 2-row-block warps on splits shorter than 8 groups end
     before their loads one group ahead pay off, so they are never chosen. One-row-block
     warps split each mma chain in two (CHAINS = 2: 56 registers instead of 50 on the

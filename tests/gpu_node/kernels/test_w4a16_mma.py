@@ -521,6 +521,18 @@ def test_config_fills_the_gpu() -> None:
     # 4096 x 4096 never reaches a wave (2048 at 4 groups a split) but passes 12 x 132 = 1584
     # there; at 8 groups it launches 1024.
     assert mma_gemv_config(4096, 4096, 128, 132) == {**one, "GROUPS_PER_SPLIT": 4}
+    # A short second wave is passed over at groups of 128 (7 two-row-block programs a
+    # multiprocessor, 8 one-row-block ones: 924 and 1056 on 132). DeepSeek-V3's 18432 out of
+    # 7168 in (56 groups): 2 row blocks on 7 splits of 8 launch 1008 programs (1.09 waves),
+    # 1 row block on 4 splits of 16 1152 (1.09); 7 splits of 8 launch 2016 (1.91).
+    assert mma_gemv_config(18432, 7168, 128, 132) == {**one, "GROUPS_PER_SPLIT": 8}
+    # 7168 out of 18432 in (144 groups, long K): 32-group splits and 16-group splits of two
+    # row blocks launch too few warps, 8-group ones 1008 programs; 9 splits of 16 groups of
+    # one row block 1008 of 1056 (0.95 waves).
+    assert mma_gemv_config(7168, 18432, 128, 132) == {**one, "GROUPS_PER_SPLIT": 16}
+    # 10240 out of 8192 in: 8 splits of 8 groups launch 1280 programs (1.21), 16 of 4 2560.
+    assert mma_gemv_config(10240, 8192, 128, 132) == {**one, "GROUPS_PER_SPLIT": 4}
+    assert (mma_module.resident_programs(1), mma_module.resident_programs(2)) == (8, 7)
     # A small layer never fills the GPU: splits of 2 groups (or 1 when there is 1).
     assert mma_gemv_config(64, 512, 128, 132) == {**one, "GROUPS_PER_SPLIT": 2}
     assert mma_gemv_config(64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
