@@ -283,6 +283,7 @@ def _gemv_mma_kernel(
     EARLY: tl.constexpr = 0,  # PDL: 0 off; the next kernel may launch from 1 the start, 2 the tail
     SYMMETRIC: tl.constexpr = False,  # the tiles hold scales alone (min = -8 scale)
     PIPE: tl.constexpr = 0,  # the loop: 0 one buffer, fp16 scales; 2 two buffers, int32 scales
+    KWARPS: tl.constexpr = False,  # a program's warps share its row blocks and split its K
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
@@ -301,20 +302,34 @@ def _gemv_mma_kernel(
     j = e % 4  # k16 step (words), C element (results)
     g = lane // 4
     t = lane % 4
-    rb = (pid_n * R + i) * WARPS + e // 128  # [R, E]
+    if KWARPS:  # noqa: SIM108 (a constexpr branch, not a value)
+        rb = pid_n * R + i + 0 * e  # [R, E]: every warp on the program's row blocks
+    else:
+        rb = (pid_n * R + i) * WARPS + e // 128  # [R, E]
     rb_ok = rb < num_row_blocks
-    # Every tile and step starts 16-byte aligned (Int4WeightMMA checks the strides), which
-    # Triton cannot see when a stride is no multiple of 16 int32 (a symmetric tile is 264).
-    stride_tg = tl.multiple_of(stride_tg, 4)
-    tile_at = tiles_ptr + tl.multiple_of(rb * stride_tr, [4, 4])  # [R, E]; + stride_tg * step
-    words_at = tile_at + e % 128  # + 128 * chunk of the group
-    SM2: tl.constexpr = 8 if SYMMETRIC else 16  # the second g32 group's words, in int32
-    x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * (8 // SUBS) + j  # [1, E]; + 32 c
-
     # The SPLIT_K splits share the steps evenly (their lengths differ by one at most), so
     # a split count chosen to fill one wave never leaves a short last split behind.
     g_begin = pid_s * num_groups // SPLIT_K
     g_end = (pid_s + 1) * num_groups // SPLIT_K
+    # Every tile and step starts 16-byte aligned (Int4WeightMMA checks the strides), which
+    # Triton cannot see when a stride is no multiple of 16 int32 (a symmetric tile is 264).
+    stride_tg = tl.multiple_of(stride_tg, 4)
+    if KWARPS:  # rb may fold to a scalar (one row block a program): the hint on the stride
+        tile_at = tiles_ptr + rb * tl.multiple_of(stride_tr, 4)
+    else:
+        tile_at = tiles_ptr + tl.multiple_of(rb * stride_tr, [4, 4])  # [R, E]; + stride_tg * step
+    x_at = x_ptr + tl.where(g < M, g, 0) * stride_xm + t * (8 // SUBS) + j  # [1, E]; + 32 c
+    if KWARPS:
+        # Warp w walks the w-th of WARPS equal shares of the split's steps (the plan checks
+        # that they divide): its tiles and activations start that far in, and the loop
+        # below runs over one share.
+        per_warp = (g_end - g_begin) // WARPS
+        warp_at = (e // 128) * per_warp  # [1, E]: steps
+        tile_at += warp_at * stride_tg
+        x_at += warp_at * (32 * CPG)
+        g_end = g_begin + per_warp
+    words_at = tile_at + e % 128  # + 128 * chunk of the group
+    SM2: tl.constexpr = 8 if SYMMETRIC else 16  # the second g32 group's words, in int32
     acc = tl.full((R, E), 0.0, tl.float32)
     if EARLY == 1:
         gdc_launch_dependents()  # the next kernel may launch once every program has started
@@ -379,8 +394,20 @@ def _gemv_mma_kernel(
 
     if EARLY == 2:
         gdc_launch_dependents()  # the weights are read: the next kernel's may stream in now
-    n_of = rb * 16 + g + 8 * (j // 2)  # [R, E]: output row of C element j
-    m_of = 2 * t + (j % 2)  # [1, E]: activation row of C element j
+    if KWARPS:
+        # The warps' shares of K summed across warps (through shared memory, in a fixed
+        # order): [R, 128], one warp's fragments.
+        acc = tl.sum(tl.reshape(acc, (R, WARPS, 128)), axis=1)
+        e = tl.arange(0, 128)[None, :]
+        lane = e // 4
+        j = e % 4
+        g = lane // 4
+        t = lane % 4
+        rb = pid_n * R + i + 0 * e
+        rb_ok = rb < num_row_blocks
+    EO: tl.constexpr = 128 if KWARPS else E  # elements of a row-block slot in the result
+    n_of = rb * 16 + g + 8 * (j // 2)  # [R, EO]: output row of C element j
+    m_of = 2 * t + (j % 2)  # [1, EO]: activation row of C element j
     out_mask = rb_ok & (n_of < N) & (m_of < M)
     out_at = out_ptr + m_of * stride_om + n_of
     if SPLIT_K == 1:
@@ -389,9 +416,9 @@ def _gemv_mma_kernel(
         # Partials as [S, programs, R, E] fp32, each lane's four contiguous (16-byte
         # loads and stores), written only by lanes that hold result columns: 2t < M
         # (for odd M, column 2t + 1 repeats activation row 0 and is never stored).
-        tile = R * E
+        tile = R * EO
         split_stride = tl.num_programs(0) * tile
-        part_at = part_ptr + pid_n * tile + i * E + e
+        part_at = part_ptr + pid_n * tile + i * EO + e
         part_mask = rb_ok & (2 * t < M)
         tl.store(part_at + pid_s * split_stride, acc, mask=part_mask)
         # As in w4a16_gemv.py: every partial written before the counter moves; the
@@ -402,7 +429,7 @@ def _gemv_mma_kernel(
             # RED partials at a time (a loop ptxas does not unroll): with all SPLIT_K loads
             # hoisted at once, two-row-block warps on 14 or more splits took 128-144
             # registers for this epilogue alone, against 70-72 for the loop.
-            total = tl.full((R, E), 0.0, tl.float32)
+            total = tl.full((R, EO), 0.0, tl.float32)
             RED: tl.constexpr = 8 // R
             for p0 in tl.range(0, SPLIT_K, RED, loop_unroll_factor=1):
                 for q in tl.static_range(RED):
@@ -603,7 +630,23 @@ def _plan(
         splits = int(config["SPLITS"])
         if not 1 <= splits <= num_groups:
             raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
-    programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), warps * rows_per_warp)
+    kwarps = bool(cfg.get("KWARPS", False))
+    if kwarps and pipe != 0:  # symmetric tiles' two-buffer loop gave wrong sums (H200)
+        raise ValueError("KWARPS takes the one-buffer loop (PIPE 0), not symmetric tiles")
+    if kwarps:
+        # GROUPS_PER_SPLIT is about a warp's share: a split is WARPS equal shares, so the
+        # split count is the largest up to steps / (GROUPS_PER_SPLIT * WARPS) that divides.
+        splits = max(1, num_groups // (cfg["GROUPS_PER_SPLIT"] * warps))
+        while splits > 1 and num_groups % (splits * warps):
+            splits -= 1
+        if config and "SPLITS" in config:
+            splits = int(config["SPLITS"])
+        if num_groups % (splits * warps):
+            raise ValueError(
+                f"KWARPS takes splits of equal shares: {splits} splits of {warps} warps do "
+                f"not divide {num_groups} steps"
+            )
+    programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), (1 if kwarps else warps) * rows_per_warp)
     if programs > MAX_TILES:
         raise ValueError(f"{programs} programs exceed {MAX_TILES}")
     constexprs = {
@@ -616,12 +659,13 @@ def _plan(
         "EARLY": early,
         "SYMMETRIC": symmetric,
         "PIPE": pipe,
+        "KWARPS": kwarps,
         **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
         **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
         **({"launch_pdl": True} if early else {}),
     }
-    tile = (rows_per_warp, 128 * warps)
+    tile = (rows_per_warp, 128 if kwarps else 128 * warps)
     return _Plan(programs, splits, tile, num_groups, types.MappingProxyType(constexprs))
 
 

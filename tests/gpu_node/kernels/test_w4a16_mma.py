@@ -701,6 +701,47 @@ def test_both_loops_give_the_same_bits(rows_per_warp) -> None:
             assert torch.equal(two, one), (group_size, per_split)
 
 
+def test_k_split_warps_take_equal_shares() -> None:
+    """KWARPS: a program's warps split its steps, so a split must be WARPS equal shares:
+    64 steps (8192 in) of 8 warps at 8 a warp is one split; 224 steps (28672 in) at 8 a
+    warp would be 3 splits of 8 warps, which do not divide, so 2; 4100 in (not a multiple of
+    the warps' shares) is refused."""
+    cpu = torch.device("cpu")
+    config = {"KWARPS": True, "WARPS": 8, "R": 1, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
+    plan = mma_module._plan(8192, 8192, 128, torch.bfloat16, cpu, False, config)
+    assert (plan.programs, plan.splits, plan.tile) == (512, 1, (1, 128))
+    plan = mma_module._plan(8192, 28672, 128, torch.bfloat16, cpu, False, config)
+    assert (plan.programs, plan.splits) == (512, 2)
+    with pytest.raises(ValueError, match=r"KWARPS takes splits of equal shares: 1 splits of 8"):
+        mma_module._plan(64, 4160, 64, torch.bfloat16, cpu, False, config)
+    message = r"KWARPS takes the one-buffer loop \(PIPE 0\), not symmetric tiles"
+    with pytest.raises(ValueError, match=message):
+        mma_module._plan(8192, 8192, 128, torch.bfloat16, cpu, True, config)
+    with pytest.raises(ValueError, match=message):
+        mma_module._plan(8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "PIPE": 2})
+
+
+@needs_cuda
+def test_k_split_warps_equal_the_reference() -> None:
+    """KWARPS (the warps of a program split K, summed through shared memory) against the
+    fp32 reference, with and without split K across programs, one and two row blocks, 4
+    and 8 warps, groups of 128, 64 and 32, M = 1 and 3."""
+    for group_size in (128, 64, 32):
+        weight = mma_weight(1040, 4096, group_size, seed=23, device="cuda")
+        for m in (1, 3):
+            gen = torch.Generator().manual_seed(m)
+            x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
+            ref = w4a16_mma_ref(x, weight)
+            for warps, rows, per_warp in ((8, 1, 8), (4, 1, 2), (4, 2, 4), (8, 2, 1)):
+                chains = 2 if group_size == 32 or rows == 1 else 1
+                config = {"KWARPS": True, "WARPS": warps, "R": rows, "CHAINS": chains,
+                          "GROUPS_PER_SPLIT": per_warp}  # fmt: skip
+                got = w4a16_mma_gemv(x, weight, config)
+                assert got.shape == (m, 1040)
+                err = relative_error(got, ref)
+                assert err < TOLERANCE[torch.bfloat16], (group_size, m, config, err)
+
+
 @needs_cuda
 def test_early_launch_chains_give_the_same_result() -> None:
     """Each call launched early behind the last (PDL) starts its weight loads before the
