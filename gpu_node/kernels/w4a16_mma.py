@@ -41,6 +41,10 @@ for asymmetric tiles; 2, two buffers with them as int32 words unpacked in PTX
 (w4a16_mma_asm.scales_asm), which symmetric tiles (scales alone) always take. Both give
 the same bits; docs/bench/w4a16_gemv.md has the H200 figures of each.
 
+KWARPS (a config option the heuristic does not choose; docs/bench/w4a16_gemv.md has where
+it was faster): a program's warps share its row blocks and each walks an equal share of its
+split's steps, the shares summed across warps through shared memory.
+
 Split K (grid dim 1): each program writes an fp32 partial; the last of a column of
 programs (same row blocks) to finish (a release/acquire counter, as in
 w4a16_gemv.py) adds the S partials in a fixed order and writes y, so the result
@@ -573,7 +577,8 @@ def w4a16_mma_gemv(
     `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap, EARLY:
     programmatic dependent launch, 0 off, 1 the next kernel may launch from this one's
     start, 2 from its tail, the default where the GPU can; PIPE: the loop, 0 or 2, 2
-    always for symmetric tiles) overrides the heuristic; benchmarks sweep it.
+    always for symmetric tiles; KWARPS: the warps split K, GROUPS_PER_SPLIT then being about
+    a warp's share) overrides the heuristic; benchmarks sweep it.
     """
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
