@@ -4,7 +4,7 @@
 
 Cached (what ships): `Int4Linear.weight_mma` keeps its Int4WeightMMA wrapper while its
 tiles stay, and `w4a16_mma._launch` reuses each shape's launch plan (config, grid,
-constexprs). Not cached: a new wrapper (with its checks) and a new plan every call, as
+constexprs: `w4a16_mma_plan.default_plan`). Not cached: a new wrapper (with its checks) and a new plan every call, as
 before the thirteenth session. Seeded 16-layer 2048-wide llama (bench_engine_gpu.py's),
 bf16 activations, fp8 KV; the arms alternate on one engine, best of `--repeats` each.
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_engine import bench
 from bench_engine_gpu import LLAMA_1B, make_engine
 
-from gpu_node.kernels import w4a16_mma
+from gpu_node.kernels import w4a16_mma_plan
 from gpu_node.quant.int4 import Int4WeightMMA, to_mma
 from gpu_node.quant.linear import Int4Linear, quantize_model
 from gpu_node.weights import seeded_llama
@@ -42,9 +42,9 @@ def main() -> None:
     model = seeded_llama(LLAMA_1B, seed=0, device="cuda")
     quantize_model(model, group_size=args.group_size)
     engine = make_engine(model.to(torch.bfloat16), "cuda", kv_dtype="fp8", num_pages=64)
-    cached = (w4a16_mma._default_plan, Int4Linear.weight_mma)
+    cached = (w4a16_mma_plan.default_plan, Int4Linear.weight_mma)
     uncached = (
-        lambda n, k, g, dtype, device, symmetric: w4a16_mma._plan(
+        lambda n, k, g, dtype, device, symmetric: w4a16_mma_plan.plan_launch(
             n, k, g, dtype, device, symmetric, None
         ),
         property(_fresh_wrapper),
@@ -55,11 +55,11 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             for name, (plan, wrapper) in arms.items():
-                w4a16_mma._default_plan = plan  # type: ignore[assignment]
+                w4a16_mma_plan.default_plan = plan  # type: ignore[assignment]
                 Int4Linear.weight_mma = wrapper  # type: ignore[method-assign,assignment]
                 best[name] = max(best[name], bench(engine, 1, 128, 64)[1])
     finally:
-        w4a16_mma._default_plan, Int4Linear.weight_mma = cached  # type: ignore[assignment,method-assign]
+        w4a16_mma_plan.default_plan, Int4Linear.weight_mma = cached  # type: ignore[assignment,method-assign]
     print(f"seeded 16-layer 2048-wide llama, INT4 g{args.group_size}, bf16 activations, fp8 KV")
     for name, tps in best.items():
         print(f"  host work {name}: {tps:.1f} tok/s")

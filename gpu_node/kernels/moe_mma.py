@@ -50,8 +50,9 @@ from gpu_node.kernels.launch import has_mma_sync, launches_early
 from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma import LEAST_WARPS, _group
+from gpu_node.kernels.w4a16_mma import _group
 from gpu_node.kernels.w4a16_mma_asm import MAGIC, group_step_constants
+from gpu_node.kernels.w4a16_mma_plan import LEAST_WARPS
 from gpu_node.models.moe_routing import SLOT_TOKENS, ExpertSlots, Routing
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA, mma_step
 

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.w4a16_mma as mma_module
 import gpu_node.kernels.w4a16_mma_dequant as dequant_module
+import gpu_node.kernels.w4a16_mma_plan as plan_module
 from gpu_node.kernels.w4a16_mma_asm import HALVES_PTX, HIGH_ROWS, PTX, group_step_constants
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
@@ -494,15 +495,18 @@ def test_int4_linear_keeps_one_mma_wrapper_while_its_tiles_stay() -> None:
 
 def test_calls_without_a_config_reuse_their_shapes_plan() -> None:
     cpu = torch.device("cpu")  # 4 multiprocessors for the heuristic
-    plan = mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu, False)
-    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
+    plan = plan_module.default_plan(4096, 4096, 128, torch.bfloat16, cpu, False)
+    assert plan_module.default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
     config = mma_gemv_config(4096, 4096, 128, 4)
     assert plan.splits == 32 // config["GROUPS_PER_SPLIT"]
     assert plan.programs == 256 // (config["WARPS"] * config["R"])
     assert plan.constexprs["SPLIT_K"] == plan.splits and plan.constexprs["EARLY"] == 0
     # a config of its own is planned apart and leaves the shape's plan as it was
-    assert mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, False, {"SPLITS": 3}).splits == 3
-    assert mma_module._default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
+    assert (
+        plan_module.plan_launch(4096, 4096, 128, torch.bfloat16, cpu, False, {"SPLITS": 3}).splits
+        == 3
+    )
+    assert plan_module.default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
 
 
 def test_config_fills_the_gpu() -> None:
@@ -532,7 +536,7 @@ def test_config_fills_the_gpu() -> None:
     assert mma_gemv_config(7168, 18432, 128, 132) == {**one, "GROUPS_PER_SPLIT": 16}
     # 10240 out of 8192 in: 8 splits of 8 groups launch 1280 programs (1.21), 16 of 4 2560.
     assert mma_gemv_config(10240, 8192, 128, 132) == {**one, "GROUPS_PER_SPLIT": 4}
-    assert (mma_module.resident_programs(1), mma_module.resident_programs(2)) == (8, 7)
+    assert (plan_module.resident_programs(1), plan_module.resident_programs(2)) == (8, 7)
     # A small layer never fills the GPU: splits of 2 groups (or 1 when there is 1).
     assert mma_gemv_config(64, 512, 128, 132) == {**one, "GROUPS_PER_SPLIT": 2}
     assert mma_gemv_config(64, 128, 128, 132)["GROUPS_PER_SPLIT"] == 1
@@ -547,15 +551,19 @@ def test_config_fills_the_gpu() -> None:
 def test_symmetric_tiles_take_the_two_buffer_loop() -> None:
     cpu = torch.device("cpu")
     assert (
-        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, False, None).constexprs["PIPE"] == 0
+        plan_module.plan_launch(4096, 4096, 128, torch.bfloat16, cpu, False, None).constexprs[
+            "PIPE"
+        ]
+        == 0
     )
     assert (
-        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, True, None).constexprs["PIPE"] == 2
+        plan_module.plan_launch(4096, 4096, 128, torch.bfloat16, cpu, True, None).constexprs["PIPE"]
+        == 2
     )
     with pytest.raises(ValueError, match=r"PIPE must be 0 or 2 \(2 for symmetric tiles\), got 0"):
-        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, True, {"PIPE": 0})
+        plan_module.plan_launch(4096, 4096, 128, torch.bfloat16, cpu, True, {"PIPE": 0})
     with pytest.raises(ValueError, match=r"PIPE must be 0 or 2 .*, got 1"):
-        mma_module._plan(4096, 4096, 128, torch.bfloat16, cpu, False, {"PIPE": 1})
+        plan_module.plan_launch(4096, 4096, 128, torch.bfloat16, cpu, False, {"PIPE": 1})
     two = {"WARPS": 4, "R": 2, "CHAINS": 1}
     # 64 steps of K or fewer: splits of 8 (28672 rows: 896 x 8 = 7168 warps); more: 16.
     assert mma_gemv_config(28672, 8192, 128, 132, True) == {**two, "GROUPS_PER_SPLIT": 8}
@@ -708,17 +716,17 @@ def test_k_split_warps_take_equal_shares() -> None:
     the warps' shares) is refused."""
     cpu = torch.device("cpu")
     config = {"KWARPS": True, "WARPS": 8, "R": 1, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
-    plan = mma_module._plan(8192, 8192, 128, torch.bfloat16, cpu, False, config)
+    plan = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, config)
     assert (plan.programs, plan.splits, plan.tile) == (512, 1, (1, 128))
-    plan = mma_module._plan(8192, 28672, 128, torch.bfloat16, cpu, False, config)
+    plan = plan_module.plan_launch(8192, 28672, 128, torch.bfloat16, cpu, False, config)
     assert (plan.programs, plan.splits) == (512, 2)
     with pytest.raises(ValueError, match=r"KWARPS takes splits of equal shares: 1 splits of 8"):
-        mma_module._plan(64, 4160, 64, torch.bfloat16, cpu, False, config)
+        plan_module.plan_launch(64, 4160, 64, torch.bfloat16, cpu, False, config)
     message = r"KWARPS takes the one-buffer loop \(PIPE 0\), not symmetric tiles"
     with pytest.raises(ValueError, match=message):
-        mma_module._plan(8192, 8192, 128, torch.bfloat16, cpu, True, config)
+        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, True, config)
     with pytest.raises(ValueError, match=message):
-        mma_module._plan(8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "PIPE": 2})
+        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "PIPE": 2})
 
 
 @needs_cuda
