@@ -4,8 +4,8 @@
 
 Cached (what ships): `Int4Linear.weight_mma` keeps its Int4WeightMMA wrapper while its
 tiles stay, and `w4a16_mma._launch` reuses each shape's launch plan (config, grid,
-constexprs: `w4a16_mma_plan.default_plan`). Not cached: a new wrapper (with its checks) and a new plan every call, as
-before the thirteenth session. Seeded 16-layer 2048-wide llama (bench_engine_gpu.py's),
+constexprs: `w4a16_mma_plan.default_plan`). Not cached: a new wrapper (with its checks)
+and a new plan every call, as before the thirteenth session. Seeded 16-layer 2048-wide llama (bench_engine_gpu.py's),
 bf16 activations, fp8 KV; the arms alternate on one engine, best of `--repeats` each.
 """
 
@@ -59,7 +59,9 @@ def main() -> None:
                 Int4Linear.weight_mma = wrapper  # type: ignore[method-assign,assignment]
                 best[name] = max(best[name], bench(engine, 1, 128, 64)[1])
     finally:
-        w4a16_mma_plan.default_plan, Int4Linear.weight_mma = cached  # type: ignore[assignment,method-assign]
+        restored_plan, restored_wrapper = cached
+        w4a16_mma_plan.default_plan = restored_plan  # type: ignore[assignment]
+        Int4Linear.weight_mma = restored_wrapper  # type: ignore[method-assign,assignment]
     print(f"seeded 16-layer 2048-wide llama, INT4 g{args.group_size}, bf16 activations, fp8 KV")
     for name, tps in best.items():
         print(f"  host work {name}: {tps:.1f} tok/s")

@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -34,9 +35,11 @@ from gpu_node.quant.int4 import quantize_int4, to_mma
 GROUP = 128
 
 
-def load_module(path: Path):
+def load_module(path: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("w4a16_mma_earlier", path)
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module
 

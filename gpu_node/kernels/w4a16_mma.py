@@ -2,7 +2,7 @@
 
 Letters: M tokens, N out features, K in features, G group size (32, 64 or 128),
 T = max(G, 64) k values a loop step, S split-K ways, W warps per program, R row
-blocks (16 rows) per warp.
+blocks (16 rows) per warp (per program with KWARPS, its warps sharing them).
 
 The CUDA-core GEMV (w4a16_gemv.py) spends about five instructions a weight, so its
 arithmetic takes as long as reading the weight. Here a weight costs about two: the
@@ -261,7 +261,7 @@ def _gemv_mma_kernel(
     tiles_ptr,  # int32 [N16 / 16, K / T, 2T + 16 T / G]: words, then scales and mins
     stride_tr,  # tiles' strides (int32) along row blocks and groups; the last is 1
     stride_tg,
-    part_ptr,  # fp32 [S, programs along N, R, 128 W]
+    part_ptr,  # fp32 [S, programs along N, R, 128 W] ([S, programs, R, 128] with KWARPS)
     count_ptr,  # int32 [programs along N]: 0 between calls
     out_ptr,  # [M, N]
     M,
@@ -290,6 +290,7 @@ def _gemv_mma_kernel(
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
+    tl.static_assert(R <= 8)  # the epilogue sums 8 // R partials at a time
     CPG: tl.constexpr = (GROUP_SIZE + 63) // 64  # chunks per step: 1 or 2
     SUBS: tl.constexpr = 64 * CPG // GROUP_SIZE  # groups per step: 2 (g32) or 1
     E: tl.constexpr = 128 * WARPS  # elements of a row-block slot: 32 lanes x 4 per warp
@@ -416,7 +417,7 @@ def _gemv_mma_kernel(
     if SPLIT_K == 1:
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Partials as [S, programs, R, E] fp32, each lane's four contiguous (16-byte
+        # Partials as [S, programs, R, EO] fp32, each lane's four contiguous (16-byte
         # loads and stores), written only by lanes that hold result columns: 2t < M
         # (for odd M, column 2t + 1 repeats activation row 0 and is never stored).
         tile = R * EO
@@ -489,7 +490,7 @@ def _launch(
     """w4a16_mma_gemv once its checks passed (w4a16_mma_matmul comes here directly)."""
     n, k = weight.shape
     m = x.shape[0]
-    if config is None:
+    if config is None:  # looked up on the module, so benchmarks can swap the cache out
         plan = w4a16_mma_plan.default_plan(
             n, k, weight.group_size, x.dtype, x.device, weight.symmetric
         )

@@ -27,7 +27,8 @@ from gpu_node.quant.int4 import MMA_ROWS, mma_step
 EARLY_AT_TAIL = 2
 
 # Warps a launch should bring per multiprocessor: about one wave of resident warps at
-# this kernel's 48-82 registers, else at least LEAST_WARPS before the splits shorten.
+# this kernel's 40-80 registers (one-buffer loop), else at least LEAST_WARPS before the
+# splits shorten.
 FULL_WAVE_WARPS = 24
 LEAST_WARPS = 12
 LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group splits first
@@ -68,15 +69,20 @@ def _cached_config(
             return (("WARPS", 4), ("R", 2), ("GROUPS_PER_SPLIT", per_split), ("CHAINS", chains))
 
     def short_second_wave(rows_per_warp: int, per_split: int) -> bool:
-        if group_size != 128:
+        # The register table is the one-buffer loop's: symmetric tiles falling through to
+        # here still run the two-buffer loop, and other group sizes have no table.
+        if group_size != 128 or symmetric:
             return False
+        programs = -(-n // (MMA_ROWS * rows_per_warp * 4)) * -(-num_groups // per_split)
         resident = resident_programs(rows_per_warp) * num_sms
-        return 1 < warps(rows_per_warp, per_split) / 4 / resident < 1 + SECOND_WAVE_LEAST
+        return 1 < programs / resident < 1 + SECOND_WAVE_LEAST
 
     candidates = [(2, 16), (2, 8), (1, 32), (1, 16), (1, 8), (1, 4)]
     if num_groups >= LONG_K_GROUPS:
         candidates.insert(0, (1, 32))
-    rows_per_warp, per_split = 1, min(2, num_groups)  # a small layer never fills the GPU
+    # A small layer never fills the GPU (nor, with too few steps for any split but the
+    # shortest, does a layer whose every candidate is a short second wave).
+    rows_per_warp, per_split = 1, min(2, num_groups)
     for least in (FULL_WAVE_WARPS, LEAST_WARPS):
         fits = [
             c
@@ -108,10 +114,10 @@ def mma_gemv_config(
     warps (FULL_WAVE_WARPS a multiprocessor) -- with LONG_K_GROUPS groups or more, (1
     row block, 32 groups) is tried first; failing that, the first that launches
     LEAST_WARPS; failing that (a small layer), 1 row block a warp and splits of 2
-    groups. At groups of 128 a launch just past one wave of resident programs
-    (PIPE0_REGISTERS; between 1 and 1 + SECOND_WAVE_LEAST waves) is passed over. In the sweeps
-    (docs/bench/w4a16_gemv.md) the best configurations launched
-    27-31 warps a multiprocessor; 2-row-block warps on splits shorter than 8 groups end
+    groups. At groups of 128 (asymmetric tiles) a launch just past one wave of resident
+    programs (PIPE0_REGISTERS; between 1 and 1 + SECOND_WAVE_LEAST waves) is passed over.
+    In the sweeps (docs/bench/w4a16_gemv.md) the best configurations launched 27-31 warps a
+    multiprocessor; 2-row-block warps on splits shorter than 8 groups end
     before their loads one group ahead pay off, so they are never chosen. One-row-block
     warps split each mma chain in two (CHAINS = 2: 56 registers instead of 50 on the
     H200, still a full wave); two-row-block warps do not (both chain counts compile to
@@ -136,7 +142,7 @@ class Plan:
 
     programs: int
     splits: int
-    tile: tuple[int, int]  # a program's partial: (R, 128 W)
+    tile: tuple[int, int]  # a program's partial: (R, 128 W), with KWARPS (R, 128)
     num_groups: int
     constexprs: Mapping[str, object]  # the kernel's constexprs and launch options
 
@@ -159,6 +165,8 @@ def plan_launch(
     if cfg["GROUPS_PER_SPLIT"] < 1:
         raise ValueError(f"GROUPS_PER_SPLIT must be >= 1, got {cfg['GROUPS_PER_SPLIT']}")
     warps, rows_per_warp = cfg["WARPS"], cfg["R"]
+    if rows_per_warp not in (1, 2, 4, 8):  # a power of two; the epilogue sums 8 // R at a time
+        raise ValueError(f"R must be 1, 2, 4 or 8, got {rows_per_warp}")
     chains = cfg["CHAINS"]
     if chains not in PTX:
         raise ValueError(f"CHAINS must be 1 or 2, got {chains}")
@@ -172,16 +180,18 @@ def plan_launch(
         if not 1 <= splits <= num_groups:
             raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
     kwarps = bool(cfg.get("KWARPS", False))
-    if kwarps and pipe != 0:  # symmetric tiles' two-buffer loop gave wrong sums (H200)
+    if kwarps and pipe != 0:
+        # With the two-buffer loop (symmetric tiles) and two row blocks a program it gave
+        # wrong sums on the H200 (relative error 8-56), a bug not found yet.
         raise ValueError("KWARPS takes the one-buffer loop (PIPE 0), not symmetric tiles")
     if kwarps:
-        # GROUPS_PER_SPLIT is about a warp's share: a split is WARPS equal shares, so the
-        # split count is the largest up to steps / (GROUPS_PER_SPLIT * WARPS) that divides.
-        splits = max(1, num_groups // (cfg["GROUPS_PER_SPLIT"] * warps))
-        while splits > 1 and num_groups % (splits * warps):
-            splits -= 1
-        if config and "SPLITS" in config:
-            splits = int(config["SPLITS"])
+        # GROUPS_PER_SPLIT is the least steps of a warp's share: a split is WARPS equal
+        # shares, so the split count is the largest up to steps / (GROUPS_PER_SPLIT * WARPS)
+        # that divides them.
+        if not (config and "SPLITS" in config):
+            splits = max(1, num_groups // (cfg["GROUPS_PER_SPLIT"] * warps))
+            while splits > 1 and num_groups % (splits * warps):
+                splits -= 1
         if num_groups % (splits * warps):
             raise ValueError(
                 f"KWARPS takes splits of equal shares: {splits} splits of {warps} warps do "

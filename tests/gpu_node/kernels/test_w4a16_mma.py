@@ -581,6 +581,8 @@ def test_config_rejects_other_chains() -> None:
         mma_module._launch(x, mma_weight(16, 128, 32, seed=1), {"CHAINS": 1})
     with pytest.raises(ValueError, match=r"SPLITS must be 1\.\.2 \(steps of K\), got 3"):
         mma_module._launch(x, weight, {"SPLITS": 3})  # 128 in: two steps of 64
+    with pytest.raises(ValueError, match=r"R must be 1, 2, 4 or 8, got 3"):
+        mma_module._launch(x, weight, {"R": 3})
 
 
 @needs_cuda
@@ -712,14 +714,23 @@ def test_both_loops_give_the_same_bits(rows_per_warp) -> None:
 def test_k_split_warps_take_equal_shares() -> None:
     """KWARPS: a program's warps split its steps, so a split must be WARPS equal shares:
     64 steps (8192 in) of 8 warps at 8 a warp is one split; 224 steps (28672 in) at 8 a
-    warp would be 3 splits of 8 warps, which do not divide, so 2; 4100 in (not a multiple of
-    the warps' shares) is refused."""
+    warp would be 3 splits of 8 warps, which do not divide, so 2; a split count given
+    outright is taken as it is, or refused when its shares do not divide; 4160 in at groups
+    of 64 (65 steps, no multiple of 8 warps) is refused."""
     cpu = torch.device("cpu")
     config = {"KWARPS": True, "WARPS": 8, "R": 1, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
     plan = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, config)
     assert (plan.programs, plan.splits, plan.tile) == (512, 1, (1, 128))
     plan = plan_module.plan_launch(8192, 28672, 128, torch.bfloat16, cpu, False, config)
     assert (plan.programs, plan.splits) == (512, 2)
+    plan = plan_module.plan_launch(
+        8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "SPLITS": 2}
+    )
+    assert plan.splits == 2
+    with pytest.raises(ValueError, match=r"equal shares: 3 splits of 8 warps do not divide 64"):
+        plan_module.plan_launch(
+            8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "SPLITS": 3}
+        )
     with pytest.raises(ValueError, match=r"KWARPS takes splits of equal shares: 1 splits of 8"):
         plan_module.plan_launch(64, 4160, 64, torch.bfloat16, cpu, False, config)
     message = r"KWARPS takes the one-buffer loop \(PIPE 0\), not symmetric tiles"
@@ -730,24 +741,32 @@ def test_k_split_warps_take_equal_shares() -> None:
 
 
 @needs_cuda
-def test_k_split_warps_equal_the_reference() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("early", [0, 2])
+@pytest.mark.parametrize("group_size", [128, 64, 32])
+@pytest.mark.parametrize("m", [1, 3])
+def test_k_split_warps_equal_the_reference(dtype, early, group_size, m) -> None:
     """KWARPS (the warps of a program split K, summed through shared memory) against the
     fp32 reference, with and without split K across programs, one and two row blocks, 4
-    and 8 warps, groups of 128, 64 and 32, M = 1 and 3."""
-    for group_size in (128, 64, 32):
-        weight = mma_weight(1040, 4096, group_size, seed=23, device="cuda")
-        for m in (1, 3):
-            gen = torch.Generator().manual_seed(m)
-            x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
-            ref = w4a16_mma_ref(x, weight)
-            for warps, rows, per_warp in ((8, 1, 8), (4, 1, 2), (4, 2, 4), (8, 2, 1)):
-                chains = 2 if group_size == 32 or rows == 1 else 1
-                config = {"KWARPS": True, "WARPS": warps, "R": rows, "CHAINS": chains,
-                          "GROUPS_PER_SPLIT": per_warp}  # fmt: skip
-                got = w4a16_mma_gemv(x, weight, config)
-                assert got.shape == (m, 1040)
-                err = relative_error(got, ref)
-                assert err < TOLERANCE[torch.bfloat16], (group_size, m, config, err)
+    and 8 warps, with and without early launch; and 6 splits of two row blocks at 6144 in,
+    whose last program sums the partials 4 and then 2."""
+    for k, launches in (
+        (4096, ((8, 1, 8, None), (4, 1, 2, None), (4, 2, 4, None), (8, 2, 1, None))),
+        (6144, ((4, 2, 1, 6),) if group_size == 128 else ()),
+    ):
+        weight = mma_weight(1040, k, group_size, seed=23, device="cuda")
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
+        ref = w4a16_mma_ref(x, weight)
+        for warps, rows, per_warp, splits in launches:
+            chains = 2 if group_size == 32 or rows == 1 else 1
+            config = {"KWARPS": True, "WARPS": warps, "R": rows, "CHAINS": chains,
+                      "GROUPS_PER_SPLIT": per_warp, "EARLY": early}  # fmt: skip
+            if splits:
+                config["SPLITS"] = splits
+            got = w4a16_mma_gemv(x, weight, config)
+            assert got.shape == (m, 1040)
+            err = relative_error(got, ref)
+            assert err < TOLERANCE[dtype], (k, config, err)
 
 
 @needs_cuda
