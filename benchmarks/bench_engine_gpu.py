@@ -7,7 +7,8 @@
 2. Integrity checks on vs off: decode step time, same engine shape, alternated runs.
 3. Single-stream decode tok/s with INT4 vs bf16 weights (dense llama shape, and MoE).
 4. Decode steps replayed from CUDA graphs vs launched eagerly: tok/s at batch 1, 8 and
-   32, bf16 and INT4 weights, SmolLM2's shape, the dense llama shape and moe-medium.
+   32, bf16 and INT4 weights, SmolLM2's shape, the dense llama shape and moe-medium
+   (`--models` picks among them).
 
 Sections 1-3 run eager steps (`cuda_graph_batch=0`), as in the sessions before graphs.
 
@@ -170,6 +171,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--sections", default="01234", help="which sections to run, e.g. 2")
+    parser.add_argument(
+        "--models",
+        default="smollm2,llama-1b,moe-medium",
+        help="section 4's models, e.g. moe-medium",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shape = TINY if args.tiny else LLAMA_1B
@@ -265,7 +271,7 @@ def main() -> None:
 
     if "4" in sections:
         print("\n4. decode tok/s, CUDA graphs vs eager steps (context 512, median of steps)")
-        graph_vs_eager(args.tiny, device, dtype, kv16, steps)
+        graph_vs_eager(args.tiny, device, dtype, kv16, steps, args.models.split(","))
 
 
 def replay_ms(graphs, device, iters=50):
@@ -274,7 +280,7 @@ def replay_ms(graphs, device, iters=50):
     return median_ms(graphs.replay_last, device, iters)
 
 
-def graph_vs_eager(tiny, device, dtype, kv16, steps):
+def graph_vs_eager(tiny, device, dtype, kv16, steps, names):
     """tok/s of the same decode steps with and without CUDA graphs, alternated twice."""
     models = {
         "smollm2": lambda: seeded_llama(TINY if tiny else SMOLLM2, seed=0, device=device),
@@ -282,6 +288,8 @@ def graph_vs_eager(tiny, device, dtype, kv16, steps):
         "moe-medium": lambda: moe_model("moe-small" if tiny else "moe-medium", device=device),
     }
     for label, build in models.items():
+        if label not in names:
+            continue
         for weights in ("bf16", "int4 g32", "int4 g128"):
             model = build().to(dtype)
             if weights != "bf16":

@@ -165,7 +165,9 @@ class Router(nn.Module):
 
 
 class MoeExperts(nn.Module):
-    """The routed experts in full precision: w13 [E, 2I, H], w2 [E, H, I]."""
+    """The routed experts in full precision: w13 [E, 2I, H], w2 [E, H, I]. On CUDA a GEMV a
+    token and expert (kernels/moe_dense.py: nothing waits for the host, so decode steps can
+    be recorded in CUDA graphs); elsewhere the reference loop."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         super().__init__()
@@ -173,6 +175,10 @@ class MoeExperts(nn.Module):
         self.w2 = nn.Parameter(w2, requires_grad=False)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if x.is_cuda:
+            from gpu_node.kernels.moe_dense import moe_experts_dense
+
+            return moe_experts_dense(x, self.w13, self.w2, routing)
         return moe_experts_ref(x, self.w13, self.w2, routing)
 
     def to_int4(self, group_size: int, symmetric: bool = False) -> Int4MoeExperts:

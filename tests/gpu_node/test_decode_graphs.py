@@ -188,7 +188,9 @@ def test_graphs_are_only_made_on_a_gpu_and_can_be_turned_off(make_engine) -> Non
         EngineConfig(cuda_graph_batch=-1)
 
 
-def test_float_moe_experts_cannot_be_captured_and_int4_ones_can() -> None:
+def test_float_moe_experts_off_cuda_cannot_be_captured_and_int4_ones_can() -> None:
+    """Off CUDA float experts run the reference loop, which asks the host which experts got
+    tokens (on CUDA they run kernels/moe_dense.py, which does not)."""
     from gpu_node.quant.linear import quantize_model
 
     model = moe_model("moe-small", device="cpu")

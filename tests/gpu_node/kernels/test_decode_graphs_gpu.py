@@ -180,3 +180,18 @@ def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
         runs.append((torch.cat(steps), runner.graphs.captured))
     assert torch.equal(runs[0][0], runs[1][0])
     assert runs[1][1] == [(1, 512), (6, 512)]
+
+
+@needs_cuda
+def test_float_moe_graph_steps_give_the_eager_tokens():
+    """bf16 MoE experts on CUDA run kernels/moe_dense.py, which waits for nothing on the
+    host, so their decode steps are recorded too and give the eager steps' tokens."""
+    from gpu_node.models.llama import fuse_projections
+    from gpu_node.weights import moe_model
+
+    model = fuse_projections(moe_model("moe-small", device="cuda").to(torch.bfloat16))
+    eager = _generate(_engine(model, "fp8", 0))
+    engine = _engine(model, "fp8", 8)
+    assert engine.runner.graphs is not None
+    assert _generate(engine) == eager
+    assert engine.runner.graphs.captured == [(1, 256), (2, 256), (4, 256), (8, 256)]
