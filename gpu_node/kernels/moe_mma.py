@@ -50,7 +50,7 @@ from gpu_node.kernels.launch import has_mma_sync, launches_early
 from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma import _group
+from gpu_node.kernels.w4a16_mma import _fragment, _group, _load_step_fp16
 from gpu_node.kernels.w4a16_mma_asm import MAGIC, group_step_constants
 from gpu_node.kernels.w4a16_mma_plan import LEAST_WARPS
 from gpu_node.models.moe_routing import SLOT_TOKENS, ExpertSlots, Routing
@@ -129,10 +129,7 @@ def _moe_mma_kernel(
         # One row block a warp ([1, E] tensors): the dense kernel's layout with R = 1.
         i = tl.arange(0, 1)[:, None]
         e = tl.arange(0, E)[None, :]
-        lane = (e // 4) % 32
-        j = e % 4
-        g = lane // 4
-        t = lane % 4
+        j, g, t = _fragment(e)
         rb = pid_n * WARPS + e // 128 + i  # [1, E]
         rb_ok = rb < num_row_blocks
         load_ok = rb_ok & in_range  # results are still stored (0) for an id out of range
@@ -142,29 +139,22 @@ def _moe_mma_kernel(
         # [1, E]: the assignment of column g
         ids_g = tl.zeros_like(g) + slot if ONE_TOKEN else tl.load(slot_ids_ptr + slot * SLOT + g)
         x_at = a_ptr + (ids_g // A_ROW_DIV).to(tl.int64) * stride_am + t * (8 // SUBS) + j
-        sm_stride = 2 * stride_tg
         sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
 
         g_begin = pid_s * groups_per_split
         g_end = tl.minimum(g_begin + groups_per_split, num_groups)
         acc = tl.full((1, E), 0.0, tl.float32)
-        w0 = tl.load(words_at + g_begin * stride_tg, mask=load_ok, other=0)
-        w1 = tl.load(words_at + g_begin * stride_tg + 128, mask=load_ok & (CPG == 2), other=0)
-        sm = tl.load(sm_at + g_begin * sm_stride, mask=load_ok, other=0.0)
-        sm2 = tl.load(sm_at + g_begin * sm_stride + 32, mask=load_ok & (SUBS == 2), other=0.0)
+        a = _load_step_fp16(words_at, sm_at, g_begin, stride_tg, load_ok, CPG, SUBS, 16)
         if EARLY and SLOTS_READY:
             gdc_wait()
         for grp in range(g_begin, g_end):
-            ok = load_ok & (grp + 1 < g_end)
-            w0_n = tl.load(words_at + (grp + 1) * stride_tg, mask=ok, other=0)
-            w1_n = tl.load(words_at + (grp + 1) * stride_tg + 128, mask=ok & (CPG == 2), other=0)
-            sm_n = tl.load(sm_at + (grp + 1) * sm_stride, mask=ok, other=0.0)
-            sm2_n = tl.load(sm_at + (grp + 1) * sm_stride + 32, mask=ok & (SUBS == 2), other=0.0)
+            b_mask = load_ok & (grp + 1 < g_end)
+            b = _load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, 16)
             acc = _group(
-                acc, (w0, w1, sm, sm2), None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
+                acc, a, None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
                 D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip
-            w0, w1, sm, sm2 = w0_n, w1_n, sm_n, sm2_n
+            a = b
         if EARLY:
             gdc_launch_dependents()  # this program's weights are read: the next may start
 

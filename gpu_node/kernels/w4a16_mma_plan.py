@@ -174,29 +174,29 @@ def plan_launch(
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
     num_groups = k // mma_step(group_size)  # steps
-    splits = triton.cdiv(num_groups, cfg["GROUPS_PER_SPLIT"])
-    if config and "SPLITS" in config:  # benchmarks: a split count given outright
-        splits = int(config["SPLITS"])
-        if not 1 <= splits <= num_groups:
-            raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
     kwarps = bool(cfg.get("KWARPS", False))
     if kwarps and pipe != 0:
         # With the two-buffer loop (symmetric tiles) and two row blocks a program it gave
         # wrong sums on the H200 (relative error 8-56), a bug not found yet.
         raise ValueError("KWARPS takes the one-buffer loop (PIPE 0), not symmetric tiles")
-    if kwarps:
+    if config and "SPLITS" in config:  # benchmarks: a split count given outright
+        splits = int(config["SPLITS"])
+        if not 1 <= splits <= num_groups:
+            raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
+    elif kwarps:
         # GROUPS_PER_SPLIT is the least steps of a warp's share: a split is WARPS equal
         # shares, so the split count is the largest up to steps / (GROUPS_PER_SPLIT * WARPS)
         # that divides them.
-        if not (config and "SPLITS" in config):
-            splits = max(1, num_groups // (cfg["GROUPS_PER_SPLIT"] * warps))
-            while splits > 1 and num_groups % (splits * warps):
-                splits -= 1
-        if num_groups % (splits * warps):
-            raise ValueError(
-                f"KWARPS takes splits of equal shares: {splits} splits of {warps} warps do "
-                f"not divide {num_groups} steps"
-            )
+        splits = max(1, num_groups // (cfg["GROUPS_PER_SPLIT"] * warps))
+        while splits > 1 and num_groups % (splits * warps):
+            splits -= 1
+    else:
+        splits = triton.cdiv(num_groups, cfg["GROUPS_PER_SPLIT"])
+    if kwarps and num_groups % (splits * warps):
+        raise ValueError(
+            f"KWARPS takes splits of equal shares: {splits} splits of {warps} warps do "
+            f"not divide {num_groups} steps"
+        )
     programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), (1 if kwarps else warps) * rows_per_warp)
     if programs > MAX_TILES:
         raise ValueError(f"{programs} programs exceed {MAX_TILES}")

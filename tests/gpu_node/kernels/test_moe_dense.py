@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 import gpu_node.kernels.moe_dense as dense_module
 from gpu_node.models.moe import moe_experts_ref
 from gpu_node.models.moe_routing import Routing, route
+from tests.gpu_node.kernels.moe_weights import float_experts, routing_weight_cases
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest may import the kernels before TRITON_INTERPRET is set: decorate them again.
@@ -30,9 +31,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def _experts(
     num_experts: int, hidden: int, inner: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inner, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inner, generator=gen) / inner**0.5
+    w13, w2 = float_experts(num_experts, hidden, inner, seed)
     return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
 
 
@@ -61,15 +60,10 @@ def test_routing_weight_is_applied_in_the_kernel() -> None:
     w13, w2 = _experts(4, 128, 64, torch.float32, seed=1)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids = torch.tensor([[1, 2], [3, 1]], device=DEVICE)
-    base = moe_experts_dense(x, w13, w2, Routing(ids, torch.full((2, 2), 0.5, device=DEVICE)))
-    doubled = moe_experts_dense(x, w13, w2, Routing(ids, torch.ones(2, 2, device=DEVICE)))
+    base, doubled, only_first, alone = routing_weight_cases(
+        lambda x, routing: moe_experts_dense(x, w13, w2, routing), x, ids
+    )
     torch.testing.assert_close(doubled, 2 * base, rtol=1e-5, atol=1e-5)
-    only_first = moe_experts_dense(
-        x, w13, w2, Routing(ids, torch.tensor([[1.0, 0.0]] * 2, device=DEVICE))
-    )
-    alone = moe_experts_dense(
-        x, w13, w2, Routing(ids[:, :1].contiguous(), torch.ones(2, 1, device=DEVICE))
-    )
     assert torch.equal(only_first, alone)  # a zero weight adds exactly zero
 
 

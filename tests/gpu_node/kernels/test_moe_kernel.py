@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 
 import gpu_node.kernels.moe as moe_module
 import gpu_node.kernels.w4a16 as w4a16_module
-from gpu_node.models.moe_routing import Routing, route
+from gpu_node.models.moe_routing import route
 from gpu_node.quant.int4 import Int4Weight
-from tests.gpu_node.kernels.moe_weights import random_experts
+from tests.gpu_node.kernels.moe_weights import random_experts, routing_weight_cases
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest may import the kernels before TRITON_INTERPRET is set: decorate them again
@@ -65,15 +65,10 @@ def test_routing_weight_is_applied_in_the_kernel() -> None:
     w13, w2 = _experts(4, 128, 64, 32, seed=1)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     ids = torch.tensor([[1, 2], [1, 2]], device=DEVICE)
-    base = fused_moe_int4(x, w13, w2, Routing(ids, torch.full((2, 2), 0.5, device=DEVICE)))
-    doubled = fused_moe_int4(x, w13, w2, Routing(ids, torch.ones(2, 2, device=DEVICE)))
+    base, doubled, only_first, alone = routing_weight_cases(
+        lambda x, routing: fused_moe_int4(x, w13, w2, routing), x, ids
+    )
     torch.testing.assert_close(doubled, 2 * base, rtol=1e-5, atol=1e-5)
-    only_first = fused_moe_int4(
-        x, w13, w2, Routing(ids, torch.tensor([[1.0, 0.0]] * 2, device=DEVICE))
-    )
-    alone = fused_moe_int4(
-        x, w13, w2, Routing(ids[:, :1].contiguous(), torch.ones(2, 1, device=DEVICE))
-    )
     torch.testing.assert_close(only_first, alone, rtol=1e-5, atol=1e-5)
 
 
