@@ -50,9 +50,9 @@ from gpu_node.kernels.launch import has_mma_sync, launches_early
 from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
-from gpu_node.kernels.w4a16_mma import _fragment, _group, _load_step_fp16
 from gpu_node.kernels.w4a16_mma_asm import MAGIC, group_step_constants
 from gpu_node.kernels.w4a16_mma_plan import LEAST_WARPS
+from gpu_node.kernels.w4a16_mma_step import fragment, load_step_fp16, mma_group_step
 from gpu_node.models.moe_routing import SLOT_TOKENS, ExpertSlots, Routing
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA, mma_step
 
@@ -129,7 +129,7 @@ def _moe_mma_kernel(
         # One row block a warp ([1, E] tensors): the dense kernel's layout with R = 1.
         i = tl.arange(0, 1)[:, None]
         e = tl.arange(0, E)[None, :]
-        j, g, t = _fragment(e)
+        j, g, t = fragment(e)
         rb = pid_n * WARPS + e // 128 + i  # [1, E]
         rb_ok = rb < num_row_blocks
         load_ok = rb_ok & in_range  # results are still stored (0) for an id out of range
@@ -144,13 +144,13 @@ def _moe_mma_kernel(
         g_begin = pid_s * groups_per_split
         g_end = tl.minimum(g_begin + groups_per_split, num_groups)
         acc = tl.full((1, E), 0.0, tl.float32)
-        a = _load_step_fp16(words_at, sm_at, g_begin, stride_tg, load_ok, CPG, SUBS, 16)
+        a = load_step_fp16(words_at, sm_at, g_begin, stride_tg, load_ok, CPG, SUBS, 16)
         if EARLY and SLOTS_READY:
             gdc_wait()
         for grp in range(g_begin, g_end):
             b_mask = load_ok & (grp + 1 < g_end)
-            b = _load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, 16)
-            acc = _group(
+            b = load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, 16)
+            acc = mma_group_step(
                 acc, a, None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
                 D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip

@@ -12,8 +12,9 @@ without a conversion instruction,
 
     (word >> 4r) & 0x000F000F | 0x43004300   ->  bf16 pair (128 + q_lo, 128 + q_hi)
 
-and the tensor core multiplies them by the activations and sums in fp32. The
-offset and the group's scale and min come out afterwards, once per group and row:
+and the tensor core multiplies them by the activations and sums in fp32 (the step itself,
+which the MoE kernel shares, is w4a16_mma_step.py). The offset and the group's scale and
+min come out afterwards, once per group and row:
 
     D[n, m]     = sum_k x[m, k] (128 + q[n, k])    (mma over the group, fp32 sums)
     x_sum[m]    = sum_k x[m, k]                    (mma with A = 1: exact products, fp32 sums)
@@ -67,6 +68,12 @@ from gpu_node.kernels.w4a16_gemv import MAX_M, split_counters
 from gpu_node.kernels.w4a16_mma_asm import MAGIC
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
 from gpu_node.kernels.w4a16_mma_plan import mma_gemv_config, plan_launch
+from gpu_node.kernels.w4a16_mma_step import (
+    fragment,
+    load_step_fp16,
+    load_step_int32,
+    mma_group_step,
+)
 from gpu_node.quant.int4 import (
     MMA_GROUP_SIZES,
     Int4WeightMMA,
@@ -75,193 +82,6 @@ from gpu_node.quant.int4 import (
 )
 
 __all__ = ["mma_gemv_config", "supports", "w4a16_mma_gemv", "w4a16_mma_matmul", "w4a16_mma_ref"]
-
-
-@triton.jit
-def _d_chunk(words, x_lo, x_hi, d, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [words, x_lo, x_hi, d], dtype=tl.float32, is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def _s_chunk(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [x_lo, x_hi, s], dtype=tl.float32, is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def _d_chunk2(words, x_lo, x_hi, d_a, d_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [words, x_lo, x_hi, d_a, d_b], dtype=(tl.float32, tl.float32),
-        is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@triton.jit
-def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [x_lo, x_hi, s_a, s_b], dtype=(tl.float32, tl.float32),
-        is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@triton.jit
-def _fragment(e):
-    """Where element e of a row-block slot sits in the mma fragments of its lane (e // 4) %
-    32: j (the k16 step of its word, the C element of its result), g = lane // 4 and
-    t = lane % 4."""
-    lane = (e // 4) % 32
-    return e % 4, lane // 4, lane % 4
-
-
-@triton.jit
-def _load_step_int32(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: tl.constexpr,
-               SM2: tl.constexpr):  # fmt: skip
-    """The two-buffer loop's (PIPE 2) loads of a step: words (two chunks with groups of 128)
-    and the 16 bytes of scales (and mins) a lane reads, [R, E] each.
-
-    A warp barrier follows them, which ptxas does not move loads across, so they are issued
-    here rather than sunk towards their first use (ptxas's choice, for fewer live
-    registers), and a step's math hides their latency (faster than without, H200)."""
-    at = step * stride_tg
-    w0 = tl.load(words_at + at, mask=mask)
-    w1 = tl.load(words_at + at + 128, mask=mask & (CPG == 2))
-    sm = tl.load(sm_at + at, mask=mask)
-    sm2 = tl.load(sm_at + at + SM2, mask=mask & (SUBS == 2))
-    tl.inline_asm_elementwise(
-        "bar.warp.sync -1;\nmov.b32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-    return w0, w1, sm, sm2
-
-
-@triton.jit
-def _load_step_fp16(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr,
-                    SUBS: tl.constexpr, SM2: tl.constexpr):  # fmt: skip
-    """The one-buffer loop's (PIPE 0) loads of a step: words, and the scales and mins as
-    fp16 (sm_at an fp16 pointer, so offsets twice the int32 ones), [R, E] each."""
-    at = step * stride_tg
-    w0 = tl.load(words_at + at, mask=mask, other=0)
-    w1 = tl.load(words_at + at + 128, mask=mask & (CPG == 2), other=0)
-    sm = tl.load(sm_at + 2 * at, mask=mask, other=0.0)
-    sm2 = tl.load(sm_at + 2 * at + 2 * SM2, mask=mask & (SUBS == 2), other=0.0)
-    return w0, w1, sm, sm2
-
-
-@triton.jit
-def _scales_asm(sm, pick, ASM: tl.constexpr):
-    """sm [R, E] int32 (the 16 bytes of a group's scales and mins a lane loads) and pick
-    [1, E] (g % 4: where its own words sit) -> (scale, correction) fp32 per C element, in
-    inline PTX (w4a16_mma_asm.scales_asm)."""
-    pick = pick + tl.zeros_like(sm)
-    return tl.inline_asm_elementwise(
-        ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r", [sm, pick],
-        dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@triton.jit
-def _scales_fp16(sm, sm_mul, OFFSET: tl.constexpr, HIGH: tl.constexpr):
-    """The one-buffer loop's (PIPE 0, and the MoE kernel's) scales: sm [R, E] fp16, (scale,
-    min) of rows g and g + 8 per lane -> scale and min - OFFSET * scale per C element, in
-    Triton. With HIGH > 1 the rows g + 8 came out of the mma HIGH times too large:
-    sm_mul [1, E] divides their scale (1 / HIGH at the lane's element 2, exact)."""
-    sm = sm.to(tl.float32)
-    if HIGH != 1.0:
-        sm = sm * sm_mul
-    scale, min_ = tl.split(tl.reshape(sm, (sm.shape[0], sm.shape[1] // 2, 2)))  # rows g, g + 8
-    corr = min_ - OFFSET * scale
-    scale = tl.reshape(tl.join(scale, scale), sm.shape)
-    corr = tl.reshape(tl.join(corr, corr), sm.shape)
-    return scale, corr
-
-
-@triton.jit
-def _scales(sm, sm_pick, sm_mul, SM_ASM: tl.constexpr, FP16_SCALES: tl.constexpr,
-            OFFSET: tl.constexpr, HIGH: tl.constexpr):  # fmt: skip
-    """A step's (scale, correction) per C element, from whichever form its loop loaded."""
-    if FP16_SCALES:
-        scale, corr = _scales_fp16(sm, sm_mul, OFFSET, HIGH)
-    else:
-        scale, corr = _scales_asm(sm, sm_pick, SM_ASM)
-    return scale, corr
-
-
-@triton.jit
-def _group(
-    acc,
-    step,  # (w0, w1, sm, sm2) as the step's loop loaded them
-    sm_pick,
-    x_at,
-    c0,
-    CPG: tl.constexpr,
-    MODE: tl.constexpr,
-    CHAINS: tl.constexpr,
-    SUBS: tl.constexpr,
-    D_ASM: tl.constexpr,
-    D_CONSTRAINTS: tl.constexpr,
-    S_ASM: tl.constexpr,
-    S_CONSTRAINTS: tl.constexpr,
-    SM_ASM: tl.constexpr,
-    sm_mul=None,  # with FP16_SCALES: sm is fp16, scaled in Triton (_scales_fp16)
-    FP16_SCALES: tl.constexpr = False,
-    OFFSET: tl.constexpr = 128.0,
-    HIGH: tl.constexpr = 1.0,
-):
-    """acc [R, E] + one step's share of y: scale * D + (min - OFFSET * scale) * x_sum.
-
-    CHAINS = 2 splits each mma chain (D and x_sum) into two accumulators of half the
-    length; the scale multiplies both halves in the same fused multiply-adds. SUBS = 2
-    (groups of 32, CHAINS 2 with HALVES_PTX): the step's chunk holds two groups, the
-    first accumulator is the first group's (scales and mins `sm`), the second the
-    second's (`sm2`)."""
-    w0, w1, sm, sm2 = step
-    if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
-        acc += w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
-        if CPG == 2:
-            acc += w1.to(tl.float32, bitcast=True)
-        if SUBS == 2:
-            acc += sm2.to(tl.float32)
-        return acc
-    zero_d = tl.full(w0.shape, 0.0, tl.float32)
-    zero_s = tl.full((1, w0.shape[1]), 0.0, tl.float32)
-    X_HI: tl.constexpr = 4 + 12 * (SUBS - 1)  # 4, or 16 with groups of 32
-    for c in tl.static_range(CPG):
-        # [1, E]: pairs 8t .. 8t + 3 of the chunk and 8t + 4 .. 8t + 7 (x_at is at 8t), or
-        # with groups of 32 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 (x_at at 4t)
-        x_lo = tl.load(x_at + (c0 + c) * 32)
-        x_hi = tl.load(x_at + (c0 + c) * 32 + X_HI)
-        w = w0 if c == 0 else w1
-        if c == 0:  # the chains start from zero
-            d_a, d_b, s_a, s_b = zero_d, zero_d, zero_s, zero_s
-        if CHAINS == 2:
-            d_a, d_b = _d_chunk2(w, x_lo, x_hi, d_a, d_b, D_ASM, D_CONSTRAINTS)
-            if MODE != 2:  # MODE 2 (benchmarks): x_sum left out
-                s_a, s_b = _s_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
-        else:
-            d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
-            if MODE != 2:
-                s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
-    scale, corr = _scales(sm, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
-    if SUBS == 2:
-        scale2, corr2 = _scales(sm2, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
-        acc = tl.fma(d_a, scale, acc)
-        acc = tl.fma(d_b, scale2, acc)
-        if MODE == 2:
-            return acc + corr + corr2
-        acc = tl.fma(s_a, corr, acc)
-        return tl.fma(s_b, corr2, acc)
-    acc = tl.fma(d_a, scale, acc)
-    if CHAINS == 2:
-        acc = tl.fma(d_b, scale, acc)
-        s_a += s_b
-    if MODE == 2:
-        acc += corr
-    else:
-        acc = tl.fma(s_a, corr, acc)
-    return acc
 
 
 @triton.jit
@@ -311,7 +131,7 @@ def _gemv_mma_kernel(
     # inline asm and the arithmetic share it and nothing moves between lanes.
     i = tl.arange(0, R)[:, None]  # [R, 1]: row-block slot of the warp
     e = tl.arange(0, E)[None, :]  # [1, E]
-    j, g, t = _fragment(e)
+    j, g, t = fragment(e)
     if KWARPS:  # noqa: SIM108 (a constexpr branch, not a value)
         rb = pid_n * R + i + 0 * e  # [R, E]: every warp on the program's row blocks
     else:
@@ -356,7 +176,7 @@ def _gemv_mma_kernel(
         # this loop is the faster at most asymmetric shapes measured (w4a16_gemv.md).
         sm_at = (tile_at + 128 * CPG).to(tl.pointer_type(tl.float16)) + g * 4 + j
         sm_mul = tl.where(j == 2, 1.0 / HIGH, 1.0)
-        a = _load_step_fp16(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
+        a = load_step_fp16(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
     else:
         # Whole int32 words (two fp16 each), each lane loading the aligned 16 bytes that
         # hold its own (_scales_asm picks them out by g): carried as fp16 halves, they
@@ -367,7 +187,7 @@ def _gemv_mma_kernel(
         else:  # two words a g and group: (scale, min) of row g, then of row g + 8
             sm_at = tile_at + 128 * CPG + (g // 2) * 4 + j
         sm_pick = g % 4  # [1, E]: where the lane's own words sit in the 16 bytes it loads
-        a = _load_step_int32(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
+        a = load_step_int32(words_at, sm_at, g_begin, stride_tg, rb_ok, CPG, SUBS, SM2)
     if EARLY != 0:
         # The weights are nobody's output, so their first step is in flight before the
         # wait; x, the partials and the counters only after the previous kernel is done.
@@ -375,8 +195,8 @@ def _gemv_mma_kernel(
     if PIPE == 0:
         for grp in range(g_begin, g_end):
             b_mask = rb_ok & (grp + 1 < g_end)
-            b = _load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, SM2)
-            acc = _group(
+            b = load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, SM2)
+            acc = mma_group_step(
                 acc, a, None, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip
@@ -388,19 +208,19 @@ def _gemv_mma_kernel(
         # this loop: their scales are one word a g, which as fp16 loads four 2-byte loads.
         pairs_end = g_begin + (g_end - g_begin) // 2 * 2
         for grp in range(g_begin, pairs_end, 2):
-            b = _load_step_int32(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2)
-            acc = _group(
+            b = load_step_int32(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2)
+            acc = mma_group_step(
                 acc, a, sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
             a_mask = rb_ok & (grp + 2 < g_end)
-            a = _load_step_int32(words_at, sm_at, grp + 2, stride_tg, a_mask, CPG, SUBS, SM2)
-            acc = _group(
+            a = load_step_int32(words_at, sm_at, grp + 2, stride_tg, a_mask, CPG, SUBS, SM2)
+            acc = mma_group_step(
                 acc, b, sm_pick, x_at, (grp + 1) * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
         if pairs_end < g_end:  # an odd step count: the last step is in a
-            acc = _group(
+            acc = mma_group_step(
                 acc, a, sm_pick, x_at, pairs_end * CPG, CPG, MODE, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
@@ -412,7 +232,7 @@ def _gemv_mma_kernel(
         # order): [R, 128], one warp's fragments.
         acc = tl.sum(tl.reshape(acc, (R, WARPS, 128)), axis=1)
         e = tl.arange(0, 128)[None, :]
-        j, g, t = _fragment(e)
+        j, g, t = fragment(e)
         rb = pid_n * R + i + 0 * e
         rb_ok = rb < num_row_blocks
     EO: tl.constexpr = 128 if KWARPS else E  # elements of a row-block slot in the result
