@@ -117,7 +117,7 @@ def capturable(model: LlamaModel) -> bool:
     for the host. Float MoE experts off CUDA run their reference loop, which does."""
     from gpu_node.models.moe import MoeExperts
 
-    return not any(isinstance(m, MoeExperts) and not m.w13.is_cuda for m in model.modules())
+    return not any(isinstance(m, MoeExperts) and m.waits_for_host for m in model.modules())
 
 
 class DecodeGraphs:

@@ -174,6 +174,12 @@ class MoeExperts(nn.Module):
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
 
+    @property
+    def waits_for_host(self) -> bool:
+        """Whether forward asks the host anything (the reference loop, off CUDA), so that a
+        step through it cannot be recorded in a CUDA graph."""
+        return not self.w13.is_cuda
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if x.is_cuda:
             from gpu_node.kernels.moe_dense import moe_experts_dense
