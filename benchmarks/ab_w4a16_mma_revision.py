@@ -3,10 +3,11 @@ each under its own launch heuristic, side by side in one run.
 
     git show REV:gpu_node/kernels/w4a16_mma.py > /tmp/w4a16_mma_rev.py
     TRITON_INTERPRET=0 python3 benchmarks/ab_w4a16_mma_revision.py /tmp/w4a16_mma_rev.py \\
-        [--shapes 7168x18432,18432x7168] [--rounds 5]
+        [--shapes 7168x18432,18432x7168] [--rounds 5] [--symmetric]
 
 For each layer shape (K in -> N out, groups of 128) it alternates, round by round, bf16
-cuBLAS (F.linear), the earlier module's w4a16_mma_gemv and the current one, timed by
+cuBLAS (F.linear), the earlier module's w4a16_mma_gemv and the current one (over
+asymmetric tiles, or with --symmetric over symmetric ones: scales alone), timed by
 bench_w4a16.py's CUDA-graph harness (weight copies spanning 4x the L2), and prints the
 medians, the speedups over bf16, current over earlier, each side's config, and whether
 both gave the same bits. The earlier module must import against today's gpu_node (its
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("earlier", type=Path, help="an earlier revision's w4a16_mma.py")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("70b"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--symmetric", action="store_true", help="symmetric tiles (scales alone)")
     args = parser.parse_args()
     earlier = load_module(args.earlier)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -59,7 +61,12 @@ def main() -> None:
             for _ in range(copies_for(2 * n * k))
         ]
         weights = [
-            to_mma(quantize_int4(torch.randn(n, k, device="cuda") / k**0.5, GROUP))
+            to_mma(
+                quantize_int4(
+                    torch.randn(n, k, device="cuda") / k**0.5, GROUP, symmetric=args.symmetric
+                ),
+                symmetric=args.symmetric,
+            )
             for _ in range(copies_for(n * k // 2))
         ]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -76,11 +83,11 @@ def main() -> None:
                 times[name].append(bench_graph(calls) * 1e3)
         med = {name: statistics.median(v) for name, v in times.items()}
         configs = {
-            name: module.mma_gemv_config(n, k, GROUP, sms)
+            name: module.mma_gemv_config(n, k, GROUP, sms, args.symmetric)
             for name, module in (("earlier", earlier), ("current", current))
         }
         print(
-            f"{k}x{n} M=1: bf16 {med['bf16']:.1f} us, earlier {med['earlier']:.1f} "
+            f"{k}x{n} M=1{' symmetric' if args.symmetric else ''}: bf16 {med['bf16']:.1f} us, earlier {med['earlier']:.1f} "
             f"({med['bf16'] / med['earlier']:.2f}x), current {med['current']:.1f} "
             f"({med['bf16'] / med['current']:.2f}x); current over earlier "
             f"{med['earlier'] / med['current']:.3f}; same bits {same}\n"

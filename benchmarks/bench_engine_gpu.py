@@ -9,6 +9,9 @@
 4. Decode steps replayed from CUDA graphs vs launched eagerly: tok/s at batch 1, 8 and
    32, bf16 and INT4 weights, SmolLM2's shape, the dense llama shape and moe-medium
    (`--models` picks among them).
+5. INT4 decode tok/s with CUDA graphs, the tuning table's launches (w4a16_mma_tuned.json)
+   against the heuristic's, alternated twice: SmolLM2's shape and the dense llama shape
+   (`--models`), groups of 32 and 128, batch 1 and 8.
 
 Sections 1-3 run eager steps (`cuda_graph_batch=0`), as in the sessions before graphs.
 
@@ -26,6 +29,7 @@ import time
 import torch
 
 from gpu_node.config import EngineConfig
+from gpu_node.kernels import w4a16_mma_plan
 from gpu_node.kv_cache import bytes_per_page
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.models.config import ModelConfig
@@ -272,6 +276,9 @@ def main() -> None:
     if "4" in sections:
         print("\n4. decode tok/s, CUDA graphs vs eager steps (context 512, median of steps)")
         graph_vs_eager(args.tiny, device, dtype, kv16, steps, args.models.split(","))
+    if "5" in sections:
+        print("\n5. INT4 decode with CUDA graphs: tuned launches vs the heuristic", flush=True)
+        tuned_vs_heuristic(args.tiny, device, dtype, kv16, steps, args.models.split(","))
 
 
 def replay_ms(graphs, device, iters=50):
@@ -311,6 +318,48 @@ def graph_vs_eager(tiny, device, dtype, kv16, steps, names):
                 gpu = f"  replay alone {min(replays):.3f} ms of {graph:.3f}" if replays else ""
                 print(f"  {label:10s} {weights:9s} batch {batch:2d}: eager {batch * 1e3 / eager:8.1f} tok/s"
                       f"  graphs {batch * 1e3 / graph:8.1f} tok/s  {eager / graph:5.2f}x{gpu}")  # fmt: skip
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def use_tuning_table(on: bool) -> None:
+    """Plans from here on take the tuning table's configs (on) or the heuristic's alone."""
+    w4a16_mma_plan.tuned_table.cache_clear()
+    w4a16_mma_plan.default_plan.cache_clear()
+    w4a16_mma_plan.TUNED_PATH = TUNED_PATH if on else TUNED_PATH.with_name("no-such-table.json")
+
+
+TUNED_PATH = w4a16_mma_plan.TUNED_PATH
+
+
+def tuned_vs_heuristic(tiny, device, dtype, kv16, steps, names):
+    """tok/s of the same graph-replayed INT4 decode steps, each engine capturing its graphs
+    under the tuned plans or under the heuristic's, alternated twice (best of each)."""
+    models = {
+        "smollm2": TINY if tiny else SMOLLM2,
+        "llama-1b": TINY if tiny else LLAMA_1B,
+    }
+    for label, shape in models.items():
+        if label not in names:
+            continue
+        for group in (32, 128):
+            model = seeded_llama(shape, seed=0, device=device).to(dtype)
+            quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens", "router"))
+            fuse_projections(model)
+            for batch in (1, 8):
+                times = {True: [], False: []}
+                for _ in range(2):
+                    for tuned in (True, False):
+                        use_tuning_table(tuned)
+                        engine = make_engine(model, device, kv_dtype=kv16, num_pages=batch * 40 + 8,
+                                             cuda_graph_batch=32)  # fmt: skip
+                        times[tuned].append(decode_step_ms(engine, batch, 512, steps, device))
+                        del engine
+                use_tuning_table(True)
+                on, off = min(times[True]), min(times[False])
+                print(f"  {label:10s} int4 g{group:<3d} batch {batch:2d}: heuristic {batch * 1e3 / off:8.1f} tok/s"
+                      f"  tuned {batch * 1e3 / on:8.1f} tok/s  {off / on:5.3f}x", flush=True)  # fmt: skip
             del model
             if device == "cuda":
                 torch.cuda.empty_cache()

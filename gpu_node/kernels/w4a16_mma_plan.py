@@ -2,14 +2,22 @@
 takes (mma_gemv_config, from the H200 sweeps in docs/bench/w4a16_gemv.md), and the grid and
 constexprs a call launches with (plan_launch), cached per shape for the serving path
 (default_plan). Pure Python: no GPU is needed to plan, so CI checks the exact configs.
+
+The serving path takes a measured config over the heuristic where the tuning table
+(w4a16_mma_tuned.json, written by benchmarks/tune_w4a16_mma.py on the device it names)
+has one for the GPU's name and the layer's shape: per-device tables of this kind, checked
+in, are what a launch rule could not be at three shapes of the H200 sweeps (KWARPS wins
+there and loses at shapes whose launches look alike).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -175,10 +183,12 @@ def plan_launch(
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
     num_groups = k // mma_step(group_size)  # steps
     kwarps = bool(cfg.get("KWARPS", False))
-    if kwarps and pipe != 0:
-        # With the two-buffer loop (symmetric tiles) and two row blocks a program it gave
-        # wrong sums on the H200 (relative error 8-56), a bug not found yet.
-        raise ValueError("KWARPS takes the one-buffer loop (PIPE 0), not symmetric tiles")
+    if kwarps and symmetric:
+        # With symmetric tiles at groups of 128 and 64 (tile strides 264 and 136 int32) it
+        # gives wrong sums on the H200 (relative error 11-130), where groups of 32 (144) and
+        # asymmetric tiles in the same two-buffer loop give the one-buffer loop's bits; the
+        # loads' 16-byte layout was ruled out (seventeenth session), the cause is not found.
+        raise ValueError("KWARPS takes asymmetric tiles, not symmetric ones")
     if config and "SPLITS" in config:  # benchmarks: a split count given outright
         splits = int(config["SPLITS"])
         if not 1 <= splits <= num_groups:
@@ -220,6 +230,48 @@ def plan_launch(
     return Plan(programs, splits, tile, num_groups, types.MappingProxyType(constexprs))
 
 
-# The serving path's calls (no config) reuse their shape's plan: at decode sizes the
-# host time of a call is most of its cost.
-default_plan = functools.cache(functools.partial(plan_launch, config=None))
+TUNED_PATH = Path(__file__).with_name("w4a16_mma_tuned.json")
+
+
+def tuned_key(n: int, k: int, group_size: int, symmetric: bool) -> str:
+    """A tuning table's key for a layer: K x N (in x out, as the benchmarks write shapes),
+    the group size and the layout."""
+    return f"{k}x{n}/g{group_size}/{'sym' if symmetric else 'asym'}"
+
+
+@functools.cache
+def tuned_table(path: Path | None = None) -> Mapping[str, Mapping[str, Mapping[str, int]]]:
+    """GPU name -> tuned_key -> config, from the tuning table (TUNED_PATH unless given;
+    empty if there is none)."""
+    path = path or TUNED_PATH
+    if not path.is_file():
+        return {}
+    devices = json.loads(path.read_text())["devices"]
+    return {
+        name: {key: dict(entry["config"]) for key, entry in device["configs"].items()}
+        for name, device in devices.items()
+    }
+
+
+def device_name(device: torch.device) -> str:
+    """What the tuning table knows a GPU by (torch's name for it); "" off CUDA."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+
+def tuned_config(
+    n: int, k: int, group_size: int, device: torch.device, symmetric: bool
+) -> Mapping[str, int] | None:
+    """The tuning table's config for this layer on this GPU, or None (the heuristic)."""
+    table = tuned_table().get(device_name(device), {})
+    return table.get(tuned_key(n, k, group_size, symmetric))
+
+
+@functools.cache
+def default_plan(
+    n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device, symmetric: bool
+) -> Plan:
+    """The serving path's plan (calls without a config): the tuned config of the layer's
+    shape on this GPU where the table has one, else the heuristic's. Cached per shape: at
+    decode sizes the host time of a call is most of its cost."""
+    config = tuned_config(n, k, group_size, device, symmetric)
+    return plan_launch(n, k, group_size, dtype, device, symmetric, config)

@@ -74,7 +74,7 @@ def test_int4_greedy_continuation_matches_fp32_for_40_tokens(int4_parts, smollm2
     assert int4 == fp32
 
 
-@pytest.mark.parametrize("weights", ["int4", "fp32"])
+@pytest.mark.parametrize("weights", ["int4", "bf16", "fp32"])
 def test_moe_small_runs_through_the_engine(weights):
     engine = LLMEngine.from_config(EngineConfig(model="moe-small", weights=weights, num_pages=32))
     engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=9, ignore_eos=True))

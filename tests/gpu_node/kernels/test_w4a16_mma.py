@@ -10,6 +10,7 @@ itself equals the reference (the interpreter cannot run its inline asm).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 
 import pytest
@@ -509,6 +510,67 @@ def test_calls_without_a_config_reuse_their_shapes_plan() -> None:
     assert plan_module.default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) is plan
 
 
+@pytest.fixture
+def tuning_table(tmp_path, monkeypatch):
+    """A tuning table of one GPU ("Test GPU", which the CPU plays) with one entry, KWARPS at
+    4096 x 4096; the cached table and plans are dropped before and after."""
+    table = {"devices": {"Test GPU": {"configs": {"4096x4096/g128/asym": {"config": {
+        "KWARPS": 1, "WARPS": 8, "R": 1, "CHAINS": 2, "GROUPS_PER_SPLIT": 4, "PIPE": 2}}}}}}  # fmt: skip
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(plan_module, "TUNED_PATH", path)
+    for cached in (plan_module.tuned_table, plan_module.default_plan):
+        cached.cache_clear()
+    yield monkeypatch
+    for cached in (plan_module.tuned_table, plan_module.default_plan):
+        cached.cache_clear()
+
+
+def test_the_serving_plan_takes_the_tuned_config_of_its_gpu_and_shape(tuning_table) -> None:
+    cpu = torch.device("cpu")
+    heuristic = plan_module.plan_launch(4096, 4096, 128, torch.bfloat16, cpu, False, None)
+    # Off CUDA the GPU has no name: the heuristic.
+    assert plan_module.default_plan(4096, 4096, 128, torch.bfloat16, cpu, False) == heuristic
+    plan_module.default_plan.cache_clear()
+    tuning_table.setattr(plan_module, "device_name", lambda device: "Test GPU")
+    plan = plan_module.default_plan(4096, 4096, 128, torch.bfloat16, cpu, False)
+    # 32 steps, 8 warps of 4 steps each: one split; 256 row blocks, one a program
+    assert (plan.programs, plan.splits, plan.tile) == (256, 1, (1, 128))
+    assert (plan.constexprs["KWARPS"], plan.constexprs["PIPE"], plan.constexprs["WARPS"]) == (
+        True, 2, 8)  # fmt: skip
+    # Another shape, group size or layout on the same GPU: the heuristic.
+    assert plan_module.default_plan(4096, 8192, 128, torch.bfloat16, cpu, False) == (
+        plan_module.plan_launch(4096, 8192, 128, torch.bfloat16, cpu, False, None)
+    )
+    assert plan_module.tuned_config(4096, 4096, 64, cpu, False) is None
+    assert plan_module.tuned_config(4096, 4096, 128, cpu, True) is None
+    tuning_table.setattr(plan_module, "device_name", lambda device: "Other GPU")
+    assert plan_module.tuned_config(4096, 4096, 128, cpu, False) is None
+
+
+def test_the_checked_in_tuning_table_plans_every_entry() -> None:
+    """Every config of gpu_node/kernels/w4a16_mma_tuned.json is a launch the plan takes at
+    its own shape (a bad entry would fail at serve time), and it sets every key of the
+    heuristic's config, so the GPU's multiprocessor count does not change it."""
+    table = plan_module.tuned_table(plan_module.TUNED_PATH)
+    assert table.get("NVIDIA H200")
+    cpu = torch.device("cpu")
+    for configs in table.values():
+        for key, config in configs.items():
+            shape, group, layout = key.split("/")
+            k, n = (int(v) for v in shape.split("x"))
+            group_size = int(group.removeprefix("g"))
+            assert group == f"g{group_size}" and layout in ("asym", "sym"), key
+            assert set(mma_gemv_config(n, k, group_size, 132)) <= set(config), key
+            plan = plan_module.plan_launch(
+                n, k, group_size, torch.bfloat16, cpu, layout == "sym", config
+            )
+            for name in ("WARPS", "R", "CHAINS"):
+                assert plan.constexprs[name] == config[name], key
+            assert plan.constexprs["KWARPS"] == bool(config.get("KWARPS")), key
+            assert plan.constexprs["PIPE"] == config.get("PIPE", 2 if layout == "sym" else 0), key
+
+
 def test_config_fills_the_gpu() -> None:
     one = {"WARPS": 4, "R": 1, "CHAINS": 2}  # one-row-block warps split their mma chains
     two = {"WARPS": 4, "R": 2, "CHAINS": 1}
@@ -716,7 +778,8 @@ def test_k_split_warps_take_equal_shares() -> None:
     64 steps (8192 in) of 8 warps at 8 a warp is one split; 224 steps (28672 in) at 8 a
     warp would be 3 splits of 8 warps, which do not divide, so 2; a split count given
     outright is taken as it is, or refused when its shares do not divide; 4160 in at groups
-    of 64 (65 steps, no multiple of 8 warps) is refused."""
+    of 64 (65 steps, no multiple of 8 warps) is refused; symmetric tiles are refused (wrong
+    sums on the GPU, cause not found); the two-buffer loop over asymmetric tiles takes it."""
     cpu = torch.device("cpu")
     config = {"KWARPS": True, "WARPS": 8, "R": 1, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
     plan = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, config)
@@ -733,11 +796,14 @@ def test_k_split_warps_take_equal_shares() -> None:
         )
     with pytest.raises(ValueError, match=r"KWARPS takes splits of equal shares: 1 splits of 8"):
         plan_module.plan_launch(64, 4160, 64, torch.bfloat16, cpu, False, config)
-    message = r"KWARPS takes the one-buffer loop \(PIPE 0\), not symmetric tiles"
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"KWARPS takes asymmetric tiles, not symmetric ones"):
         plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, True, config)
-    with pytest.raises(ValueError, match=message):
-        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "PIPE": 2})
+    # Asymmetric tiles take it in the two-buffer loop too, when asked.
+    plan = plan_module.plan_launch(
+        8192, 8192, 128, torch.bfloat16, cpu, False, {**config, "PIPE": 2}
+    )
+    assert (plan.programs, plan.splits, plan.tile) == (512, 1, (1, 128))
+    assert (plan.constexprs["PIPE"], plan.constexprs["KWARPS"]) == (2, True)
 
 
 @needs_cuda
@@ -767,6 +833,56 @@ def test_k_split_warps_equal_the_reference(dtype, early, group_size, m) -> None:
             assert got.shape == (m, 1040)
             err = relative_error(got, ref)
             assert err < TOLERANCE[dtype], (k, config, err)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [128, 64, 32])
+def test_k_split_warps_in_the_two_buffer_loop_give_its_bits(dtype, group_size) -> None:
+    """KWARPS in the two-buffer loop (PIPE 2, asked for over asymmetric tiles) equals the
+    one-buffer loop's KWARPS over the same weight bit for bit (the same arithmetic in the
+    same order), and the reference: one and two row blocks, 4 and 8 warps, 5 steps a warp
+    (5120 in), one split and split K across programs."""
+    k = 5120
+    weight = mma_weight(1040, k, group_size, seed=29, device="cuda")
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
+        ref = w4a16_mma_ref(x, weight)
+        for warps, rows, per_warp, splits in ((4, 2, 5, None), (4, 1, 5, None), (8, 2, 5, 1)):
+            chains = 2 if group_size == 32 or rows == 1 else 1
+            config = {"KWARPS": True, "WARPS": warps, "R": rows, "CHAINS": chains,
+                      "GROUPS_PER_SPLIT": per_warp, "PIPE": 2}  # fmt: skip
+            if splits:
+                config["SPLITS"] = splits
+            got = w4a16_mma_gemv(x, weight, config)
+            err = relative_error(got, ref)
+            assert err < TOLERANCE[dtype], (m, config, err)
+            assert torch.equal(got, w4a16_mma_gemv(x, weight, {**config, "PIPE": 0})), (m, config)
+
+
+@needs_cuda
+def test_the_tuned_configs_of_this_gpu_give_the_reference() -> None:
+    """Each launch the tuning table holds for this GPU is what a call without a config runs
+    at that shape, and it gives the fp32 reference (M = 1 and 3)."""
+    device = torch.device("cuda")
+    configs = plan_module.tuned_table().get(plan_module.device_name(device), {})
+    if not configs:
+        pytest.skip(f"the tuning table has no entry for {plan_module.device_name(device)}")
+    gen = torch.Generator("cuda").manual_seed(31)
+    for key, config in configs.items():
+        shape, group, layout = key.split("/")
+        k, n = (int(v) for v in shape.split("x"))
+        group_size, symmetric = int(group.removeprefix("g")), layout == "sym"
+        dense = torch.randn(n, k, device=device, generator=gen) / k**0.5
+        weight = to_mma(quantize_int4(dense, group_size, symmetric), symmetric=symmetric)
+        plan = plan_module.default_plan(n, k, group_size, torch.bfloat16, device, symmetric)
+        assert plan == plan_module.plan_launch(
+            n, k, group_size, torch.bfloat16, device, symmetric, config
+        ), key
+        for m in (1, 3):
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            err = relative_error(w4a16_mma_gemv(x, weight), w4a16_mma_ref(x, weight))
+            assert err < TOLERANCE[torch.bfloat16], (key, m, err)
 
 
 @needs_cuda

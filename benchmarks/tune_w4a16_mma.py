@@ -1,0 +1,197 @@
+"""Tunes the tensor-core W4A16 GEMV's launch per layer shape on this GPU, at M = 1, and
+writes the winners into the tuning table the serving path reads
+(gpu_node/kernels/w4a16_mma_tuned.json, keyed by the GPU's name).
+
+    TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py [--shapes 8192x8192,...]
+        [--group-size 128] [--layouts asym] [--rounds 4] [--keep 3] [--min-gain 0.03]
+        [--out gpu_node/kernels/w4a16_mma_tuned.json]
+    TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py --check [--shapes ...] [--rounds 5]
+
+For each shape (K in -> N out) it times, by bench_w4a16.py's CUDA-graph harness (weight
+copies spanning 4x the L2), the heuristic's launch and a fixed set of others: one- and
+two-row-block warps on splits of 4 to 32 steps, the two-buffer loop, and KWARPS launches
+(4 or 8 warps, one or two row blocks, 4 to 32 steps a warp, either loop). One pass over all
+of them picks the `--keep` fastest; those and the heuristic are then timed again in
+`--rounds` rounds that alternate them (the machine is shared and noisy). A launch enters the
+table only if its median beats the heuristic's by `--min-gain` and it is faster in every one
+of those rounds; otherwise the shape's entry is removed and the heuristic stands. Entries of
+other GPUs and shapes are kept. With --check it tunes nothing: it times bf16 cuBLAS, the
+heuristic and what the serving path runs (the table's config, where it has one) side by
+side, in alternating rounds. Needs torch, triton, numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_w4a16 import bench_graph, copies_for, parse_shapes
+
+from gpu_node.kernels import w4a16_mma_plan as plan_module
+from gpu_node.kernels.w4a16_mma import w4a16_mma_gemv
+from gpu_node.quant.int4 import mma_step, quantize_int4, to_mma
+
+
+def candidates(
+    n: int, k: int, group: int, symmetric: bool, device: torch.device
+) -> dict[str, dict[str, int]]:
+    """The launches tried at a shape (each one the plan accepts), the heuristic first."""
+    base = plan_module.mma_gemv_config(n, k, group, plan_module.num_sms(device), symmetric)
+    steps = k // mma_step(group)
+    out: dict[str, dict[str, int]] = {"heuristic": base}
+
+    def chains(rows: int) -> int:
+        return 2 if rows == 1 or group == 32 else 1
+
+    for rows, per_split in ((1, 4), (1, 8), (1, 16), (1, 32), (2, 8), (2, 16)):
+        if per_split <= steps:
+            cfg = {"WARPS": 4, "R": rows, "GROUPS_PER_SPLIT": per_split, "CHAINS": chains(rows)}
+            out[f"R{rows} s{per_split}"] = cfg
+    if not symmetric:
+        out["two buffers"] = {**base, "PIPE": 2}
+        for warps in (4, 8):
+            for rows in (1, 2):
+                for per_warp in (4, 8, 16, 32):
+                    for pipe in (0, 2):
+                        cfg = {"KWARPS": 1, "WARPS": warps, "R": rows, "CHAINS": chains(rows),
+                               "GROUPS_PER_SPLIT": per_warp, "PIPE": pipe}  # fmt: skip
+                        out[f"KW{warps} R{rows} w{per_warp} P{pipe}"] = cfg
+    taken = {}
+    for name, cfg in out.items():
+        try:
+            plan_module.plan_launch(n, k, group, torch.bfloat16, device, symmetric, cfg)
+        except ValueError:
+            continue
+        taken[name] = cfg
+    return taken
+
+
+def time_all(calls: dict[str, list], rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fns in calls.items():
+            times[name].append(bench_graph(fns) * 1e3)
+    return times
+
+
+def make_weights(n: int, k: int, group: int, symmetric: bool, device: torch.device) -> list:
+    """Enough weight copies of one shape to span 4x the L2 (each call reads from DRAM)."""
+    weights = []
+    while not weights or len(weights) < copies_for(weights[0].nbytes):
+        q = quantize_int4(torch.randn(n, k, device=device) / k**0.5, group, symmetric)
+        weights.append(to_mma(q, symmetric=symmetric))
+    return weights
+
+
+def check(shapes: list[tuple[int, int]], group: int, rounds: int, device: torch.device) -> None:
+    """bf16 cuBLAS, the heuristic and the serving path's plan, side by side."""
+    for k, n in shapes:
+        weights = make_weights(n, k, group, False, device)
+        dense = [
+            torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+            for _ in range(copies_for(2 * n * k))
+        ]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        calls = {
+            "bf16": [lambda w=w, x=x: F.linear(x, w) for w in dense],
+            "heuristic": [lambda q=q, x=x: w4a16_mma_gemv(x, q, config={}) for q in weights],
+            "served": [lambda q=q, x=x: w4a16_mma_gemv(x, q) for q in weights],
+        }
+        times = time_all(calls, rounds)
+        med = {c: statistics.median(t) for c, t in times.items()}
+        tuned = plan_module.tuned_config(n, k, group, device, False)
+        print(
+            f"{k}x{n} g{group} M=1: bf16 {med['bf16']:.1f} us, heuristic {med['heuristic']:.1f} "
+            f"({med['bf16'] / med['heuristic']:.2f}x), served {med['served']:.1f} "
+            f"({med['bf16'] / med['served']:.2f}x); served over heuristic "
+            f"{med['heuristic'] / med['served']:.3f}; table {tuned}\n"
+            f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }",
+            flush=True,
+        )
+        del weights, dense
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("70b"))
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=128)
+    parser.add_argument("--layouts", default="asym", help="asym, sym or asym,sym")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--min-gain", type=float, default=0.03)
+    parser.add_argument("--out", type=Path, default=plan_module.TUNED_PATH)
+    parser.add_argument("--check", action="store_true", help="time the table against the heuristic")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    if args.check:
+        check(args.shapes, args.group_size, args.rounds, device)
+        return
+    name = plan_module.device_name(device)
+    group = args.group_size
+    table = json.loads(args.out.read_text()) if args.out.is_file() else {"devices": {}}
+    table.setdefault("about", "w4a16_mma launch configs by GPU name and K x N/group/layout, "
+                     "measured at M = 1 by benchmarks/tune_w4a16_mma.py")  # fmt: skip
+    entry = table["devices"].setdefault(name, {"configs": {}})
+    entry.update(tuned=date.today().isoformat(), triton=triton.__version__, torch=torch.__version__)
+    torch.manual_seed(0)
+    print(f"device {name}; group {group}; rounds {args.rounds}; keep {args.keep}", flush=True)
+    for k, n in args.shapes:
+        if k % mma_step(group) or n % 16:
+            print(f"{k}x{n}: not a shape of INT4 tiles in groups of {group}; skipped", flush=True)
+            continue
+        for layout in args.layouts.split(","):
+            symmetric = layout == "sym"
+            weights = make_weights(n, k, group, symmetric, device)
+            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            configs = candidates(n, k, group, symmetric, device)
+            calls = {
+                label: [lambda q=q, c=c, x=x: w4a16_mma_gemv(x, q, config=c) for q in weights]
+                for label, c in configs.items()
+            }
+            first_pass = {label: t[0] for label, t in time_all(calls, 1).items()}
+            ranked = sorted(first_pass, key=first_pass.__getitem__)
+            finalists = ["heuristic", *[c for c in ranked if c != "heuristic"][: args.keep]]
+            times = time_all({c: calls[c] for c in finalists}, args.rounds)
+            med = {c: statistics.median(t) for c, t in times.items()}
+            best = min(finalists, key=med.__getitem__)
+            key = plan_module.tuned_key(n, k, group, symmetric)
+            wins_every_round = all(
+                b < h for b, h in zip(times[best], times["heuristic"], strict=True)
+            )
+            gain = med["heuristic"] / med[best] - 1
+            ref = w4a16_mma_gemv(x, weights[0], config=configs["heuristic"])
+            got = w4a16_mma_gemv(x, weights[0], config=configs[best])
+            close = torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            if best != "heuristic" and gain >= args.min_gain and wins_every_round and close:
+                entry["configs"][key] = {
+                    "config": configs[best],
+                    "us": round(med[best], 2),
+                    "heuristic_us": round(med["heuristic"], 2),
+                }
+                verdict = f"tuned: {best} {configs[best]}"
+            else:
+                entry["configs"].pop(key, None)
+                verdict = "heuristic stands"
+            print(
+                f"{key}: heuristic {med['heuristic']:.1f} us, best {best} {med[best]:.1f} us "
+                f"({gain:+.1%}, every round {wins_every_round}) -> {verdict}\n"
+                f"  first pass: {', '.join(f'{c} {first_pass[c]:.1f}' for c in ranked)}\n"
+                f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }",
+                flush=True,
+            )
+            args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            del weights
+
+
+if __name__ == "__main__":
+    main()
