@@ -184,10 +184,13 @@ def plan_launch(
     num_groups = k // mma_step(group_size)  # steps
     kwarps = bool(cfg.get("KWARPS", False))
     if kwarps and symmetric:
-        # With symmetric tiles at groups of 128 and 64 (tile strides 264 and 136 int32) it
-        # gives wrong sums on the H200 (relative error 11-130), where groups of 32 (144) and
-        # asymmetric tiles in the same two-buffer loop give the one-buffer loop's bits; the
-        # loads' 16-byte layout was ruled out (seventeenth session), the cause is not found.
+        # With symmetric tiles at groups of 128 and 64 (tile strides 264 and 136 int32, no
+        # multiple of 16) and two row blocks it gives wrong sums on the H200 (relative error
+        # 11-130; one warp and one split too). The H200's own TTGIR shows why: Triton lays the
+        # dequantize-and-mma asm's operands out one element a thread, where the asm needs
+        # each lane's four consecutive words (pack = 4), because it cannot prove those loads
+        # 16-byte aligned there. Groups of 32 (stride 144) and asymmetric tiles get the
+        # four-a-lane layout and the one-buffer loop's bits (GPU tests).
         raise ValueError("KWARPS takes asymmetric tiles, not symmetric ones")
     if config and "SPLITS" in config:  # benchmarks: a split count given outright
         splits = int(config["SPLITS"])
