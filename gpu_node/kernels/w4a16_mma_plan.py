@@ -7,7 +7,9 @@ The serving path takes a measured config over the heuristic where the tuning tab
 (w4a16_mma_tuned.json, written by benchmarks/tune_w4a16_mma.py on the device it names)
 has one for the GPU's name and the layer's shape: per-device tables of this kind, checked
 in, are what a launch rule could not be at three shapes of the H200 sweeps (KWARPS wins
-there and loses at shapes whose launches look alike).
+there and loses at shapes whose launches look alike). The table is measured at M = 1 with
+bf16 activations and serves every M up to 8 and fp16 as well: its launches are correct for
+all of them (GPU tests), only their speed was measured at the one.
 """
 
 from __future__ import annotations
