@@ -23,6 +23,7 @@ side, in alternating rounds. Needs torch, triton, numpy.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -49,10 +50,7 @@ def candidates(
     base = plan_module.mma_gemv_config(n, k, group, plan_module.num_sms(device), symmetric)
     steps = k // mma_step(group)
     out: dict[str, dict[str, int]] = {"heuristic": base}
-
-    def chains(rows: int) -> int:
-        return 2 if rows == 1 or group == 32 else 1
-
+    chains = functools.partial(plan_module.default_chains, group_size=group)
     for rows, per_split in ((1, 4), (1, 8), (1, 16), (1, 32), (2, 8), (2, 16)):
         if per_split <= steps:
             cfg = {"WARPS": 4, "R": rows, "GROUPS_PER_SPLIT": per_split, "CHAINS": chains(rows)}

@@ -62,6 +62,13 @@ def resident_programs(rows_per_warp: int, warps: int = 4) -> int:
     return min(65536 // (registers * 32 * warps), 64 // warps)
 
 
+def default_chains(rows_per_warp: int, group_size: int) -> int:
+    """Accumulators per mma chain a launch takes: two for one-row-block warps; one for
+    two-row-block warps, whose registers would cut a wave; two at groups of 32 always (one
+    accumulator a group)."""
+    return 2 if rows_per_warp == 1 or group_size == 32 else 1
+
+
 @functools.cache
 def _cached_config(
     n: int, k: int, group_size: int, num_sms: int, symmetric: bool
@@ -75,7 +82,7 @@ def _cached_config(
     if symmetric:  # the two-buffer loop (mma_gemv_config says why)
         per_split = min(num_groups, 8 if num_groups <= 64 else 16)
         if warps(2, per_split) >= LEAST_WARPS * num_sms:
-            chains = 2 if group_size == 32 else 1
+            chains = default_chains(2, group_size)
             return (("WARPS", 4), ("R", 2), ("GROUPS_PER_SPLIT", per_split), ("CHAINS", chains))
 
     def short_second_wave(rows_per_warp: int, per_split: int) -> bool:
@@ -102,14 +109,11 @@ def _cached_config(
         if fits:
             rows_per_warp, per_split = fits[0]
             break
-    # Two-row-block warps: registers would cut a wave (groups of 32 always take two
-    # chains: one accumulator a group).
-    chains = 2 if rows_per_warp == 1 or group_size == 32 else 1
     return (
         ("WARPS", 4),
         ("R", rows_per_warp),
         ("GROUPS_PER_SPLIT", per_split),
-        ("CHAINS", chains),
+        ("CHAINS", default_chains(rows_per_warp, group_size)),
     )
 
 
@@ -244,14 +248,22 @@ def tuned_key(n: int, k: int, group_size: int, symmetric: bool) -> str:
     return f"{k}x{n}/g{group_size}/{'sym' if symmetric else 'asym'}"
 
 
+def parse_tuned_key(key: str) -> tuple[int, int, int, bool]:
+    """tuned_key's inverse: (n, k, group_size, symmetric)."""
+    shape, group, layout = key.split("/")
+    k, n = (int(v) for v in shape.split("x"))
+    if not group.startswith("g") or layout not in ("asym", "sym"):
+        raise ValueError(f"not a tuning table key: {key!r}")
+    return n, k, int(group.removeprefix("g")), layout == "sym"
+
+
 @functools.cache
-def tuned_table(path: Path | None = None) -> Mapping[str, Mapping[str, Mapping[str, int]]]:
-    """GPU name -> tuned_key -> config, from the tuning table (TUNED_PATH unless given;
-    empty if there is none)."""
-    path = path or TUNED_PATH
-    if not path.is_file():
+def tuned_table() -> Mapping[str, Mapping[str, Mapping[str, int]]]:
+    """GPU name -> tuned_key -> config, from the tuning table at TUNED_PATH (empty if there
+    is none)."""
+    if not TUNED_PATH.is_file():
         return {}
-    devices = json.loads(path.read_text())["devices"]
+    devices = json.loads(TUNED_PATH.read_text())["devices"]
     return {
         name: {key: dict(entry["config"]) for key, entry in device["configs"].items()}
         for name, device in devices.items()

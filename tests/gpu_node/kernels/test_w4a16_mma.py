@@ -552,23 +552,19 @@ def test_the_checked_in_tuning_table_plans_every_entry() -> None:
     """Every config of gpu_node/kernels/w4a16_mma_tuned.json is a launch the plan takes at
     its own shape (a bad entry would fail at serve time), and it sets every key of the
     heuristic's config, so the GPU's multiprocessor count does not change it."""
-    table = plan_module.tuned_table(plan_module.TUNED_PATH)
+    table = plan_module.tuned_table()
     assert table.get("NVIDIA H200")
     cpu = torch.device("cpu")
     for configs in table.values():
         for key, config in configs.items():
-            shape, group, layout = key.split("/")
-            k, n = (int(v) for v in shape.split("x"))
-            group_size = int(group.removeprefix("g"))
-            assert group == f"g{group_size}" and layout in ("asym", "sym"), key
+            n, k, group_size, symmetric = plan_module.parse_tuned_key(key)
+            assert plan_module.tuned_key(n, k, group_size, symmetric) == key
             assert set(mma_gemv_config(n, k, group_size, 132)) <= set(config), key
-            plan = plan_module.plan_launch(
-                n, k, group_size, torch.bfloat16, cpu, layout == "sym", config
-            )
+            plan = plan_module.plan_launch(n, k, group_size, torch.bfloat16, cpu, symmetric, config)
             for name in ("WARPS", "R", "CHAINS"):
                 assert plan.constexprs[name] == config[name], key
             assert plan.constexprs["KWARPS"] == bool(config.get("KWARPS")), key
-            assert plan.constexprs["PIPE"] == config.get("PIPE", 2 if layout == "sym" else 0), key
+            assert plan.constexprs["PIPE"] == config.get("PIPE", 2 if symmetric else 0), key
 
 
 def test_config_fills_the_gpu() -> None:
@@ -779,7 +775,8 @@ def test_k_split_warps_take_equal_shares() -> None:
     warp would be 3 splits of 8 warps, which do not divide, so 2; a split count given
     outright is taken as it is, or refused when its shares do not divide; 4160 in at groups
     of 64 (65 steps, no multiple of 8 warps) is refused; symmetric tiles are refused (wrong
-    sums on the GPU, cause not found); the two-buffer loop over asymmetric tiles takes it."""
+    sums on the GPU: plan_launch's comment says why); the two-buffer loop over asymmetric
+    tiles takes it."""
     cpu = torch.device("cpu")
     config = {"KWARPS": True, "WARPS": 8, "R": 1, "CHAINS": 2, "GROUPS_PER_SPLIT": 8}
     plan = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, config)
@@ -870,9 +867,7 @@ def test_the_tuned_configs_of_this_gpu_give_the_reference() -> None:
         pytest.skip(f"the tuning table has no entry for {plan_module.device_name(device)}")
     gen = torch.Generator("cuda").manual_seed(31)
     for key, config in configs.items():
-        shape, group, layout = key.split("/")
-        k, n = (int(v) for v in shape.split("x"))
-        group_size, symmetric = int(group.removeprefix("g")), layout == "sym"
+        n, k, group_size, symmetric = plan_module.parse_tuned_key(key)
         dense = torch.randn(n, k, device=device, generator=gen) / k**0.5
         weight = to_mma(quantize_int4(dense, group_size, symmetric), symmetric=symmetric)
         plan = plan_module.default_plan(n, k, group_size, torch.bfloat16, device, symmetric)
