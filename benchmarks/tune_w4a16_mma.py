@@ -36,7 +36,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_w4a16 import bench_graph, copies_for, parse_shapes
+from bench_w4a16 import bench_graph, copies_for, copy_bandwidth, parse_shapes, read_floor_us
 
 from gpu_node.kernels import w4a16_mma_plan as plan_module
 from gpu_node.kernels.w4a16_mma import w4a16_mma_gemv
@@ -91,32 +91,61 @@ def make_weights(n: int, k: int, group: int, symmetric: bool, device: torch.devi
     return weights
 
 
-def check(shapes: list[tuple[int, int]], group: int, rounds: int, device: torch.device) -> None:
-    """bf16 cuBLAS, the heuristic and the serving path's plan, side by side."""
+def check(
+    shapes: list[tuple[int, int]], group: int, layouts: list[str], rounds: int, device: torch.device
+) -> None:
+    """bf16 cuBLAS, the heuristic and the serving path's plan, side by side, per layout.
+
+    Beside them, what bounds the ratio at the shape: cuBLAS bf16 over a dense [N, K'] with
+    as many bytes as the INT4 tiles (the time a GEMV reading INT4's bytes as well as cuBLAS
+    reads its own would take; its ratio over bf16 is "ceiling"), the fastest plain read of
+    those bytes ("read floor") and the served kernel's share of the copy bandwidth.
+    """
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for k, n in shapes:
-        weights = make_weights(n, k, group, False, device)
         dense = [
             torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
             for _ in range(copies_for(2 * n * k))
         ]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        calls = {
-            "bf16": [lambda w=w, x=x: F.linear(x, w) for w in dense],
-            "heuristic": [lambda q=q, x=x: w4a16_mma_gemv(x, q, config={}) for q in weights],
-            "served": [lambda q=q, x=x: w4a16_mma_gemv(x, q) for q in weights],
-        }
+        calls = {"bf16": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
+        weights = {layout: make_weights(n, k, group, layout == "sym", device) for layout in layouts}
+        for layout, qs in weights.items():
+            calls[f"{layout} heuristic"] = [
+                lambda q=q, x=x: w4a16_mma_gemv(x, q, config={}) for q in qs
+            ]
+            calls[f"{layout} served"] = [lambda q=q, x=x: w4a16_mma_gemv(x, q) for q in qs]
+        nbytes = weights[layouts[0]][0].nbytes
+        k_eq = max(64, round(nbytes / (2 * n) / 64) * 64)
+        same_bytes = [
+            torch.randn(n, k_eq, device=device, dtype=torch.bfloat16)
+            for _ in range(copies_for(2 * n * k_eq))
+        ]
+        x_eq = torch.randn(1, k_eq, device=device, dtype=torch.bfloat16)
+        calls["bf16, INT4 bytes"] = [lambda w=w, x=x_eq: F.linear(x, w) for w in same_bytes]
         times = time_all(calls, rounds)
         med = {c: statistics.median(t) for c, t in times.items()}
-        tuned = plan_module.tuned_config(n, k, group, device, False)
+        floor = read_floor_us(nbytes)
+        bf16, same = med["bf16"], med["bf16, INT4 bytes"]
         print(
-            f"{k}x{n} g{group} M=1: bf16 {med['bf16']:.1f} us, heuristic {med['heuristic']:.1f} "
-            f"({med['bf16'] / med['heuristic']:.2f}x), served {med['served']:.1f} "
-            f"({med['bf16'] / med['served']:.2f}x); served over heuristic "
-            f"{med['heuristic'] / med['served']:.3f}; table {tuned}\n"
-            f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }",
+            f"{k}x{n} g{group} M=1: bf16 {bf16:.1f} us; bf16 over {layouts[0]} INT4's bytes "
+            f"(K {k_eq}) {same:.1f} us, ceiling {bf16 / same:.2f}x; read floor {floor:.1f} us",
             flush=True,
         )
-        del weights, dense
+        for layout, qs in weights.items():
+            served = med[f"{layout} served"]
+            heuristic = med[f"{layout} heuristic"]
+            tuned = plan_module.tuned_config(n, k, group, device, layout == "sym")
+            print(
+                f"  {layout}: heuristic {heuristic:.1f} ({bf16 / heuristic:.2f}x), served "
+                f"{served:.1f} us ({bf16 / served:.2f}x, {qs[0].nbytes / (served * 1e-6) / bandwidth:.0%}"
+                f" of copy bandwidth); served over heuristic {heuristic / served:.3f}; "
+                f"table {tuned}",
+                flush=True,
+            )
+        print(f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }", flush=True)
+        del weights, dense, same_bytes
 
 
 def main() -> None:
@@ -132,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.check:
-        check(args.shapes, args.group_size, args.rounds, device)
+        check(args.shapes, args.group_size, args.layouts.split(","), args.rounds, device)
         return
     name = plan_module.device_name(device)
     group = args.group_size

@@ -38,7 +38,9 @@ from gpu_node.quant.int4 import (
     from_kn,
     from_mma,
     int4_from_gguf_q4_1,
+    is_symmetric,
     mma_fits,
+    mma_step,
     quantize_int4,
     to_kn,
     to_mma,
@@ -134,10 +136,13 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
         # wrapper's checks cost more host time than the GPU's whole GEMV at decode sizes.
         wrapped = self._mma_view
         if wrapped is None or wrapped.tiles is not self.packed:
+            step = mma_step(self.group_size)
+            asymmetric_width = 2 * step + 16 * (step // self.group_size)
             wrapped = Int4WeightMMA(
                 tiles=self.packed,
                 shape=(self.out_features, self.in_features),
                 group_size=self.group_size,
+                symmetric=self.packed.shape[-1] != asymmetric_width,  # its tiles say which
             )
             self._mma_view = wrapped
         return wrapped
@@ -162,9 +167,15 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
             self._cpu_pack = None
 
     def use_mma_layout(self) -> None:
-        """Re-lay the buffers out as Int4WeightMMA, in place (the tensor-core GEMV's layout)."""
+        """Re-lay the buffers out as Int4WeightMMA, in place (the tensor-core GEMV's layout).
+
+        A symmetric weight (every min -8 * its scale: `quantize_int4(..., symmetric=True)`)
+        gets symmetric tiles, the scales alone: 2 bytes a group and row fewer, and the
+        kernel's symmetric launches (w4a16_mma_plan), faster at several shapes
+        (docs/bench/w4a16_gemv.md)."""
         if self.layout != "mma":  # to_mma refuses group sizes the kernels cannot take
-            mma = to_mma(self.weight_int4)
+            weight = self.weight_int4
+            mma = to_mma(weight, symmetric=is_symmetric(weight))
             self.packed = mma.tiles
             self.scales = self.mins = self.scales.new_empty(0)  # inside the tiles
             self._cpu_pack = None

@@ -483,6 +483,23 @@ def test_int4_linear_relays_out_to_mma_without_loss() -> None:
         Int4Linear(quantize_int4(torch.randn(16, 96), 32)).use_mma_layout()
 
 
+def test_int4_linear_gives_a_symmetric_weight_symmetric_tiles() -> None:
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(48, 256, generator=gen)
+    x = torch.randn(2, 256, generator=gen)
+    symmetric = Int4Linear(quantize_int4(dense, 128, symmetric=True))
+    before, codes = symmetric(x), dequantize_int4(symmetric.weight_int4)
+    symmetric.use_mma_layout()
+    # 3 row blocks, 2 steps; 256 int32 of words + 8 of scales (asymmetric: + 16)
+    assert symmetric.packed.shape == (3, 2, 264) and symmetric.weight_mma.symmetric
+    assert torch.equal(dequantize_int4(symmetric.weight_int4), codes)
+    assert model_bytes(symmetric).total == 3 * 2 * 264 * 4
+    assert torch.equal(symmetric(x), before)
+    asymmetric = Int4Linear(quantize_int4(dense, 128))
+    asymmetric.use_mma_layout()
+    assert asymmetric.packed.shape == (3, 2, 272) and not asymmetric.weight_mma.symmetric
+
+
 def test_int4_linear_keeps_one_mma_wrapper_while_its_tiles_stay() -> None:
     linear = Int4Linear(quantize_int4(torch.randn(48, 128), 64))
     linear.use_mma_layout()
@@ -935,6 +952,10 @@ def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
     y = group_32(x[:, :128].to(torch.bfloat16))  # group 32, K a multiple of 64: tensor cores
     assert group_32.layout == "mma"
     assert relative_error(y, group_32.forward_ref(x[:, :128])) < TOLERANCE[torch.bfloat16]
+    symmetric = Int4Linear(quantize_int4(torch.randn(200, 512, generator=gen), 128, True)).cuda()
+    y = symmetric(x.to(torch.bfloat16))  # symmetric tiles, the symmetric launch
+    assert symmetric.weight_mma.symmetric
+    assert relative_error(y, symmetric.forward_ref(x)) < TOLERANCE[torch.bfloat16]
     odd_k = Int4Linear(quantize_int4(torch.randn(64, 96, generator=gen), 32)).cuda()
     odd_k(x[:, :96].to(torch.bfloat16))  # K = 96: no tensor-core layout
     assert odd_k.layout == "kn"
