@@ -1,6 +1,6 @@
 """Where a decode step replayed from a CUDA graph spends its GPU time, kernel by kernel.
 
-    python benchmarks/profile_decode_graph.py [--model smollm2|llama-1b] [--weights bf16|int4]
+    python benchmarks/profile_decode_graph.py [--model smollm2|llama-1b|llama-8b] [--weights bf16|int4]
                                               [--batch 1] [--replays 20] [--tiny]
 
 Builds bench_engine_gpu.py's seeded model, decodes `batch` sequences of 512 tokens
@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine_gpu import LLAMA_1B, SMOLLM2, TINY, make_engine, sync
+from bench_engine_gpu import LLAMA_1B, LLAMA_8B, SMOLLM2, TINY, make_engine, seeded_on_device, sync
 
 from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import quantize_model
@@ -34,17 +34,23 @@ from scheduler.sequence import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("smollm2", "llama-1b"), default="smollm2")
+    parser.add_argument("--model", choices=("smollm2", "llama-1b", "llama-8b"), default="smollm2")
     parser.add_argument("--weights", choices=("bf16", "int4"), default="bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
-    shape = TINY if args.tiny else {"smollm2": SMOLLM2, "llama-1b": LLAMA_1B}[args.model]
-    model = seeded_llama(shape, seed=0, device=device).to(
-        torch.float32 if args.tiny else torch.bfloat16
+    shape = (
+        TINY
+        if args.tiny
+        else {"smollm2": SMOLLM2, "llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}[args.model]
     )
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if shape is LLAMA_8B:  # built on the GPU: its fp32 init on the host takes minutes
+        model = seeded_on_device(shape, 0, device, dtype)
+    else:
+        model = seeded_llama(shape, seed=0, device=device).to(dtype)
     if args.weights == "int4":
         group = 32 if args.tiny or args.model == "smollm2" else 128  # 576 is no multiple of 128
         quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens"))
