@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from gpu_node.kernels.launch import releases_next
 from gpu_node.kernels.w4a16 import is_interpreted
 
 
@@ -28,8 +30,10 @@ def use_kernels(x: torch.Tensor) -> bool:
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, D, stride_x, stride_r, stride_out, stride_sum, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RELEASE_NEXT: tl.constexpr,
 ):  # fmt: skip
+    if RELEASE_NEXT:  # the next kernel may launch now (launch.py: SMALL_KERNELS_RELEASE_NEXT)
+        gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -61,7 +65,7 @@ def _launch_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, out, summed, x.shape[1], x.stride(0), residual.stride(0),
             out.stride(0), summed.stride(0), eps, BLOCK=block, HAS_RESIDUAL=residual is not x,
-            num_warps=4 if block >= 1024 else 1,
+            RELEASE_NEXT=releases_next(x.device), num_warps=4 if block >= 1024 else 1,
         )  # fmt: skip
 
 
@@ -177,7 +181,11 @@ def rope_qk(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, F, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, F, stride_g, stride_u, BLOCK: tl.constexpr, RELEASE_NEXT: tl.constexpr
+):  # fmt: skip
+    if RELEASE_NEXT:  # the next kernel may launch now (launch.py: SMALL_KERNELS_RELEASE_NEXT)
+        gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -201,6 +209,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if t:
         block = min(1024, triton.next_power_of_2(f))
         _silu_mul_kernel[(t, triton.cdiv(f, block))](
-            gate, up, out, f, gate.stride(0), up.stride(0), BLOCK=block, num_warps=4
-        )
+            gate, up, out, f, gate.stride(0), up.stride(0), BLOCK=block,
+            RELEASE_NEXT=releases_next(gate.device), num_warps=4,
+        )  # fmt: skip
     return out

@@ -25,3 +25,18 @@ def launches_early(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# Whether the small kernels between a decode step's products (RMSNorm, silu-and-multiply,
+# the attention merge) let the next kernel launch from their start. The next one, where it
+# is launched early (the W4A16 GEMV, the MoE kernel), puts its first weight loads in flight
+# and waits (griddepcontrol.wait: the whole previous grid done, its writes visible) before
+# it reads what the small kernel wrote; a kernel launched normally waits as it always did.
+# So this moves when weights start streaming, never what anyone reads. Benchmarks turn it
+# off to measure it (bench_engine_gpu.py, section 6).
+SMALL_KERNELS_RELEASE_NEXT = True
+
+
+def releases_next(device: torch.device) -> bool:
+    """Whether a small kernel on `device` lets the next kernel launch from its start."""
+    return SMALL_KERNELS_RELEASE_NEXT and launches_early(device)

@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write import round_to_e4m3_tl, scale_offset_tl
-from gpu_node.kernels.launch import launches_early
+from gpu_node.kernels.launch import launches_early, releases_next
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
 from gpu_node.kv_quant import FP8_DTYPE, pool_strides
 
@@ -474,7 +474,10 @@ def _paged_decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WAIT_PRIOR: tl.constexpr,  # launched early (PDL): wait for the split kernel's writes
+    RELEASE_NEXT: tl.constexpr,  # the next kernel may launch now (launch.py)
 ):
+    if RELEASE_NEXT:
+        gdc_launch_dependents()
     if WAIT_PRIOR:
         gdc_wait()
     seq = tl.program_id(0)
@@ -739,6 +742,7 @@ def merge_splits(
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
         WAIT_PRIOR=early,
+        RELEASE_NEXT=releases_next(out.device),
         num_warps=1 if num_splits * head_dim <= 4096 else 4,
         **({"launch_pdl": True} if early else {}),
     )

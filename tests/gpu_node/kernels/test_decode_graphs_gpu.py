@@ -122,6 +122,33 @@ def test_a_replay_equals_the_same_padded_step_launched_eagerly(kv_dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("weights", ["int4 g128", "bf16"])
+def test_small_kernels_releasing_the_next_change_no_bit(weights):
+    """RMSNorm, silu-and-multiply and the attention merge let the next kernel launch from
+    their start (the INT4 GEMV then waits before it reads their output): the replayed
+    steps' logits are the same bits as with every launch in order."""
+    from gpu_node.kernels import launch
+
+    model = _model(weights)
+    logits = []
+    try:
+        for release in (False, True):
+            launch.SMALL_KERNELS_RELEASE_NEXT = release
+            engine = _engine(model, "bf16", 8)
+            for rid, ids in list(PROMPTS.items())[:3]:
+                engine.add_request(rid, ids, SamplingParams(max_tokens=12, ignore_eos=True))
+            engine.step()  # the prompts
+            steps = _record_logits(engine.runner)
+            for _ in range(8):
+                engine.step()
+            assert engine.runner.graphs.captured == [(4, 256)]
+            logits.append(torch.cat(steps))
+    finally:
+        launch.SMALL_KERNELS_RELEASE_NEXT = True
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_cuda
 def test_the_captured_kernels_refuse_a_foreign_page():
     """The host check is bypassed, so only the kernels inside the graph can see that r1's
     table points at r0's page; r1 is aborted, the others finish with the eager tokens."""
