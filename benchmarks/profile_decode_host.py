@@ -1,10 +1,13 @@
 """Where a single-stream decode step spends its host time (cProfile), seeded weights.
 
     python benchmarks/profile_decode_host.py [--weights bf16|int4] [--steps 40] [--tiny]
+        [--model llama-1b|llama-8b|smollm2] [--graphs]
 
-Builds bench_engine_gpu.py's 16-layer 2048-wide llama (or the tiny shape on CPU), runs
-one sequence to its decode phase, then profiles `steps` engine steps. It prints the
-median step time and the functions with the most time of their own and in total.
+Builds bench_engine_gpu.py's 16-layer 2048-wide llama (or `--model`'s shape; the tiny
+shape on CPU), runs one sequence to its decode phase, then profiles `steps` engine steps
+(`--graphs`: replayed from CUDA graphs, as a GPU node runs them). It prints the median
+step time without and with the profiler, and the functions with the most time of their
+own and in total.
 Imports only torch, triton, numpy and our code.
 """
 
@@ -22,8 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine_gpu import LLAMA_1B, TINY, make_engine, sync
+from bench_engine_gpu import (
+    LLAMA_1B,
+    LLAMA_8B,
+    SMOLLM2,
+    TINY,
+    make_engine,
+    seeded_on_device,
+    sync,
+)
 
+from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import quantize_model
 from gpu_node.weights import seeded_llama
 from scheduler.sequence import SamplingParams
@@ -34,17 +46,39 @@ def main() -> None:
     parser.add_argument("--weights", choices=("bf16", "int4"), default="bf16")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--model", choices=("llama-1b", "llama-8b", "smollm2"), default="llama-1b")
+    parser.add_argument("--graphs", action="store_true", help="decode steps from CUDA graphs")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
-    model = seeded_llama(TINY if args.tiny else LLAMA_1B, seed=0, device=device)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    shape = (
+        TINY
+        if args.tiny
+        else {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B, "smollm2": SMOLLM2}[args.model]
+    )
+    if shape is LLAMA_8B:
+        model = seeded_on_device(shape, 0, device, dtype)
+    else:
+        model = seeded_llama(shape, seed=0, device=device).to(dtype)
     if args.weights == "int4":
-        model = quantize_model(model, group_size=128)
-    model = model.to(torch.float32 if args.tiny else torch.bfloat16)
+        group = 32 if shape is SMOLLM2 else 128  # 576 is no multiple of 128
+        model = quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens"))
+    if args.graphs:
+        fuse_projections(model)  # as a GPU node serves it
     kv = "fp32" if args.tiny else "fp8"
-    engine = make_engine(model, device, kv_dtype=kv, num_pages=64)
-    engine.add_request("s", list(range(1, 65)), SamplingParams(max_tokens=4 * args.steps + 8))
-    for _ in range(4):  # prefill, then a few decode steps: compiled, warm
+    engine = make_engine(
+        model, device, kv_dtype=kv, num_pages=64, cuda_graph_batch=8 if args.graphs else 0
+    )
+    engine.add_request("s", list(range(1, 65)), SamplingParams(max_tokens=8 * args.steps + 8))
+    for _ in range(4):  # prefill, then a few decode steps: compiled, captured, warm
         engine.step()
+    plain = []
+    for _ in range(args.steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        plain.append(time.perf_counter() - start)
     times = []
     profile = cProfile.Profile()
     for _ in range(args.steps):
@@ -56,7 +90,9 @@ def main() -> None:
         profile.disable()
         times.append(time.perf_counter() - start)
     print(
-        f"{args.weights} weights, {kv} KV on {device}: median step {statistics.median(times) * 1e3:.2f} ms"
+        f"{args.model} {args.weights} weights, {kv} KV on {device}, graphs {args.graphs}: median "
+        f"step {statistics.median(plain) * 1e3:.3f} ms, under the profiler "
+        f"{statistics.median(times) * 1e3:.3f} ms"
     )
     stats = pstats.Stats(profile)
     stats.sort_stats("tottime").print_stats(25)
