@@ -18,7 +18,9 @@ from scheduler.scheduler import ScheduledChunk
 
 @dataclass(frozen=True)
 class StepResult:
-    logits: torch.Tensor  # [N, V], one row per chunk that completes its sequence
+    # [N, V], one row per chunk that completes its sequence; after a graph step a view of
+    # the graph's output, which the next replay overwrites: read it within the step
+    logits: torch.Tensor
     violations: list[bool]  # per chunk: the kernels saw a page the sequence does not own
 
 
@@ -187,5 +189,9 @@ class ModelRunner:
             ids, positions, slots, t.tables, t.context_lens, t.seq_tags, bucket, graphs.width
         )
         logits, violations = graphs.run(inputs, len(chunks))
-        rows = torch.tensor(completing, dtype=torch.long, device=logits.device)
-        return StepResult(logits.index_select(0, rows), (violations[: len(chunks)] > 0).tolist())
+        if completing == list(range(len(chunks))):  # every decode chunk completes: no gather
+            selected = logits[: len(chunks)]  # the graph's own output: read before the next step
+        else:
+            rows = torch.tensor(completing, dtype=torch.long, device=logits.device)
+            selected = logits.index_select(0, rows)
+        return StepResult(selected, (violations[: len(chunks)] > 0).tolist())
