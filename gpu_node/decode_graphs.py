@@ -151,22 +151,12 @@ class DecodeGraphs:
         self.capture = capture
         self.width = math.ceil(max_model_len / kv_cache.page_size)
         device = kv_cache.device
-        # The static inputs: ids, positions, slots and tags are the rows of one int64 buffer,
-        # so a step stages them with one copy; each device buffer has a pinned host twin the
-        # step's values are written into, then copied without waiting (three copies a step,
-        # queued, instead of six that each waited: the GPU idles while the host stages).
-        self._long = torch.zeros(4, max_batch, dtype=torch.long, device=device)
-        self._long[2].fill_(-1)
-        self._long[3].fill_(PAD_TAG)
-        self._ids, self._positions, self._slots, self._seq_tags = self._long.unbind(0)
+        self._ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._slots = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         self._tables = torch.zeros(max_batch, self.width, dtype=torch.int32, device=device)
         self._context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        pinned = device.type == "cuda"
-        self._long_host = torch.empty(4, max_batch, dtype=torch.long, pin_memory=pinned)
-        self._tables_host = torch.empty(max_batch, self.width, dtype=torch.int32, pin_memory=pinned)
-        self._context_host = torch.empty(max_batch, dtype=torch.int32, pin_memory=pinned)
-        # Marks when the last staged copies have run: the host twins are rewritten only after.
-        self._staged = torch.cuda.Event() if pinned else None
+        self._seq_tags = torch.full((max_batch,), PAD_TAG, dtype=torch.long, device=device)
         self._rows = torch.arange(max_batch, dtype=torch.long, device=device)
         # (batch bucket, context bucket) -> (graph, logits [b, V], violations [b])
         self._graphs: dict[
@@ -226,18 +216,13 @@ class DecodeGraphs:
 
     def _stage(self, inputs: DecodeInputs) -> None:
         b, w = inputs.tables.shape
-        if self._staged is not None:
-            self._staged.synchronize()  # done long since: a step reads its outputs back
-        rows = self._long_host.numpy()
-        rows[0, :b], rows[1, :b], rows[2, :b] = inputs.ids, inputs.positions, inputs.slots
-        rows[3, :b] = inputs.seq_tags
-        self._context_host.numpy()[:b] = inputs.context_lens
-        self._tables_host.numpy()[:b, :w] = inputs.tables
-        self._long[:, :b].copy_(self._long_host[:, :b], non_blocking=True)
-        self._context_lens[:b].copy_(self._context_host[:b], non_blocking=True)
-        self._tables[:b, :w].copy_(self._tables_host[:b, :w], non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
+        for static, values in (
+            (self._ids, inputs.ids), (self._positions, inputs.positions),
+            (self._slots, inputs.slots), (self._context_lens, inputs.context_lens),
+            (self._seq_tags, inputs.seq_tags),
+        ):  # fmt: skip
+            static[:b].copy_(torch.from_numpy(values))
+        self._tables[:b, :w].copy_(torch.from_numpy(inputs.tables))
 
     def _forward(
         self, b: int, context_lens: list[int], bound: int

@@ -18,9 +18,7 @@ from scheduler.scheduler import ScheduledChunk
 
 @dataclass(frozen=True)
 class StepResult:
-    # [N, V], one row per chunk that completes its sequence; after a graph step a view of
-    # the graph's output, which the next replay overwrites: read it within the step
-    logits: torch.Tensor
+    logits: torch.Tensor  # [N, V], one row per chunk that completes its sequence
     violations: list[bool]  # per chunk: the kernels saw a page the sequence does not own
 
 
@@ -189,9 +187,5 @@ class ModelRunner:
             ids, positions, slots, t.tables, t.context_lens, t.seq_tags, bucket, graphs.width
         )
         logits, violations = graphs.run(inputs, len(chunks))
-        if completing == list(range(len(chunks))):  # every decode chunk completes: no gather
-            selected = logits[: len(chunks)]  # the graph's own output: read before the next step
-        else:
-            rows = torch.tensor(completing, dtype=torch.long, device=logits.device)
-            selected = logits.index_select(0, rows)
-        return StepResult(selected, (violations[: len(chunks)] > 0).tolist())
+        rows = torch.tensor(completing, dtype=torch.long, device=logits.device)
+        return StepResult(logits.index_select(0, rows), (violations[: len(chunks)] > 0).tolist())
