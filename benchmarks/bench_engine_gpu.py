@@ -38,7 +38,7 @@ from gpu_node.kernels import launch, w4a16_mma_plan
 from gpu_node.kv_cache import bytes_per_page
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.models.config import ModelConfig
-from gpu_node.models.llama import LlamaModel, fuse_projections
+from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import model_bytes, quantize_model
 from gpu_node.weights import moe_model, seeded_llama
 from scheduler.sequence import SamplingParams
@@ -380,19 +380,13 @@ def tuned_vs_heuristic(tiny, device, dtype, kv16, steps, names):
                 torch.cuda.empty_cache()
 
 
-def seeded_on_device(config, seed, device, dtype):
-    """seeded_llama's kind of model, built and filled on `device` (an 8B model's fp32 init on
-    the host would take minutes): norms 1, every other weight N(0, 1) / sqrt(fan-in)."""
-    with torch.device(device):
-        model = LlamaModel(config)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(generator=generator).mul_(param.shape[-1] ** -0.5)
-    return model.to(dtype).eval()
+MODEL_SHAPES = {"smollm2": SMOLLM2, "llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
+
+
+def seeded_model(shape, device, dtype):
+    """seeded_llama at `shape` in `dtype`; the 8B shape is drawn on the device (its fp32
+    build on the host would take minutes)."""
+    return seeded_llama(shape, seed=0, device=device, draw_on_device=shape is LLAMA_8B).to(dtype)
 
 
 def dense_8b(tiny, device, dtype, kv16, steps):
@@ -402,7 +396,7 @@ def dense_8b(tiny, device, dtype, kv16, steps):
     group = 32 if tiny else 128
     models = {}
     for weights in ("bf16", f"int4 g{group}", f"int4 g{group} sym"):
-        model = seeded_on_device(shape, 0, device, dtype)
+        model = seeded_model(shape, device, dtype)
         if weights != "bf16":
             quantize_model(model, group_size=group, symmetric=weights.endswith("sym"),
                            skip=("lm_head", "embed_tokens"))  # fmt: skip
@@ -411,7 +405,7 @@ def dense_8b(tiny, device, dtype, kv16, steps):
         size = model_bytes(model)
         embed = model.embed_tokens.weight
         step_bytes = size.total - embed.numel() * embed.element_size()
-        if model.lm_head is not None and model.lm_head.weight is embed:
+        if model.lm_head.weight is embed:
             step_bytes += embed.numel() * embed.element_size()  # tied: the head reads it all
         print(f"  {weights:14s}: {size.total / 1e9:6.2f} GB of weights, {step_bytes / 1e9:6.2f} GB read a step",
               flush=True)  # fmt: skip

@@ -24,33 +24,24 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine_gpu import LLAMA_1B, LLAMA_8B, SMOLLM2, TINY, make_engine, seeded_on_device, sync
+from bench_engine_gpu import MODEL_SHAPES, TINY, make_engine, seeded_model, sync
 
 from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import quantize_model
-from gpu_node.weights import seeded_llama
 from scheduler.sequence import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("smollm2", "llama-1b", "llama-8b"), default="smollm2")
+    parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="smollm2")
     parser.add_argument("--weights", choices=("bf16", "int4"), default="bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
-    shape = (
-        TINY
-        if args.tiny
-        else {"smollm2": SMOLLM2, "llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}[args.model]
-    )
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    if shape is LLAMA_8B:  # built on the GPU: its fp32 init on the host takes minutes
-        model = seeded_on_device(shape, 0, device, dtype)
-    else:
-        model = seeded_llama(shape, seed=0, device=device).to(dtype)
+    shape = TINY if args.tiny else MODEL_SHAPES[args.model]
+    model = seeded_model(shape, device, torch.float32 if args.tiny else torch.bfloat16)
     if args.weights == "int4":
         group = 32 if args.tiny or args.model == "smollm2" else 128  # 576 is no multiple of 128
         quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens"))

@@ -25,19 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine_gpu import (
-    LLAMA_1B,
-    LLAMA_8B,
-    SMOLLM2,
-    TINY,
-    make_engine,
-    seeded_on_device,
-    sync,
-)
+from bench_engine_gpu import MODEL_SHAPES, SMOLLM2, TINY, make_engine, median_ms, seeded_model, sync
 
 from gpu_node.models.llama import fuse_projections
 from gpu_node.quant.linear import quantize_model
-from gpu_node.weights import seeded_llama
 from scheduler.sequence import SamplingParams
 
 
@@ -46,20 +37,12 @@ def main() -> None:
     parser.add_argument("--weights", choices=("bf16", "int4"), default="bf16")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--model", choices=("llama-1b", "llama-8b", "smollm2"), default="llama-1b")
+    parser.add_argument("--model", choices=tuple(MODEL_SHAPES), default="llama-1b")
     parser.add_argument("--graphs", action="store_true", help="decode steps from CUDA graphs")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    shape = (
-        TINY
-        if args.tiny
-        else {"llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B, "smollm2": SMOLLM2}[args.model]
-    )
-    if shape is LLAMA_8B:
-        model = seeded_on_device(shape, 0, device, dtype)
-    else:
-        model = seeded_llama(shape, seed=0, device=device).to(dtype)
+    shape = TINY if args.tiny else MODEL_SHAPES[args.model]
+    model = seeded_model(shape, device, torch.float32 if args.tiny else torch.bfloat16)
     if args.weights == "int4":
         group = 32 if shape is SMOLLM2 else 128  # 576 is no multiple of 128
         model = quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens"))
@@ -72,13 +55,7 @@ def main() -> None:
     engine.add_request("s", list(range(1, 65)), SamplingParams(max_tokens=8 * args.steps + 8))
     for _ in range(4):  # prefill, then a few decode steps: compiled, captured, warm
         engine.step()
-    plain = []
-    for _ in range(args.steps):
-        sync(device)
-        start = time.perf_counter()
-        engine.step()
-        sync(device)
-        plain.append(time.perf_counter() - start)
+    plain_ms = median_ms(engine.step, device, args.steps)
     times = []
     profile = cProfile.Profile()
     for _ in range(args.steps):
@@ -91,7 +68,7 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     print(
         f"{args.model} {args.weights} weights, {kv} KV on {device}, graphs {args.graphs}: median "
-        f"step {statistics.median(plain) * 1e3:.3f} ms, under the profiler "
+        f"step {plain_ms:.3f} ms, under the profiler "
         f"{statistics.median(times) * 1e3:.3f} ms"
     )
     stats = pstats.Stats(profile)

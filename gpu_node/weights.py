@@ -144,15 +144,28 @@ def build_model(
 
 
 def seeded_llama(
-    config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"
+    config: ModelConfig,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    draw_on_device: bool = False,
 ) -> LlamaModel:
-    """A model of `config`'s shape with seeded random weights (for tests and benchmarks)."""
-    generator = torch.Generator().manual_seed(seed)
-    model = LlamaModel(config)
+    """A model of `config`'s shape with seeded random weights (for tests and benchmarks):
+    norms 1, every other weight N(0, 1) / sqrt(fan-in).
+
+    The weights are drawn on the host, so a seed gives the same model on any device.
+    `draw_on_device`: build and draw them on `device` instead (an 8B model's fp32 build on
+    the host takes minutes); the values then depend on the device's generator."""
+    where = torch.device(device) if draw_on_device else torch.device("cpu")
+    with where:
+        model = LlamaModel(config)
+    generator = torch.Generator(device=where).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+                param.copy_(
+                    torch.randn(param.shape, generator=generator, device=where)
+                    * param.shape[-1] ** -0.5
+                )
     return model.to(device).eval()

@@ -259,6 +259,13 @@ def mma_step(group_size: int) -> int:
     return max(group_size, MMA_CHUNK)
 
 
+def mma_tile_width(group_size: int, symmetric: bool) -> int:
+    """int32 of one Int4WeightMMA tile: a step's words, then 16 int32 of scales and mins a
+    group (8 of scales alone for symmetric tiles)."""
+    step = mma_step(group_size)
+    return 2 * step + (8 if symmetric else 16) * (step // group_size)
+
+
 def mma_fits(k: int, group_size: int) -> bool:
     """Whether a weight of K = `k` in groups of `group_size` has an Int4WeightMMA layout."""
     return group_size in MMA_GROUP_SIZES and k % mma_step(group_size) == 0
@@ -314,8 +321,7 @@ class Int4WeightMMA:
         step = mma_step(self.group_size)
         if k % step:
             raise ValueError(f"Int4WeightMMA takes K a multiple of {step}, got {k}")
-        per_group = 8 if self.symmetric else 16  # int32 of scales (and mins) a group
-        expected = (-(-n // MMA_ROWS), k // step, 2 * step + per_group * (step // self.group_size))
+        expected = (-(-n // MMA_ROWS), k // step, mma_tile_width(self.group_size, self.symmetric))
         tiles = self.tiles
         aligned = tiles.stride(0) % 4 == 0 and tiles.stride(1) % 4 == 0  # 16-byte tiles
         if (

@@ -40,7 +40,7 @@ from gpu_node.quant.int4 import (
     int4_from_gguf_q4_1,
     is_symmetric,
     mma_fits,
-    mma_step,
+    mma_tile_width,
     quantize_int4,
     to_kn,
     to_mma,
@@ -136,8 +136,7 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
         # wrapper's checks cost more host time than the GPU's whole GEMV at decode sizes.
         wrapped = self._mma_view
         if wrapped is None or wrapped.tiles is not self.packed:
-            step = mma_step(self.group_size)
-            asymmetric_width = 2 * step + 16 * (step // self.group_size)
+            asymmetric_width = mma_tile_width(self.group_size, symmetric=False)
             wrapped = Int4WeightMMA(
                 tiles=self.packed,
                 shape=(self.out_features, self.in_features),
