@@ -4,8 +4,9 @@ writes the winners into the tuning table the serving path reads
 
     TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py [--shapes 8192x8192,...]
         [--group-size 128] [--layouts asym] [--rounds 4] [--keep 3] [--min-gain 0.03]
-        [--out gpu_node/kernels/w4a16_mma_tuned.json]
+        [--dtype bf16] [--out gpu_node/kernels/w4a16_mma_tuned.json]
     TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py --check [--shapes ...] [--rounds 5]
+        [--dtypes bf16,fp16]
 
 For each shape (K in -> N out) it times, by bench_w4a16.py's CUDA-graph harness (weight
 copies spanning 4x the L2), the heuristic's launch and a fixed set of others: one- and
@@ -91,15 +92,25 @@ def make_weights(n: int, k: int, group: int, symmetric: bool, device: torch.devi
     return weights
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def check(
-    shapes: list[tuple[int, int]], group: int, layouts: list[str], rounds: int, device: torch.device
+    shapes: list[tuple[int, int]],
+    group: int,
+    layouts: list[str],
+    rounds: int,
+    device: torch.device,
+    dtypes: list[str] = ("bf16",),
 ) -> None:
     """bf16 cuBLAS, the heuristic and the serving path's plan, side by side, per layout.
 
     Beside them, what bounds the ratio at the shape: cuBLAS bf16 over a dense [N, K'] with
     as many bytes as the INT4 tiles (the time a GEMV reading INT4's bytes as well as cuBLAS
     reads its own would take; its ratio over bf16 is "ceiling"), the fastest plain read of
-    those bytes ("read floor") and the served kernel's share of the copy bandwidth.
+    those bytes ("read floor") and the served kernel's share of the copy bandwidth. With
+    `dtypes` bf16,fp16 the served kernel runs from fp16 activations too (the same weights;
+    the ratio is still over cuBLAS bf16, whose fp16 time is the same bytes).
     """
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -116,6 +127,12 @@ def check(
                 lambda q=q, x=x: w4a16_mma_gemv(x, q, config={}) for q in qs
             ]
             calls[f"{layout} served"] = [lambda q=q, x=x: w4a16_mma_gemv(x, q) for q in qs]
+            for name in dtypes:
+                if name != "bf16":
+                    xd = x.to(DTYPES[name])
+                    calls[f"{layout} served {name}"] = [
+                        lambda q=q, x=xd: w4a16_mma_gemv(x, q) for q in qs
+                    ]
         nbytes = weights[layouts[0]][0].nbytes
         k_eq = max(64, round(nbytes / (2 * n) / 64) * 64)
         same_bytes = [
@@ -144,6 +161,15 @@ def check(
                 f"table {tuned}",
                 flush=True,
             )
+            for name in dtypes:
+                if name != "bf16":
+                    other = med[f"{layout} served {name}"]
+                    print(
+                        f"  {layout} from {name} activations: served {other:.1f} us "
+                        f"({bf16 / other:.2f}x over bf16 cuBLAS; {served / other:.3f}x over "
+                        f"bf16 activations)",
+                        flush=True,
+                    )
         print(f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }", flush=True)
         del weights, dense, same_bytes
 
@@ -158,10 +184,15 @@ def main() -> None:
     parser.add_argument("--min-gain", type=float, default=0.03)
     parser.add_argument("--out", type=Path, default=plan_module.TUNED_PATH)
     parser.add_argument("--check", action="store_true", help="time the table against the heuristic")
+    parser.add_argument("--dtypes", default="bf16", help="--check: bf16 or bf16,fp16")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="bf16", help="tuning's activations"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.check:
-        check(args.shapes, args.group_size, args.layouts.split(","), args.rounds, device)
+        dtypes = args.dtypes.split(",")
+        check(args.shapes, args.group_size, args.layouts.split(","), args.rounds, device, dtypes)
         return
     name = plan_module.device_name(device)
     group = args.group_size
@@ -179,7 +210,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             symmetric = layout == "sym"
             weights = make_weights(n, k, group, symmetric, device)
-            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            x = torch.randn(1, k, device=device, dtype=DTYPES[args.dtype])
             configs = candidates(n, k, group, symmetric, device)
             calls = {
                 label: [lambda q=q, c=c, x=x: w4a16_mma_gemv(x, q, config=c) for q in weights]
