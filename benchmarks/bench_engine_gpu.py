@@ -17,6 +17,8 @@
    symmetric, engines alternated twice: the dense counterpart of "INT4 raised
    single-request decode from 60 to 92 tok/s". Also the bytes a decode step reads, the
    graph's replay alone, and INT4 with the small kernels' early release off.
+7. The same Llama-3-8B-shaped decode, INT4 computing in fp16 (`--activations fp16`: the
+   W4A16 kernels' 5-instruction dequantization) against bf16, beside bf16 weights.
 
 Sections 1-3 run eager steps (`cuda_graph_batch=0`), as in the sessions before graphs.
 
@@ -294,6 +296,10 @@ def main() -> None:
             "\n6. Llama-3-8B-shaped decode with CUDA graphs: INT4 against bf16 weights", flush=True
         )
         dense_8b(args.tiny, device, dtype, kv16, steps)
+    if "7" in sections:
+        print("\n7. Llama-3-8B-shaped INT4 decode with CUDA graphs: fp16 against bf16 activations",
+              flush=True)  # fmt: skip
+        fp16_activations_8b(args.tiny, device, steps)
 
 
 def replay_ms(graphs, device, iters=50):
@@ -436,6 +442,46 @@ def dense_8b(tiny, device, dtype, kv16, steps):
     del models, variants
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def fp16_activations_8b(tiny, device, steps):
+    """tok/s of graph-replayed decode steps of one seeded model: bf16 weights, and INT4
+    (groups of 128, the same codes) computing in bf16 and in fp16 (EngineConfig.activations;
+    the KV cache in the activations' dtype), engines alternated twice (best of each),
+    context 512."""
+    if tiny:
+        print("  fp16 activations take the GPU's tensor-core kernels: skipped on the CPU")
+        return
+    models = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("int4 bf16", torch.bfloat16),
+                        ("int4 fp16", torch.float16)):  # fmt: skip
+        model = seeded_llama(LLAMA_8B, seed=0, device=device, draw_on_device=True)
+        if name != "bf16":
+            quantize_model(model, group_size=128, skip=("lm_head", "embed_tokens"))
+        models[name] = (fuse_projections(model.to(dtype)), dtype)
+    kv = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    activations = {"bf16": "auto", "int4 bf16": "bf16", "int4 fp16": "fp16"}
+    for batch in (1, 8):
+        times = {w: [] for w in models}
+        replays = {w: [] for w in models}
+        for _ in range(2):
+            for name, (model, dtype) in models.items():
+                engine = make_engine(model, device, kv_dtype=kv[dtype], num_pages=batch * 40 + 8,
+                                     cuda_graph_batch=8, activations=activations[name])  # fmt: skip
+                times[name].append(decode_step_ms(engine, batch, 512, steps, device))
+                if engine.runner.graphs is not None and engine.runner.graphs.captured:
+                    replays[name].append(replay_ms(engine.runner.graphs, device))
+                del engine
+        best = {w: min(t) for w, t in times.items()}
+        print(f"  batch {batch}: " + "  ".join(f"{w} {batch * 1e3 / ms:7.1f} tok/s" for w, ms in best.items())
+              + f"  int4 bf16/bf16 {best['bf16'] / best['int4 bf16']:.2f}x  int4 fp16/bf16 "
+              f"{best['bf16'] / best['int4 fp16']:.2f}x  fp16/bf16 activations "
+              f"{best['int4 bf16'] / best['int4 fp16']:.3f}x", flush=True)  # fmt: skip
+        print(f"    steps ms: { {w: [round(t, 3) for t in v] for w, v in times.items()} }; the graph's "
+              f"replay alone (GPU) ms: { {w: round(min(v), 3) for w, v in replays.items() if v} }",
+              flush=True)  # fmt: skip
+    del models
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

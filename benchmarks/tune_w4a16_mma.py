@@ -121,6 +121,9 @@ def check(
         ]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         calls = {"bf16": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
+        if "fp16" in dtypes:  # cuBLAS over the same matrices in fp16, for the fp16 ratio
+            x16, dense16 = x.half(), [w.half() for w in dense]
+            calls["fp16"] = [lambda w=w, x=x16: F.linear(x, w) for w in dense16]
         weights = {layout: make_weights(n, k, group, layout == "sym", device) for layout in layouts}
         for layout, qs in weights.items():
             calls[f"{layout} heuristic"] = [
@@ -166,12 +169,15 @@ def check(
                     other = med[f"{layout} served {name}"]
                     print(
                         f"  {layout} from {name} activations: served {other:.1f} us "
-                        f"({bf16 / other:.2f}x over bf16 cuBLAS; {served / other:.3f}x over "
-                        f"bf16 activations)",
+                        f"({bf16 / other:.2f}x over bf16 cuBLAS, {med[name] / other:.2f}x over "
+                        f"{name} cuBLAS {med[name]:.1f} us; {served / other:.3f}x over bf16 "
+                        f"activations)",
                         flush=True,
                     )
         print(f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }", flush=True)
         del weights, dense, same_bytes
+        if "fp16" in dtypes:
+            del dense16
 
 
 def main() -> None:

@@ -10,6 +10,11 @@ PREFIX_CACHE_BLOCKS = typer.Option(
 KV_DTYPE = typer.Option(
     "auto", help="auto (fp32 on the CPU, bf16 on a GPU) | fp32 | bf16 | fp16 | fp8"
 )
+ACTIVATIONS = typer.Option(
+    "auto",
+    help="auto (bf16 on a GPU, fp32 on the CPU) | bf16 | fp16 (INT4 weights on a GPU: faster "
+    "kernels, fp16's narrower range)",
+)
 DEVICE = typer.Option(
     "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"
 )
@@ -40,13 +45,33 @@ def resolve_device(name: str) -> str:
     raise typer.BadParameter("cuda: no CUDA GPU is visible here", param_hint="--device")
 
 
-def resolve_kv_dtype(name: str, device: str) -> str:
+def resolve_activations(name: str, weights: str | None, device: str) -> str:
+    """--activations checked against the weights (None: the engine's default) and the
+    device (resolved) before anything starts, so a node that could not serve them fails at
+    once with the reason rather than in its background load."""
+    from gpu_node.config import ACTIVATIONS, EngineConfig
+    from gpu_node.weights import activation_dtype
+
+    if name not in ACTIVATIONS:
+        raise typer.BadParameter(
+            f"must be one of {', '.join(ACTIVATIONS)}", param_hint="--activations"
+        )
+    try:
+        activation_dtype(weights or EngineConfig.weights, device, name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--activations") from None
+    return name
+
+
+def resolve_kv_dtype(name: str, device: str, activations: str = "auto") -> str:
     """--kv-dtype for an engine on `device` (resolved): auto is fp32 on the CPU (the exact
-    reference) and bf16 on a GPU (the activations' dtype, half fp32's memory)."""
+    reference) and on a GPU the activations' dtype, bf16 or fp16 (half fp32's memory)."""
     from gpu_node.config import KV_DTYPES
 
     if name == "auto":
-        return "fp32" if device == "cpu" else "bf16"
+        if device == "cpu":
+            return "fp32"
+        return "fp16" if activations == "fp16" else "bf16"
     if name not in KV_DTYPES:
         raise typer.BadParameter(f"must be auto, {', '.join(KV_DTYPES)}", param_hint="--kv-dtype")
     return name

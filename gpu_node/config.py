@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 WEIGHT_FORMATS = ("fp32", "bf16", "int4")
+ACTIVATIONS = ("auto", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,10 @@ class EngineConfig:
     model: str = "smollm2"
     kv_dtype: str = "fp32"
     weights: str = "int4"  # the GGUF's own 4-bit blocks; see README "Choices"
+    # What the model computes in: auto is weights.activation_dtype's rule (bf16 on a GPU,
+    # fp32 on the CPU); fp16 (INT4 weights on a GPU only) runs the tensor-core W4A16
+    # kernels' cheaper fp16 dequantization, at fp16's narrower range.
+    activations: str = "auto"
     device: str = "cpu"
     page_size: int = 16
     num_pages: int | None = None
@@ -47,6 +52,15 @@ class EngineConfig:
         if self.weights not in WEIGHT_FORMATS:
             problems.append(
                 f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}"
+            )
+        if self.activations not in ACTIVATIONS:
+            problems.append(
+                f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
+            )
+        elif self.activations == "fp16" and self.weights != "int4":
+            problems.append(
+                f"activations fp16 takes int4 weights (they run the fp16 W4A16 kernels); "
+                f"{self.weights} weights compute in their own dtype: use activations auto"
             )
         if self.page_size <= 0 or self.page_size % 8:
             problems.append(f"page_size must be a positive multiple of 8, got {self.page_size}")

@@ -129,7 +129,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:
         """Loads the model named by `config.model` (raises ModelNotFoundError)."""
-        model, tokenizer = build_model(config.model, config.weights, config.device, progress)
+        model, tokenizer = build_model(
+            config.model, config.weights, config.device, progress, config.activations
+        )
         return cls(config, model, tokenizer)
 
     # -- requests --------------------------------------------------------------------------

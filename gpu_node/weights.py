@@ -107,27 +107,61 @@ def moe_model(name: str, seed: int = 0, device: torch.device | str = "cpu") -> L
     return model
 
 
-def activation_dtype(weights: str, device: torch.device | str) -> torch.dtype:
+def activation_dtype(
+    weights: str, device: torch.device | str, activations: str = "auto"
+) -> torch.dtype:
     """What a node computes in: bf16 with bf16 weights, and with INT4 weights on a GPU
     of compute capability 8.0 or newer (the tensor-core W4A16 and MoE kernels take bf16
     activations; older GPUs keep the CUDA-core kernels, in fp32); fp32 otherwise (INT4
-    on CPU runs torch's int4 kernel from fp32 activations, and fp32 is the reference)."""
-    if weights == "bf16" or (weights == "int4" and launch.has_mma_sync(torch.device(device))):
-        return torch.bfloat16
-    return torch.float32
+    on CPU runs torch's int4 kernel from fp32 activations, and fp32 is the reference).
+
+    `activations` "fp16" asks for fp16 instead, which only INT4 weights on such a GPU take:
+    the kernels then dequantize a word in 5 instructions instead of bf16's 7
+    (w4a16_mma_asm.py), 2-7% faster a GEMV on the H200 (docs/bench/w4a16_gemv.md), for
+    fp16's range (65504 at most) in place of bf16's. "bf16" is auto's GPU choice, refused
+    where auto would not give it; raises ValueError naming what is missing.
+    """
+    tensor_cores = weights == "int4" and launch.has_mma_sync(torch.device(device))
+    auto = torch.bfloat16 if weights == "bf16" or tensor_cores else torch.float32
+    if activations == "auto":
+        return auto
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(activations)
+    if wanted is None:
+        raise ValueError(f"activations must be auto, bf16 or fp16, got {activations!r}")
+    if wanted == torch.float16 and not tensor_cores:
+        raise ValueError(
+            f"activations fp16 takes int4 weights on a CUDA GPU of compute capability 8.0 "
+            f"or newer (the tensor-core W4A16 kernels); {weights} weights on {device} compute "
+            f"in {_dtype_name(auto)}: use activations auto"
+        )
+    if wanted == torch.bfloat16 and auto != torch.bfloat16:
+        raise ValueError(
+            f"activations bf16: {weights} weights on {device} compute in {_dtype_name(auto)}; "
+            f"use activations auto"
+        )
+    return wanted
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def build_model(
-    model: str, weights: str, device: torch.device | str = "cpu", progress: Progress | None = None
+    model: str,
+    weights: str,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+    activations: str = "auto",
 ) -> tuple[LlamaModel, ChatTokenizer]:
-    """The model and tokenizer a node serves, in the weight format asked for.
+    """The model and tokenizer a node serves, in the weight format asked for, computing in
+    activation_dtype(weights, device, activations).
 
     `moe-small` borrows SmolLM2's tokenizer (its own weights are dummies).
     """
     from gpu_node.model_store import SYNTHETIC_MODELS, resolve_model
     from gpu_node.quant.linear import quantize_model
 
-    dtype = activation_dtype(weights, device)
+    dtype = activation_dtype(weights, device, activations)
     # On a GPU a layer's q/k/v and gate/up run as one product each (fuse_projections: the
     # same dot products, fewer launches); a CPU keeps the modules as loaded.
     on_gpu = torch.device(device).type == "cuda"

@@ -6,7 +6,14 @@ import sys
 
 import typer
 
-from edgeserve.engine_options import DEVICE, KV_DTYPE, resolve_device, resolve_kv_dtype
+from edgeserve.engine_options import (
+    ACTIVATIONS,
+    DEVICE,
+    KV_DTYPE,
+    resolve_activations,
+    resolve_device,
+    resolve_kv_dtype,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -21,6 +28,7 @@ def register(app: typer.Typer) -> None:
         seed: int | None = typer.Option(None, "--seed"),
         kv_dtype: str = KV_DTYPE,
         weights: str = typer.Option("int4", "--weights", help="int4 (default), bf16 or fp32"),
+        activations: str = ACTIVATIONS,
         system: str | None = typer.Option(None, "--system", help="a system message"),
         raw: bool = typer.Option(
             False, "--raw", help="send the prompt as is, without the chat template"
@@ -39,9 +47,10 @@ def register(app: typer.Typer) -> None:
         err = Console(stderr=True)
         try:
             engine_device = resolve_device(device)
+            activations = resolve_activations(activations, weights, engine_device)
             config = EngineConfig(
-                model=model, kv_dtype=resolve_kv_dtype(kv_dtype, engine_device), weights=weights,
-                device=engine_device, max_num_seqs=1,
+                model=model, kv_dtype=resolve_kv_dtype(kv_dtype, engine_device, activations),
+                weights=weights, activations=activations, device=engine_device, max_num_seqs=1,
             )  # fmt: skip
             with Progress(console=err, transient=True) as bar:
                 task = bar.add_task(f"loading {model}", total=None)

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from edgeserve.engine_options import (
+    ACTIVATIONS,
     CUDA_GRAPH_BATCH,
     DEVICE,
     KV_DTYPE,
     PREFIX_CACHE_BLOCKS,
+    resolve_activations,
     resolve_device,
     resolve_kv_dtype,
 )
@@ -105,12 +107,15 @@ def _engine_factory(
     prefix_cache_blocks: int = 0,
     device: str = "cpu",
     cuda_graph_batch: int | None = None,
+    activations: str = "auto",
 ) -> Any:
     def load() -> Any:
         from gpu_node.async_engine import AsyncEngine
         from gpu_node.config import EngineConfig
 
-        options: dict[str, Any] = {"model": model, "kv_dtype": kv_dtype, "device": device}
+        options: dict[str, Any] = {
+            "model": model, "kv_dtype": kv_dtype, "device": device, "activations": activations
+        }  # fmt: skip
         if cuda_graph_batch is not None:
             options["cuda_graph_batch"] = cuda_graph_batch
         if weights is not None:
@@ -150,6 +155,7 @@ def up(
     model: str = typer.Option("smollm2", help="node model name or GGUF path"),
     kv_dtype: str = KV_DTYPE,
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
+    activations: str = ACTIVATIONS,
     max_model_len: int | None = typer.Option(None, help="context window cap"),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
     prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS,
@@ -164,7 +170,8 @@ def up(
     from gateway.keys import new_key
 
     engine_device = resolve_device(device)
-    kv_dtype = resolve_kv_dtype(kv_dtype, engine_device)
+    activations = resolve_activations(activations, weights, engine_device)
+    kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
@@ -190,7 +197,7 @@ def up(
             stores.registry,
             engine_factory=_engine_factory(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
-                engine_device, cuda_graph_batch,
+                engine_device, cuda_graph_batch, activations,
             ),
         )  # fmt: skip
         gateway_app = create_app(
@@ -237,6 +244,7 @@ def node(
     model: str = typer.Option("smollm2"),
     kv_dtype: str = KV_DTYPE,
     weights: str | None = typer.Option(None),
+    activations: str = ACTIVATIONS,
     max_model_len: int | None = typer.Option(None),
     kv_memory_mb: int | None = typer.Option(None, help="KV cache size (engine default when unset)"),
     prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS,
@@ -252,7 +260,8 @@ def node(
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
     engine_device = resolve_device(device)
-    kv_dtype = resolve_kv_dtype(kv_dtype, engine_device)
+    activations = resolve_activations(activations, weights, engine_device)
+    kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     token = _internal_token(internal_token)
 
     async def main() -> None:
@@ -271,7 +280,7 @@ def node(
             RedisCapacityRegistry(client, prefix),
             engine_factory=_engine_factory(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
-                engine_device, cuda_graph_batch,
+                engine_device, cuda_graph_batch, activations,
             ),
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)

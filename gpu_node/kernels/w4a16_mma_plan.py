@@ -161,6 +161,9 @@ class Plan:
     constexprs: Mapping[str, object]  # the kernel's constexprs and launch options
 
 
+SYMMETRIC_FP16_REGISTERS = 128  # the cap of two-row-block warps over symmetric tiles in fp16
+
+
 def plan_launch(
     n: int,
     k: int,
@@ -216,6 +219,19 @@ def plan_launch(
             f"KWARPS takes splits of equal shares: {splits} splits of {warps} warps do "
             f"not divide {num_groups} steps"
         )
+    maxnreg = cfg.get("MAXNREG")
+    if (
+        maxnreg is None
+        and symmetric
+        and dtype == torch.float16
+        and pipe == 2
+        and rows_per_warp == 2
+    ):
+        # Two row blocks of symmetric tiles from fp16 activations take 138 registers where
+        # bf16 takes 128 (Triton 3.6, H200): three programs a multiprocessor instead of four,
+        # 17-32% slower. Capped at 128 (no spills) they are 12-20% faster than uncapped
+        # (docs/bench/w4a16_gemv.md, nineteenth session). A config's MAXNREG 0 leaves it off.
+        maxnreg = SYMMETRIC_FP16_REGISTERS
     programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), (1 if kwarps else warps) * rows_per_warp)
     if programs > MAX_TILES:
         raise ValueError(f"{programs} programs exceed {MAX_TILES}")
@@ -232,7 +248,7 @@ def plan_launch(
         "KWARPS": kwarps,
         **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
-        **({"maxnreg": cfg["MAXNREG"]} if cfg.get("MAXNREG") else {}),  # benchmarks' caps
+        **({"maxnreg": maxnreg} if maxnreg else {}),  # benchmarks' caps, and the one above
         **({"launch_pdl": True} if early else {}),
     }
     tile = (rows_per_warp, 128 if kwarps else 128 * warps)

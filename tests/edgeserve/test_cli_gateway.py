@@ -70,3 +70,38 @@ def test_auto_kv_dtype_is_fp32_on_the_cpu_and_bf16_on_a_gpu() -> None:
     assert resolve_kv_dtype("auto", "cpu") == "fp32"
     assert resolve_kv_dtype("auto", "cuda") == "bf16"
     assert resolve_kv_dtype("fp8", "cuda") == "fp8" and resolve_kv_dtype("fp8", "cpu") == "fp8"
+
+
+@pytest.mark.parametrize("command", ["node", "up", "run"])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--activations", "fp8"], "must be one of auto, bf16, fp16"),
+        (
+            ["--activations", "fp16"],
+            "activations fp16 takes int4 weights on a CUDA GPU of compute capability 8.0 or "
+            "newer (the tensor-core W4A16 kernels); int4 weights on cpu compute in fp32: use "
+            "activations auto",
+        ),
+        (
+            ["--activations", "fp16", "--weights", "bf16"],
+            "bf16 weights on cpu compute in bf16: use activations auto",
+        ),
+    ],
+)
+def test_activations_the_node_cannot_compute_in_are_refused_before_it_starts(
+    command, args, message
+) -> None:
+    extra = {"node": ["--internal-token", "t"], "run": ["smollm2", "Hello"]}.get(command, [])
+    result = CliRunner().invoke(build_app(), [command, *extra, "--device", "cpu", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.stderr.replace("│", " ").split())
+
+
+def test_auto_kv_dtype_follows_fp16_activations_on_a_gpu() -> None:
+    from edgeserve.engine_options import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "cuda", "fp16") == "fp16"
+    assert resolve_kv_dtype("auto", "cuda", "auto") == "bf16"
+    assert resolve_kv_dtype("auto", "cpu", "fp16") == "fp32"
+    assert resolve_kv_dtype("fp8", "cuda", "fp16") == "fp8"

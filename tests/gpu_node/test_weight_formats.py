@@ -112,11 +112,77 @@ def test_activation_dtype_by_weights_and_device(monkeypatch, weights, device, mm
     assert activation_dtype(weights, device) is expected
 
 
+@pytest.mark.parametrize(
+    ("weights", "device", "activations", "expected"),
+    [
+        ("int4", "cuda", "fp16", torch.float16),  # the W4A16 kernels' fp16 dequantization
+        ("int4", "cuda:1", "fp16", torch.float16),
+        ("int4", "cuda", "bf16", torch.bfloat16),
+        ("bf16", "cpu", "bf16", torch.bfloat16),
+        ("fp32", "cuda", "auto", torch.float32),
+    ],
+)
+def test_activations_asked_for_where_the_kernels_take_them(
+    monkeypatch, weights, device, activations, expected
+):
+    monkeypatch.setattr(launch, "has_mma_sync", lambda dev: dev.type == "cuda")
+    assert activation_dtype(weights, device, activations) is expected
+
+
+@pytest.mark.parametrize(
+    ("weights", "device", "mma", "activations", "message"),
+    [
+        ("int4", "cpu", False, "fp16", "int4 weights on cpu compute in fp32"),
+        ("int4", "cuda", False, "fp16", "int4 weights on cuda compute in fp32"),  # before sm_80
+        ("bf16", "cuda", True, "fp16", "bf16 weights on cuda compute in bf16"),
+        ("fp32", "cuda", True, "fp16", "fp32 weights on cuda compute in fp32"),
+    ],
+)
+def test_fp16_activations_are_refused_where_no_fp16_kernel_runs(
+    monkeypatch, weights, device, mma, activations, message
+):
+    monkeypatch.setattr(launch, "has_mma_sync", lambda dev: mma and dev.type == "cuda")
+    with pytest.raises(ValueError) as info:
+        activation_dtype(weights, device, activations)
+    assert str(info.value) == (
+        "activations fp16 takes int4 weights on a CUDA GPU of compute capability 8.0 or newer "
+        f"(the tensor-core W4A16 kernels); {message}: use activations auto"
+    )
+
+
+def test_bf16_activations_are_refused_where_auto_computes_in_fp32(monkeypatch):
+    monkeypatch.setattr(launch, "has_mma_sync", lambda dev: False)
+    with pytest.raises(ValueError) as info:
+        activation_dtype("int4", "cpu", "bf16")
+    assert str(info.value) == (
+        "activations bf16: int4 weights on cpu compute in fp32; use activations auto"
+    )
+    with pytest.raises(ValueError, match="activations must be auto, bf16 or fp16, got 'fp8'"):
+        activation_dtype("int4", "cpu", "fp8")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"activations": "fp8"}, "activations must be one of auto, bf16, fp16, got 'fp8'"),
+        (
+            {"activations": "fp16", "weights": "bf16"},
+            "activations fp16 takes int4 weights (they run the fp16 W4A16 kernels); bf16 "
+            "weights compute in their own dtype: use activations auto",
+        ),
+    ],
+)
+def test_engine_config_refuses_activations_it_cannot_serve(options, message):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**options)
+    assert str(info.value) == f"invalid EngineConfig: {message}"
+
+
 def test_moe_small_in_bf16_serves_the_codes_of_the_fp32_build(monkeypatch):
     # As a GPU node builds it (bf16 activations), here on CPU: norms and embeddings in
     # bf16, the INT4 codes, scales and mins exactly those quantized from the fp32 weights
     # (checked on layer 0 against its own fp32 weights, quantized here).
-    monkeypatch.setattr(weights_module, "activation_dtype", lambda weights, device: torch.bfloat16)
+    monkeypatch.setattr(weights_module, "activation_dtype", lambda *args: torch.bfloat16)
     model, _ = build_model("moe-small", "int4")
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16

@@ -623,6 +623,21 @@ def test_config_fills_the_gpu() -> None:
     assert mma_gemv_config(576, 1536, 32, 132) == {**one, "GROUPS_PER_SPLIT": 2}
 
 
+def test_symmetric_tiles_from_fp16_in_two_row_blocks_are_capped_at_128_registers() -> None:
+    cpu = torch.device("cpu")
+
+    def maxnreg(dtype, symmetric, config=None):
+        plan = plan_module.plan_launch(8192, 8192, 128, dtype, cpu, symmetric, config)
+        return plan.constexprs.get("maxnreg")
+
+    two_rows = {"WARPS": 4, "R": 2, "GROUPS_PER_SPLIT": 8, "CHAINS": 1}
+    assert maxnreg(torch.float16, True, two_rows) == 128
+    assert maxnreg(torch.float16, True, {**two_rows, "MAXNREG": 96}) == 96  # a cap given wins
+    assert maxnreg(torch.bfloat16, True, two_rows) is None
+    assert maxnreg(torch.float16, False, two_rows) is None  # asymmetric: 72 registers
+    assert maxnreg(torch.float16, True, {**two_rows, "R": 1, "CHAINS": 2}) is None
+
+
 def test_symmetric_tiles_take_the_two_buffer_loop() -> None:
     cpu = torch.device("cpu")
     assert (
@@ -765,6 +780,11 @@ def test_symmetric_tiles_give_the_asymmetric_kernels_bits(m, n, k, group_size, d
         assert (
             relative_error(w4a16_mma_gemv(x, sym, config), w4a16_mma_ref(x, sym)) < TOLERANCE[dtype]
         )
+    # fp16's cap of 128 registers on two row blocks (plan_launch; MAXNREG 0: uncapped)
+    two_rows = {"R": 2, "CHAINS": 2 if group_size == 32 else 1}
+    assert torch.equal(
+        w4a16_mma_gemv(x, sym, two_rows), w4a16_mma_gemv(x, sym, {**two_rows, "MAXNREG": 0})
+    )
 
 
 @needs_cuda
