@@ -28,6 +28,7 @@ import functools
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def check(
     layouts: list[str],
     rounds: int,
     device: torch.device,
-    dtypes: list[str] = ("bf16",),
+    dtypes: Sequence[str] = ("bf16",),
 ) -> None:
     """bf16 cuBLAS, the heuristic and the serving path's plan, side by side, per layout.
 
@@ -188,13 +189,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--min-gain", type=float, default=0.03)
-    parser.add_argument("--out", type=Path, default=plan_module.TUNED_PATH)
+    parser.add_argument("--out", type=Path, help="default: the serving table (bf16 only)")
     parser.add_argument("--check", action="store_true", help="time the table against the heuristic")
     parser.add_argument("--dtypes", default="bf16", help="--check: bf16 or bf16,fp16")
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), default="bf16", help="tuning's activations"
     )
     args = parser.parse_args()
+    unknown = sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    if unknown:
+        parser.error(f"--dtypes takes {', '.join(DTYPES)}, got {', '.join(unknown)}")
+    if args.out is None:
+        if args.dtype != "bf16":
+            # the table is keyed without the activations' dtype: it holds bf16's launches
+            parser.error(f"--dtype {args.dtype} needs --out (the serving table is bf16's)")
+        args.out = plan_module.TUNED_PATH
     device = torch.device("cuda")
     if args.check:
         dtypes = args.dtypes.split(",")

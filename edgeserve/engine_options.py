@@ -8,12 +8,14 @@ PREFIX_CACHE_BLOCKS = typer.Option(
     0, min=0, help="prompt pages kept for reuse by later requests of an account (0: off)"
 )
 KV_DTYPE = typer.Option(
-    "auto", help="auto (fp32 on the CPU, bf16 on a GPU) | fp32 | bf16 | fp16 | fp8"
+    "auto",
+    help="auto (fp32 on the CPU, on a GPU bf16, or fp16 with --activations fp16) | fp32 | bf16 "
+    "| fp16 | fp8",
 )
 ACTIVATIONS = typer.Option(
     "auto",
-    help="auto (bf16 on a GPU, fp32 on the CPU) | bf16 | fp16 (INT4 weights on a GPU: faster "
-    "kernels, fp16's narrower range)",
+    help="auto (bf16 for int4 weights on a GPU and for bf16 weights, else fp32) | bf16 | fp16 "
+    "(int4 weights on a GPU: faster kernels, fp16's narrower range)",
 )
 DEVICE = typer.Option(
     "auto", help="auto (a CUDA GPU where there is one, else the CPU) | cpu | cuda"

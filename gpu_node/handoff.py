@@ -14,7 +14,7 @@ Wire format (`to_bytes` / `from_bytes`), all little-endian:
     u32 header length | header (JSON, space-padded so the tensors start 8-byte aligned)
     | tensor bytes, in the header's order
 
-    header: {"version", "spec": {kv_dtype, num_layers, num_kv_heads, head_dim},
+    header: {"version", "spec": {kv_dtype, num_layers, num_kv_heads, head_dim, activations},
              "prompt_token_ids", "first_token", "generator_state" (base64 or null),
              "tensors": [{"name", "dtype", "shape"}, ...]}
     tensors: k, v  [layers, prompt tokens, kv heads, head dim]  (uint8 for fp8 pools)
@@ -32,7 +32,7 @@ import torch
 
 from gpu_node.kv_cache import KVCache, raw_storage
 
-VERSION = 1
+VERSION = 2  # 2: the spec names the activations' dtype
 _DTYPES = {
     "uint8": torch.uint8,
     "float32": torch.float32,
@@ -40,21 +40,28 @@ _DTYPES = {
     "float16": torch.float16,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+ACTIVATION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
 class KVSpec:
-    """What two pools must share for one to take the other's rows."""
+    """What two pools must share for one to take the other's rows: their storage, and the
+    dtype the rows were computed in (fp32, bf16 or fp16: a node computing in another would
+    continue from them to other tokens than one node alone)."""
 
     kv_dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    activations: str
 
     @classmethod
-    def of(cls, cache: KVCache) -> KVSpec:
+    def of(cls, cache: KVCache, activations: torch.dtype) -> KVSpec:
         num_kv_heads, head_dim = cache.k_cache[0].shape[2:]
-        return cls(cache.kv_dtype, len(cache.k_cache), int(num_kv_heads), int(head_dim))
+        return cls(
+            cache.kv_dtype, len(cache.k_cache), int(num_kv_heads), int(head_dim),
+            ACTIVATION_NAMES[activations],
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from gpu_node.config import EngineConfig
 from gpu_node.decode_graphs import DecodeGraphs, capturable
 from gpu_node.errors import InvalidRequestError
-from gpu_node.handoff import KVHandoff, KVSpec, export_rows, import_rows
+from gpu_node.handoff import ACTIVATION_NAMES, KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.kv_cache import KVCache, bytes_per_page
 from gpu_node.model_runner import ModelRunner
 from gpu_node.models.llama import LlamaModel
@@ -26,7 +26,7 @@ from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
 from gpu_node.prefix_cache import PrefixCache
 from gpu_node.sampler import apply_penalties, sample
 from gpu_node.tokenizer import ChatTokenizer
-from gpu_node.weights import Progress, build_model
+from gpu_node.weights import Progress, activation_dtype, build_model
 from scheduler.block_manager import BlockManager, pages_for, sequence_tag
 from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -88,7 +88,16 @@ class LLMEngine:
             config.kv_dtype,
             config.device,
         )
-        self.kv_spec = KVSpec.of(self.kv_cache)
+        computes_in = model.embed_tokens.weight.dtype
+        if config.activations != "auto":
+            wanted = activation_dtype(config.weights, config.device, config.activations)
+            if computes_in != wanted:
+                raise ValueError(
+                    f"activations {config.activations} asked for, but the model computes in "
+                    f"{ACTIVATION_NAMES[computes_in]} (build it with build_model(..., "
+                    f"activations={config.activations!r}))"
+                )
+        self.kv_spec = KVSpec.of(self.kv_cache, computes_in)
         self.prefix_cache = (
             PrefixCache(self.kv_cache, config.prefix_cache_blocks)
             if config.prefix_cache_blocks

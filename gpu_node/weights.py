@@ -117,7 +117,8 @@ def activation_dtype(
 
     `activations` "fp16" asks for fp16 instead, which only INT4 weights on such a GPU take:
     the kernels then dequantize a word in 5 instructions instead of bf16's 7
-    (w4a16_mma_asm.py), 2-7% faster a GEMV on the H200 (docs/bench/w4a16_gemv.md), for
+    (w4a16_mma_asm.py), 1-8% faster a GEMV at 11 of 12 layer shapes on the H200
+    (docs/bench/w4a16_gemv.md, nineteenth session), for
     fp16's range (65504 at most) in place of bf16's. "bf16" is auto's GPU choice, refused
     where auto would not give it; raises ValueError naming what is missing.
     """
@@ -127,7 +128,7 @@ def activation_dtype(
         return auto
     wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(activations)
     if wanted is None:
-        raise ValueError(f"activations must be auto, bf16 or fp16, got {activations!r}")
+        raise ValueError(f"activations must be one of auto, bf16, fp16, got {activations!r}")
     if wanted == torch.float16 and not tensor_cores:
         raise ValueError(
             f"activations fp16 takes int4 weights on a CUDA GPU of compute capability 8.0 "

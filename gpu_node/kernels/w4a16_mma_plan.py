@@ -229,7 +229,7 @@ def plan_launch(
     ):
         # Two row blocks of symmetric tiles from fp16 activations take 138 registers where
         # bf16 takes 128 (Triton 3.6, H200): three programs a multiprocessor instead of four,
-        # 17-32% slower. Capped at 128 (no spills) they are 12-20% faster than uncapped
+        # 17-32% slower. Capped at 128 (no spills) they are 10-26% faster than uncapped
         # (docs/bench/w4a16_gemv.md, nineteenth session). A config's MAXNREG 0 leaves it off.
         maxnreg = SYMMETRIC_FP16_REGISTERS
     programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), (1 if kwarps else warps) * rows_per_warp)

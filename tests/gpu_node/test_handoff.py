@@ -3,6 +3,7 @@ decoded on another gives exactly one engine's tokens (real SmolLM2 weights)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import struct
 
@@ -72,8 +73,8 @@ def test_a_decode_engine_refuses_a_handoff_it_cannot_continue(make_engine, chat_
         fp8.add_request("a", ids, greedy, handoff=handoff)
     assert str(refused.value) == (
         "KV handoff refused: the handoff's KV is KVSpec(kv_dtype='fp32', num_layers=30, "
-        "num_kv_heads=3, head_dim=64), this node's KVSpec(kv_dtype='fp8', num_layers=30, "
-        "num_kv_heads=3, head_dim=64)"
+        "num_kv_heads=3, head_dim=64, activations='fp32'), this node's KVSpec(kv_dtype='fp8', "
+        "num_layers=30, num_kv_heads=3, head_dim=64, activations='fp32')"
     )
     same = make_engine(kv_dtype="fp32")
     with pytest.raises(InvalidRequestError, match="prefilled for another prompt"):
@@ -101,3 +102,35 @@ def test_the_wire_format_refuses_what_it_did_not_write(make_engine, chat_ids) ->
         KVHandoff.from_bytes(b"\x05\x00\x00\x00hello")
     (size,) = struct.unpack_from("<I", raw)
     assert (4 + size) % 8 == 0  # the rows start aligned for any dtype
+
+
+def test_a_handoff_computed_in_another_dtype_is_refused(make_engine, smollm2_parts, chat_ids):
+    """Rows prefilled in fp32 would decode in bf16 to other tokens than one node's: the
+    same pool layout is not enough."""
+    from gpu_node.config import EngineConfig
+    from gpu_node.llm_engine import LLMEngine
+
+    model, tokenizer = smollm2_parts
+    ids = chat_ids(QUESTION)
+    greedy = SamplingParams(max_tokens=4)
+    handoff = prefill(make_engine(kv_dtype="fp32"), ids, greedy)
+    bf16 = LLMEngine(
+        EngineConfig(model="smollm2", weights="bf16", kv_dtype="fp32", num_pages=128),
+        copy.deepcopy(model).to(torch.bfloat16), tokenizer,
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError) as refused:
+        bf16.add_request("a", ids, greedy, handoff=handoff)
+    assert str(refused.value) == (
+        "KV handoff refused: the handoff's KV is KVSpec(kv_dtype='fp32', num_layers=30, "
+        "num_kv_heads=3, head_dim=64, activations='fp32'), this node's KVSpec(kv_dtype='fp32', "
+        "num_layers=30, num_kv_heads=3, head_dim=64, activations='bf16')"
+    )
+    assert bf16.stats().num_free_pages == bf16.stats().num_pages  # nothing was taken
+
+
+def test_a_handoff_of_another_version_is_refused_by_name() -> None:
+    import json
+
+    head = json.dumps({"version": 1}).encode()
+    with pytest.raises(ValueError, match="handoff version 1, this node reads 2"):
+        KVHandoff.from_bytes(struct.pack("<I", len(head)) + head)

@@ -157,7 +157,7 @@ def test_bf16_activations_are_refused_where_auto_computes_in_fp32(monkeypatch):
     assert str(info.value) == (
         "activations bf16: int4 weights on cpu compute in fp32; use activations auto"
     )
-    with pytest.raises(ValueError, match="activations must be auto, bf16 or fp16, got 'fp8'"):
+    with pytest.raises(ValueError, match="activations must be one of auto, bf16, fp16, got 'fp8'"):
         activation_dtype("int4", "cpu", "fp8")
 
 
@@ -197,3 +197,14 @@ def test_moe_small_in_bf16_serves_the_codes_of_the_fp32_build(monkeypatch):
     assert torch.equal(w2.scales, quantize_int4(fp32.mlp.experts.w2, 32).scales)
     x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
     assert model.layers[0].mlp(x).dtype == torch.bfloat16
+
+
+def test_an_engine_refuses_a_model_not_in_the_activations_asked_for(smollm2_parts):
+    model, tokenizer = smollm2_parts  # fp32
+    config = EngineConfig(model="smollm2", weights="bf16", activations="bf16", num_pages=8)
+    with pytest.raises(ValueError) as info:
+        LLMEngine(config, model, tokenizer)
+    assert str(info.value) == (
+        "activations bf16 asked for, but the model computes in fp32 (build it with "
+        "build_model(..., activations='bf16'))"
+    )
