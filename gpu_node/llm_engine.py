@@ -506,6 +506,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_preemptions=self.scheduler.num_preemptions,
             num_integrity_violations=self.num_integrity_violations,
+            activations=self.kv_spec.activations,
         )
 
     # -- convenience -----------------------------------------------------------------------

@@ -52,6 +52,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     max_model_len: int
+    activations: str  # what the model computes in: fp32, bf16 or fp16
     num_preemptions: int = 0
     num_integrity_violations: int = 0
 

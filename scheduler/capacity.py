@@ -42,6 +42,15 @@ class CapacityRecord:
     load: float  # 0 idle .. 1 pool full; above 1 when requests queue
     published_at: float  # epoch seconds
     ttl_s: float
+    # What the node's model computes in (fp32, bf16, fp16): with kv_dtype, what a prefill
+    # node and a decode node must share for one's KV to continue on the other
+    activations: str
+
+    @property
+    def kv_kind(self) -> tuple[str, str]:
+        """What a handoff between two nodes needs them to share (gpu_node/handoff.KVSpec's
+        dtypes; one model means one shape)."""
+        return (self.kv_dtype, self.activations)
 
     @property
     def num_total_tokens(self) -> int:
@@ -61,6 +70,8 @@ class CapacityRecord:
     def from_json(cls, raw: str | bytes) -> CapacityRecord:
         fields = json.loads(raw)
         fields["models"] = tuple(fields["models"])
+        # a node from before the field: its own kind, paired only with nodes like it
+        fields.setdefault("activations", "unknown")
         return cls(**fields)
 
 

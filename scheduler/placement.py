@@ -295,23 +295,29 @@ class Placer:
 
         Where the model has both decode and prefill nodes, the request is disaggregated:
         the best decode node that can hold it, with the prefill node of the best score
-        (no reservation there). Otherwise, or when every decode node is full, the best
+        among those of the decode node's KV and activations dtypes (no reservation there);
+        a decode node with no such prefill node takes nothing. Otherwise, or when every decode node is full, the best
         node that serves whole requests (mixed or prefill). The node that runs the
         prompt (the prefill node, or the whole-request one) gets the account's prefix
         affinity for its next request.
         """
         affine = await self._affinities.get(account_id, model) if account_id else None
         live = [r for r in await self._view.live(model) if r.node_id not in exclude]
-        decoders = [r for r in live if r.role == "decode"]
         prefillers = [r for r in live if r.role == "prefill"]
-        if decoders and prefillers:
+        # a decode node takes KV only from a prefill node of its own KV and activations dtypes
+        kinds = {r.kv_kind for r in prefillers}
+        decoders = [r for r in live if r.role == "decode" and r.kv_kind in kinds]
+        if decoders:
             index = await self._reservations.reserve_best(
                 request_id, num_tokens, [self._candidate(r) for r in decoders]
             )
             if index is not None:
                 chosen = decoders[index]
                 # the best score; ties go to the lower node id, as in the reservation step
-                prefiller = min(prefillers, key=lambda r: (-self._score(r, affine), r.node_id))
+                prefiller = min(
+                    (r for r in prefillers if r.kv_kind == chosen.kv_kind),
+                    key=lambda r: (-self._score(r, affine), r.node_id),
+                )
                 await self._remember(account_id, model, prefiller.node_id)
                 return Placement(
                     request_id, chosen.node_id, chosen.address, num_tokens, prefiller.address

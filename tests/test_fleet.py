@@ -261,7 +261,7 @@ def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(flee
         try:
             record = CapacityRecord(
                 "node-0-dead", f"http://127.0.0.1:{free_port()}", "mixed", ("smollm2",), 100_000, 100_000,
-                16, "fp32", 0, 0, 0.0, time.time(), 30.0,
+                16, "fp32", 0, 0, 0.0, time.time(), 30.0, "fp32",
             )  # fmt: skip
             await RedisCapacityRegistry(client, fleet.prefix).publish(record)
         finally:

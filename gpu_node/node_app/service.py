@@ -95,6 +95,7 @@ class NodeService:
             num_free_pages=stats.num_free_pages,
             page_size=stats.page_size,
             kv_dtype=stats.kv_dtype,
+            activations=stats.activations,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             load=load_estimate(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import replace
 
@@ -32,6 +33,7 @@ def record(
         load=0.25,
         published_at=time.time() if published_at is None else published_at,
         ttl_s=ttl_s,
+        activations="bf16",
     )
 
 
@@ -40,6 +42,13 @@ def test_record_round_trips_through_json() -> None:
     assert CapacityRecord.from_json(r.to_json()) == r
     assert r.num_free_tokens == 768
     assert r.num_total_tokens == 1024
+
+
+def test_a_record_from_before_activations_reads_as_its_own_kind() -> None:
+    fields = json.loads(record("node-1").to_json())
+    del fields["activations"]
+    old = CapacityRecord.from_json(json.dumps(fields))
+    assert old.activations == "unknown" and old.kv_kind == ("fp8", "unknown")
 
 
 def test_record_is_live_until_its_ttl_passes() -> None:

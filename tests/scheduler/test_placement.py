@@ -18,7 +18,14 @@ from scheduler.placement import (
 
 
 def record(
-    node_id: str, *, free_pages: int = 64, waiting: int = 0, models=("smollm2",), role="mixed"
+    node_id: str,
+    *,
+    free_pages: int = 64,
+    waiting: int = 0,
+    models=("smollm2",),
+    role="mixed",
+    kv_dtype="fp8",
+    activations="bf16",
 ) -> CapacityRecord:
     return CapacityRecord(
         node_id=node_id,
@@ -28,12 +35,13 @@ def record(
         num_pages=64,
         num_free_pages=free_pages,
         page_size=16,  # 1024 tokens in all
-        kv_dtype="fp8",
+        kv_dtype=kv_dtype,
         num_running=0,
         num_waiting=waiting,
         load=0.0,
         published_at=time.time(),
         ttl_s=30.0,
+        activations=activations,
     )
 
 
@@ -157,6 +165,29 @@ async def test_decode_and_prefill_nodes_split_a_request_and_full_decoders_fall_b
     await alone.publish(record("dec-a", role="decode"))
     lonely = Placer(CapacityView(alone, max_age_s=1.0), LocalReservations())
     assert await lonely.place("smollm2", "r4", 10) is None
+
+
+async def test_a_decode_node_pairs_only_with_prefill_nodes_of_its_kv_and_activations() -> None:
+    registry = LocalCapacityRegistry()
+    for r in [
+        record("node-m"),
+        record("dec-16", role="decode", activations="fp16", kv_dtype="fp16"),  # the freest
+        record("dec-b", role="decode", free_pages=40),
+        record("dec-8", role="decode", free_pages=48, kv_dtype="fp8", activations="fp16"),
+        record("pre-b", role="prefill", free_pages=60),  # the best prefill score
+        record("pre-16", role="prefill", free_pages=10, activations="fp16", kv_dtype="fp16"),
+    ]:
+        await registry.publish(r)
+    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), overcommit=1.0)
+    # dec-16 takes KV from pre-16 alone, though pre-b scores higher
+    first = await placer.place("smollm2", "r1", 600)
+    assert first == Placement("r1", "dec-16", "http://dec-16:8081", 600, "http://pre-16:8081")
+    # dec-8 (fp8 KV from fp16) has no prefill node of its kind: dec-b takes the next, with pre-b
+    second = await placer.place("smollm2", "r2", 500)
+    assert second == Placement("r2", "dec-b", "http://dec-b:8081", 500, "http://pre-b:8081")
+    # dec-16 and dec-b full; dec-8 still takes nothing: the request runs whole on node-m
+    third = await placer.place("smollm2", "r3", 600)
+    assert third == Placement("r3", "node-m", "http://node-m:8081", 600)
 
 
 async def test_an_accounts_next_request_prefers_the_node_holding_its_prefix(affinities) -> None:

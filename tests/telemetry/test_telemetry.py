@@ -230,6 +230,7 @@ STATS = EngineStats(
     num_running=3,
     num_waiting=2,
     max_model_len=1024,
+    activations="bf16",
     num_preemptions=4,
     num_integrity_violations=1,
 )
