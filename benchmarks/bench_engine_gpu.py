@@ -38,6 +38,7 @@ import torch
 from gpu_node.config import EngineConfig
 from gpu_node.kernels import launch, w4a16_mma_plan
 from gpu_node.kv_cache import bytes_per_page
+from gpu_node.kv_quant import DTYPE_NAMES
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import fuse_projections
@@ -395,6 +396,27 @@ def seeded_model(shape, device, dtype):
     return seeded_llama(shape, seed=0, device=device, draw_on_device=shape is LLAMA_8B).to(dtype)
 
 
+def alternated_decode(variants, batch, steps, device):
+    """Decode step ms of each variant (name -> (model, EngineConfig overrides, whether the small
+    kernels release the next launch)), engines alternated twice at context 512, graphs up to
+    batch 8: the best of each, and a line of every pass's steps and the graph's replay alone."""
+    times = {w: [] for w in variants}
+    replays = {w: [] for w in variants}
+    for _ in range(2):
+        for name, (model, overrides, release) in variants.items():
+            launch.SMALL_KERNELS_RELEASE_NEXT = release
+            engine = make_engine(model, device, num_pages=batch * 40 + 8, cuda_graph_batch=8,
+                                 **overrides)  # fmt: skip
+            times[name].append(decode_step_ms(engine, batch, 512, steps, device))
+            if engine.runner.graphs is not None and engine.runner.graphs.captured:
+                replays[name].append(replay_ms(engine.runner.graphs, device))
+            del engine
+            launch.SMALL_KERNELS_RELEASE_NEXT = True
+    detail = (f"    steps ms: { {w: [round(t, 3) for t in v] for w, v in times.items()} }; the graph's "
+              f"replay alone (GPU) ms: { {w: round(min(v), 3) for w, v in replays.items() if v} }")  # fmt: skip
+    return {w: min(t) for w, t in times.items()}, detail
+
+
 def dense_8b(tiny, device, dtype, kv16, steps):
     """tok/s of graph-replayed decode steps, bf16 against INT4 weights of one seeded model,
     engines alternated twice (best of each), context 512."""
@@ -417,28 +439,14 @@ def dense_8b(tiny, device, dtype, kv16, steps):
               flush=True)  # fmt: skip
     # the INT4 model once more with every launch in order (launch.SMALL_KERNELS_RELEASE_NEXT
     # off: no small kernel lets the GEMV after it launch early)
-    variants = {w: (m, True) for w, m in models.items()}
-    variants[f"int4 g{group} in order"] = (models[f"int4 g{group}"], False)
+    variants = {w: (m, {"kv_dtype": kv16}, True) for w, m in models.items()}
+    variants[f"int4 g{group} in order"] = (models[f"int4 g{group}"], {"kv_dtype": kv16}, False)
     for batch in (1, 8):
-        times = {w: [] for w in variants}
-        replays = {w: [] for w in variants}
-        for _ in range(2):
-            for weights, (model, release) in variants.items():
-                launch.SMALL_KERNELS_RELEASE_NEXT = release
-                engine = make_engine(model, device, kv_dtype=kv16, num_pages=batch * 40 + 8,
-                                     cuda_graph_batch=8)  # fmt: skip
-                times[weights].append(decode_step_ms(engine, batch, 512, steps, device))
-                if engine.runner.graphs is not None and engine.runner.graphs.captured:
-                    replays[weights].append(replay_ms(engine.runner.graphs, device))
-                del engine
-                launch.SMALL_KERNELS_RELEASE_NEXT = True
-        best = {w: min(t) for w, t in times.items()}
+        best, detail = alternated_decode(variants, batch, steps, device)
         print(f"  batch {batch}: " + "  ".join(f"{w} {batch * 1e3 / ms:7.1f} tok/s" for w, ms in best.items())
               + "  " + "  ".join(f"{w}/bf16 {best['bf16'] / ms:.2f}x" for w, ms in best.items() if w != "bf16"),
               flush=True)  # fmt: skip
-        print(f"    steps ms: { {w: [round(t, 3) for t in v] for w, v in times.items()} }; the graph's "
-              f"replay alone (GPU) ms: { {w: round(min(v), 3) for w, v in replays.items() if v} }",
-              flush=True)  # fmt: skip
+        print(detail, flush=True)
     del models, variants
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -452,35 +460,23 @@ def fp16_activations_8b(tiny, device, steps):
     if tiny:
         print("  fp16 activations take the GPU's tensor-core kernels: skipped on the CPU")
         return
-    models = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("int4 bf16", torch.bfloat16),
-                        ("int4 fp16", torch.float16)):  # fmt: skip
+    variants = {}
+    for name, dtype, activations in (("bf16", torch.bfloat16, "auto"),
+                                     ("int4 bf16", torch.bfloat16, "bf16"),
+                                     ("int4 fp16", torch.float16, "fp16")):  # fmt: skip
         model = seeded_llama(LLAMA_8B, seed=0, device=device, draw_on_device=True)
         if name != "bf16":
             quantize_model(model, group_size=128, skip=("lm_head", "embed_tokens"))
-        models[name] = (fuse_projections(model.to(dtype)), dtype)
-    kv = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    activations = {"bf16": "auto", "int4 bf16": "bf16", "int4 fp16": "fp16"}
+        overrides = {"kv_dtype": DTYPE_NAMES[dtype], "activations": activations}
+        variants[name] = (fuse_projections(model.to(dtype)), overrides, True)
     for batch in (1, 8):
-        times = {w: [] for w in models}
-        replays = {w: [] for w in models}
-        for _ in range(2):
-            for name, (model, dtype) in models.items():
-                engine = make_engine(model, device, kv_dtype=kv[dtype], num_pages=batch * 40 + 8,
-                                     cuda_graph_batch=8, activations=activations[name])  # fmt: skip
-                times[name].append(decode_step_ms(engine, batch, 512, steps, device))
-                if engine.runner.graphs is not None and engine.runner.graphs.captured:
-                    replays[name].append(replay_ms(engine.runner.graphs, device))
-                del engine
-        best = {w: min(t) for w, t in times.items()}
+        best, detail = alternated_decode(variants, batch, steps, device)
         print(f"  batch {batch}: " + "  ".join(f"{w} {batch * 1e3 / ms:7.1f} tok/s" for w, ms in best.items())
               + f"  int4 bf16/bf16 {best['bf16'] / best['int4 bf16']:.2f}x  int4 fp16/bf16 "
               f"{best['bf16'] / best['int4 fp16']:.2f}x  fp16/bf16 activations "
               f"{best['int4 bf16'] / best['int4 fp16']:.3f}x", flush=True)  # fmt: skip
-        print(f"    steps ms: { {w: [round(t, 3) for t in v] for w, v in times.items()} }; the graph's "
-              f"replay alone (GPU) ms: { {w: round(min(v), 3) for w, v in replays.items() if v} }",
-              flush=True)  # fmt: skip
-    del models
+        print(detail, flush=True)
+    del variants
     torch.cuda.empty_cache()
 
 

@@ -113,6 +113,7 @@ def check(
     `dtypes` bf16,fp16 the served kernel runs from fp16 activations too (the same weights;
     the ratio is still over cuBLAS bf16, whose fp16 time is the same bytes).
     """
+    others = [name for name in dtypes if name != "bf16"]  # activations timed beside bf16's
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for k, n in shapes:
@@ -122,21 +123,20 @@ def check(
         ]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         calls = {"bf16": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
-        if "fp16" in dtypes:  # cuBLAS over the same matrices in fp16, for the fp16 ratio
-            x16, dense16 = x.half(), [w.half() for w in dense]
-            calls["fp16"] = [lambda w=w, x=x16: F.linear(x, w) for w in dense16]
+        for name in others:  # cuBLAS over the same matrices in that dtype, for its ratio
+            x_as, dense_as = x.to(DTYPES[name]), [w.to(DTYPES[name]) for w in dense]
+            calls[name] = [lambda w=w, x=x_as: F.linear(x, w) for w in dense_as]
         weights = {layout: make_weights(n, k, group, layout == "sym", device) for layout in layouts}
         for layout, qs in weights.items():
             calls[f"{layout} heuristic"] = [
                 lambda q=q, x=x: w4a16_mma_gemv(x, q, config={}) for q in qs
             ]
             calls[f"{layout} served"] = [lambda q=q, x=x: w4a16_mma_gemv(x, q) for q in qs]
-            for name in dtypes:
-                if name != "bf16":
-                    xd = x.to(DTYPES[name])
-                    calls[f"{layout} served {name}"] = [
-                        lambda q=q, x=xd: w4a16_mma_gemv(x, q) for q in qs
-                    ]
+            for name in others:
+                x_as = x.to(DTYPES[name])
+                calls[f"{layout} served {name}"] = [
+                    lambda q=q, x=x_as: w4a16_mma_gemv(x, q) for q in qs
+                ]
         nbytes = weights[layouts[0]][0].nbytes
         k_eq = max(64, round(nbytes / (2 * n) / 64) * 64)
         same_bytes = [
@@ -165,20 +165,17 @@ def check(
                 f"table {tuned}",
                 flush=True,
             )
-            for name in dtypes:
-                if name != "bf16":
-                    other = med[f"{layout} served {name}"]
-                    print(
-                        f"  {layout} from {name} activations: served {other:.1f} us "
-                        f"({bf16 / other:.2f}x over bf16 cuBLAS, {med[name] / other:.2f}x over "
-                        f"{name} cuBLAS {med[name]:.1f} us; {served / other:.3f}x over bf16 "
-                        f"activations)",
-                        flush=True,
-                    )
+            for name in others:
+                other = med[f"{layout} served {name}"]
+                print(
+                    f"  {layout} from {name} activations: served {other:.1f} us "
+                    f"({bf16 / other:.2f}x over bf16 cuBLAS, {med[name] / other:.2f}x over "
+                    f"{name} cuBLAS {med[name]:.1f} us; {served / other:.3f}x over bf16 "
+                    f"activations)",
+                    flush=True,
+                )
         print(f"  rounds: { {c: [round(t, 1) for t in v] for c, v in times.items()} }", flush=True)
-        del weights, dense, same_bytes
-        if "fp16" in dtypes:
-            del dense16
+        del weights, dense, same_bytes, calls
 
 
 def main() -> None:

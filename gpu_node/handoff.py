@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_node.kv_cache import KVCache, raw_storage
+from gpu_node.kv_quant import DTYPE_NAMES
 
 VERSION = 2  # 2: the spec names the activations' dtype
 _DTYPES = {
@@ -40,7 +41,6 @@ _DTYPES = {
     "float16": torch.float16,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-ACTIVATION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class KVSpec:
         num_kv_heads, head_dim = cache.k_cache[0].shape[2:]
         return cls(
             cache.kv_dtype, len(cache.k_cache), int(num_kv_heads), int(head_dim),
-            ACTIVATION_NAMES[activations],
+            DTYPE_NAMES[activations],
         )  # fmt: skip
 
 

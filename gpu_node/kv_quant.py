@@ -55,6 +55,8 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp8": FP8_DTYPE,
 }
+# The short name of each (the names of the dtypes a model computes in too: fp32, bf16, fp16)
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in KV_DTYPES.items()}
 
 
 def kv_torch_dtype(kv_dtype: str) -> torch.dtype:

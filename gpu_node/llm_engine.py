@@ -18,8 +18,9 @@ import torch
 from gpu_node.config import EngineConfig
 from gpu_node.decode_graphs import DecodeGraphs, capturable
 from gpu_node.errors import InvalidRequestError
-from gpu_node.handoff import ACTIVATION_NAMES, KVHandoff, KVSpec, export_rows, import_rows
+from gpu_node.handoff import KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.kv_cache import KVCache, bytes_per_page
+from gpu_node.kv_quant import DTYPE_NAMES
 from gpu_node.model_runner import ModelRunner
 from gpu_node.models.llama import LlamaModel
 from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
@@ -94,7 +95,7 @@ class LLMEngine:
             if computes_in != wanted:
                 raise ValueError(
                     f"activations {config.activations} asked for, but the model computes in "
-                    f"{ACTIVATION_NAMES[computes_in]} (build it with build_model(..., "
+                    f"{DTYPE_NAMES[computes_in]} (build it with build_model(..., "
                     f"activations={config.activations!r}))"
                 )
         self.kv_spec = KVSpec.of(self.kv_cache, computes_in)

@@ -8,9 +8,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gpu_node.config import ACTIVATIONS
 from gpu_node.errors import ModelNotFoundError
 from gpu_node.gguf_loader import GGUFModel
 from gpu_node.kernels import launch
+from gpu_node.kv_quant import DTYPE_NAMES, KV_DTYPES
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import (
     LlamaModel,
@@ -126,25 +128,23 @@ def activation_dtype(
     auto = torch.bfloat16 if weights == "bf16" or tensor_cores else torch.float32
     if activations == "auto":
         return auto
-    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(activations)
-    if wanted is None:
-        raise ValueError(f"activations must be one of auto, bf16, fp16, got {activations!r}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(
+            f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}"
+        )
+    wanted = KV_DTYPES[activations]
     if wanted == torch.float16 and not tensor_cores:
         raise ValueError(
             f"activations fp16 takes int4 weights on a CUDA GPU of compute capability 8.0 "
             f"or newer (the tensor-core W4A16 kernels); {weights} weights on {device} compute "
-            f"in {_dtype_name(auto)}: use activations auto"
+            f"in {DTYPE_NAMES[auto]}: use activations auto"
         )
     if wanted == torch.bfloat16 and auto != torch.bfloat16:
         raise ValueError(
-            f"activations bf16: {weights} weights on {device} compute in {_dtype_name(auto)}; "
+            f"activations bf16: {weights} weights on {device} compute in {DTYPE_NAMES[auto]}; "
             f"use activations auto"
         )
     return wanted
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def build_model(

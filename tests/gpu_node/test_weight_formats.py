@@ -74,9 +74,9 @@ def test_int4_greedy_continuation_matches_fp32_for_40_tokens(int4_parts, smollm2
     assert int4 == fp32
 
 
-@pytest.mark.parametrize("weights", ["int4", "bf16", "fp32"])
-def test_moe_small_runs_through_the_engine(weights):
-    engine = LLMEngine.from_config(EngineConfig(model="moe-small", weights=weights, num_pages=32))
+def check_moe_small_serves_two_requests(engine):
+    """Two requests through a moe-small engine of 32 pages: the pages each takes and gives
+    back, and its usage (its tokens are seeded noise)."""
     engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=9, ignore_eos=True))
     engine.add_request("b", list(range(200, 205)), SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
@@ -89,6 +89,12 @@ def test_moe_small_runs_through_the_engine(weights):
     assert (finals["a"].num_prompt_tokens, finals["a"].num_completion_tokens) == (40, 9)
     assert (finals["b"].num_prompt_tokens, finals["b"].num_completion_tokens) == (5, 3)
     assert engine.stats().num_free_pages == 32
+
+
+@pytest.mark.parametrize("weights", ["int4", "bf16", "fp32"])
+def test_moe_small_runs_through_the_engine(weights):
+    engine = LLMEngine.from_config(EngineConfig(model="moe-small", weights=weights, num_pages=32))
+    check_moe_small_serves_two_requests(engine)
 
 
 def test_bf16_weights_load_in_bf16(smollm2_path):

@@ -12,6 +12,7 @@ import torch
 from scheduler.sequence import SamplingParams
 
 from ..test_parity import prompt_logits
+from ..test_weight_formats import check_moe_small_serves_two_requests
 from .test_decode_graphs_gpu import MAX_TOKENS, PROMPTS, _Tokens
 
 needs_cuda = pytest.mark.skipif(
@@ -109,15 +110,4 @@ def test_moe_small_serves_int4_in_fp16_through_the_engine():
     )  # fmt: skip
     engine = LLMEngine.from_config(config)
     assert engine.model.embed_tokens.weight.dtype == torch.float16
-    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=9, ignore_eos=True))
-    engine.add_request("b", list(range(200, 205)), SamplingParams(max_tokens=3, ignore_eos=True))
-    engine.step()
-    assert engine.stats().num_free_pages == 32 - 3 - 1  # 40 tokens -> 3 pages, 5 tokens -> 1
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    assert (finals["a"].num_prompt_tokens, finals["a"].num_completion_tokens) == (40, 9)
-    assert (finals["b"].num_prompt_tokens, finals["b"].num_completion_tokens) == (5, 3)
-    assert engine.stats().num_free_pages == 32
+    check_moe_small_serves_two_requests(engine)
