@@ -1,6 +1,6 @@
 """The tensor-core W4A16 GEMV's load and layout variants side by side, at M = 1.
 
-    python benchmarks/bench_w4a16_variants.py [--shapes 70b] [--rounds 2]
+    python benchmarks/bench_w4a16_variants.py [--shapes 70b] [--rounds 2] [--dtype bf16]
         [--variants 'name=JSON;name=JSON'] [--json out.json]
 
 For each layer shape (K in -> N out) it times, in one run and in rounds that alternate
@@ -17,7 +17,9 @@ GROUPS_PER_SPLIT: the launch; any key of w4a16_mma_gemv's config). A variant a l
 refuses (PIPE 0 on symmetric tiles) is skipped for it. Timing is
 bench_w4a16.py's CUDA-graph harness (weight copies spanning 4x the L2). It prints each
 variant's median over the rounds, its spread, its speedup over bf16 and its bandwidth as a
-fraction of a device-to-device copy measured in the same run. Needs torch, triton, numpy.
+fraction of a device-to-device copy measured in the same run. `--dtype fp16` runs the
+kernels from fp16 activations (`--activations fp16`); the baseline stays bf16 cuBLAS, the
+engine's default. Needs torch, triton, numpy.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def main() -> None:
     parser.add_argument("--variants", type=parse_variants, default=DEFAULT_VARIANTS)
     parser.add_argument("--layouts", default="asym,sym")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=GROUP)
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     group = args.group_size
     layouts = args.layouts.split(",")
     torch.manual_seed(0)
@@ -75,7 +79,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(
         f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s; bf16 activations; INT4 group {group}; rounds {args.rounds}",
+        f"{bw / 1e12:.2f} TB/s; {args.dtype} activations (bf16 cuBLAS); INT4 group {group}; rounds {args.rounds}",
         flush=True,
     )
     rows = []
@@ -94,7 +98,8 @@ def main() -> None:
             "asym": [to_mma(q) for q in quants],
             "sym": [to_mma(q, symmetric=True) for q in quants],
         }
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x16 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = x16.to(dtype)
         ref = x.float() @ dequantize_int4(from_mma(weights["sym"][0])).T
         sms = props.multi_processor_count
         bases = {  # each layout's own heuristic
@@ -110,7 +115,7 @@ def main() -> None:
         times: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             times.setdefault("bf16", []).append(
-                bench_graph([lambda w=w, x=x: F.linear(x, w) for w in dense]) * 1e3
+                bench_graph([lambda w=w, x16=x16: F.linear(x16, w) for w in dense]) * 1e3
             )
             for key, (layout, _, c) in configs.items():
                 t = bench_graph(

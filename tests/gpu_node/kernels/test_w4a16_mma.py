@@ -979,3 +979,51 @@ def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
     odd_k = Int4Linear(quantize_int4(torch.randn(64, 96, generator=gen), 32)).cuda()
     odd_k(x[:, :96].to(torch.bfloat16))  # K = 96: no tensor-core layout
     assert odd_k.layout == "kn"
+
+
+def test_prefetch_is_a_count_of_steps_on_sm90_only() -> None:
+    """PREFETCH (steps after each warp's first asked of L2 at launch) is off unless a config
+    asks; a negative count is refused, and so is any count where the kernel cannot issue
+    cp.async.bulk.prefetch.L2 (no sm_90: the CPU, the interpreter)."""
+    cpu = torch.device("cpu")
+    plan = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, None)
+    assert plan.constexprs["PREFETCH"] == 0
+    assert (
+        plan_module.plan_launch(
+            8192, 8192, 128, torch.bfloat16, cpu, False, {"PREFETCH": 0}
+        ).constexprs["PREFETCH"]
+        == 0
+    )
+    with pytest.raises(ValueError, match=r"PREFETCH must be >= 0 \(steps\), got -1"):
+        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {"PREFETCH": -1})
+    with pytest.raises(ValueError, match=r"PREFETCH needs sm_90 \(cp\.async\.bulk\.prefetch\.L2\)"):
+        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {"PREFETCH": 4})
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefetch_gives_the_same_bits(dtype) -> None:
+    """Asking L2 for a warp's next steps at launch changes when bytes arrive, never what is
+    summed: every loop and launch kind gives its bits without PREFETCH, with fewer steps
+    left than asked (a one-step split, 8 asked of 4-step splits) and with row blocks past N
+    (1040 rows), symmetric tiles and KWARPS among them."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cp.async.bulk.prefetch.L2 needs sm_90")
+    x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
+    launches = (
+        (False, {"R": 1, "CHAINS": 2, "WARPS": 4, "GROUPS_PER_SPLIT": 4}),
+        (False, {"R": 2, "CHAINS": 1, "WARPS": 4, "GROUPS_PER_SPLIT": 1}),
+        (False, {"R": 2, "CHAINS": 1, "WARPS": 4, "GROUPS_PER_SPLIT": 32}),
+        (True, {"R": 2, "CHAINS": 1, "WARPS": 4, "GROUPS_PER_SPLIT": 4}),
+        (False, {"KWARPS": True, "R": 1, "CHAINS": 2, "WARPS": 4, "GROUPS_PER_SPLIT": 2}),
+    )
+    for group_size in (128, 32):
+        for symmetric, base in launches:
+            weight = mma_weight(1040, 4096, group_size, seed=31, device="cuda", symmetric=symmetric)
+            if group_size == 32:
+                base = {**base, "CHAINS": 2}
+            plain = w4a16_mma_gemv(x, weight, base)
+            assert relative_error(plain, w4a16_mma_ref(x, weight)) < TOLERANCE[dtype]
+            for ahead in (1, 8, 64):
+                got = w4a16_mma_gemv(x, weight, {**base, "PREFETCH": ahead})
+                assert torch.equal(got, plain), (group_size, symmetric, base, ahead)
