@@ -73,7 +73,6 @@ from gpu_node.kernels.w4a16_mma_step import (
     load_step_fp16,
     load_step_int32,
     mma_group_step,
-    prefetch_l2,
 )
 from gpu_node.quant.int4 import (
     MMA_GROUP_SIZES,
@@ -117,7 +116,6 @@ def _gemv_mma_kernel(
     SYMMETRIC: tl.constexpr = False,  # the tiles hold scales alone (min = -8 scale)
     PIPE: tl.constexpr = 0,  # the loop: 0 one buffer, fp16 scales; 2 two buffers, int32 scales
     KWARPS: tl.constexpr = False,  # a program's warps share its row blocks and split its K
-    PREFETCH: tl.constexpr = 0,  # steps after a warp's first asked of L2 at launch (sm_90)
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
@@ -164,14 +162,6 @@ def _gemv_mma_kernel(
         x_at += warp_at * (32 * CPG)
         g_end = g_begin + per_warp
     words_at = tile_at + e % 128  # + 128 * chunk of the group
-    if PREFETCH > 0:
-        # Before the wait for the previous kernel: each warp's next PREFETCH steps of each of
-        # its row blocks (contiguous in the tiles) asked of L2 in one bulk request by one
-        # lane, so they stream in while that kernel finishes and this one's loop starts.
-        first = g_begin + 1
-        ahead = tl.minimum(g_end - first, PREFETCH)
-        lead = rb_ok & (e % 128 == 0) & (ahead > 0)
-        prefetch_l2(tile_at + first * stride_tg, ahead * stride_tg * 4 + 0 * rb, lead)
     SM2: tl.constexpr = 8 if SYMMETRIC else 16  # the second g32 group's words, in int32
     acc = tl.full((R, E), 0.0, tl.float32)
     if EARLY == 1:

@@ -191,11 +191,6 @@ def plan_launch(
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
     num_groups = k // mma_step(group_size)  # steps
-    prefetch = int(cfg.get("PREFETCH", 0))
-    if prefetch < 0:
-        raise ValueError(f"PREFETCH must be >= 0 (steps), got {prefetch}")
-    if prefetch and not launches_early(device):
-        raise ValueError("PREFETCH needs sm_90 (cp.async.bulk.prefetch.L2)")
     kwarps = bool(cfg.get("KWARPS", False))
     if kwarps and symmetric:
         # With symmetric tiles at groups of 128 and 64 (tile strides 264 and 136 int32, no
@@ -251,7 +246,6 @@ def plan_launch(
         "SYMMETRIC": symmetric,
         "PIPE": pipe,
         "KWARPS": kwarps,
-        "PREFETCH": prefetch,
         **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),  # benchmarks' caps, and the one above

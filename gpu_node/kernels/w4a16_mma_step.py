@@ -50,20 +50,6 @@ def fragment(e):
 
 
 @triton.jit
-def prefetch_l2(at, nbytes, mask):
-    """Asks L2 for `nbytes` (a multiple of 16) from each 16-byte-aligned address `at` where
-    `mask` holds, by one bulk request each (sm_90's cp.async.bulk.prefetch.L2, issued by the
-    copy engine): nothing in registers waits for it, and the loads that follow find the
-    bytes in L2 or on their way there. Returns a dummy, so the call is kept."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;\n}",
-        "=r,l,r,r", [at.to(tl.int64), nbytes, mask.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def load_step_int32(words_at, sm_at, step, stride_tg, mask, CPG: tl.constexpr, SUBS: tl.constexpr,
                SM2: tl.constexpr):  # fmt: skip
     """The two-buffer loop's (PIPE 2) loads of a step: words (two chunks with groups of 128)
