@@ -246,6 +246,7 @@ def plan_launch(
         "SYMMETRIC": symmetric,
         "PIPE": pipe,
         "KWARPS": kwarps,
+        **({"NO_SUM": True} if cfg.get("NO_SUM") else {}),  # benchmarks: the split sum's cost
         **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),  # benchmarks' caps, and the one above

@@ -979,3 +979,14 @@ def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
     odd_k = Int4Linear(quantize_int4(torch.randn(64, 96, generator=gen), 32)).cuda()
     odd_k(x[:, :96].to(torch.bfloat16))  # K = 96: no tensor-core layout
     assert odd_k.layout == "kn"
+
+
+def test_the_split_sum_is_left_out_only_when_a_benchmark_asks() -> None:
+    """NO_SUM (benchmarks: split K's partials written, never summed) is no constexpr of a
+    served plan, the table's or the heuristic's, and one when a config asks for it."""
+    cpu = torch.device("cpu")
+    served = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, None)
+    assert "NO_SUM" not in served.constexprs
+    timed = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {"NO_SUM": 1})
+    assert timed.constexprs["NO_SUM"] is True
+    assert {**timed.constexprs, "NO_SUM": None} == {**served.constexprs, "NO_SUM": None}
