@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
 from gpu_node.kernels.w4a16_gemv import MAX_M, gemv_config, w4a16_gemv, w4a16_kn_matmul
+from gpu_node.kv_quant import KV_DTYPES
 from gpu_node.quant.int4 import Int4Weight, Int4WeightKN, quantize_int4, to_kn, unpack_int4
 
 SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> expert
@@ -51,6 +52,8 @@ SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> exper
 LARGE_SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # llama-3-70B q/o, up/gate, down
 BATCHES = [1, 4, 16, 64]
 GROUP = 128
+# The activation dtypes an INT4 model computes in on a GPU (--activations), by name
+ACTIVATION_DTYPES = {name: KV_DTYPES[name] for name in ("bf16", "fp16")}
 
 
 L2_BYTES = 60 * 2**20

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_w4a16 import (
+    ACTIVATION_DTYPES,
     GROUP,
     SHAPES,
     bench_graph,
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--sweep-maxnreg", default="0", help="register caps (0: none)")
     parser.add_argument(
         "--dtype",
-        choices=("bf16", "fp16"),
+        choices=tuple(ACTIVATION_DTYPES),
         default="bf16",
         help="activations and the dense baseline",
     )
@@ -130,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     group = args.group_size
     batches = [int(b) for b in args.batches.split(",")]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = ACTIVATION_DTYPES[args.dtype]
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()

@@ -35,7 +35,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_w4a16 import GROUP, bench_graph, copies_for, copy_bandwidth, parse_shapes
+from bench_w4a16 import (
+    ACTIVATION_DTYPES,
+    GROUP,
+    bench_graph,
+    copies_for,
+    copy_bandwidth,
+    parse_shapes,
+)
 from bench_w4a16_mma import rel_err
 
 from gpu_node.kernels.w4a16_mma import mma_gemv_config, w4a16_mma_gemv
@@ -68,10 +75,10 @@ def main() -> None:
     parser.add_argument("--variants", type=parse_variants, default=DEFAULT_VARIANTS)
     parser.add_argument("--layouts", default="asym,sym")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=GROUP)
-    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--dtype", choices=tuple(ACTIVATION_DTYPES), default="bf16")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = ACTIVATION_DTYPES[args.dtype]
     group = args.group_size
     layouts = args.layouts.split(",")
     torch.manual_seed(0)
@@ -79,7 +86,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(
         f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s; {args.dtype} activations (bf16 cuBLAS); INT4 group {group}; rounds {args.rounds}",
+        f"{bw / 1e12:.2f} TB/s; {args.dtype} activations (bf16 cuBLAS); INT4 group {group}; "
+        f"rounds {args.rounds}",
         flush=True,
     )
     rows = []
@@ -98,8 +106,8 @@ def main() -> None:
             "asym": [to_mma(q) for q in quants],
             "sym": [to_mma(q, symmetric=True) for q in quants],
         }
-        x16 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        x = x16.to(dtype)
+        x_bf16 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)  # cuBLAS's
+        x = x_bf16.to(dtype)
         ref = x.float() @ dequantize_int4(from_mma(weights["sym"][0])).T
         sms = props.multi_processor_count
         bases = {  # each layout's own heuristic
@@ -115,7 +123,7 @@ def main() -> None:
         times: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             times.setdefault("bf16", []).append(
-                bench_graph([lambda w=w, x16=x16: F.linear(x16, w) for w in dense]) * 1e3
+                bench_graph([lambda w=w, x=x_bf16: F.linear(x, w) for w in dense]) * 1e3
             )
             for key, (layout, _, c) in configs.items():
                 t = bench_graph(

@@ -38,7 +38,14 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_w4a16 import bench_graph, copies_for, copy_bandwidth, parse_shapes, read_floor_us
+from bench_w4a16 import (
+    ACTIVATION_DTYPES,
+    bench_graph,
+    copies_for,
+    copy_bandwidth,
+    parse_shapes,
+    read_floor_us,
+)
 
 from gpu_node.kernels import w4a16_mma_plan as plan_module
 from gpu_node.kernels.w4a16_mma import w4a16_mma_gemv
@@ -93,9 +100,6 @@ def make_weights(n: int, k: int, group: int, symmetric: bool, device: torch.devi
     return weights
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def check(
     shapes: list[tuple[int, int]],
     group: int,
@@ -124,7 +128,8 @@ def check(
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         calls = {"bf16": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
         for name in others:  # cuBLAS over the same matrices in that dtype, for its ratio
-            x_as, dense_as = x.to(DTYPES[name]), [w.to(DTYPES[name]) for w in dense]
+            dtype = ACTIVATION_DTYPES[name]
+            x_as, dense_as = x.to(dtype), [w.to(dtype) for w in dense]
             calls[name] = [lambda w=w, x=x_as: F.linear(x, w) for w in dense_as]
         weights = {layout: make_weights(n, k, group, layout == "sym", device) for layout in layouts}
         for layout, qs in weights.items():
@@ -133,7 +138,7 @@ def check(
             ]
             calls[f"{layout} served"] = [lambda q=q, x=x: w4a16_mma_gemv(x, q) for q in qs]
             for name in others:
-                x_as = x.to(DTYPES[name])
+                x_as = x.to(ACTIVATION_DTYPES[name])
                 calls[f"{layout} served {name}"] = [
                     lambda q=q, x=x_as: w4a16_mma_gemv(x, q) for q in qs
                 ]
@@ -190,12 +195,12 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="time the table against the heuristic")
     parser.add_argument("--dtypes", default="bf16", help="--check: bf16 or bf16,fp16")
     parser.add_argument(
-        "--dtype", choices=tuple(DTYPES), default="bf16", help="tuning's activations"
+        "--dtype", choices=tuple(ACTIVATION_DTYPES), default="bf16", help="tuning's activations"
     )
     args = parser.parse_args()
-    unknown = sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    unknown = sorted(set(args.dtypes.split(",")) - set(ACTIVATION_DTYPES))
     if unknown:
-        parser.error(f"--dtypes takes {', '.join(DTYPES)}, got {', '.join(unknown)}")
+        parser.error(f"--dtypes takes {', '.join(ACTIVATION_DTYPES)}, got {', '.join(unknown)}")
     if args.out is None:
         if args.dtype != "bf16":
             # the table is keyed without the activations' dtype: it holds bf16's launches
@@ -222,7 +227,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             symmetric = layout == "sym"
             weights = make_weights(n, k, group, symmetric, device)
-            x = torch.randn(1, k, device=device, dtype=DTYPES[args.dtype])
+            x = torch.randn(1, k, device=device, dtype=ACTIVATION_DTYPES[args.dtype])
             configs = candidates(n, k, group, symmetric, device)
             calls = {
                 label: [lambda q=q, c=c, x=x: w4a16_mma_gemv(x, q, config=c) for q in weights]

@@ -116,7 +116,7 @@ def _gemv_mma_kernel(
     SYMMETRIC: tl.constexpr = False,  # the tiles hold scales alone (min = -8 scale)
     PIPE: tl.constexpr = 0,  # the loop: 0 one buffer, fp16 scales; 2 two buffers, int32 scales
     KWARPS: tl.constexpr = False,  # a program's warps share its row blocks and split its K
-    NO_SUM: tl.constexpr = False,  # benchmarks: partials written, never summed (wrong y)
+    NO_SUM: tl.constexpr = False,  # benchmarks: split K's partials never summed (no y)
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
@@ -297,8 +297,8 @@ def w4a16_mma_gemv(
     programmatic dependent launch, 0 off, 1 the next kernel may launch from this one's
     start, 2 from its tail, the default where the GPU can; PIPE: the loop, 0 or 2, 2
     always for symmetric tiles; KWARPS: the warps split K, GROUPS_PER_SPLIT then being about
-    a warp's share; NO_SUM, benchmarks only: split K's partials written and never summed, so
-    y is left unwritten, to time the sum) overrides the heuristic; benchmarks sweep it.
+    a warp's share; NO_SUM, benchmarks only: with split K the partials are written and never
+    summed, so y is left unwritten, to time the sum) overrides the heuristic; benchmarks sweep it.
     """
     k = weight.shape[1]
     if x.dim() != 2 or x.shape[1] != k:
