@@ -29,7 +29,7 @@ from gateway.keys import RedisKeyStore
 from gateway.settings import GatewaySettings
 from gpu_node.server import NodeService, NodeSettings, create_node_app
 from scheduler.capacity import CapacityRecord, CapacityView, RedisCapacityRegistry
-from scheduler.placement import Placement, Placer, RedisReservations
+from scheduler.placement import Candidate, Placement, Placer, RedisReservations
 from tests.conftest import (
     INTERNAL_TOKEN,
     REDIS_URL,
@@ -217,20 +217,45 @@ def open_counting_stream(fleet: Fleet, stack: contextlib.ExitStack) -> Iterator[
     return lines
 
 
+def hold_on(fleet: Fleet, node_id: str, num_tokens: int | None) -> None:
+    """Hold `num_tokens` reserved on a node in the fleet's real reservation table, as a
+    request would (None: let them go)."""
+
+    async def go() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            reservations = RedisReservations(client, fleet.prefix)
+            if num_tokens is None:
+                await reservations.release(node_id, "test-hold")
+            else:
+                unlimited = Candidate(node_id, 0, 2**40, 0)
+                assert await reservations.reserve_best("test-hold", num_tokens, [unlimited]) == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
+    # A stream must run on node-a. Left to the scores, it may not: node-b can hold the
+    # account's prefix affinity, and a stream that ends early gives its reservation back.
+    # A hold of node-b's whole pool on it makes node-a score higher whenever a gateway sees
+    # node-a; on a loaded machine a heartbeat can lapse for a moment, and a gateway then
+    # sees node-b alone, so streams are opened until one runs on node-a.
+    (record_b,) = [r for r in fleet.records() if r.node_id == "node-b"]
+    hold_on(fleet, "node-b", record_b.num_total_tokens)
     with contextlib.ExitStack() as stack:
-        # Open streams until one runs on node-a (a stream's reservation pushes the next one
-        # over). On a loaded machine a heartbeat can lapse for a moment, and a gateway then
-        # sees node-b alone: each stream waits until both nodes are live again.
-        for _ in range(8):
-            deadline = time.monotonic() + 10
+        stack.callback(hold_on, fleet, "node-b", None)
+        deadline = time.monotonic() + 30
+        while True:
             while sorted(fleet.live_nodes()) != ["node-a", "node-b"]:
                 assert time.monotonic() < deadline, f"live nodes: {fleet.live_nodes()}"
                 time.sleep(0.05)
             lines = open_counting_stream(fleet, stack)
             if fleet.placements()[-1] == "node-a":
                 break
-        assert fleet.placements()[-1] == "node-a"
+            assert time.monotonic() < deadline, f"placements: {fleet.placements()}"
+        hold_on(fleet, "node-b", None)
         fleet.node_a.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         rest = list(lines)
