@@ -157,9 +157,17 @@ async def test_a_worker_killed_between_commit_and_ack_bills_nothing_twice(
             doomed.kill()
             doomed.wait()
 
+    # Not idle long enough: a live worker may still hold them. (This survivor waits its
+    # default 30 s, so that a slow machine cannot let 200 ms pass before the check.)
+    patient = BillingWorker(redis_client, ledger, config(key_prefix, "patient"))
+    assert await patient.claim_idle() == 0
+
+    async def idle_past_200_ms() -> bool:  # by Redis's own clock
+        entries = await redis_client.xpending_range(cfg.stream_key, cfg.group, "-", "+", 10)
+        return len(entries) == 5 and all(e["time_since_delivered"] >= 200 for e in entries)
+
+    await wait_for(idle_past_200_ms)
     survivor = BillingWorker(redis_client, ledger, cfg)
-    assert await survivor.claim_idle() == 0  # not idle long enough yet: a live worker may hold it
-    await asyncio.sleep(0.25)
     assert await survivor.claim_idle() == 5
     assert (survivor.num_new, survivor.num_duplicate) == (0, 5)
     assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
