@@ -134,9 +134,30 @@ async def test_gateways_count_the_live_ones(redis_client: redis.Redis, prefix: s
     assert a.num_gateways == 1
 
 
+class CountingLimiter(RedisLimiter):
+    """A real limiter that counts its finished heartbeats (its own background ones too)."""
+
+    num_beats = 0
+
+    async def heartbeat(self) -> int:
+        count = await super().heartbeat()
+        self.num_beats += 1
+        return count
+
+    async def beats(self, n: int) -> None:
+        """Until `n` more heartbeats have finished (10 s at most)."""
+        target = self.num_beats + n
+        async with asyncio.timeout(10):
+            while self.num_beats < target:
+                await asyncio.sleep(0.005)
+
+
 async def test_background_heartbeat_keeps_a_long_request_slot(
     redis_client: redis.Redis, prefix: str
 ) -> None:
+    # The leases' time is a fake clock moved by the test, so a slow machine cannot let one
+    # lapse between two background heartbeats (every 0.05 s of real time).
+    clock = FakeClock(7_000.0)
     settings = AdmissionSettings(
         policy=LimitPolicy(default=Limits(max_concurrent=1)),
         key_prefix=prefix,
@@ -144,12 +165,14 @@ async def test_background_heartbeat_keeps_a_long_request_slot(
         heartbeat_s=0.05,
         redis_timeout_s=10.0,
     )
-    other = RedisLimiter(redis_client, settings)
-    async with RedisLimiter(redis_client, settings) as serving:
+    other = RedisLimiter(redis_client, settings, clock=clock)
+    async with CountingLimiter(redis_client, settings, clock=clock) as serving:
         assert (await serving.acquire("acct", "m", "long", 1)).admitted
-        await asyncio.sleep(1.0)  # three leases long: only renewal keeps the slot
+        for _ in range(4):  # 1 s, three leases long: only renewal keeps the slot
+            clock.advance(0.25)
+            await serving.beats(2)  # the second began after the advance: renewed to now + 0.3
         assert (await other.acquire("acct", "m", "x1", 1)).reason == "concurrency"
         assert await other.heartbeat() == 2
     assert await other.heartbeat() == 1  # the closed gateway deregistered
-    await asyncio.sleep(0.35)  # its unreleased slot is no longer renewed
+    clock.advance(0.31)  # its unreleased slot is no longer renewed
     assert (await other.acquire("acct", "m", "x2", 1)).admitted

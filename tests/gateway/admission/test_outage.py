@@ -23,6 +23,8 @@ from gateway.admission import (
 )
 from tests.conftest import free_port
 
+from .conftest import FakeClock
+
 # No skip: scripts/services.sh needs redis-server too, so its absence is an install bug.
 
 TIMEOUT_S = 0.5
@@ -88,14 +90,18 @@ def server() -> Iterator[RedisServer]:
     server.stop()
 
 
-def limiter(client: redis.Redis, mode: str, limits: Limits) -> RedisLimiter:
+def limiter(
+    client: redis.Redis, mode: str, limits: Limits, monotonic: FakeClock | None = None
+) -> RedisLimiter:
     settings = AdmissionSettings(
         policy=LimitPolicy(default=limits),
         on_redis_error=mode,  # type: ignore[arg-type]
         redis_timeout_s=TIMEOUT_S,
         redis_retry_s=RETRY_S,
     )
-    return RedisLimiter(client, settings)
+    if monotonic is None:
+        return RedisLimiter(client, settings)
+    return RedisLimiter(client, settings, monotonic=monotonic)
 
 
 async def timed(call: object) -> tuple[object, float]:
@@ -111,7 +117,10 @@ async def test_fail_closed_answers_unavailable_within_the_timeout_and_recovers(
     server: RedisServer,
 ) -> None:
     client = redis.Redis.from_url(server.url)
-    gate = limiter(client, "closed", Limits(requests_per_minute=100))
+    # The degraded window's time is a fake clock moved by the test, so a slow machine
+    # cannot end it between the first failure and the next request.
+    monotonic = FakeClock(100.0)
+    gate = limiter(client, "closed", Limits(requests_per_minute=100), monotonic)
     assert (await gate.acquire("acct", "m", "before", 1)).admitted
 
     server.freeze()  # connections stay open but nothing answers: the hanging kind of outage
@@ -126,7 +135,12 @@ async def test_fail_closed_answers_unavailable_within_the_timeout_and_recovers(
     assert elapsed < TIMEOUT_S + 0.5
 
     server.thaw()  # the frozen server now runs the acquire whose reply was lost
-    await asyncio.sleep(RETRY_S)
+    deadline = time.monotonic() + 10
+    while b"during-1" not in await client.zrange("edgeserve:rl:{acct|m}:log", 0, -1):
+        assert time.monotonic() < deadline, "the lost acquire never ran"
+        await asyncio.sleep(0.02)
+    assert gate.is_degraded
+    monotonic.advance(RETRY_S)
     after = await gate.acquire("acct", "m", "after", 1)
     assert after.admitted and not gate.is_degraded
     await gate.heartbeat()  # takes back what the lost acquire reserved
