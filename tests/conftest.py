@@ -263,7 +263,7 @@ def start_node_server(
     port = free_port()
     settings = NodeSettings(
         node_id=node_id, address=f"http://127.0.0.1:{port}", internal_token=INTERNAL_TOKEN,
-        role=role, heartbeat_s=0.2, ttl_s=2.0,
+        role=role, heartbeat_s=0.2, ttl_s=30.0,  # expiry is test_fleet's; a stall must not lapse it
     )  # fmt: skip
     service = NodeService(settings, registry, engine=engine)
     return ServerThread(create_node_app(service, telemetry), port).start(), service

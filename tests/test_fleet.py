@@ -39,7 +39,8 @@ from tests.conftest import (
     free_port,
 )
 
-TTL_S = 1.0
+TTL_S = 3.0  # node-a's: its expiry is under test, so short, yet 15 heartbeats long
+NODE_B_TTL_S = 30.0  # node-b's expiry is not under test: a loaded machine must not lapse it
 HEARTBEAT_S = 0.2
 KV_MEMORY_MB = 48  # the shared test engine's size, so both nodes start with equal free KV
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -128,7 +129,7 @@ def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
             f"http://127.0.0.1:{port_b}",
             INTERNAL_TOKEN,
             heartbeat_s=HEARTBEAT_S,
-            ttl_s=TTL_S,
+            ttl_s=NODE_B_TTL_S,
         ),
         RedisCapacityRegistry(aioredis.Redis.from_url(REDIS_URL), prefix),
         engine=engine,

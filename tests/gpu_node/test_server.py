@@ -24,7 +24,7 @@ def node(engine):
     port = free_port()
     service = NodeService(
         NodeSettings(
-            "node-t", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.1, ttl_s=1.0
+            "node-t", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.1, ttl_s=30.0
         ),
         registry,
         engine=engine,
@@ -92,7 +92,7 @@ def test_health_and_capacity(node, engine) -> None:
         "num_pages": stats.num_pages,
         "page_size": stats.page_size,
     }
-    assert capacity["ttl_s"] == 1.0
+    assert capacity["ttl_s"] == 30.0
     # The heartbeat published the same record to the registry.
     published = asyncio.run(node.registry.list_live())
     assert [r.node_id for r in published] == ["node-t"]
