@@ -16,6 +16,7 @@ import hashlib
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,9 +78,15 @@ class KeyStore(Protocol):
 class _LookupCache:
     """Positive answers only, for at most `ttl_s`: a new key works at once, a revoked one within ttl_s."""
 
-    def __init__(self, ttl_s: float, max_entries: int = 100_000) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        max_entries: int = 100_000,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._ttl_s = ttl_s
         self._max_entries = max_entries
+        self._monotonic = monotonic
         self._entries: dict[str, tuple[str, float]] = {}
 
     def get(self, digest: str) -> str | None:
@@ -87,7 +94,7 @@ class _LookupCache:
         if entry is None:
             return None
         account_id, until = entry
-        if time.monotonic() >= until:
+        if self._monotonic() >= until:
             del self._entries[digest]
             return None
         return account_id
@@ -95,7 +102,7 @@ class _LookupCache:
     def put(self, digest: str, account_id: str) -> None:
         if len(self._entries) >= self._max_entries:
             self._entries.clear()
-        self._entries[digest] = (account_id, time.monotonic() + self._ttl_s)
+        self._entries[digest] = (account_id, self._monotonic() + self._ttl_s)
 
 
 class MemoryKeyStore:
@@ -135,11 +142,15 @@ class RedisKeyStore:
     `{p}apikey_id:{key_id}` -> sha256, `{p}account_keys:{account}` set of key ids."""
 
     def __init__(
-        self, client: aioredis.Redis, prefix: str = "edgeserve:", cache_s: float = 1.0
+        self,
+        client: aioredis.Redis,
+        prefix: str = "edgeserve:",
+        cache_s: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,  # the cache's clock; tests pass a fake
     ) -> None:
         self._redis = client
         self._prefix = prefix
-        self._cache = _LookupCache(cache_s)
+        self._cache = _LookupCache(cache_s, monotonic=monotonic)
 
     async def create(self, account_id: str) -> str:
         key = new_key()

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from gateway.keys import (
@@ -48,14 +46,19 @@ async def test_only_hashes_are_stored(redis_client, redis_prefix) -> None:
 async def test_a_revoked_key_stops_working_within_the_cache_time(
     redis_client, redis_prefix
 ) -> None:
+    now = [100.0]  # gateway b's cache clock, moved by the test
     gateway_a = RedisKeyStore(redis_client, prefix=redis_prefix, cache_s=0.3)
-    gateway_b = RedisKeyStore(redis_client, prefix=redis_prefix, cache_s=0.3)
+    gateway_b = RedisKeyStore(
+        redis_client, prefix=redis_prefix, cache_s=0.3, monotonic=lambda: now[0]
+    )
     key = await gateway_a.create("acct-1")
     assert await gateway_b.lookup(key) == "acct-1"  # now cached on b
     await gateway_a.revoke(key_id_of(key))
+    now[0] += 0.299
     assert await gateway_b.lookup(key) == "acct-1"  # b's cache still answers for up to 0.3 s
-    await asyncio.sleep(0.35)
+    now[0] += 0.001
     assert await gateway_b.lookup(key) is None
+    assert await gateway_a.lookup(key) is None  # a never cached it after the revoke
 
 
 @pytest.mark.parametrize("account_id", ["", "a b", "x" * 65, "acct/1"])

@@ -79,12 +79,16 @@ async def test_redis_registry_expires_a_node_that_stops_publishing(
     redis_client, redis_prefix
 ) -> None:
     registry = RedisCapacityRegistry(redis_client, prefix=redis_prefix)
-    a, b = record("node-a", ttl_s=0.3), record("node-b", ttl_s=30.0)
+    # 2 s: long enough that a loaded machine cannot lapse it before the first check
+    a, b = record("node-a", ttl_s=2.0), record("node-b", ttl_s=30.0)
     await registry.publish(a)
     await registry.publish(b)
     assert await registry.list_live() == [a, b]
-    assert 0 < await redis_client.pttl(f"{redis_prefix}node:node-a") <= 300
-    await asyncio.sleep(0.4)
+    assert 0 < await redis_client.pttl(f"{redis_prefix}node:node-a") <= 2000
+    deadline = time.monotonic() + 10
+    while await redis_client.exists(f"{redis_prefix}node:node-a"):  # Redis's own expiry
+        assert time.monotonic() < deadline, "node-a's record never expired"
+        await asyncio.sleep(0.05)
     assert await registry.list_live() == [b]
     # The dead node's id was pruned from the index as well.
     assert await redis_client.smembers(f"{redis_prefix}nodes") == {b"node-b"}

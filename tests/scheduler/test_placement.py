@@ -100,12 +100,17 @@ async def test_concurrent_reservations_never_overbook(reservations) -> None:
 
 
 async def test_expired_reservations_are_dropped(redis_client, redis_prefix) -> None:
-    reservations = RedisReservations(redis_client, prefix=redis_prefix, ttl_s=0.2)
+    # 2 s: long enough that a loaded machine cannot lapse r1 before r2's first try
+    reservations = RedisReservations(redis_client, prefix=redis_prefix, ttl_s=2.0)
     node = [Candidate("node-a", 1000, 100, 0)]
     assert await reservations.reserve_best("r1", 100, node) == 0
     assert await reservations.reserve_best("r2", 100, node) is None
-    await asyncio.sleep(0.25)
+    deadline = time.monotonic() + 10
+    while await reservations.reserved_tokens("node-a"):  # by Redis's clock
+        assert time.monotonic() < deadline, "r1 never expired"
+        await asyncio.sleep(0.05)
     assert await reservations.reserve_best("r2", 100, node) == 0
+    assert await reservations.reserved_tokens("node-a") == 100
 
 
 async def test_placer_spreads_a_burst_and_filters_model_role_and_exclusions() -> None:
