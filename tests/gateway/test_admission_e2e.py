@@ -49,6 +49,26 @@ def limiter(**limits: int) -> LocalLimiter:
     return LocalLimiter(LimitPolicy(default=Limits(**(defaults | limits))))
 
 
+class SignallingLimiter(LocalLimiter):
+    """A real in-process limiter that also keeps the ids of the requests it released."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released: list[str] = []
+
+    async def release(
+        self, account_id: str, model: str, request_id: str, actual_tokens: int
+    ) -> None:
+        await super().release(account_id, model, request_id, actual_tokens)
+        self.released.append(request_id)
+
+    def wait_released(self, request_id: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self.released:
+            assert time.monotonic() < deadline, f"{request_id}'s slot was never released"
+            time.sleep(0.01)
+
+
 def limit_headers(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.startswith("x-ratelimit-")}
 
@@ -113,7 +133,9 @@ def test_limit_headers_on_plain_streamed_and_refused_answers(node) -> None:
 def test_the_openai_client_retries_after_retry_after_and_then_succeeds(node) -> None:
     """Concurrency 1: a held stream makes the client's first try a 429 (retry-after-ms 1000);
     the hook frees the slot, and the client's own retry a second later is answered 200."""
-    gateway = start_gateway(node, limiter=limiter(max_concurrent=1))
+    defaults = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}
+    gate = SignallingLimiter(LimitPolicy(default=Limits(**defaults, max_concurrent=1)))
+    gateway = start_gateway(node, limiter=gate)
     seen: list[tuple[int, dict[str, str]]] = []
     holder_client = httpx.Client(timeout=60)
     holder = holder_client.send(
@@ -134,7 +156,10 @@ def test_the_openai_client_retries_after_retry_after_and_then_succeeds(node) -> 
         def on_response(response: httpx.Response) -> None:
             seen.append((response.status_code, dict(response.headers)))
             if response.status_code == 429:
-                holder.close()  # frees the slot well before the client's retry
+                # Frees the slot before the client's retry a second later: the gateway
+                # releases it once it has cancelled the stream on the node.
+                holder.close()
+                gate.wait_released(holder.headers["x-request-id"])
 
         http_client = httpx.Client(event_hooks={"response": [on_response]}, timeout=60)
         client = openai.OpenAI(
