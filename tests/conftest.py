@@ -105,6 +105,16 @@ INTERNAL_TOKEN = "internal-test-token"
 SMOLLM2 = "@cf/huggingface/smollm2-135m-instruct"
 
 
+class _LoopServer(uvicorn.Server):
+    """uvicorn's server, keeping the event loop it serves on."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, *args: Any, **kwargs: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(*args, **kwargs)
+
+
 class ServerThread:
     """A real uvicorn server on 127.0.0.1 in a thread of its own (its own event loop)."""
 
@@ -118,7 +128,7 @@ class ServerThread:
             lifespan="on",
             access_log=False,
         )
-        self.server = uvicorn.Server(config)
+        self.server = _LoopServer(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -137,6 +147,12 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=30)
+
+    def run(self, coroutine: Any, timeout_s: float = 30.0) -> Any:
+        """Run a coroutine on the server's own event loop (where its app's tasks run) and
+        return its result."""
+        assert self.server.loop is not None, "the server has not started"
+        return asyncio.run_coroutine_threadsafe(coroutine, self.server.loop).result(timeout_s)
 
 
 @pytest.fixture(scope="session")

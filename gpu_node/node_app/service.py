@@ -55,6 +55,10 @@ class NodeService:
         self.load_error: str | None = None
         self.num_in_flight = 0
         self._tasks: list[asyncio.Task[None]] = []
+        # A publish and the drain's removal never overlap: a heartbeat's record still on its
+        # way to the registry (on another of the client's connections) would otherwise land
+        # after the removal and bring a draining node back until its TTL.
+        self._registry_lock = asyncio.Lock()
 
     @property
     def is_ready(self) -> bool:
@@ -107,8 +111,9 @@ class NodeService:
 
     async def publish(self) -> None:
         record = self.capacity_record()
-        if self.registry is not None and record is not None and not self.is_draining:
-            await self.registry.publish(record)
+        async with self._registry_lock:
+            if self.registry is not None and record is not None and not self.is_draining:
+                await self.registry.publish(record)
 
     async def _heartbeat(self) -> None:
         while not self.is_draining:
@@ -122,8 +127,9 @@ class NodeService:
         """Stop taking work and leave the registry so no gateway places here any more."""
         self.is_draining = True
         if self.registry is not None:
-            with contextlib.suppress(Exception):
-                await self.registry.remove(self.settings.node_id)
+            async with self._registry_lock:  # after a publish in flight, never before it
+                with contextlib.suppress(Exception):
+                    await self.registry.remove(self.settings.node_id)
 
     async def stop(self) -> None:
         await self.begin_drain()

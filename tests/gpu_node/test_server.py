@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -239,7 +240,7 @@ def test_a_draining_node_leaves_the_registry_and_refuses_new_work(engine) -> Non
         while not asyncio.run(registry.list_live()):
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        asyncio.run(service.begin_drain())
+        server.run(service.begin_drain())  # on the node's loop, as a signal would be
         assert asyncio.run(registry.list_live()) == []
         time.sleep(0.15)  # a heartbeat that was due does not bring it back
         assert asyncio.run(registry.list_live()) == []
@@ -257,3 +258,29 @@ def test_a_draining_node_leaves_the_registry_and_refuses_new_work(engine) -> Non
         )
     finally:
         server.stop()
+
+
+def test_a_publish_in_flight_when_the_drain_begins_does_not_bring_the_node_back(engine) -> None:
+    from gpu_node.server import NodeService, NodeSettings
+    from scheduler.capacity import LocalCapacityRegistry
+
+    class SlowRegistry(LocalCapacityRegistry):
+        """The real in-process registry, its writes taking a while to land (as a Redis
+        round trip on another connection can)."""
+
+        async def publish(self, record: Any) -> None:
+            await asyncio.sleep(0.2)
+            await super().publish(record)
+
+    async def go() -> list[Any]:
+        registry = SlowRegistry()
+        service = NodeService(
+            NodeSettings("node-s", "http://127.0.0.1:1", INTERNAL_TOKEN), registry, engine=engine
+        )
+        beat = asyncio.create_task(service.publish())
+        await asyncio.sleep(0.05)  # the heartbeat's record is on its way
+        await service.begin_drain()
+        await beat
+        return await registry.list_live()
+
+    assert asyncio.run(go()) == []
