@@ -27,7 +27,7 @@ from .conftest import FakeClock
 
 # No skip: scripts/services.sh needs redis-server too, so its absence is an install bug.
 
-TIMEOUT_S = 0.5
+TIMEOUT_S = 0.5  # bounds below add 1.5 s for a loaded machine: a hang would never end
 RETRY_S = 0.3
 
 
@@ -126,13 +126,13 @@ async def test_fail_closed_answers_unavailable_within_the_timeout_and_recovers(
     server.freeze()  # connections stay open but nothing answers: the hanging kind of outage
     result, elapsed = await timed(gate.acquire("acct", "m", "during-1", 1))
     assert isinstance(result, AdmissionUnavailable)
-    assert elapsed < TIMEOUT_S + 0.5
+    assert elapsed < TIMEOUT_S + 1.5
     # While degraded, requests do not wait on Redis at all.
     result, elapsed = await timed(gate.acquire("acct", "m", "during-2", 1))
     assert isinstance(result, AdmissionUnavailable)
     assert elapsed < TIMEOUT_S
     _, elapsed = await timed(gate.release("acct", "m", "before", 1))  # never raises
-    assert elapsed < TIMEOUT_S + 0.5
+    assert elapsed < TIMEOUT_S + 1.5
 
     server.thaw()  # the frozen server now runs the acquire whose reply was lost
     deadline = time.monotonic() + 10
@@ -194,7 +194,7 @@ async def test_heartbeat_failure_marks_degraded_and_a_later_one_recovers(
     server.freeze()
     start = time.monotonic()
     assert await gate.heartbeat() == 1  # last count kept
-    assert time.monotonic() - start < TIMEOUT_S + 0.5
+    assert time.monotonic() - start < TIMEOUT_S + 1.5
     assert gate.is_degraded
     server.thaw()
     assert await gate.heartbeat() == 1
