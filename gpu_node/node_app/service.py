@@ -31,6 +31,10 @@ class NodeSettings:
     heartbeat_s: float = 1.0
     ttl_s: float = 3.0  # a few heartbeats, so one late beat does not drop the node
     drain_timeout_s: float = 30.0
+    # A registry call (a heartbeat's publish, the drain's removal) that takes longer is given
+    # up, so a stuck connection can hold neither the heartbeat nor a shutdown; the record's
+    # TTL then decides.
+    registry_timeout_s: float = 5.0
     handoff_timeout_s: float = 120.0  # a prefill node's answer with a prompt's KV
     max_num_seqs: int = 16  # for the load estimate: how many requests make one batch
 
@@ -113,7 +117,8 @@ class NodeService:
         record = self.capacity_record()
         async with self._registry_lock:
             if self.registry is not None and record is not None and not self.is_draining:
-                await self.registry.publish(record)
+                async with asyncio.timeout(self.settings.registry_timeout_s):
+                    await self.registry.publish(record)
 
     async def _heartbeat(self) -> None:
         while not self.is_draining:
@@ -124,12 +129,18 @@ class NodeService:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def begin_drain(self) -> None:
-        """Stop taking work and leave the registry so no gateway places here any more."""
+        """Stop taking work and leave the registry so no gateway places here any more.
+
+        The removal waits for a publish in flight (never lands before it). A publish given
+        up on its timeout may still land later, on a connection that answered late: then
+        the record lives until its TTL, and the node, draining, refuses what comes.
+        """
         self.is_draining = True
         if self.registry is not None:
-            async with self._registry_lock:  # after a publish in flight, never before it
-                with contextlib.suppress(Exception):
-                    await self.registry.remove(self.settings.node_id)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.settings.registry_timeout_s):
+                    async with self._registry_lock:
+                        await self.registry.remove(self.settings.node_id)
 
     async def stop(self) -> None:
         await self.begin_drain()

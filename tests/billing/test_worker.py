@@ -157,8 +157,8 @@ async def test_a_worker_killed_between_commit_and_ack_bills_nothing_twice(
             doomed.kill()
             doomed.wait()
 
-    # Not idle long enough: a live worker may still hold them. (This survivor waits its
-    # default 30 s, so that a slow machine cannot let 200 ms pass before the check.)
+    # Not idle long enough: a live worker may still hold them. (Checked by a worker waiting
+    # its default 30 s, so that a slow machine cannot let 200 ms pass before the check.)
     patient = BillingWorker(redis_client, ledger, config(key_prefix, "patient"))
     assert await patient.claim_idle() == 0
 

@@ -44,9 +44,11 @@ def node(engine: Any) -> Iterator[Node]:
     yield from running_node(engine)
 
 
-def limiter(**limits: int) -> LocalLimiter:
-    defaults = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000, "max_concurrent": 100}
-    return LocalLimiter(LimitPolicy(default=Limits(**(defaults | limits))))
+LIMITS = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000, "max_concurrent": 100}
+
+
+def limiter(kind: type[LocalLimiter] = LocalLimiter, **limits: int) -> LocalLimiter:
+    return kind(LimitPolicy(default=Limits(**(LIMITS | limits))))
 
 
 class SignallingLimiter(LocalLimiter):
@@ -133,8 +135,8 @@ def test_limit_headers_on_plain_streamed_and_refused_answers(node) -> None:
 def test_the_openai_client_retries_after_retry_after_and_then_succeeds(node) -> None:
     """Concurrency 1: a held stream makes the client's first try a 429 (retry-after-ms 1000);
     the hook frees the slot, and the client's own retry a second later is answered 200."""
-    defaults = {"requests_per_minute": 1000, "tokens_per_minute": 1_000_000}
-    gate = SignallingLimiter(LimitPolicy(default=Limits(**defaults, max_concurrent=1)))
+    gate = limiter(SignallingLimiter, max_concurrent=1)
+    assert isinstance(gate, SignallingLimiter)
     gateway = start_gateway(node, limiter=gate)
     seen: list[tuple[int, dict[str, str]]] = []
     holder_client = httpx.Client(timeout=60)

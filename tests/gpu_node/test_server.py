@@ -284,3 +284,30 @@ def test_a_publish_in_flight_when_the_drain_begins_does_not_bring_the_node_back(
         return await registry.list_live()
 
     assert asyncio.run(go()) == []
+
+
+def test_a_registry_that_never_answers_holds_neither_the_heartbeat_nor_the_drain(engine) -> None:
+    from gpu_node.server import NodeService, NodeSettings
+    from scheduler.capacity import LocalCapacityRegistry
+
+    class StuckRegistry(LocalCapacityRegistry):
+        """The real in-process registry, its writes stuck (a connection that never answers)."""
+
+        async def publish(self, record: Any) -> None:
+            await asyncio.Event().wait()
+
+    async def go() -> None:
+        registry = StuckRegistry()
+        settings = NodeSettings(
+            "node-x", "http://127.0.0.1:1", INTERNAL_TOKEN, registry_timeout_s=0.2
+        )
+        service = NodeService(settings, registry, engine=engine)
+        beat = asyncio.create_task(service.publish())
+        await asyncio.sleep(0.05)  # the heartbeat holds the registry lock, stuck
+        await asyncio.wait_for(service.begin_drain(), 10)  # a hang would fail here
+        assert service.is_draining
+        with pytest.raises(TimeoutError):
+            await beat  # given up on its timeout, so the heartbeat loop goes on
+        assert await registry.list_live() == []
+
+    asyncio.run(go())

@@ -100,17 +100,23 @@ async def test_concurrent_reservations_never_overbook(reservations) -> None:
 
 
 async def test_expired_reservations_are_dropped(redis_client, redis_prefix) -> None:
-    # 2 s: long enough that a loaded machine cannot lapse r1 before r2's first try
+    # r1 lasts 2 s (a loaded machine cannot lapse it before r2's first try); "kept", from a
+    # table of 60 s reservations and taken after r1, keeps the node's hash alive past r1, so
+    # only the script's own expiry of r1 can make room for r2.
     reservations = RedisReservations(redis_client, prefix=redis_prefix, ttl_s=2.0)
-    node = [Candidate("node-a", 1000, 100, 0)]
+    long_lived = RedisReservations(redis_client, prefix=redis_prefix, ttl_s=60.0)
+    node = [Candidate("node-a", 1000, 200, 0)]
     assert await reservations.reserve_best("r1", 100, node) == 0
+    assert await long_lived.reserve_best("kept", 100, node) == 0
     assert await reservations.reserve_best("r2", 100, node) is None
     deadline = time.monotonic() + 10
-    while await reservations.reserved_tokens("node-a"):  # by Redis's clock
+    while await reservations.reserved_tokens("node-a") > 100:  # r1 lapses, by Redis's clock
         assert time.monotonic() < deadline, "r1 never expired"
         await asyncio.sleep(0.05)
     assert await reservations.reserve_best("r2", 100, node) == 0
-    assert await reservations.reserved_tokens("node-a") == 100
+    assert await reservations.reserved_tokens("node-a") == 200
+    entries = await redis_client.hgetall(f"{redis_prefix}resv:node-a")
+    assert sorted(entries) == [b"kept", b"r2"]
 
 
 async def test_placer_spreads_a_burst_and_filters_model_role_and_exclusions() -> None:
