@@ -65,6 +65,7 @@ class RecordingPlacer(Placer):
 class Fleet:
     node_a: subprocess.Popen[bytes]
     node_a_url: str
+    node_a_log: Path
     node_b: ServerThread
     gateways: list[ServerThread]
     placers: list[RecordingPlacer]
@@ -110,18 +111,32 @@ def start_gateway(prefix: str) -> tuple[ServerThread, RecordingPlacer, ListSink]
     return ServerThread(app).start(), placer, sink
 
 
+def spawn_node_a(prefix: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """node-a as a real `edgeserve node` process on a port of its own: (process, address)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from edgeserve.cli import main; main()", "node",
+         "--port", str(port), "--node-id", "node-a", "--redis-url", REDIS_URL, "--prefix", prefix,
+         "--internal-token", INTERNAL_TOKEN, "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(TTL_S),
+         "--max-model-len", "1024", "--kv-memory-mb", str(KV_MEMORY_MB)],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_both_live(fleet: Fleet) -> None:
+    deadline = time.monotonic() + 120
+    while fleet.live_nodes() != ["node-a", "node-b"]:
+        if fleet.node_a.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"node-a did not come up:\n{fleet.node_a_log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
     prefix = f"test:fleet-{os.getpid()}-{time.monotonic_ns()}:"
-    port_a = free_port()
     log = Path(tmp_path_factory.mktemp("fleet")) / "node-a.log"
-    node_a = subprocess.Popen(
-        [sys.executable, "-c", "from edgeserve.cli import main; main()", "node",
-         "--port", str(port_a), "--node-id", "node-a", "--redis-url", REDIS_URL, "--prefix", prefix,
-         "--internal-token", INTERNAL_TOKEN, "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(TTL_S),
-         "--max-model-len", "1024", "--kv-memory-mb", str(KV_MEMORY_MB)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    node_a, node_a_url = spawn_node_a(prefix, log)
     port_b = free_port()
     service_b = NodeService(
         NodeSettings(
@@ -145,19 +160,15 @@ def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
             await client.aclose()
 
     fleet = Fleet(
-        node_a, f"http://127.0.0.1:{port_a}", node_b,
+        node_a, node_a_url, log, node_b,
         [g for g, _, _ in started], [p for _, p, _ in started], [s for _, _, s in started],
         asyncio.run(add_key()), prefix,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while fleet.live_nodes() != ["node-a", "node-b"]:
-        if node_a.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"node-a did not come up:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    wait_both_live(fleet)
     yield fleet
-    if node_a.poll() is None:
-        node_a.send_signal(signal.SIGTERM)
-        node_a.wait(timeout=30)
+    if fleet.node_a.poll() is None:
+        fleet.node_a.send_signal(signal.SIGTERM)
+        fleet.node_a.wait(timeout=30)
     for gateway in fleet.gateways:
         gateway.stop()
     node_b.stop()
@@ -187,13 +198,15 @@ async def burst(fleet: Fleet, n: int) -> list[httpx.Response]:
 
 
 def test_concurrent_requests_spread_over_both_nodes(fleet) -> None:
+    after, after_wall = time.monotonic(), time.time()  # this test's own (any order in the module)
     responses = asyncio.run(burst(fleet, 6))
     assert [r.status_code for r in responses] == [200] * 6
     texts = {r.json()["choices"][0]["message"]["content"] for r in responses}
     assert len(texts) == 1  # same greedy answer, whichever node served it
-    served = [e.node_id for e in fleet.events()]
+    served = [e.node_id for e in fleet.events() if e.started_at >= after_wall]
+    assert len(served) == 6
     assert sorted(set(served)) == ["node-a", "node-b"]
-    assert set(fleet.placements()) == {"node-a", "node-b"}
+    assert set(fleet.placements(since=after)) == {"node-a", "node-b"}
 
 
 def open_counting_stream(fleet: Fleet, stack: contextlib.ExitStack) -> Iterator[str]:
@@ -237,7 +250,18 @@ def hold_on(fleet: Fleet, node_id: str, num_tokens: int | None) -> None:
     asyncio.run(go())
 
 
-def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
+@pytest.fixture
+def node_a_back_after(fleet: Fleet) -> Iterator[None]:
+    """A test that kills node-a leaves a new one behind, for the module's other tests
+    (worksteal can run them after it on the same fleet)."""
+    yield
+    if fleet.node_a.poll() is not None:
+        fleet.node_a, fleet.node_a_url = spawn_node_a(fleet.prefix, fleet.node_a_log)
+        wait_both_live(fleet)
+        time.sleep(HEARTBEAT_S)  # the gateways' capacity caches turn over
+
+
+def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet, node_a_back_after) -> None:
     # A stream must run on node-a. Left to the scores, it may not: node-b can hold the
     # account's prefix affinity, and a stream that ends early gives its reservation back.
     # A hold of node-b's whole pool on it makes node-a score higher whenever a gateway sees
@@ -280,7 +304,9 @@ def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet) -> None:
     assert fleet.live_nodes() == ["node-b"]
 
 
-def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(fleet) -> None:
+def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(
+    fleet, request: pytest.FixtureRequest
+) -> None:
     # A record that looks best (all free, huge pool) but whose address refuses connections.
     async def publish_dead() -> None:
         client = aioredis.Redis.from_url(REDIS_URL)
@@ -293,7 +319,15 @@ def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(flee
         finally:
             await client.aclose()
 
+    async def remove_dead() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            await RedisCapacityRegistry(client, fleet.prefix).remove("node-0-dead")
+        finally:
+            await client.aclose()
+
     asyncio.run(publish_dead())
+    request.addfinalizer(lambda: (asyncio.run(remove_dead()), time.sleep(HEARTBEAT_S)))
     time.sleep(HEARTBEAT_S)
     after, after_wall = time.monotonic(), time.time()
 
