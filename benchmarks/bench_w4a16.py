@@ -38,6 +38,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_node.config import ACTIVATIONS
 from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
 from gpu_node.kernels.w4a16_gemv import MAX_M, gemv_config, w4a16_gemv, w4a16_kn_matmul
 from gpu_node.kv_quant import KV_DTYPES
@@ -53,7 +54,7 @@ LARGE_SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # llama-3-70B q/o, 
 BATCHES = [1, 4, 16, 64]
 GROUP = 128
 # The activation dtypes an INT4 model computes in on a GPU (--activations), by name
-ACTIVATION_DTYPES = {name: KV_DTYPES[name] for name in ("bf16", "fp16")}
+ACTIVATION_DTYPES = {name: KV_DTYPES[name] for name in ACTIVATIONS if name != "auto"}
 
 
 L2_BYTES = 60 * 2**20

@@ -261,6 +261,16 @@ class ListSink:
     async def record(self, event: Any) -> None:
         self.events.append(event)
 
+    def event_of(self, request_id: str, timeout_s: float = 30.0) -> Any:
+        """The one event of `request_id`, once recorded (a stream's after its last byte went
+        out, or its client left)."""
+        deadline = time.monotonic() + timeout_s
+        while not (events := [e for e in self.events if e.request_id == request_id]):
+            assert time.monotonic() < deadline, f"no usage event for {request_id}"
+            time.sleep(0.02)
+        (event,) = events
+        return event
+
 
 def wait_for_nodes(registry: Any, count: int = 1) -> None:
     """Until `count` nodes have published their capacity to `registry` (10 s at most)."""

@@ -64,7 +64,6 @@ class RecordingPlacer(Placer):
 @dataclass
 class Fleet:
     node_a: subprocess.Popen[bytes]
-    node_a_url: str
     node_a_log: Path
     node_b: ServerThread
     gateways: list[ServerThread]
@@ -111,17 +110,17 @@ def start_gateway(prefix: str) -> tuple[ServerThread, RecordingPlacer, ListSink]
     return ServerThread(app).start(), placer, sink
 
 
-def spawn_node_a(prefix: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """node-a as a real `edgeserve node` process on a port of its own: (process, address)."""
+def spawn_node_a(prefix: str, log: Path) -> subprocess.Popen[bytes]:
+    """node-a as a real `edgeserve node` process on a port of its own (gateways find its
+    address in its capacity record)."""
     port = free_port()
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", "from edgeserve.cli import main; main()", "node",
          "--port", str(port), "--node-id", "node-a", "--redis-url", REDIS_URL, "--prefix", prefix,
          "--internal-token", INTERNAL_TOKEN, "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(TTL_S),
          "--max-model-len", "1024", "--kv-memory-mb", str(KV_MEMORY_MB)],
         stdout=log.open("ab"), stderr=subprocess.STDOUT,
     )  # fmt: skip
-    return process, f"http://127.0.0.1:{port}"
 
 
 def wait_both_live(fleet: Fleet) -> None:
@@ -136,7 +135,7 @@ def wait_both_live(fleet: Fleet) -> None:
 def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
     prefix = f"test:fleet-{os.getpid()}-{time.monotonic_ns()}:"
     log = Path(tmp_path_factory.mktemp("fleet")) / "node-a.log"
-    node_a, node_a_url = spawn_node_a(prefix, log)
+    node_a = spawn_node_a(prefix, log)
     port_b = free_port()
     service_b = NodeService(
         NodeSettings(
@@ -160,7 +159,7 @@ def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
             await client.aclose()
 
     fleet = Fleet(
-        node_a, node_a_url, log, node_b,
+        node_a, log, node_b,
         [g for g, _, _ in started], [p for _, p, _ in started], [s for _, _, s in started],
         asyncio.run(add_key()), prefix,
     )  # fmt: skip
@@ -256,7 +255,7 @@ def node_a_back_after(fleet: Fleet) -> Iterator[None]:
     (worksteal can run them after it on the same fleet)."""
     yield
     if fleet.node_a.poll() is not None:
-        fleet.node_a, fleet.node_a_url = spawn_node_a(fleet.prefix, fleet.node_a_log)
+        fleet.node_a = spawn_node_a(fleet.prefix, fleet.node_a_log)
         wait_both_live(fleet)
         time.sleep(HEARTBEAT_S)  # the gateways' capacity caches turn over
 

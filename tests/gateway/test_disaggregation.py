@@ -82,17 +82,6 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
     prefill_node.stop()
 
 
-def usage_event(fleet: dict[str, Any], request_id: str) -> Any:
-    """The gateway's usage event of one request, once recorded (after the last byte went
-    out for a stream)."""
-    deadline = time.monotonic() + 30
-    while not (events := [e for e in fleet["sink"].events if e.request_id == request_id]):
-        assert time.monotonic() < deadline, f"no usage event for {request_id}"
-        time.sleep(0.02)
-    (event,) = events
-    return event
-
-
 def test_a_chat_is_prefilled_on_one_node_and_decoded_on_the_other(
     fleet: dict[str, Any], engine: Any, decode_engine: Any
 ) -> None:
@@ -110,7 +99,7 @@ def test_a_chat_is_prefilled_on_one_node_and_decoded_on_the_other(
         reference.prompt_tokens,
         reference.completion_tokens,
     )
-    event = usage_event(fleet, raw.headers["x-request-id"])
+    event = fleet["sink"].event_of(raw.headers["x-request-id"])
     assert (event.node_id, event.input_tokens, event.output_tokens) == (
         "decode-1",
         len(ids),
@@ -132,7 +121,7 @@ def test_a_stream_through_the_decode_node_matches_too(fleet: dict[str, Any], eng
     )  # fmt: skip
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == reference.text
-    assert usage_event(fleet, stream.response.headers["x-request-id"]).node_id == "decode-1"
+    assert fleet["sink"].event_of(stream.response.headers["x-request-id"]).node_id == "decode-1"
 
 
 def test_the_decode_node_says_which_prefill_node_failed(fleet: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis.asyncio as redis
@@ -93,7 +93,10 @@ def server() -> Iterator[RedisServer]:
 
 
 def limiter(
-    client: redis.Redis, mode: str, limits: Limits, monotonic: FakeClock | None = None
+    client: redis.Redis,
+    mode: str,
+    limits: Limits,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> RedisLimiter:
     settings = AdmissionSettings(
         policy=LimitPolicy(default=limits),
@@ -101,8 +104,6 @@ def limiter(
         redis_timeout_s=TIMEOUT_S,
         redis_retry_s=RETRY_S,
     )
-    if monotonic is None:
-        return RedisLimiter(client, settings)
     return RedisLimiter(client, settings, monotonic=monotonic)
 
 
