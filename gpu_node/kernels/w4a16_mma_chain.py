@@ -31,6 +31,8 @@ benchmarks time them (benchmarks/bench_w4a16_chain.py).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -222,6 +224,7 @@ def _chain_mma_kernel(
     EARLY: tl.constexpr = 0,
     NEXT_FIRST: tl.constexpr = True,  # the next layer's first step loaded before the split sum
     FAN: tl.constexpr = 16,
+    NO_WAIT: tl.constexpr = False,  # benchmarks: no layer waits for the last (y is wrong)
 ):
     CPG: tl.constexpr = (GROUP_SIZE + 63) // 64
     SUBS: tl.constexpr = 64 * CPG // GROUP_SIZE
@@ -248,8 +251,9 @@ def _chain_mma_kernel(
         else:
             # Layer - 1's y, every column of it: its go flag, one of FAN copies on lines of
             # their own (so the waiting programs do not all poll one L2 line).
-            flat = tl.program_id(1) * num_cols + tl.program_id(0)
-            _wait_for(go_ptr + ((layer - 1) * FAN + flat % FAN) * 32, status_ptr, max_spins)
+            if not NO_WAIT:
+                flat = tl.program_id(1) * num_cols + tl.program_id(0)
+                _wait_for(go_ptr + ((layer - 1) * FAN + flat % FAN) * 32, status_ptr, max_spins)
             src = ys_pairs_ptr + (layer - 1) * (M * (N // 2))
         e = tl.arange(0, 128 * WARPS)[None, :]
         j, g, t = fragment(e)
@@ -384,16 +388,22 @@ def _state(device: torch.device, layers: int) -> tuple[torch.Tensor, ...]:
 
 
 def resident_programs(kernel: object, warps: int, device: torch.device) -> int:
-    """Programs of a compiled kernel the GPU holds at once: registers (given out 8 a
-    thread), shared memory and warps a multiprocessor, times its multiprocessors."""
-    props = torch.cuda.get_device_properties(device)
-    kernel._init_handles()  # loads the binary, which is what reads its register count
-    regs = max(8, -(-kernel.n_regs // 8) * 8)
-    by_regs = props.regs_per_multiprocessor // (regs * 32 * warps)
-    by_warps = props.max_threads_per_multi_processor // (32 * warps)
+    """Programs of a compiled kernel the GPU holds at once: the driver's occupancy for its
+    function (cuOccupancyMaxActiveBlocksPerMultiprocessor), times the multiprocessors."""
+    kernel._init_handles()  # loads the binary: its function handle
+    blocks = ctypes.c_int(0)
     shared = kernel.metadata.shared
-    by_shared = props.shared_memory_per_multiprocessor // shared if shared else by_warps
-    return min(by_regs, by_warps, by_shared) * props.multi_processor_count
+    err = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(kernel.function), 32 * warps, shared
+    )
+    if err:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: error {err}")
+    return blocks.value * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def supports(x: torch.Tensor, chain: object) -> bool:
@@ -418,7 +428,9 @@ def w4a16_mma_chain(
     each layer's y in x's dtype (the last is the chain's output).
 
     `config` overrides the GEMV heuristic's keys (R, GROUPS_PER_SPLIT, CHAINS, SPLITS,
-    EARLY, MAXNREG: a register cap); the split count is then lowered where the grid would
+    EARLY, MAXNREG: a register cap, NEXT_FIRST: 0 loads the next layer's first step after
+    the split sum, NO_WAIT, benchmarks only: no layer waits for the last, so y is wrong);
+    the split count is then lowered where the grid would
     not be resident (launch_splits says what a call ran). With `check` the call
     synchronises and raises if a barrier gave up."""
     n, k = chain.shape
@@ -434,7 +446,7 @@ def w4a16_mma_chain(
     m = x.shape[0]
     device = x.device
     key, config, options = _options(x, chain, config)
-    early, maxnreg, next_first = options
+    early, maxnreg, next_first, no_wait = options
     sms = num_sms(device)
     plan = chain_plan(n, k, chain.group_size, sms, config=config)
     x = x.contiguous()
@@ -455,6 +467,7 @@ def w4a16_mma_chain(
         "EARLY": early,
         "NEXT_FIRST": next_first,
         "FAN": FAN,
+        "NO_WAIT": no_wait,
         **group_step_constants(x.dtype, plan.chains, chain.group_size),
         "num_warps": plan.warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
@@ -496,22 +509,25 @@ def w4a16_mma_chain(
         LAUNCHES[key]["launched_registers"] = launched.n_regs
     if check and int(status.item()):
         status.zero_()
-        raise RuntimeError("a layer barrier gave up: the grid was not all resident")
+        raise RuntimeError(
+            f"a layer barrier gave up: the grid was not all resident ({LAUNCHES[key]})"
+        )
     return ys
 
 
 def _options(
     x: torch.Tensor, chain: MMAChain, config: dict[str, int] | None
-) -> tuple[tuple, dict[str, int], tuple[int, int | None, bool]]:
+) -> tuple[tuple, dict[str, int], tuple[int, int | None, bool, bool]]:
     """A call's cache key, the config keys chain_plan takes, and the launch's own (EARLY,
-    MAXNREG, NEXT_FIRST)."""
+    MAXNREG, NEXT_FIRST, NO_WAIT)."""
     config = dict(config or {})
     early = int(config.pop("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
     if early not in (0, 1, 2):
         raise ValueError(f"EARLY must be 0, 1 or 2, got {early}")
     maxnreg = config.pop("MAXNREG", None)
     next_first = bool(config.pop("NEXT_FIRST", True))
-    options = (early, maxnreg, next_first)
+    no_wait = bool(config.pop("NO_WAIT", False))
+    options = (early, maxnreg, next_first, no_wait)
     n, k = chain.shape
     key = (x.device, n, k, chain.group_size, x.dtype, tuple(sorted(config.items())), options)
     return key, config, options
