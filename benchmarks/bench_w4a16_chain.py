@@ -13,8 +13,8 @@ machine is shared and noisy):
   gemv chained   the same, each call reading the last one's y (a decode step's order)
   chain L        w4a16_mma_chain, the R layers in launches of L layers each (L = R: one)
 
-and the chain's variants (`NEXT_FIRST` 0: the next layer's first step loaded after the
-split sum; `NO_WAIT`, timing only: no layer waits for the last, what streaming the layers
+and the chain's variants (`PREFETCH`: the next layer's other steps asked of L2 before the
+wait; `NEXT_FIRST` 0: the next layer's first step loaded after the split sum; `NO_WAIT`, timing only: no layer waits for the last, what streaming the layers
 costs without the barrier). Every figure is microseconds a layer (a launch's time
 over its layers) and its ratio to bf16 cuBLAS in the same round. Before timing, each chain
 launch is checked bit for bit against the GEMV one layer at a time at the split count the
@@ -47,7 +47,12 @@ from gpu_node.kernels.w4a16_mma_plan import mma_gemv_config
 from gpu_node.quant.int4 import quantize_int4, to_mma
 
 SQUARE = "2048x2048,3072x3072,4096x4096,5120x5120,8192x8192"
-VARIANTS = {"": {}, " next after": {"NEXT_FIRST": 0}, " no wait": {"NO_WAIT": 1}}
+VARIANTS = {
+    "": {},
+    " l2": {"PREFETCH": 1},
+    " next after": {"NEXT_FIRST": 0},
+    " no wait": {"NO_WAIT": 1},
+}
 
 
 def parse_square(text: str) -> list[int]:

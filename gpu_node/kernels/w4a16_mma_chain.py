@@ -124,6 +124,61 @@ def _weights_at(tiles_ptr, stride_tr, num_row_blocks, num_groups, zero, WARPS: t
     return words_at, sm_at, rb_ok, g_begin, g_end
 
 
+def prefetch_ptx(chunks: int) -> str:
+    """PTX: warp w, lane l of a program asks L2 for the 16 bytes a lane loads of each chunk
+    of row block w's tile (`chunks` of 512 bytes from $1 + w * $2) and lane 0 for its
+    scales after them; warps at or past $3 (row blocks past N) ask for nothing."""
+    lines = [
+        "{",
+        ".reg .pred p;",
+        ".reg .u32 tid, w, l;",
+        ".reg .u64 t, o;",
+        "mov.b32 $0, 0;",
+        "mov.u32 tid, %tid.x;",
+        "shr.u32 w, tid, 5;",
+        "and.b32 l, tid, 31;",
+        "setp.ge.u32 p, w, $3;",
+        "@p bra END;",
+        "mul.wide.u32 o, w, $2;",
+        "add.u64 t, $1, o;",
+        "mul.wide.u32 o, l, 16;",
+        "add.u64 o, t, o;",
+    ]
+    lines += [f"prefetch.global.L2 [o+{512 * c}];" for c in range(chunks)]
+    lines += [
+        "setp.ne.u32 p, l, 0;",
+        "@p bra END;",
+        f"prefetch.global.L2 [t+{512 * chunks}];",
+        "END:",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+@triton.jit
+def _rest_to_l2(tiles_ptr, stride_tr, stride_tg, num_row_blocks, num_groups, live,
+                WARPS: tl.constexpr, R: tl.constexpr, SPLIT_K: tl.constexpr,
+                ASM: tl.constexpr):  # fmt: skip
+    """A layer's steps after its first asked of L2 (words and scales), where `live`: one
+    PTX call a row-block slot and step, in scalars (prefetch_ptx), so it holds no tensor
+    of addresses."""
+    pid_n = tl.program_id(0) + tl.sum(_opaque(), axis=0)
+    pid_s = tl.program_id(1)
+    g_begin = pid_s * num_groups // SPLIT_K
+    g_end = (pid_s + 1) * num_groups // SPLIT_K
+    if live:
+        for step in range(g_begin + 1, g_end):
+            for i in tl.static_range(R):
+                rb0 = (pid_n * R + i) * WARPS
+                at = (tiles_ptr + rb0 * stride_tr + step * stride_tg).to(tl.int64)
+                tl.inline_asm_elementwise(
+                    ASM, "=r,l,r,r",
+                    [at + tl.zeros([1], tl.int64), stride_tr * 4 + tl.zeros([1], tl.int32),
+                     num_row_blocks - rb0 + tl.zeros([1], tl.int32)],
+                    dtype=tl.int32, is_pure=False, pack=1,
+                )  # fmt: skip
+
+
 @triton.jit
 def _first_step(tiles_ptr, stride_tr, stride_tg, num_row_blocks, num_groups, live,
                 WARPS: tl.constexpr, R: tl.constexpr, SPLIT_K: tl.constexpr, CPG: tl.constexpr,
@@ -225,6 +280,8 @@ def _chain_mma_kernel(
     NEXT_FIRST: tl.constexpr = True,  # the next layer's first step loaded before the split sum
     FAN: tl.constexpr = 16,
     NO_WAIT: tl.constexpr = False,  # benchmarks: no layer waits for the last (y is wrong)
+    PREFETCH: tl.constexpr = False,  # the next layer's other steps asked of L2 before the wait
+    PREFETCH_ASM: tl.constexpr = "",  # prefetch_ptx(chunks a step)
 ):
     CPG: tl.constexpr = (GROUP_SIZE + 63) // 64
     SUBS: tl.constexpr = 64 * CPG // GROUP_SIZE
@@ -280,6 +337,11 @@ def _chain_mma_kernel(
             acc, ys_ptr + layer * (M * N), part_ptr, count_ptr, ready_ptr + layer,
             go_ptr + layer * FAN * 32, M, N, num_row_blocks, _opaque(), WARPS, R, SPLIT_K, FAN,
         )  # fmt: skip
+        if PREFETCH:  # the next layer's other steps streaming into L2 while it waits
+            _rest_to_l2(
+                tiles_ptr + (layer + 1) * stride_tl, stride_tr, stride_tg, num_row_blocks,
+                num_groups, layer + 1 < num_layers, WARPS, R, SPLIT_K, PREFETCH_ASM,
+            )  # fmt: skip
         if not NEXT_FIRST:  # after it (fewer registers live through the epilogue)
             a = _first_step(
                 tiles_ptr + (layer + 1) * stride_tl, stride_tr, stride_tg, num_row_blocks,
@@ -429,7 +491,8 @@ def w4a16_mma_chain(
 
     `config` overrides the GEMV heuristic's keys (R, GROUPS_PER_SPLIT, CHAINS, SPLITS,
     EARLY, MAXNREG: a register cap, NEXT_FIRST: 0 loads the next layer's first step after
-    the split sum, NO_WAIT, benchmarks only: no layer waits for the last, so y is wrong);
+    the split sum, PREFETCH: the next layer's other steps asked of L2 before the wait,
+    NO_WAIT, benchmarks only: no layer waits for the last, so y is wrong);
     the split count is then lowered where the grid would
     not be resident (launch_splits says what a call ran). With `check` the call
     synchronises and raises if a barrier gave up."""
@@ -446,7 +509,7 @@ def w4a16_mma_chain(
     m = x.shape[0]
     device = x.device
     key, config, options = _options(x, chain, config)
-    early, maxnreg, next_first, no_wait = options
+    early, maxnreg, next_first, no_wait, prefetch = options
     sms = num_sms(device)
     plan = chain_plan(n, k, chain.group_size, sms, config=config)
     x = x.contiguous()
@@ -468,6 +531,8 @@ def w4a16_mma_chain(
         "NEXT_FIRST": next_first,
         "FAN": FAN,
         "NO_WAIT": no_wait,
+        "PREFETCH": prefetch,
+        "PREFETCH_ASM": prefetch_ptx(-(-chain.group_size // 64)) if prefetch else "",
         **group_step_constants(x.dtype, plan.chains, chain.group_size),
         "num_warps": plan.warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
@@ -517,9 +582,9 @@ def w4a16_mma_chain(
 
 def _options(
     x: torch.Tensor, chain: MMAChain, config: dict[str, int] | None
-) -> tuple[tuple, dict[str, int], tuple[int, int | None, bool, bool]]:
+) -> tuple[tuple, dict[str, int], tuple[int, int | None, bool, bool, bool]]:
     """A call's cache key, the config keys chain_plan takes, and the launch's own (EARLY,
-    MAXNREG, NEXT_FIRST, NO_WAIT)."""
+    MAXNREG, NEXT_FIRST, NO_WAIT, PREFETCH)."""
     config = dict(config or {})
     early = int(config.pop("EARLY", EARLY_AT_TAIL if launches_early(x.device) else 0))
     if early not in (0, 1, 2):
@@ -527,7 +592,8 @@ def _options(
     maxnreg = config.pop("MAXNREG", None)
     next_first = bool(config.pop("NEXT_FIRST", True))
     no_wait = bool(config.pop("NO_WAIT", False))
-    options = (early, maxnreg, next_first, no_wait)
+    prefetch = bool(config.pop("PREFETCH", False))
+    options = (early, maxnreg, next_first, no_wait, prefetch)
     n, k = chain.shape
     key = (x.device, n, k, chain.group_size, x.dtype, tuple(sorted(config.items())), options)
     return key, config, options
