@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels.launch import has_mma_sync, launches_early
@@ -449,7 +450,7 @@ def _state(device: torch.device, layers: int) -> tuple[torch.Tensor, ...]:
     return have
 
 
-def resident_programs(kernel: object, warps: int, device: torch.device) -> int:
+def resident_programs(kernel: CompiledKernel, warps: int, device: torch.device) -> int:
     """Programs of a compiled kernel the GPU holds at once: the driver's occupancy for its
     function (cuOccupancyMaxActiveBlocksPerMultiprocessor), times the multiprocessors."""
     kernel._init_handles()  # loads the binary: its function handle
