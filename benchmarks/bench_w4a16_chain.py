@@ -112,6 +112,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", choices=tuple(ACTIVATION_DTYPES), default="bf16")
     parser.add_argument("--lengths", default="0,8,4,2", help="layers a launch (0: all R)")
+    parser.add_argument(
+        "--variants", default=",".join(v.strip() or "plain" for v in VARIANTS),
+        help="the chain's variants to run: plain, l2, next after, no wait",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = ACTIVATION_DTYPES[args.dtype]
@@ -151,7 +155,10 @@ def main() -> None:
             chains = [
                 MMAChain.from_weights(weights[i : i + length]) for i in range(0, usable, length)
             ]
+            chosen = {v.strip() for v in args.variants.split(",")}
             for suffix, config in VARIANTS.items():
+                if (suffix.strip() or "plain") not in chosen:
+                    continue
                 name = f"chain {length}{suffix}"
                 try:
                     exact[name] = check_exact(x, chains, config)
