@@ -14,7 +14,9 @@
     ├── NoCapacityError         429  no node can take the request now (Retry-After)
     ├── NotReadyError           503  the model is still loading
     ├── UnavailableError        503  the rate-limit store is unreachable and admission fails closed
-    └── UpstreamError           502  a node failed
+    ├── UpstreamError           502  a node failed
+    └── ClientClosedError       499  the client left before a whole (non-streamed) answer:
+                                     written to nobody, it names the request in the access log
 
 Every answer that carries `retry_after_s` gets `Retry-After` (whole seconds, 1..60:
 official clients ignore larger values) and `retry-after-ms` (what the openai client
@@ -107,6 +109,10 @@ class UpstreamError(GatewayError):
     pass
 
 
+class ClientClosedError(GatewayError):
+    pass
+
+
 @dataclass(frozen=True)
 class ErrorShape:
     workers_ai_status: int
@@ -136,6 +142,7 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
     NotReadyError: ErrorShape(503, 3040, 503, "server_error", "model_loading"),
     UnavailableError: ErrorShape(503, 7010, 503, "server_error", "service_unavailable"),
     UpstreamError: ErrorShape(502, 3043, 502, "server_error", "upstream_error"),
+    ClientClosedError: ErrorShape(499, 5004, 499, "invalid_request_error", "client_closed_request"),
 }
 
 

@@ -28,6 +28,7 @@ from gateway.errors import (
     error_headers,
     error_status,
 )
+from gateway.json_body import load_json
 from gateway.keys import KeyStore
 from gateway.settings import GatewaySettings
 
@@ -119,8 +120,8 @@ async def parse_body(request: Request, schema: type[M]) -> M:
             f"request body is {len(raw)} bytes; the limit is {gateway_of(request).settings.max_body_bytes}"
         )
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = load_json(raw)
+    except ValueError as exc:  # not UTF-8, not JSON, nested too deeply, an integer too long
         raise InvalidRequestError(f"malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("the body must be a JSON object")

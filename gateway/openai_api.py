@@ -149,7 +149,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         stream = ChatStream(completion_id, body.model, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    text, finished = await collect(upstream)
+    text, finished = await collect(upstream, request.receive)
     message = {"role": "assistant", "content": text, "refusal": None}
     choice = {"index": 0, "message": message, "logprobs": None}
     return _answer("chat.completion", completion_id, body.model, choice, finished, upstream)
@@ -164,7 +164,7 @@ async def completions(request: Request) -> Response:
     if body.stream:
         stream = CompletionStream(completion_id, body.model, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    text, finished = await collect(upstream)
+    text, finished = await collect(upstream, request.receive)
     choice = {"index": 0, "text": text, "logprobs": None}
     return _answer("text_completion", completion_id, body.model, choice, finished, upstream)
 

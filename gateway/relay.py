@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamError
-from gateway.upstream import Finished, TextChunk, Upstream
+from gateway.upstream import Finished, TextChunk, Upstream, wait_for_disconnect
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -24,12 +24,6 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
 
 
 class StreamRenderer(Protocol):
@@ -60,7 +54,7 @@ class RelayResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.Event()
         relay = asyncio.ensure_future(self._relay(send, gone))
-        watch = asyncio.ensure_future(_wait_for_disconnect(receive, gone))
+        watch = asyncio.ensure_future(wait_for_disconnect(receive, gone))
         try:
             # Whichever ends first ends the other: a finished stream, or a client gone.
             await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)

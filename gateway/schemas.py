@@ -109,7 +109,7 @@ class _OpenAIBase(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's own API
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -7,6 +7,7 @@ stream is billed for the tokens the relay marked delivered. `Upstream.close()`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from starlette.types import Receive
 
 from billing.events import Status
-from gateway.errors import UpstreamError
+from gateway.errors import ClientClosedError, UpstreamError
 from gateway.tracing import GenAISpan
 from scheduler.placement import Placement
 
@@ -148,17 +150,46 @@ class Upstream:
         return self._started_at
 
 
-async def collect(upstream: Upstream) -> tuple[str, Finished]:
-    """Read a whole generation (non-streaming answers); always closes the upstream."""
-    parts: list[str] = []
-    finished: Finished | None = None
-    try:
+async def wait_for_disconnect(receive: Receive, gone: asyncio.Event | None = None) -> None:
+    """Returns (setting `gone`) once the client has left; the request's body already read,
+    so nothing else is left to come on `receive`."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if gone is not None:
+        gone.set()
+
+
+async def collect(upstream: Upstream, receive: Receive | None = None) -> tuple[str, Finished]:
+    """Read a whole generation (non-streaming answers); always closes the upstream.
+
+    With `receive` (the client's ASGI channel, its body already read), a client that leaves
+    before the answer is whole ends the generation there. The upstream closes, so the node
+    cancels the request and frees its pages. It is billed as cancelled, with none of its
+    output delivered. ClientClosedError is raised."""
+
+    async def read() -> tuple[str, Finished]:
+        parts: list[str] = []
+        finished: Finished | None = None
         async for event in upstream.events():
             if isinstance(event, TextChunk):
                 parts.append(event.text)
             else:
                 finished = event
+        assert finished is not None  # events() ends with Finished or raises
+        return "".join(parts), finished
+
+    reading = asyncio.ensure_future(read())
+    tasks: set[asyncio.Future[Any]] = {reading}
+    if receive is not None:
+        tasks.add(asyncio.ensure_future(wait_for_disconnect(receive)))
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if reading in done:
+            return reading.result()
+        raise ClientClosedError("the client closed the connection before the answer was whole")
     finally:
-        await upstream.close()
-    assert finished is not None  # events() ends with Finished or raises
-    return "".join(parts), finished
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Cleanup must run even if this task is being cancelled (server shutdown).
+        await asyncio.shield(upstream.close())

@@ -72,7 +72,7 @@ async def run_model(request: Request) -> Response:
     upstream = await gateway_of(request).dispatcher.open(job)
     if body.stream:
         return RelayResponse(upstream, WorkersAIStream(), upstream.headers)  # type: ignore[return-value]
-    text, finished = await collect(upstream)
+    text, finished = await collect(upstream, request.receive)
     return JSONBytes(
         envelope({"response": text, "usage": usage(finished)}), headers=upstream.headers
     )

@@ -39,7 +39,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # Generators live on the host (their state moves between nodes with a KV handoff,
         # and seeds draw the same tokens on every device): sample there.
         logits = logits.to(generator.device)
+    unscaled = logits
     logits = logits.float() / params.temperature
+    if not bool(torch.isfinite(logits.max())):
+        # A temperature (or a repetition penalty) so small that a logit overflows float32:
+        # the distribution is then the limit it tends to, all its mass on the argmax (of
+        # the logits before scaling, where the overflowed ones are not all tied at inf).
+        return int(torch.argmax(unscaled))
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -9,6 +9,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# What a seed may be: the range torch.Generator.manual_seed takes (int64's least value to
+# uint64's largest); the OpenAI schema takes int64, the Workers AI schema its own cap.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -56,6 +60,8 @@ class SamplingParams:
             found.append(f"top_k must be >= 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             found.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            found.append(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if any(not s for s in self.stop):
             found.append("stop strings must not be empty")
         return found

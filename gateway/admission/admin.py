@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
@@ -25,6 +24,7 @@ from gateway.admission.errors import InvalidLimits, InvalidRequest
 from gateway.admission.limits import LimitPolicy
 from gateway.admission.manage import describe_limits, update_limits
 from gateway.admission.store import LimitStore
+from gateway.json_body import load_json
 
 # error kind -> (HTTP status, Workers AI error code); codes as in gateway/errors.py.
 ERRORS: dict[str, tuple[int, int]] = {
@@ -93,12 +93,12 @@ class LimitsAdmin:
 
     async def _put(self, request: Request, account_id: str) -> JSONResponse:
         try:
-            update = LimitsUpdate.model_validate(json.loads(await request.body()))
+            update = LimitsUpdate.model_validate(load_json(await request.body()))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"
             return _error("invalid", f"{where}: {first['msg']}")
-        except ValueError:  # not JSON, or not UTF-8
+        except ValueError:  # not JSON, not UTF-8, nested too deeply, an integer too long
             return _error("invalid", "the body is not JSON")
         if (update.requests_per_minute, update.tokens_per_minute, update.max_concurrent) == (
             None,

@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -81,3 +82,56 @@ def test_a_cancelled_stream_bills_exactly_the_tokens_its_client_received(
     assert event.output_tokens == prefixes[text]
     assert prefixes[text] < MAX_TOKENS  # it really was cut short
     assert event.input_tokens == len(engine.tokenizer.encode(PROMPT))
+
+
+def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any]) -> bytes:
+    """Everything the gateway wrote back to a client that half-closed its connection right
+    after sending a non-streaming request (it will send nothing more): nothing, since a
+    server writes nothing to a client it has seen leave."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        f"Connection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}",
+            {"prompt": PROMPT, "raw": True, "max_tokens": MAX_TOKENS, "temperature": 0},
+        ),
+        (
+            "/v1/completions",
+            {"model": SMOLLM2, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0},
+        ),
+    ],
+)
+def test_a_client_that_leaves_a_whole_answer_cancels_it_and_is_billed_no_output(
+    stack: Any, engine: Any, path: str, body: dict[str, Any]
+) -> None:
+    """Without a stream nothing reaches the client before the end: one that leaves ends the
+    generation on the node and pays for its prompt alone."""
+    before = len(stack.sink.events)
+    assert send_and_leave(stack.url, stack.api_key, path, body) == b""
+    deadline = time.monotonic() + 30
+    while len(stack.sink.events) == before:
+        assert time.monotonic() < deadline, "no usage event for the request"
+        time.sleep(0.02)
+    (event,) = stack.sink.events[before:]
+    assert (event.status, event.output_tokens) == ("cancelled", 0)
+    assert event.input_tokens == len(engine.tokenizer.encode(PROMPT))
+    # The node dropped it: nothing is left running there, long before 60 tokens' time.
+    while engine.engine.has_unfinished():
+        assert time.monotonic() < deadline, "the node kept generating"
+        time.sleep(0.02)

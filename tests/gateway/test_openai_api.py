@@ -215,6 +215,13 @@ def test_another_accounts_path_is_403_in_openai_shape(stack) -> None:
             None,
         ),
         (
+            {"model": SMOLLM2, "messages": MESSAGES, "seed": 2**64},  # past torch's seeds
+            400,
+            "invalid request: seed: Input should be less than or equal to 9223372036854775807",
+            "seed",
+            None,
+        ),
+        (
             {"model": "gpt-9", "messages": MESSAGES},
             404,
             "no such model: 'gpt-9'",
@@ -283,6 +290,54 @@ def test_bad_requests_are_4xx_with_a_message_and_the_server_keeps_serving(
         timeout=30,
     )
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "nested too deeply"),
+        (
+            b'{"model": "smollm2", "max_tokens": 1' + b"0" * 5000 + b"}",
+            "Exceeds the limit (4300 digits) for integer string conversion: value has 5001 "
+            "digits; use sys.set_int_max_str_digits() to increase the limit",
+        ),
+    ],
+)
+def test_json_past_the_decoders_limits_is_a_400_and_the_connection_keeps_serving(
+    stack, body, reason
+) -> None:
+    headers = {"authorization": f"Bearer {stack.api_key}", "content-type": "application/json"}
+    with httpx.Client(base_url=stack.url, headers=headers, timeout=30) as http:
+        got_status, got = error_of(http.post("/v1/chat/completions", content=body))
+        assert (got_status, got) == (
+            400,
+            {
+                "error": {
+                    "message": f"malformed JSON body: {reason}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            },
+        )
+        # the same keep-alive connection answers the next request
+        ok = http.post(
+            "/v1/chat/completions", json={"model": SMOLLM2, "messages": MESSAGES, "max_tokens": 1}
+        )
+        assert ok.status_code == 200
+
+
+def test_a_vanishing_temperature_answers_as_greedy_and_fails_no_one(client) -> None:
+    """A temperature that overflows float32 logits (1e-300 is 0 there) is the greedy limit,
+    not a failed step for every request in the batch."""
+    greedy = client.chat.completions.create(
+        model=SMOLLM2, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    tiny = client.chat.completions.create(
+        model=SMOLLM2, messages=MESSAGES, max_tokens=6, temperature=1e-300
+    )
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert tiny.usage.completion_tokens == greedy.usage.completion_tokens
 
 
 def test_unknown_route_and_method_in_openai_shape(stack) -> None:

@@ -130,6 +130,11 @@ def test_seeded_sampling_is_reproducible(make_engine, chat_ids):
         (10, SamplingParams(max_tokens=0), "max_tokens must be positive, got 0"),
         (10, SamplingParams(max_tokens=-3), "max_tokens must be positive, got -3"),
         (10, SamplingParams(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        (
+            10,
+            SamplingParams(temperature=1.0, seed=2**64),
+            f"seed must be in [-9223372036854775808, 18446744073709551615], got {2**64}",
+        ),
         (500, SamplingParams(max_tokens=20), "the prompt has 500 tokens and max_tokens is 20"),
     ],
 )

@@ -40,3 +40,22 @@ def test_penalties_exact_values():
     )
     assert freq.tolist() == [2.0 - 0.75, -2.0, 1.0 - 1.25, 0.5]
     assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # the input is untouched
+
+
+def test_a_vanishing_temperature_draws_the_argmax_of_the_unscaled_logits():
+    # Over 1e-300 (0 in float32) every positive logit overflows to inf: the draw is the
+    # limit of the distribution, the argmax of the logits themselves, not the first inf.
+    logits = torch.tensor([0.5, 1.0, 3.0, -2.0, 2.5])
+    for temperature in (1e-300, 1e-45):
+        params = SamplingParams(temperature=temperature, top_p=0.9, top_k=3)
+        assert sample(logits, params, torch.Generator().manual_seed(0)) == 2
+
+
+def test_a_vanishing_repetition_penalty_leaves_a_finite_draw():
+    # A seen token's positive logit over 1e-300 overflows; the draw is that token, with
+    # no inf or nan reaching the multinomial.
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    penalized = apply_penalties(logits, SamplingParams(repetition_penalty=1e-300), [0], [])
+    assert penalized[0] == float("inf") and penalized[1:].tolist() == [3.0, 2.0, -1.0]
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-300)
+    assert sample(penalized, params, torch.Generator().manual_seed(0)) == 0
