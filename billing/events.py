@@ -18,6 +18,9 @@ STATUSES: frozenset[str] = frozenset({"ok", "cancelled", "error"})
 
 _TEXT_FIELDS = ("request_id", "account_id", "model", "node_id")
 _TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens")
+# The most tokens a count may hold: the ledger's BIGINT. A count past it is refused here, so
+# the worker dead-letters its event instead of failing the batch's insert again and again.
+MAX_TOKENS = 2**63 - 1
 _TIME_FIELDS = ("started_at", "ended_at")
 
 
@@ -55,8 +58,14 @@ class UsageEvent:
                 raise InvalidUsageEvent(f"{name} must not be empty")
         for name in _TOKEN_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidUsageEvent(f"{name} must be a non-negative integer, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_TOKENS
+            ):
+                raise InvalidUsageEvent(
+                    f"{name} must be an integer in [0, {MAX_TOKENS}], got {value!r}"
+                )
         if self.cached_tokens > self.input_tokens:
             raise InvalidUsageEvent(
                 f"cached_tokens ({self.cached_tokens}) exceeds input_tokens ({self.input_tokens})"

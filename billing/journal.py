@@ -81,8 +81,13 @@ class Journal:
     def _append_lines(path: Path, lines: list[str]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = "".join(line + "\n" for line in lines).encode()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         try:
+            # A crash mid-write leaves a last line without its newline: end it first, so the
+            # torn line stays a line of its own (set aside on read) and takes no event with it.
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]

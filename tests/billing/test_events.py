@@ -32,8 +32,18 @@ def test_fields_round_trip_exactly() -> None:
     [
         ({"request_id": ""}, "request_id must not be empty"),
         ({"account_id": 7}, "account_id must be a string, got int"),
-        ({"input_tokens": -1}, "input_tokens must be a non-negative integer, got -1"),
-        ({"output_tokens": True}, "output_tokens must be a non-negative integer, got True"),
+        (
+            {"input_tokens": -1},
+            "input_tokens must be an integer in [0, 9223372036854775807], got -1",
+        ),
+        (
+            {"output_tokens": True},
+            "output_tokens must be an integer in [0, 9223372036854775807], got True",
+        ),
+        (
+            {"input_tokens": 2**64, "cached_tokens": 0},  # past the ledger's BIGINT
+            "input_tokens must be an integer in [0, 9223372036854775807], got 18446744073709551616",
+        ),
         ({"cached_tokens": 101}, "cached_tokens (101) exceeds input_tokens (100)"),
         ({"ended_at": DAY1 - 1}, "is before started_at"),
         ({"started_at": float("nan")}, "started_at must be finite"),

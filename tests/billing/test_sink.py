@@ -10,6 +10,7 @@ from pathlib import Path
 import redis.asyncio
 
 from billing.events import UsageEvent
+from billing.journal import Journal
 from billing.ledger import Ledger, SqliteLedger
 from billing.sink import LocalUsageSink, RedisUsageSink
 from billing.worker import BillingWorker, WorkerConfig
@@ -186,3 +187,22 @@ async def test_local_sink_writes_the_ledger_in_process(tmp_path: Path) -> None:
     assert ledger.count() == 90
     assert sum(u.output_tokens for u in ledger.daily_usage(*DAYS)) == sum(range(90))
     ledger.close()
+
+
+def test_a_torn_last_line_keeps_to_itself_and_the_next_event_is_kept(tmp_path: Path) -> None:
+    """A crash mid-write leaves a line without its newline; the next append must not glue
+    its event onto it (both were set aside as one unparsable line)."""
+    journal = Journal(tmp_path / "usage.journal")
+    journal.append(make_event("req-1"))
+    torn = '{"request_id": "req-2", "acco'
+    with journal.path.open("a") as f:
+        f.write(torn)
+    journal.append(make_event("req-3"))
+    contents = journal.read()
+    assert [e.request_id for e in contents.events] == ["req-1", "req-3"]
+    assert contents.rejected_lines == [torn]
+    # and a journal that ends cleanly gets no blank line
+    clean = Journal(tmp_path / "clean.journal")
+    clean.append(make_event("req-1"))
+    clean.append(make_event("req-2"))
+    assert clean.path.read_text().count("\n") == 2

@@ -78,6 +78,27 @@ async def test_a_malformed_entry_is_dead_lettered_and_acknowledged(
     assert ledger.count() == 1
 
 
+async def test_a_count_past_the_ledgers_bigint_is_dead_lettered_and_billing_goes_on(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    """One such entry had failed the batch's insert (bigint out of range) on every retry, and
+    nothing after it was ever billed."""
+    cfg = config(key_prefix, "w1")
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    huge = make_event("req-huge").to_fields() | {"input_tokens": str(10**20)}
+    bad_id = (await redis_client.xadd(cfg.stream_key, huge)).decode()
+    await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
+    result = await worker.read_once()
+    assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 1)
+    dead = await redis_client.xrange(cfg.dead_letter_key)
+    assert [fields for _, fields in dead] == [
+        {**{k.encode(): v.encode() for k, v in huge.items()}, b"source_id": bad_id.encode()}
+    ]
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert ledger.count() == 1
+
+
 async def test_a_restarted_consumer_first_bills_what_it_held_when_it_stopped(
     redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
 ) -> None:
