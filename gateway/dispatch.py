@@ -39,6 +39,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequestError,
     NoCapacityError,
+    NotServedError,
     RateLimitedError,
     RequestTooLargeError,
     UnavailableError,
@@ -51,6 +52,7 @@ from scheduler.placement import Placement, Placer
 log = logging.getLogger(__name__)
 
 NO_CAPACITY_RETRY_S = 1.0
+NOT_SERVED_RETRY_S = 10.0  # a node restarting or being added takes this long at least
 # Admission's refusal reasons as a client reads them in "too many ... for this account".
 _REFUSAL_REASONS = {
     "requests": "requests",
@@ -204,6 +206,9 @@ class Dispatcher:
             except NoCapacityError:
                 trace.rejected("no_capacity")
                 raise
+            except NotServedError:
+                trace.rejected("not_served")
+                raise
         trace.placed(placement)
         tried = {placement.node_id}
         while True:  # the first node, then one retry elsewhere
@@ -245,8 +250,14 @@ class Dispatcher:
                 job.model.node_model, job.request_id, num_tokens, account_id=job.account_id
             )
 
+        if not largest:
+            # No live node serves the model at all: not a busy fleet that frees up in a
+            # moment, so not the 429 that tells clients to retry shortly.
+            raise NotServedError(
+                f"no node serves {job.model.name} now", retry_after_s=NOT_SERVED_RETRY_S
+            )
         # Waiting only makes sense when some node serves the model and may free up.
-        if self._queue is None or not largest:
+        if self._queue is None:
             placement = await try_place()
             if placement is not None:
                 return placement

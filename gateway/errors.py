@@ -11,7 +11,8 @@
     ├── RequestTooLargeError    413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the context
     ├── ConflictError           409  a request id already holds an admission (ids are ours: a bug)
     ├── RateLimitedError        429  admission said no (carries Retry-After and limit headers)
-    ├── NoCapacityError         429  no node can take the request now (Retry-After)
+    ├── NoCapacityError         429  every node serving the model is full now (Retry-After)
+    ├── NotServedError          503  no live node serves the model (Retry-After: nodes come back)
     ├── NotReadyError           503  the model is still loading
     ├── UnavailableError        503  the rate-limit store is unreachable and admission fails closed
     ├── UpstreamError           502  a node failed
@@ -97,6 +98,10 @@ class NoCapacityError(GatewayError):
     pass
 
 
+class NotServedError(GatewayError):
+    pass
+
+
 class NotReadyError(GatewayError):
     pass
 
@@ -139,6 +144,7 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
     ConflictError: ErrorShape(409, 5004, 409, "invalid_request_error", "duplicate_request_id"),
     RateLimitedError: ErrorShape(429, 3036, 429, "rate_limit_error", "rate_limit_exceeded"),
     NoCapacityError: ErrorShape(429, 3040, 429, "server_error", "no_capacity"),
+    NotServedError: ErrorShape(503, 3040, 503, "server_error", "model_not_served"),
     NotReadyError: ErrorShape(503, 3040, 503, "server_error", "model_loading"),
     UnavailableError: ErrorShape(503, 7010, 503, "server_error", "service_unavailable"),
     UpstreamError: ErrorShape(502, 3043, 502, "server_error", "upstream_error"),

@@ -81,28 +81,29 @@ def test_a_loading_model_is_503_in_each_dialect(loading) -> None:
     assert httpx.get(f"{loading.url}/healthz").status_code == 503
 
 
-def test_no_node_for_the_model_is_3040_or_429_with_retry_after(empty) -> None:
+def test_no_node_for_the_model_is_503_with_a_longer_retry_after(empty) -> None:
+    """No live node serves the model at all: not the busy fleet's 429 'retry shortly'."""
     wai = httpx.post(
         f"{empty.url}/client/v4/accounts/acct/ai/run/smollm2", json={"prompt": "hi"}, headers=AUTH
     )
-    message = f"no capacity for {SMOLLM2} right now; retry shortly"
+    message = f"no node serves {SMOLLM2} now"
     assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == (
-        429,
-        "1",
+        503,
+        "10",
         [{"code": 3040, "message": message}],
     )
     oai = httpx.post(
         f"{empty.url}/v1/completions", json={"model": "smollm2", "prompt": "hi"}, headers=AUTH
     )
     assert (oai.status_code, oai.headers["retry-after"], oai.json()) == (
-        429,
-        "1",
+        503,
+        "10",
         {
             "error": {
                 "message": message,
                 "type": "server_error",
                 "param": None,
-                "code": "no_capacity",
+                "code": "model_not_served",
             }
         },
     )
@@ -165,7 +166,7 @@ def test_admission_refusals_are_429_in_each_dialect_with_the_limiters_headers() 
         url = f"{server.url}/client/v4/accounts/acct/ai/run/smollm2"
         # Admitted, then no node: 3040 (the request still counts against the minute).
         first = httpx.post(url, json={"prompt": "hi", "max_tokens": 10}, headers=AUTH)
-        assert (first.status_code, first.json()["errors"][0]["code"]) == (429, 3040)
+        assert (first.status_code, first.json()["errors"][0]["code"]) == (503, 3040)
         second = httpx.post(url, json={"prompt": "hi", "max_tokens": 10}, headers=AUTH)
         assert second.status_code == 429
         assert second.json()["errors"] == [
