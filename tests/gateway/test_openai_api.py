@@ -194,6 +194,13 @@ def test_another_accounts_path_is_403_in_openai_shape(stack) -> None:
         ),
         (b"[1, 2]", 400, "the body must be a JSON object", None, None),
         (
+            b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+            400,
+            "malformed JSON body: a string holds an unpaired UTF-16 surrogate",
+            None,
+            None,
+        ),
+        (
             {"model": SMOLLM2, "messages": "hi"},
             400,
             "invalid request: messages: Input should be a valid list",
