@@ -19,7 +19,11 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 PAUSE_AFTER_COMMIT_ENV = "EDGESERVE_BILLING_PAUSE_AFTER_COMMIT"
 
 _REDIS = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="REDIS_URL", help="Redis URL")
-_DATABASE = typer.Option(None, "--database-url", help="PostgreSQL URL for the ledger")
+# The environment's DATABASE_URL, as the gateway reads it: a fleet's worker and gateways then
+# share one ledger from one setting (infra/compose.yaml, infra/k8s/edgeserve.yaml).
+_DATABASE = typer.Option(
+    None, "--database-url", envvar="DATABASE_URL", help="PostgreSQL URL for the ledger"
+)
 _SQLITE = typer.Option(None, "--sqlite", help="SQLite ledger file (default: per-user data dir)")
 _STREAM = typer.Option("edgeserve:usage", "--stream", help="usage stream key")
 _GROUP = typer.Option("billing", "--group", help="consumer group")

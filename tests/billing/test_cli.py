@@ -8,7 +8,7 @@ from pathlib import Path
 import redis
 from typer.testing import CliRunner
 
-from billing.ledger import SqliteLedger
+from billing.ledger import PostgresLedger, SqliteLedger
 from edgeserve.cli import build_app
 from tests.billing.conftest import DAY2, REDIS_URL, make_event
 
@@ -58,6 +58,23 @@ def test_report_json_grouped_by_account(tmp_path: Path) -> None:
         ("acct-a", 2, "0.2212527"),
         ("acct-b", 1, "0.00000672"),  # 100 * 0.027 + 20 * 0.201 per million
     ]
+
+
+def test_the_ledger_comes_from_database_url_as_the_gateways_does(postgres_url: str) -> None:
+    """The fleet's files set DATABASE_URL for every process; the billing commands read it
+    (they had taken only --database-url, so the compose worker billed into a SQLite file)."""
+    ledger = PostgresLedger(postgres_url)
+    ledger.insert_many([make_event("p-1"), make_event("p-2", account_id="acct-b")])
+    ledger.close()
+    result = CliRunner().invoke(
+        build_app(),
+        ["billing", "report", "--from", "2026-11-02", "--to", "2026-11-02", "--format", "json",
+         "--group-by", "account"],
+        env={"DATABASE_URL": postgres_url},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["rows"]
+    assert [(r["account_id"], r["requests"]) for r in rows] == [("acct-a", 1), ("acct-b", 1)]
 
 
 def test_report_rejects_bad_input_with_a_clear_message(tmp_path: Path) -> None:

@@ -1,0 +1,77 @@
+"""The fleet's deployment files (infra/compose.yaml, infra/k8s/edgeserve.yaml): every process
+they start is a command the CLI takes, and usage reaches one shared ledger."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from edgeserve.cli import build_app
+
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+K8S = INFRA / "k8s" / "edgeserve.yaml"
+COMPOSE = INFRA / "compose.yaml"
+DATABASE_URL = {"name": "DATABASE_URL", "valueFrom": {"secretKeyRef": {"name": "edgeserve", "key": "database-url"}}}  # fmt: skip
+
+
+def k8s_containers() -> dict[str, dict[str, Any]]:
+    """Deployment name -> its one container."""
+    documents = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+        for d in documents
+        if d["kind"] == "Deployment"
+    }
+
+
+def edgeserve_args(command: list[str]) -> list[str]:
+    """The arguments after `edgeserve` (through a `sh -c "exec edgeserve ..."` too)."""
+    if command[:2] == ["sh", "-c"]:
+        command = shlex.split(command[2])
+        command = command[1:] if command[0] == "exec" else command
+    assert command[0] == "edgeserve", command
+    return command[1:]
+
+
+def test_the_k8s_fleet_runs_a_billing_worker_on_the_gateways_ledger() -> None:
+    containers = k8s_containers()
+    assert set(containers) == {"edgeserve-gateway", "edgeserve-node", "edgeserve-billing-worker"}
+    worker = containers["edgeserve-billing-worker"]
+    assert worker["command"] == ["edgeserve", "billing", "worker"]
+    for name in ("edgeserve-gateway", "edgeserve-billing-worker"):
+        env = {e["name"]: e for e in containers[name]["env"]}
+        assert env["DATABASE_URL"] == DATABASE_URL, name
+        assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url", name
+
+
+def test_the_compose_fleet_gives_every_process_one_ledger() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    worker = compose["services"]["billing-worker"]
+    assert worker["command"] == ["edgeserve", "billing", "worker"]
+    assert worker["environment"]["DATABASE_URL"].startswith("postgresql://")
+    assert compose["services"]["gateway-1"]["environment"] == worker["environment"]
+
+
+def fleet_commands() -> list[list[str]]:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    commands = [
+        s["command"] for s in compose["services"].values() if "edgeserve" in str(s.get("command"))
+    ]
+    commands += [c["command"] for c in k8s_containers().values()]
+    return commands
+
+
+@pytest.mark.parametrize("command", fleet_commands(), ids=lambda c: " ".join(c)[:60])
+def test_every_fleet_command_is_one_the_cli_takes(command: list[str]) -> None:
+    # --help after the file's own options: an option the command does not know fails first.
+    args = [
+        a.replace("$POD_IP", "10.0.0.1").replace("$POD_NAME", "pod")
+        for a in edgeserve_args(command)
+    ]
+    result = CliRunner().invoke(build_app(), [*args, "--help"])
+    assert result.exit_code == 0, result.output
