@@ -44,19 +44,34 @@ def token_prefixes(engine: Any) -> dict[str, int]:
     return asyncio.run(go())
 
 
+WORKERS_AI_PATH = f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}"
+
+
+def post_on_a_socket(url: str, api_key: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """A raw connection to the gateway with one POST of `body` sent on it (the tests below
+    half-close it themselves, which no HTTP client lets them do)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        f"Connection: close\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(head + payload)
+    return sock
+
+
 def stream_and_cancel(url: str, api_key: str, after_chunks: int) -> tuple[str, str]:
     """(request id, text received) for a Workers AI stream half-closed after `after_chunks`."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(
-        {"prompt": PROMPT, "raw": True, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0}
-    ).encode()
-    head = (
-        f"POST /client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2} HTTP/1.1\r\nHost: {host}\r\n"
-        f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(head + body)
+    body = {
+        "prompt": PROMPT,
+        "raw": True,
+        "stream": True,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    with post_on_a_socket(url, api_key, WORKERS_AI_PATH, body) as sock:
         data = b""
         while (
             sum(1 for m in EVENT.finditer(data) if json.loads(m[1]).get("response")) < after_chunks
@@ -88,15 +103,7 @@ def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any]) -> b
     """Everything the gateway wrote back to a client that half-closed its connection right
     after sending a non-streaming request (it will send nothing more): nothing, since a
     server writes nothing to a client it has seen leave."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-        f"Connection: close\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(head + payload)
+    with post_on_a_socket(url, api_key, path, body) as sock:
         sock.shutdown(socket.SHUT_WR)
         data = b""
         while chunk := sock.recv(65536):
@@ -108,7 +115,7 @@ def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any]) -> b
     ("path", "body"),
     [
         (
-            f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}",
+            WORKERS_AI_PATH,
             {"prompt": PROMPT, "raw": True, "max_tokens": MAX_TOKENS, "temperature": 0},
         ),
         (
