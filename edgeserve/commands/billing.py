@@ -19,10 +19,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 PAUSE_AFTER_COMMIT_ENV = "EDGESERVE_BILLING_PAUSE_AFTER_COMMIT"
 
 _REDIS = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="REDIS_URL", help="Redis URL")
-# The environment's DATABASE_URL, as the gateway reads it: a fleet's worker and gateways then
-# share one ledger from one setting (infra/compose.yaml, infra/k8s/edgeserve.yaml).
 _DATABASE = typer.Option(
-    None, "--database-url", envvar="DATABASE_URL", help="PostgreSQL URL for the ledger"
+    None, "--database-url", help="PostgreSQL URL for the ledger (default: DATABASE_URL)"
 )
 _SQLITE = typer.Option(None, "--sqlite", help="SQLite ledger file (default: per-user data dir)")
 _STREAM = typer.Option("edgeserve:usage", "--stream", help="usage stream key")
@@ -34,6 +32,10 @@ def _open_ledger(database_url: str | None, sqlite: Path | None) -> Ledger:
 
     if database_url and sqlite:
         raise typer.BadParameter("give --database-url or --sqlite, not both")
+    # Neither flag: the environment's DATABASE_URL, as the gateway reads it, so that a fleet's
+    # worker and gateways share one ledger from one setting (infra/compose.yaml,
+    # infra/k8s/edgeserve.yaml). A --sqlite flag wins over it.
+    database_url = database_url or (None if sqlite else os.environ.get("DATABASE_URL"))
     if database_url:
         return PostgresLedger(database_url)
     path = sqlite or default_sqlite_path()
