@@ -236,27 +236,27 @@ class Dispatcher:
                 raise
 
     async def _first_placement(self, job: GenerationJob) -> Placement:
-        """A node now, or after a fair wait in the capacity queue; NoCapacityError when none."""
-
-        # The estimate is an upper bound; when it exceeds every node's pool, reserve
-        # the largest pool instead: the node counts the real tokens and answers
-        # precisely (context window, pool size), and nothing waits for a placement
-        # that could never come.
+        """A node now, or after a fair wait in the capacity queue; NoCapacityError when every
+        node serving the model stays full, NotServedError when none serves it."""
         largest = await self._placer.largest_node_tokens(job.model.node_model)
-        num_tokens = min(job.estimated_tokens, largest) if largest else job.estimated_tokens
-
-        async def try_place() -> Placement | None:
-            return await self._placer.place(
-                job.model.node_model, job.request_id, num_tokens, account_id=job.account_id
-            )
-
         if not largest:
             # No live node serves the model at all: not a busy fleet that frees up in a
             # moment, so not the 429 that tells clients to retry shortly.
             raise NotServedError(
                 f"no node serves {job.model.name} now", retry_after_s=NOT_SERVED_RETRY_S
             )
-        # Waiting only makes sense when some node serves the model and may free up.
+        # The estimate is an upper bound; when it exceeds every node's pool, reserve
+        # the largest pool instead: the node counts the real tokens and answers
+        # precisely (context window, pool size), and nothing waits for a placement
+        # that could never come.
+        num_tokens = min(job.estimated_tokens, largest)
+
+        async def try_place() -> Placement | None:
+            return await self._placer.place(
+                job.model.node_model, job.request_id, num_tokens, account_id=job.account_id
+            )
+
+        # Some node serves the model and may free up: with a queue, wait in it fairly.
         if self._queue is None:
             placement = await try_place()
             if placement is not None:

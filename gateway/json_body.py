@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+# A \u escape of a UTF-16 surrogate (D800-DFFF): only a body holding one can decode to a
+# string that is not text, so only such a body pays for the check.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def load_json(raw: bytes) -> Any:
@@ -17,8 +22,8 @@ def load_json(raw: bytes) -> Any:
         value = json.loads(raw)
     except RecursionError:
         raise ValueError("nested too deeply") from None
-    if b"\\u" in raw:
-        # An escape may spell half of a UTF-16 pair (\ud800): valid JSON, but no text, and
+    if _SURROGATE_ESCAPE.search(raw):
+        # The escapes may spell half of a UTF-16 pair (\ud800): valid JSON, but no text, and
         # it would fail only later, re-encoded for a node, with an error about the node's body.
         try:
             json.dumps(value, ensure_ascii=False).encode()

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamError
-from gateway.upstream import Finished, TextChunk, Upstream, wait_for_disconnect
+from gateway.upstream import Finished, TextChunk, Upstream, until_client_leaves
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -53,22 +53,11 @@ class RelayResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.Event()
-        relay = asyncio.ensure_future(self._relay(send, gone))
-        watch = asyncio.ensure_future(wait_for_disconnect(receive, gone))
-        try:
-            # Whichever ends first ends the other: a finished stream, or a client gone.
-            await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (relay, watch):
-                task.cancel()
-            results = await asyncio.gather(relay, watch, return_exceptions=True)
-            # Cleanup must run even if this task is being cancelled (server shutdown).
-            await asyncio.shield(self.upstream.close())
-        if isinstance(results[0], BaseException) and not isinstance(
-            results[0],
-            asyncio.CancelledError | OSError,  # OSError: a send to a gone client
-        ):
-            raise results[0]
+        # Whichever ends first ends the other: a finished stream, or a client gone.
+        relay = await until_client_leaves(self.upstream, self._relay(send, gone), receive, gone)
+        error = None if relay.cancelled() else relay.exception()
+        if error is not None and not isinstance(error, OSError):  # OSError: a send to a gone client
+            raise error
 
     async def _relay(self, send: Send, gone: asyncio.Event) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})

@@ -3,6 +3,8 @@
 `Upstream.events()` yields the node's text chunks and the final usage; a cancelled
 stream is billed for the tokens the relay marked delivered. `Upstream.close()`
 (through the dispatcher) releases what the request held and records its usage.
+`until_client_leaves` runs an answer (the stream relay's, or `collect`'s whole one) until
+it ends or the client leaves, and closes the upstream either way.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from starlette.types import Receive
@@ -24,6 +26,8 @@ from scheduler.placement import Placement
 
 if TYPE_CHECKING:
     from gateway.dispatch import Dispatcher, GenerationJob
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ class Upstream:
         return self._started_at
 
 
-async def wait_for_disconnect(receive: Receive, gone: asyncio.Event | None = None) -> None:
+async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event | None) -> None:
     """Returns (setting `gone`) once the client has left; the request's body already read,
     so nothing else is left to come on `receive`."""
     while (await receive())["type"] != "http.disconnect":
@@ -159,13 +163,36 @@ async def wait_for_disconnect(receive: Receive, gone: asyncio.Event | None = Non
         gone.set()
 
 
-async def collect(upstream: Upstream, receive: Receive | None = None) -> tuple[str, Finished]:
+async def until_client_leaves(
+    upstream: Upstream,
+    work: Coroutine[Any, Any, T],
+    receive: Receive,
+    gone: asyncio.Event | None = None,
+) -> asyncio.Future[T]:
+    """Runs `work` (answering the client from `upstream`) against the client leaving,
+    whichever ends first ending the other, then always closes the upstream, which cancels
+    the request on the node when it did not finish. Returns the work's future: cancelled
+    when the client left first, else done with its result or exception. `gone` is set the
+    moment the client leaves (the stream relay checks it between sends)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(receive, gone))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in (task, watch):
+            future.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+        # Cleanup must run even if this task is being cancelled (server shutdown).
+        await asyncio.shield(upstream.close())
+    return task
+
+
+async def collect(upstream: Upstream, receive: Receive) -> tuple[str, Finished]:
     """Read a whole generation (non-streaming answers); always closes the upstream.
 
-    With `receive` (the client's ASGI channel, its body already read), a client that leaves
-    before the answer is whole ends the generation there. The upstream closes, so the node
-    cancels the request and frees its pages. It is billed as cancelled, with none of its
-    output delivered. ClientClosedError is raised."""
+    `receive` is the client's ASGI channel, its body already read. A client that leaves
+    before the answer is whole ends the generation there: it is billed as cancelled, with
+    none of its output delivered, and ClientClosedError is raised."""
 
     async def read() -> tuple[str, Finished]:
         parts: list[str] = []
@@ -178,18 +205,7 @@ async def collect(upstream: Upstream, receive: Receive | None = None) -> tuple[s
         assert finished is not None  # events() ends with Finished or raises
         return "".join(parts), finished
 
-    reading = asyncio.ensure_future(read())
-    tasks: set[asyncio.Future[Any]] = {reading}
-    if receive is not None:
-        tasks.add(asyncio.ensure_future(wait_for_disconnect(receive)))
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if reading in done:
-            return reading.result()
+    reading = await until_client_leaves(upstream, read(), receive)
+    if reading.cancelled():
         raise ClientClosedError("the client closed the connection before the answer was whole")
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        # Cleanup must run even if this task is being cancelled (server shutdown).
-        await asyncio.shield(upstream.close())
+    return reading.result()

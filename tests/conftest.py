@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,9 +264,18 @@ class ListSink:
     def event_of(self, request_id: str, timeout_s: float = 30.0) -> Any:
         """The one event of `request_id`, once recorded (a stream's after its last byte went
         out, or its client left)."""
+        return self._one(lambda: [e for e in self.events if e.request_id == request_id],
+                         f"no usage event for {request_id}", timeout_s)  # fmt: skip
+
+    def event_after(self, count: int, timeout_s: float = 30.0) -> Any:
+        """The one event recorded after the first `count` (for a request whose id the test
+        never saw: its client left before any answer)."""
+        return self._one(lambda: self.events[count:], f"no usage event after {count}", timeout_s)
+
+    def _one(self, found: Callable[[], list[Any]], missing: str, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
-        while not (events := [e for e in self.events if e.request_id == request_id]):
-            assert time.monotonic() < deadline, f"no usage event for {request_id}"
+        while not (events := found()):
+            assert time.monotonic() < deadline, missing
             time.sleep(0.02)
         (event,) = events
         return event
