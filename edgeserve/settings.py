@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 
 def state_dir() -> Path:
@@ -22,3 +23,17 @@ def journal_path(port: int) -> Path:
     path = state_dir() / "journal" / f"usage-{socket.gethostname()}-{port}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# A Redis that stops answering is an error after this long, never a hang (the billing
+# worker's blocking read waits 0.5 s; the admission limiter has its own, shorter bound).
+REDIS_TIMEOUT_S = 5.0
+
+
+def redis_client(url: str) -> Any:
+    """An asyncio Redis client for `url` whose connects and calls give up after REDIS_TIMEOUT_S."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(
+        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+    )

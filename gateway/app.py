@@ -12,6 +12,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -33,6 +35,7 @@ from gateway.errors import (
     GatewayError,
     MethodNotAllowedError,
     NotFoundError,
+    UnavailableError,
     UpstreamError,
 )
 from gateway.http import Gateway, JSONBytes, error_response
@@ -49,16 +52,37 @@ ACCOUNT_AI = "/client/v4/accounts/{account_id}/ai"
 
 
 def dialect_of_path(path: str) -> Dialect:
-    return "openai" if path.startswith("/v1/") or "/ai/v1/" in path else "workers_ai"
+    openai = (
+        path == "/v1" or path.startswith("/v1/") or path.endswith("/ai/v1") or "/ai/v1/" in path
+    )
+    return "openai" if openai else "workers_ai"
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error: GatewayError
     if exc.status_code == 405:
-        error = MethodNotAllowedError(f"{request.method} is not allowed on {request.url.path}")
+        allow = (exc.headers or {}).get("Allow")
+        error = MethodNotAllowedError(
+            f"{request.method} is not allowed on {request.url.path}",
+            headers={"allow": allow} if allow else None,
+        )
     else:
         error = NotFoundError(f"no route for {request.method} {request.url.path}")
+    return error_response(error, dialect_of_path(request.url.path))
+
+
+# Seconds a client is told to wait when the fleet's shared store does not answer.
+STORE_RETRY_AFTER_S = 2.0
+
+
+async def _store_unreachable(request: Request, exc: Exception) -> Response:
+    """Redis (keys, limits, capacity, reservations) did not answer: 503, retry shortly."""
+    log.warning("the shared store did not answer on %s: %s", request.url.path, exc)
+    error = UnavailableError(
+        "the service's shared store is unreachable; retry shortly",
+        retry_after_s=STORE_RETRY_AFTER_S,
+    )
     return error_response(error, dialect_of_path(request.url.path))
 
 
@@ -203,11 +227,20 @@ def create_app(
             Route(f"{base}/chat/completions", openai_api.chat_completions, methods=["POST"]),
             Route(f"{base}/completions", openai_api.completions, methods=["POST"]),
             Route(f"{base}/models", openai_api.list_models, methods=["GET"]),
+            Route(f"{base}/models/{{model_id:path}}", openai_api.retrieve_model, methods=["GET"]),
         ]
     app = Starlette(
         routes=routes,
-        exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
+        exception_handlers={
+            HTTPException: _http_exception,
+            RedisConnectionError: _store_unreachable,
+            RedisTimeoutError: _store_unreachable,
+            Exception: _unexpected,
+        },
         lifespan=lifespan,
     )
+    # A path with a trailing slash is not found, in the client's dialect: Starlette's
+    # redirect would answer an empty 307 to a URL built from the Host header.
+    app.router.redirect_slashes = False
     app.state.gateway = gateway
     return RequestIdMiddleware(TracingMiddleware(app, telemetry, app.routes))

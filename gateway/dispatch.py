@@ -348,9 +348,16 @@ class Dispatcher:
 
     async def finish(self, upstream: Upstream) -> None:
         job, placement = upstream.job, upstream.placement
-        if not upstream.is_finished:
-            await self._cancel_on_node(placement, job.request_id)
-        await self.release_placement(placement)
+        try:
+            if not upstream.is_finished:
+                await self._cancel_on_node(placement, job.request_id)
+            await self.release_placement(placement)
+        finally:
+            # Whatever failed above, the request is metered and its admission given back.
+            await self._meter(upstream)
+
+    async def _meter(self, upstream: Upstream) -> None:
+        job, placement = upstream.job, upstream.placement
         status, input_tokens, output_tokens, cached_tokens = upstream.usage_status()
         upstream.trace.finish(
             finish_reason=upstream.finish_reason,

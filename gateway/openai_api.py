@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.catalog import CatalogModel
 from gateway.dispatch import GenerationJob, estimate_tokens
 from gateway.errors import GatewayError, error_body
 from gateway.http import (
@@ -169,12 +170,21 @@ async def completions(request: Request) -> Response:
     return _answer("text_completion", completion_id, body.model, choice, finished, upstream)
 
 
+def _model_object(model: CatalogModel) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "edgeserve"}
+
+
 @endpoint("openai")
 async def list_models(request: Request) -> Response:
-    """GET /v1/models."""
+    """GET /v1/models: the catalog (a model no live node serves answers 503 when used)."""
     await authenticate(request)
-    data = [
-        {"id": m.name, "object": "model", "created": 0, "owned_by": "edgeserve"}
-        for m in gateway_of(request).catalog.models
-    ]
+    data = [_model_object(m) for m in gateway_of(request).catalog.models]
     return JSONBytes({"object": "list", "data": data})
+
+
+@endpoint("openai")
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{model_id}: one catalog entry by its id or an alias (ids hold slashes)."""
+    await authenticate(request)
+    name = request.path_params["model_id"]
+    return JSONBytes(_model_object(resolve_model(request, name)))

@@ -22,6 +22,7 @@ gateway that dies holding one cannot leak it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,8 +30,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from scheduler.capacity import CapacityRecord, CapacityView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,13 @@ class RedisReservations:
         return None if index < 0 else index
 
     async def release(self, node_id: str, request_id: str) -> None:
-        await self._redis.hdel(self._key(node_id), request_id)
+        try:
+            await self._redis.hdel(self._key(node_id), request_id)
+        except (RedisError, OSError):
+            # A finishing request must not fail on this: the entry lapses at its expiry,
+            # and until then it only makes the node look fuller than it is.
+            log.warning("could not release the reservation of %s on %s; it will lapse",
+                        request_id, node_id)  # fmt: skip
 
     async def reserved_tokens(self, node_id: str) -> int:
         return int(await self._reserved_tokens(keys=[self._key(node_id)]))

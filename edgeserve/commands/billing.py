@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from edgeserve.settings import redis_client
+
 if TYPE_CHECKING:
     from billing.ledger import Ledger
 
@@ -79,8 +81,6 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import signal
 
-        import redis.asyncio
-
         from billing.worker import BillingWorker, WorkerConfig
 
         config = WorkerConfig(
@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
         ledger = _open_ledger(database_url, sqlite)
 
         async def main() -> None:
-            client = redis.asyncio.Redis.from_url(redis_url)
+            client = redis_client(redis_url)
             pause_path = os.environ.get(PAUSE_AFTER_COMMIT_ENV)
             hook = _pause_after_commit(Path(pause_path)) if pause_path else None
             billing_worker = BillingWorker(client, ledger, config, after_commit=hook)
@@ -174,14 +174,12 @@ def register(app: typer.Typer) -> None:
         import asyncio
         import json
 
-        import redis.asyncio
-
         from billing.reconcile import reconcile
 
         ledger = _open_ledger(database_url, sqlite)
 
         async def main() -> Any:
-            client = redis.asyncio.Redis.from_url(redis_url)
+            client = redis_client(redis_url)
             try:
                 return await reconcile(client, ledger, stream, group, journal)
             finally:

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from edgeserve.commands.serve import DEFAULT_REDIS_URL
+from edgeserve.settings import redis_client
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed in Redis)")
 
@@ -17,11 +18,10 @@ def register(app: typer.Typer) -> None:
 
 
 def _keys_store(redis_url: str, prefix: str) -> Any:
-    import redis.asyncio as aioredis
 
     from gateway.keys import RedisKeyStore
 
-    return RedisKeyStore(aioredis.Redis.from_url(redis_url), prefix)
+    return RedisKeyStore(redis_client(redis_url), prefix)
 
 
 @keys_app.command("create")

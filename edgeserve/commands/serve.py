@@ -23,6 +23,7 @@ from edgeserve.engine_options import (
     resolve_device,
     resolve_kv_dtype,
 )
+from edgeserve.settings import redis_client
 
 if TYPE_CHECKING:
     import uvicorn
@@ -265,12 +266,11 @@ def node(
     token = _internal_token(internal_token)
 
     async def main() -> None:
-        import redis.asyncio as aioredis
 
         from gpu_node.server import NodeService, NodeSettings, create_node_app
         from scheduler.capacity import RedisCapacityRegistry
 
-        client = aioredis.Redis.from_url(redis_url)
+        client = redis_client(redis_url)
         telemetry = _telemetry("edgeserve-node")
         service = NodeService(
             NodeSettings(
@@ -438,11 +438,10 @@ async def _stores(
             MemoryKeyStore(), registry, placer, limiter, limiter.store, policy,
             LocalUsageSink(ledger), ledger, shown_location,
         )  # fmt: skip
-    import redis.asyncio as aioredis
 
     from edgeserve.settings import journal_path
 
-    client = aioredis.Redis.from_url(redis_url or DEFAULT_REDIS_URL)
+    client = redis_client(redis_url or DEFAULT_REDIS_URL)
     shared_registry = RedisCapacityRegistry(client, prefix)
     shared_placer = Placer(
         CapacityView(shared_registry, max_age_s=1.0), RedisReservations(client, prefix),

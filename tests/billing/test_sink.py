@@ -44,7 +44,7 @@ async def test_events_are_journaled_while_redis_is_down_and_replayed_when_it_ret
 ) -> None:
     client = client_for(redis_server)
     journal = tmp_path / "gateway.journal"
-    sink = RedisUsageSink(client, STREAM, journal, timeout_s=1.0, skip_redis_s=0)
+    sink = RedisUsageSink(client, STREAM, journal, timeout_s=5.0, skip_redis_s=0)
     await asyncio.gather(*(sink.record(make_event(f"up-{i}")) for i in range(40)))
     assert (sink.num_streamed, sink.num_journaled) == (40, 0)
 

@@ -52,18 +52,28 @@ def running_node(engine: Any) -> Iterator[Node]:
 
 
 def start_gateway(
-    node: Node, *, overcommit: float = 2.0, settings: dict[str, Any] | None = None, **parts: Any
+    node: Node,
+    *,
+    overcommit: float = 2.0,
+    settings: dict[str, Any] | None = None,
+    keys: Any = None,
+    reservations: Any = None,
+    **parts: Any,
 ) -> ServerThread:
-    """A gateway on loopback in front of `node`; `parts` go to create_app (limiter, ledger...)."""
+    """A gateway on loopback in front of `node`; `parts` go to create_app (limiter, ledger...).
+
+    `keys` defaults to an in-memory store holding API_KEY and OTHER_KEY (a store passed in
+    holds what the caller put there); `reservations` defaults to in-process ones."""
     from gateway.app import create_app
     from gateway.keys import MemoryKeyStore
     from gateway.settings import GatewaySettings
     from scheduler.capacity import CapacityView
     from scheduler.placement import LocalReservations, Placer
 
-    keys = MemoryKeyStore()
-    asyncio.run(keys.add(API_KEY, ACCOUNT_ID))
-    asyncio.run(keys.add(OTHER_KEY, OTHER_ACCOUNT_ID))
+    if keys is None:
+        keys = MemoryKeyStore()
+        asyncio.run(keys.add(API_KEY, ACCOUNT_ID))
+        asyncio.run(keys.add(OTHER_KEY, OTHER_ACCOUNT_ID))
     app = create_app(
         GatewaySettings(
             internal_token=INTERNAL_TOKEN,
@@ -73,7 +83,9 @@ def start_gateway(
         ),
         keys=keys,
         placer=Placer(
-            CapacityView(node.registry, max_age_s=0.2), LocalReservations(), overcommit=overcommit
+            CapacityView(node.registry, max_age_s=0.2),
+            reservations or LocalReservations(),
+            overcommit=overcommit,
         ),
         **parts,
     )

@@ -188,3 +188,49 @@ def test_admission_refusals_are_429_in_each_dialect_with_the_limiters_headers() 
         assert (huge.status_code, huge.json()["errors"][0]["code"]) == (413, 3006)
     finally:
         server.stop()
+
+
+def test_the_openai_client_retrieves_a_model_by_id_or_alias(empty) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{empty.url}/v1", api_key=KEY, max_retries=0)
+    model = client.models.retrieve(SMOLLM2)  # the id holds slashes
+    assert (model.id, model.object, model.owned_by) == (SMOLLM2, "model", "edgeserve")
+    assert client.models.retrieve("smollm2").id == SMOLLM2
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no/such-model")
+    assert raised.value.body == {
+        "message": "no such model: 'no/such-model'",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    scoped = httpx.get(f"{empty.url}/client/v4/accounts/acct/ai/v1/models/smollm2", headers=AUTH)
+    assert (scoped.status_code, scoped.json()["id"]) == (200, SMOLLM2)
+    assert httpx.get(f"{empty.url}/v1/models/smollm2").status_code == 401
+
+
+def test_405_names_the_allowed_methods_and_a_trailing_slash_is_not_found(empty) -> None:
+    wrong = httpx.get(f"{empty.url}/v1/chat/completions", headers=AUTH)
+    assert (wrong.status_code, wrong.headers["allow"], wrong.json()["error"]["code"]) == (
+        405,
+        "POST",
+        "method_not_allowed",
+    )
+    run = httpx.get(f"{empty.url}/client/v4/accounts/acct/ai/run/smollm2", headers=AUTH)
+    assert (run.status_code, run.headers["allow"], run.json()["errors"][0]["code"]) == (
+        405,
+        "POST",
+        7001,
+    )
+    # No redirect built from the Host header: a not-found in the path's dialect.
+    slash = httpx.post(
+        f"{empty.url}/v1/chat/completions/", headers=AUTH | {"host": "evil.example"}, json={}
+    )
+    assert (slash.status_code, "location" in slash.headers) == (404, False)
+    assert slash.json()["error"]["code"] == "not_found"
+    health = httpx.get(f"{empty.url}/healthz/")
+    assert (health.status_code, health.json()["errors"][0]["code"]) == (404, 7003)
+    # /v1 itself is the OpenAI API's root: its not-found is an OpenAI error body.
+    root = httpx.get(f"{empty.url}/v1")
+    assert (root.status_code, root.json()["error"]["code"]) == (404, "not_found")
