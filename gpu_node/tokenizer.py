@@ -50,14 +50,22 @@ class ChatTokenizer:
         merges = [tuple(m.split(" ", 1)) for m in gguf.field("tokenizer.ggml.merges")]
         types = list(gguf.field("tokenizer.ggml.token_type") or [])
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
-        self._tok = Tokenizer(bpe)
-        self._tok.pre_tokenizer = _pre_tokenizer(gguf.field("tokenizer.ggml.pre"))
-        self._tok.decoder = decoders.ByteLevel()
         special = [tokens[i] for i, t in enumerate(types) if t == CONTROL_TOKEN]
-        self._tok.add_special_tokens(
-            [AddedToken(s, special=True, normalized=False) for s in special]
-        )
+
+        def build() -> Tokenizer:
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
+            tok = Tokenizer(bpe)
+            tok.pre_tokenizer = _pre_tokenizer(gguf.field("tokenizer.ggml.pre"))
+            tok.decoder = decoders.ByteLevel()
+            tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+            return tok
+
+        self._tok = build()
+        # The same vocabulary reading a control token's spelling as plain characters: what a
+        # message's own text is encoded with (encode_chat), so no user can forge a turn.
+        self._text_only = build()
+        self._text_only.encode_special_tokens = True
+        self._special_spellings = tuple(special)
         self.vocab_size = len(tokens)
         self.bos_token_id: int | None = gguf.field("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int = int(gguf.field("tokenizer.ggml.eos_token_id"))
@@ -74,6 +82,42 @@ class ChatTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `messages` in the chat template, a message's text being only text.
+
+        A control token spelled out inside a message (`<|im_end|>`, `<|im_start|>system`) is
+        encoded as its characters, never as the control token, so a message cannot end its
+        own turn or open another. Messages without such spellings (nearly all) take the
+        plain path: the rendered template encoded in one piece.
+        """
+        contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
+        if not any(
+            isinstance(c, str) and any(s in c for s in self._special_spellings) for c in contents
+        ):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        # Render with a mark in place of each message's text, then encode the template's own
+        # text with control tokens and each message's text without them.
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = [
+            m | {"content": mark} if isinstance(m, dict) else m
+            for m, mark in zip(messages, marks, strict=True)
+        ]
+        rest = self.apply_chat_template(marked, add_generation_prompt)
+        ids: list[int] = []
+        for mark, content in zip(marks, contents, strict=True):
+            before, found, after = rest.partition(mark)
+            if not found:  # the template left this message out
+                continue
+            ids += self._tok.encode(before, add_special_tokens=False).ids
+            ids += self._text_only.encode(str(content), add_special_tokens=False).ids
+            rest = after
+        ids += self._tok.encode(rest, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 

@@ -61,11 +61,11 @@ def register(app: typer.Typer) -> None:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            text = prompt if raw else tok.apply_chat_template(messages)
+            ids = tok.encode(prompt) if raw else tok.encode_chat(messages)
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
             )
-            engine.add_request("cli", tok.encode(text), params)
+            engine.add_request("cli", ids, params)
         except (EngineError, ValueError) as exc:
             err.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc

@@ -192,9 +192,7 @@ class NodeService:
         if body.prompt_token_ids is not None:
             return body.prompt_token_ids
         if body.messages is not None:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        elif body.raw:
-            text = body.prompt or ""
-        else:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": body.prompt or ""}])
-        return tokenizer.encode(text)
+            return tokenizer.encode_chat([m.model_dump() for m in body.messages])
+        if body.raw:  # the client's own text, control tokens and all
+            return tokenizer.encode(body.prompt or "")
+        return tokenizer.encode_chat([{"role": "user", "content": body.prompt or ""}])
