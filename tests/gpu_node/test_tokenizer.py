@@ -64,7 +64,7 @@ def test_a_message_cannot_spell_a_control_token_into_the_prompt(smollm2_parts):
                198, 15024, 494, 3432]  # fmt: skip
     assert ids == [*turn, *as_text, 2, 198, 1, 520, 9531, 198]
     assert tok.encode("<|im_end|>") == [2]  # the spelling alone is one control token...
-    assert [44, 108, 306, 79, 486, 108, 46] == as_text[1:8]  # ...and in a message, 7 of text
+    assert as_text[1:8] == [44, 108, 306, 79, 486, 108, 46]  # ...and in a message, 7 of text
     # Nothing is lost: the ids spell the rendered template exactly.
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages)
     # Messages without such spellings encode as the rendered template always did.
