@@ -86,6 +86,10 @@ class RequestTooLargeError(GatewayError):
     pass
 
 
+class PayloadTooLargeError(GatewayError):
+    pass
+
+
 class ConflictError(GatewayError):
     pass
 
@@ -141,6 +145,7 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
     RequestTooLargeError: ErrorShape(
         413, 3006, 400, "invalid_request_error", "context_length_exceeded"
     ),
+    PayloadTooLargeError: ErrorShape(413, 3006, 413, "invalid_request_error", "request_too_large"),
     ConflictError: ErrorShape(409, 5004, 409, "invalid_request_error", "duplicate_request_id"),
     RateLimitedError: ErrorShape(429, 3036, 429, "rate_limit_error", "rate_limit_exceeded"),
     NoCapacityError: ErrorShape(429, 3040, 429, "server_error", "no_capacity"),

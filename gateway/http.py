@@ -22,13 +22,13 @@ from gateway.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NotReadyError,
+    PayloadTooLargeError,
     PermissionDeniedError,
-    RequestTooLargeError,
     error_body,
     error_headers,
     error_status,
 )
-from gateway.json_body import load_json
+from gateway.json_body import BodyTooLargeError, load_json, read_body
 from gateway.keys import KeyStore
 from gateway.settings import GatewaySettings
 
@@ -114,11 +114,10 @@ def resolve_model(request: Request, name: str) -> CatalogModel:
 
 
 async def parse_body(request: Request, schema: type[M]) -> M:
-    raw = await request.body()
-    if len(raw) > gateway_of(request).settings.max_body_bytes:
-        raise RequestTooLargeError(
-            f"request body is {len(raw)} bytes; the limit is {gateway_of(request).settings.max_body_bytes}"
-        )
+    try:
+        raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
+    except BodyTooLargeError as exc:
+        raise PayloadTooLargeError(str(exc)) from None
     try:
         data = load_json(raw)
     except ValueError as exc:  # not UTF-8, not JSON, nested too deeply, an integer too long

@@ -6,6 +6,8 @@ import json
 import re
 from typing import Any
 
+from starlette.requests import Request
+
 # A \u escape of a UTF-16 surrogate (D800-DFFF): only a body holding one can decode to a
 # string that is not text, so only such a body pays for the check.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -30,3 +32,23 @@ def load_json(raw: bytes) -> Any:
         except UnicodeEncodeError:
             raise ValueError("a string holds an unpaired UTF-16 surrogate") from None
     return value
+
+
+class BodyTooLargeError(Exception):
+    """A request body past its limit (raised before the rest of it is read)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused as soon as it is known to pass `limit` bytes: from its
+    Content-Length before anything is read, else while it streams in, so a huge body is
+    never held in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLargeError(f"request body is {int(declared)} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -24,7 +24,9 @@ from gateway.admission.errors import InvalidLimits, InvalidRequest
 from gateway.admission.limits import LimitPolicy
 from gateway.admission.manage import describe_limits, update_limits
 from gateway.admission.store import LimitStore
-from gateway.json_body import load_json
+from gateway.json_body import BodyTooLargeError, load_json, read_body
+
+MAX_BODY_BYTES = 64 * 1024  # a limits update is a few fields
 
 # error kind -> (HTTP status, Workers AI error code); codes as in gateway/errors.py.
 ERRORS: dict[str, tuple[int, int]] = {
@@ -93,13 +95,17 @@ class LimitsAdmin:
 
     async def _put(self, request: Request, account_id: str) -> JSONResponse:
         try:
-            update = LimitsUpdate.model_validate(load_json(await request.body()))
+            update = LimitsUpdate.model_validate(
+                load_json(await read_body(request, MAX_BODY_BYTES))
+            )
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"
             return _error("invalid", f"{where}: {first['msg']}")
         except ValueError:  # not JSON, not UTF-8, nested too deeply, an integer too long
             return _error("invalid", "the body is not JSON")
+        except BodyTooLargeError as exc:
+            return _error("invalid", str(exc))
         if (update.requests_per_minute, update.tokens_per_minute, update.max_concurrent) == (
             None,
             None,

@@ -19,12 +19,12 @@ from tests.conftest import SMOLLM2, ServerThread
 KEY = "es-test-key"
 
 
-def gateway(is_ready=lambda: True) -> ServerThread:
+def gateway(is_ready=lambda: True, **settings) -> ServerThread:
     keys = MemoryKeyStore()
     asyncio.run(keys.add(KEY, "acct"))
     placer = Placer(CapacityView(LocalCapacityRegistry(), max_age_s=1.0), LocalReservations())
     app = create_app(
-        GatewaySettings(internal_token="t"), keys=keys, placer=placer, is_ready=is_ready
+        GatewaySettings(internal_token="t", **settings), keys=keys, placer=placer, is_ready=is_ready
     )
     return ServerThread(app).start()
 
@@ -234,3 +234,36 @@ def test_405_names_the_allowed_methods_and_a_trailing_slash_is_not_found(empty) 
     # /v1 itself is the OpenAI API's root: its not-found is an OpenAI error body.
     root = httpx.get(f"{empty.url}/v1")
     assert (root.status_code, root.json()["error"]["code"]) == (404, "not_found")
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read_whole() -> None:
+    server = gateway(max_body_bytes=1000)
+    try:
+        body = b'{"prompt": "' + b"a" * 2000 + b'"}'
+        wai = httpx.post(f"{server.url}/client/v4/accounts/acct/ai/run/smollm2", content=body,
+                         headers=AUTH)  # fmt: skip
+        assert (wai.status_code, wai.json()["errors"]) == (
+            413,
+            [{"code": 3006, "message": "request body is 2014 bytes; the limit is 1000"}],
+        )
+
+        def chunks():  # no Content-Length: refused once the streamed bytes pass the limit
+            yield b'{"model": "smollm2", "prompt": "'
+            for _ in range(20):
+                yield b"a" * 100
+            yield b'"}'
+
+        oai = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH)
+        assert (oai.status_code, oai.json()) == (
+            413,
+            {
+                "error": {
+                    "message": "request body is over the limit of 1000 bytes",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            },
+        )
+    finally:
+        server.stop()
