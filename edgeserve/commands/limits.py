@@ -27,7 +27,8 @@ def _run(redis_url: str, prefix: str, action: Callable[[Any], Awaitable[dict[str
     async def main() -> dict[str, Any]:
         client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
         try:
-            return await action(RedisLimitStore(client, prefix))
+            # "edgeserve" and "edgeserve:" name the same keys, as for the gateway and node
+            return await action(RedisLimitStore(client, prefix.rstrip(":")))
         finally:
             await client.aclose()
 

@@ -6,6 +6,22 @@ from typing import Any
 
 from gateway.admission.limits import LimitPolicy, Limits, check_identifier
 from gateway.admission.store import LimitStore
+from gateway.catalog import ModelCatalog
+
+_CATALOG = ModelCatalog()
+
+
+def limits_model(model: str | None) -> str | None:
+    """The name a per-model limit is kept under: the node model, which admission buckets by.
+
+    A catalog name or alias (`@cf/huggingface/smollm2-135m-instruct`, `smollm2`) becomes its
+    node model (`smollm2`), so a limit set by the public name is the one enforced; another
+    name is kept as given.
+    """
+    if model is None:
+        return None
+    found = _CATALOG.resolve(model)
+    return found.node_model if found is not None else model
 
 
 async def describe_limits(
@@ -13,6 +29,7 @@ async def describe_limits(
 ) -> dict[str, Any]:
     """The account's overrides and what applies to it (to `model`, when given)."""
     check_identifier("account id", account_id)
+    model = limits_model(model)
     if model is not None:
         check_identifier("model", model)
     overrides = await store.load(account_id)
@@ -45,6 +62,7 @@ async def update_limits(
     Fields left out keep what applies to that scope now, so `--rpm 60` alone changes
     only the request limit. Returns the override as stored.
     """
+    model = limits_model(model)
     current = await describe_limits(store, policy, account_id, model)
     scope = current["models"].get(model) if model is not None else current["account"]
     base = Limits.from_dict(scope or current["effective"])

@@ -75,3 +75,25 @@ def test_bad_input_and_unreachable_redis_exit_non_zero(cli_prefix: str) -> None:
         "limits", "show", "--redis-url", "redis://127.0.0.1:1/0", "--account", "a"
     )
     assert code == 1 and "cannot reach Redis at redis://127.0.0.1:1/0" in err
+
+
+def test_a_model_limit_by_public_name_is_kept_under_its_node_model_and_prefixes_agree(
+    cli_prefix: str,
+) -> None:
+    """Admission buckets by the node model (`smollm2`): a limit set by the catalog name must
+    land there. And `--prefix x:` (as `edgeserve gateway --prefix` is written) names the keys
+    `--prefix x` does, the ones the gateways read."""
+    common = ["--redis-url", redis_url(), "--account", "acct-7"]
+    code, _, _ = invoke("limits", "set", *common, "--prefix", f"{cli_prefix}:", "--model",
+                        "@cf/huggingface/smollm2-135m-instruct", "--rpm", "2")  # fmt: skip
+    assert code == 0
+    code, out, _ = invoke("limits", "show", *common, "--prefix", cli_prefix, "--model", "smollm2")
+    assert code == 0
+    shown = json.loads(out)
+    assert (shown["model"], shown["effective"]["requests_per_minute"]) == ("smollm2", 2)
+    assert list(shown["models"]) == ["smollm2"]
+    client = redis.Redis.from_url(redis_url())
+    assert [k.decode() for k in client.scan_iter(match=f"{cli_prefix}*")] == [
+        f"{cli_prefix}:limits:acct-7"
+    ]
+    client.close()
