@@ -37,9 +37,14 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_default_table_prices_both_shipped_models() -> None:
+    """Under the names usage events carry: the gateway catalog's public names (an entry
+    named "moe-small" had never matched an event, so moe-small usage went unpriced)."""
+    from gateway.catalog import DEFAULT_MODELS
+
     table = PriceTable.default()
     assert table.currency == "USD"
-    assert table.models == [SMOL, "moe-small"]
+    assert table.models == ["@cf/edgeserve/moe-small", SMOL]
+    assert table.models == sorted(m.name for m in DEFAULT_MODELS)
     assert table.price_for(SMOL, date(2026, 11, 30)) == Price(
         SMOL, date(2026, 1, 1), Decimal("0.027"), Decimal("0.0135"), Decimal("0.201")
     )
