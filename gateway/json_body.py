@@ -13,15 +13,20 @@ from starlette.requests import Request
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
 def load_json(raw: bytes) -> Any:
     """The JSON value of a request body.
 
     Raises ValueError with the reason for a body that is not UTF-8, not JSON, nested past the
-    decoder's recursion limit (RecursionError otherwise), holding an integer longer than
+    decoder's recursion limit (RecursionError otherwise), holding NaN or Infinity (which
+    Python's decoder takes, and JSON has not), an integer longer than
     Python converts (its own ValueError) or a string with an unpaired surrogate escape, so
     callers answer every one as the client's 400."""
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_not_json)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     if _SURROGATE_ESCAPE.search(raw):

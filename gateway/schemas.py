@@ -6,23 +6,47 @@ gives the body of the node's `POST /internal/v1/generate` (minus the ids).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    model_validator,
+)
 
 from gateway.errors import UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
 
+# JSON's own types, not coerced: "stream": "yes", "max_tokens": "4" or 4.0, "temperature":
+# "0.5" are 400s, as in the APIs we speak (an integer is still a number).
+Int = StrictInt
+Float = Annotated[float, Strict()]
+# A flag the OpenAI API documents as nullable: null is its default, false.
+NullableFlag = Annotated[StrictBool, BeforeValidator(lambda v: False if v is None else v)]
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] = Field(
-        description="text, or OpenAI content parts of type text"
+    content: str | list[dict[str, Any]] | None = Field(
+        description="text, or OpenAI content parts of type text (null only for an assistant)"
     )
 
+    @model_validator(mode="after")
+    def _content_given(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
     def text(self) -> str:
+        if self.content is None:  # an assistant turn with no text (OpenAI allows null there)
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -42,7 +66,7 @@ class WorkersAIOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True, title="WorkersAIOptions")
 
-    reject_if_busy: bool = Field(
+    reject_if_busy: StrictBool = Field(
         False,
         alias="rejectIfBusy",
         description="refuse at once (429, code 3040) instead of waiting when every node is busy",
@@ -56,21 +80,40 @@ class WorkersAITextRequest(BaseModel):
 
     prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[Message] | None = Field(None, min_length=1)
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.6, ge=0, le=5)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1, le=50)
-    seed: int | None = Field(None, ge=0, le=9_999_999_999)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    stream: bool = False
-    raw: bool = False
+    max_tokens: Int = Field(256, ge=1)
+    temperature: Float = Field(0.6, ge=0, le=5)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=1, le=50)
+    seed: Int | None = Field(None, ge=0, le=9_999_999_999)
+    repetition_penalty: Float | None = Field(None, gt=0, le=2)
+    frequency_penalty: Float | None = Field(None, ge=-2, le=2)
+    presence_penalty: Float | None = Field(None, ge=-2, le=2)
+    stream: StrictBool = False
+    raw: StrictBool = False
     options: WorkersAIOptions | None = None
+    # Workers AI options these models cannot honour: refused, never silently dropped.
+    lora: Any = None
+    tools: Any = None
+    functions: Any = None
+    response_format: Any = None
 
     @property
     def reject_if_busy(self) -> bool:
         return self.options is not None and self.options.reject_if_busy
+
+    def check_supported(self) -> None:
+        if self.lora is not None:
+            raise UnsupportedError("'lora' is not supported: no adapters are served", param="lora")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise UnsupportedError(f"'{name}' is not supported", param=name)
+        if self.response_format is not None and (
+            not isinstance(self.response_format, dict)
+            or self.response_format.get("type", "text") != "text"
+        ):
+            raise UnsupportedError(
+                "only the 'text' response_format is supported", param="response_format"
+            )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkersAITextRequest:
@@ -99,25 +142,26 @@ class WorkersAITextRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: NullableFlag = False
 
 
 class _OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's own API
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0, le=2)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's own API
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: NullableFlag = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    n: int | None = Field(None, ge=1)
+    frequency_penalty: Float | None = Field(None, ge=-2, le=2)
+    presence_penalty: Float | None = Field(None, ge=-2, le=2)
+    n: Int | None = Field(None, ge=1)
     logprobs: Any = None
     user: str | None = None
+    logit_bias: Any = None
 
     @model_validator(mode="after")
     def _stop_list(self) -> _OpenAIBase:
@@ -138,6 +182,8 @@ class _OpenAIBase(BaseModel):
             raise UnsupportedError("'n' > 1 is not supported", param="n")
         if self.logprobs not in (None, False, 0):
             raise UnsupportedError("'logprobs' is not supported", param="logprobs")
+        if self.logit_bias:  # null and {} change nothing
+            raise UnsupportedError("'logit_bias' is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedError(
                 "'stream_options' requires 'stream': true", param="stream_options"
@@ -154,6 +200,8 @@ class _OpenAIBase(BaseModel):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "stop": self.stop_strings(),
         }
+        if self.max_tokens is None:  # the node may shorten it to what the context leaves
+            payload["max_tokens_is_default"] = True
         return payload | _optional(self, ("top_p", "seed", "frequency_penalty", "presence_penalty"))
 
 
@@ -163,16 +211,22 @@ class ChatCompletionRequest(_OpenAIBase):
     model_config = ConfigDict(extra="ignore", title="ChatCompletionRequest")
 
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    top_logprobs: int | None = None
+    functions: list[Any] | None = None  # the API's older spelling of tools
+    function_call: Any = None
+    top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise UnsupportedError("'tools' is not supported", param="tools")
+        if self.functions:
+            raise UnsupportedError("'functions' is not supported", param="functions")
+        if self.function_call not in (None, "none"):
+            raise UnsupportedError("'function_call' is not supported", param="function_call")
         if self.tool_choice not in (None, "none"):
             raise UnsupportedError("'tool_choice' is not supported", param="tool_choice")
         if self.top_logprobs:
@@ -186,6 +240,7 @@ class ChatCompletionRequest(_OpenAIBase):
         payload = self._sampling(default_max_tokens)
         if self.max_completion_tokens is not None:
             payload["max_tokens"] = self.max_completion_tokens
+            payload.pop("max_tokens_is_default", None)
         payload["messages"] = [m.node_message() for m in self.messages]
         return payload
 
@@ -196,9 +251,9 @@ class CompletionRequest(_OpenAIBase):
     model_config = ConfigDict(extra="ignore", title="CompletionRequest")
 
     prompt: str | list[str] = Field(max_length=MAX_PROMPT_CHARS)
-    echo: bool = False
+    echo: NullableFlag = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -59,6 +59,7 @@ async def run_model(request: Request) -> Response:
     require_ready(request)
     model = resolve_model(request, request.path_params["model_name"])
     body = await parse_body(request, WorkersAITextRequest)
+    body.check_supported()
     payload = body.node_payload()
     job = GenerationJob(
         request_id_of(request),

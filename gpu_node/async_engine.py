@@ -63,6 +63,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.max_request_tokens = engine.max_request_tokens
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._thread: threading.Thread | None = None

@@ -192,6 +192,13 @@ class LLMEngine:
         self._requests[request_id] = state
         self.scheduler.add(seq)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output together) one request can have here: the context
+        window, or the whole KV pool where that holds fewer."""
+        pool = self.block_manager.num_pages * self.block_manager.page_size
+        return min(self.max_model_len, pool)
+
     def validate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:

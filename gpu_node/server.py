@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 from pydantic import ValidationError
@@ -140,11 +140,20 @@ async def _checked(request: Request) -> _Call | Response:
         return error_response("invalid_request", f"cannot build the prompt: {exc}")
     if not prompt_ids:
         return error_response("invalid_request", "the prompt is empty")
-    if len(prompt_ids) + params.max_tokens > engine.max_model_len:
+    limit = engine.max_request_tokens
+    what = (
+        f"the context window of {limit} tokens"
+        if limit == engine.max_model_len
+        else f"the {limit} tokens this node's KV cache holds (context window {engine.max_model_len})"
+    )
+    room = limit - len(prompt_ids)
+    if body.max_tokens_is_default and 0 < room < params.max_tokens:
+        # The client named no max_tokens: the answer may run to the end of the context.
+        params = replace(params, max_tokens=room)
+    if len(prompt_ids) + params.max_tokens > limit:
         return error_response(
             "request_too_large",
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"context window of {engine.max_model_len} tokens",
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}",
         )
     return _Call(service, body, params, prompt_ids)
 

@@ -28,6 +28,9 @@ class GenerateRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     raw: bool = False  # prompt as is; otherwise wrapped in the chat template as a user turn
     max_tokens: int = 256
+    # max_tokens is the gateway's default, not the client's: shortened to what the context
+    # leaves after the prompt rather than refused (OpenAI's rule when max_tokens is left out)
+    max_tokens_is_default: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -267,3 +267,76 @@ def test_a_body_past_the_limit_is_413_before_it_is_read_whole() -> None:
         )
     finally:
         server.stop()
+
+
+CHAT = "/v1/chat/completions"
+RUN_SMOL = "/client/v4/accounts/acct/ai/run/smollm2"
+HI = [{"role": "user", "content": "hi"}]
+NOT_SERVED = (503, "no node serves @cf/huggingface/smollm2-135m-instruct now")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [
+        # JSON's own types, never coerced
+        (CHAT, {"messages": HI, "stream": "yes"},
+         (400, "invalid request: stream: Input should be a valid boolean", "stream")),
+        (CHAT, {"messages": HI, "max_tokens": 4.0},
+         (400, "invalid request: max_tokens: Input should be a valid integer", "max_tokens")),
+        (CHAT, {"messages": HI, "max_tokens": True},
+         (400, "invalid request: max_tokens: Input should be a valid integer", "max_tokens")),
+        (RUN_SMOL, {"prompt": "hi", "temperature": "0.5"},
+         (400, "invalid request: temperature: Input should be a valid number", 5004)),
+        (RUN_SMOL, {"prompt": "hi", "max_tokens": "4"},
+         (400, "invalid request: max_tokens: Input should be a valid integer", 5004)),
+        # what OpenAI documents as nullable takes null as its default (validation passes:
+        # no node serves the model here, so the answer is the 503)
+        (CHAT, {"messages": HI, "stream": None, "stream_options": None}, NOT_SERVED),
+        ("/v1/completions", {"prompt": "hi", "echo": None}, NOT_SERVED),
+        (CHAT, {"messages": HI, "stream": True, "stream_options": {"include_usage": None}},
+         NOT_SERVED),
+        (CHAT, {"messages": [*HI, {"role": "assistant", "content": None}, *HI]}, NOT_SERVED),
+        (CHAT, {"messages": [{"role": "user", "content": None}]},
+         (400, "invalid request: messages.0: Value error, a user message needs 'content'",
+          "messages.0")),
+        # options these models cannot honour are refused, never dropped
+        (CHAT, {"messages": HI, "logit_bias": {"7042": -100}},
+         (400, "'logit_bias' is not supported", "logit_bias")),
+        (CHAT, {"messages": HI, "logit_bias": {}}, NOT_SERVED),
+        (CHAT, {"messages": HI, "functions": [{"name": "f"}]},
+         (400, "'functions' is not supported", "functions")),
+        (CHAT, {"messages": HI, "function_call": "auto"},
+         (400, "'function_call' is not supported", "function_call")),
+        (RUN_SMOL, {"prompt": "hi", "lora": "my-adapter"},
+         (400, "'lora' is not supported: no adapters are served", 5004)),
+        (RUN_SMOL, {"prompt": "hi", "tools": [{"type": "function"}]},
+         (400, "'tools' is not supported", 5004)),
+        (RUN_SMOL, {"prompt": "hi", "response_format": {"type": "json_schema"}},
+         (400, "only the 'text' response_format is supported", 5004)),
+        (RUN_SMOL, {"prompt": "hi", "unknown_field": 1}, NOT_SERVED),  # unknown: ignored
+    ],
+)  # fmt: skip
+def test_request_fields_are_taken_as_the_apis_define_them(empty, path, body, expected) -> None:
+    if path != RUN_SMOL:
+        body = {"model": "smollm2", **body}
+    response = httpx.post(empty.url + path, json=body, headers=AUTH)
+    status, message, *where = expected
+    assert response.status_code == status
+    if path == RUN_SMOL:
+        code = where[0] if where else 3040
+        assert response.json()["errors"] == [{"code": code, "message": message}]
+    else:
+        error = response.json()["error"]
+        assert error["message"] == message
+        if where:
+            assert error["param"] == where[0]
+
+
+def test_nan_and_infinity_are_not_json(empty) -> None:
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        body = b'{"prompt": "hi", "temperature": ' + constant.encode() + b"}"
+        response = httpx.post(empty.url + RUN_SMOL, content=body, headers=AUTH)
+        assert (response.status_code, response.json()["errors"]) == (
+            400,
+            [{"code": 5004, "message": f"malformed JSON body: {constant} is not a JSON number"}],
+        )

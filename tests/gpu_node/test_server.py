@@ -311,3 +311,56 @@ def test_a_registry_that_never_answers_holds_neither_the_heartbeat_nor_the_drain
         assert await registry.list_live() == []
 
     asyncio.run(go())
+
+
+def test_a_default_max_tokens_is_shortened_to_what_the_context_leaves(node, engine) -> None:
+    """max_tokens the client never named (the gateway's default) runs to the end of the
+    context instead of being refused: the engine's exact answer for the room left."""
+    prompt = [28 + i % 500 for i in range(1000)]
+    refused = generate(node, prompt_token_ids=prompt, max_tokens=256)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
+    answered = generate(node, prompt_token_ids=prompt, max_tokens=256, max_tokens_is_default=True)
+    assert answered.status_code == 200
+    reference = run_on_engine(engine, prompt, max_tokens=24)  # 1024 - 1000
+    events = lines(answered)
+    assert "".join(e.get("text", "") for e in events) == reference.text
+    assert events[-1]["usage"]["completion_tokens"] == reference.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def small_pool_node():
+    """A node whose KV pool (8 pages of 16: 128 tokens) holds less than its context window."""
+    from gpu_node.async_engine import AsyncEngine
+    from gpu_node.config import EngineConfig
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import LocalCapacityRegistry
+
+    small = AsyncEngine.from_config(EngineConfig(model="smollm2", max_model_len=1024, num_pages=8))
+    small.start()
+    port = free_port()
+    service = NodeService(
+        NodeSettings("node-s", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.1),
+        LocalCapacityRegistry(),
+        engine=small,
+    )
+    server = ServerThread(create_node_app(service), port).start()
+    yield server
+    server.stop()
+    small.shutdown()
+
+
+def test_a_request_past_the_kv_pool_is_too_large_naming_the_pool(small_pool_node) -> None:
+    response = generate(small_pool_node, prompt_token_ids=[28] * 100, max_tokens=40)
+    assert response.status_code == 413
+    assert response.json() == {
+        "error": {
+            "code": "request_too_large",
+            "message": "prompt (100 tokens) + max_tokens (40) exceeds the 128 tokens this "
+            "node's KV cache holds (context window 1024)",
+        }
+    }
+    shortened = generate(
+        small_pool_node, prompt_token_ids=[28] * 100, max_tokens=40, max_tokens_is_default=True
+    )
+    assert shortened.status_code == 200
+    assert lines(shortened)[-1]["usage"]["completion_tokens"] <= 28
