@@ -36,7 +36,9 @@ async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
         [
             make_event("a-1", input_tokens=1_000_000, output_tokens=1_000_000),
             make_event("a-2", ended_at=DAY2, started_at=DAY2, input_tokens=10, output_tokens=5),
-            make_event("b-1", account_id="acct-b", model="@cf/edgeserve/moe-small", output_tokens=2_000_000),
+            make_event(
+                "b-1", account_id="acct-b", model="@cf/edgeserve/moe-small", output_tokens=2_000_000
+            ),
         ]
     )
     handler = usage_endpoint(
