@@ -35,8 +35,9 @@ class RequestTooLarge(AdmissionError, ValueError):
 
     def __init__(self, estimated_tokens: int, tokens_per_minute: int) -> None:
         super().__init__(
-            f"request reserves {estimated_tokens} tokens (prompt + max_tokens) but the limit is "
-            f"{tokens_per_minute} tokens per minute; lower max_tokens"
+            f"request reserves {estimated_tokens} tokens (its prompt, estimated from its "
+            f"length, plus max_tokens), more than the account's limit of {tokens_per_minute} "
+            f"tokens per minute; shorten the prompt or lower max_tokens"
         )
         self.estimated_tokens = estimated_tokens
         self.tokens_per_minute = tokens_per_minute

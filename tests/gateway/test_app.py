@@ -186,6 +186,11 @@ def test_admission_refusals_are_429_in_each_dialect_with_the_limiters_headers() 
         # More tokens than a whole minute allows can never be admitted: 413 / 3006.
         huge = httpx.post(url, json={"prompt": "hi", "max_tokens": 5000}, headers=AUTH)
         assert (huge.status_code, huge.json()["errors"][0]["code"]) == (413, 3006)
+        assert huge.json()["errors"][0]["message"] == (
+            f"request reserves {0 + 8 + 5000} tokens (its prompt, estimated from its length, "
+            "plus max_tokens), more than the account's limit of 1000 tokens per minute; "
+            "shorten the prompt or lower max_tokens"
+        )
     finally:
         server.stop()
 
