@@ -50,9 +50,14 @@ _COLUMNS = (
     "request_id, account_id, model, node_id, input_tokens, output_tokens, cached_tokens, "
     "started_at, ended_at, status"
 )
+# What is billed: requests that ended "ok" or "cancelled" (by the client, for what reached
+# it). A request that failed on our side ("error": a node died, a handoff broke) keeps its
+# ledger row, for reconciliation, and costs the account nothing.
+BILLED_STATUSES = ("ok", "cancelled")
 _DAILY = (
     "SELECT account_id, model, usage_day, COUNT(*), SUM(input_tokens), SUM(cached_tokens), "
     "SUM(output_tokens) FROM usage_ledger WHERE usage_day >= {p} AND usage_day <= {p} {account} "
+    f"AND status IN {BILLED_STATUSES!r} "
     "GROUP BY account_id, model, usage_day ORDER BY usage_day, account_id, model"
 )
 # How many ids one membership query carries (SQLite's default limit is 32766 variables).
@@ -93,7 +98,8 @@ class Ledger(Protocol):
     def daily_usage(
         self, start: date, end: date, account_id: str | None = None
     ) -> list[DailyUsage]:
-        """Totals per account x model x day for days start..end inclusive, in day, account, model order."""
+        """Billed totals (BILLED_STATUSES) per account x model x day for days start..end
+        inclusive, in day, account, model order."""
         ...
 
     def missing(self, request_ids: Iterable[str]) -> set[str]:

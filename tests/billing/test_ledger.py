@@ -41,10 +41,13 @@ def test_daily_usage_groups_by_account_model_and_utc_day_of_the_end(ledger: Ledg
             # started on day 1, ended just after midnight UTC: billed on day 2
             make_event("a3", started_at=DAY1 + 43_000, ended_at=DAY1 + 43_201, output_tokens=1),
             make_event("a4", model="moe-small", ended_at=DAY1 + 2, input_tokens=3, output_tokens=4),
-            make_event("b1", account_id="acct-b", input_tokens=8, output_tokens=9, status="error"),
+            make_event("b1", account_id="acct-b", input_tokens=8, output_tokens=9),
+            # failed on our side: kept in the ledger, never billed
+            make_event("b2", account_id="acct-b", input_tokens=6, output_tokens=3, status="error"),
             make_event("a5", started_at=DAY3, ended_at=DAY3 + 1),
         ]
     )
+    assert ledger.count() == 7 and ledger.missing(["b2"]) == set()
     d1, d2 = date(2026, 11, 2), date(2026, 11, 3)
     assert ledger.daily_usage(d1, d2) == [
         DailyUsage("acct-a", SMOL, d1, 2, 150, 10, 12),
