@@ -11,6 +11,7 @@ connection with a lock, which is all a single worker or report handler needs.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -235,6 +236,10 @@ class SqliteLedger(_SqlLedger):
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
+        if not self.path.exists():
+            # Readable by its owner alone (who used what is private); SQLite gives its WAL
+            # and shared-memory files the database's own mode.
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         # isolation_level=None: we open transactions ourselves, so a commit is explicit.
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")

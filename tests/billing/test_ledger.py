@@ -160,3 +160,15 @@ def test_postgres_ledgers_opened_together_on_a_fresh_database(postgres_url: str)
         assert opened[7].insert(make_event("req-1")) is False  # one table, shared
         for ledger in opened:
             ledger.close()
+
+
+def test_a_new_sqlite_ledger_is_readable_by_its_owner_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import stat
+
+    from billing.ledger import SqliteLedger
+
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    ledger.insert(make_event("req-1"))
+    for name in ("ledger.sqlite3", "ledger.sqlite3-wal"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    ledger.close()
