@@ -6,6 +6,7 @@ for `edgeserve up`), so the same app runs in both shapes and in tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -74,6 +75,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 # Seconds a client is told to wait when the fleet's shared store does not answer.
 STORE_RETRY_AFTER_S = 2.0
+STORE_PING_TIMEOUT_S = 0.5  # how long /healthz waits for the store's PING
 
 
 async def _store_unreachable(request: Request, exc: Exception) -> Response:
@@ -138,6 +140,7 @@ def create_app(
     ledger: Ledger | None = None,
     prices: PriceTable | None = None,
     is_ready: Callable[[], bool] = lambda: True,
+    store_ping: Callable[[], Awaitable[object]] | None = None,
     on_startup: Callable[[], Awaitable[object]] | None = None,
     on_shutdown: Callable[[], Awaitable[object]] | None = None,
     telemetry: Telemetry | None = None,
@@ -189,10 +192,17 @@ def create_app(
         return Response(body, headers={"content-type": content_type})
 
     async def healthz(request: Request) -> Response:
-        ready = gateway.is_ready()
-        return JSONBytes(
-            {"status": "ok" if ready else "loading"}, status_code=200 if ready else 503
-        )
+        """200 when requests can be served: the model loaded, and the shared store (Redis, in a
+        fleet) answering, which every request needs for its key, limits and placement."""
+        if not gateway.is_ready():
+            return JSONBytes({"status": "loading"}, status_code=503)
+        if store_ping is not None:
+            try:
+                async with asyncio.timeout(STORE_PING_TIMEOUT_S):
+                    await store_ping()
+            except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
+                return JSONBytes({"status": "store_unavailable"}, status_code=503)
+        return JSONBytes({"status": "ok"}, status_code=200)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -372,6 +372,7 @@ class _Stores:
             "limit_store": self.limit_store, "limit_policy": self.policy,
             "usage_sink": self.sink, "ledger": self.ledger,
             "on_startup": self.start, "on_shutdown": self.close,
+            "store_ping": self._client.ping if self._client is not None else None,
         }  # fmt: skip
 
     async def start(self) -> None:

@@ -47,7 +47,7 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
-def test_keys_in_an_unreachable_redis_answer_503_in_each_dialect(node, redis_server) -> None:
+def test_an_unreachable_redis_is_503_in_each_dialect_and_on_healthz(node, redis_server) -> None:
     prefix = f"test:outage-{uuid.uuid4().hex[:8]}:"
 
     async def add_key() -> None:
@@ -56,12 +56,16 @@ def test_keys_in_an_unreachable_redis_answer_503_in_each_dialect(node, redis_ser
         await client.aclose()
 
     asyncio.run(add_key())
-    keys = RedisKeyStore(aioredis.Redis.from_url(redis_server.url), prefix)
-    gateway = start_gateway(node, keys=keys)
+    client = aioredis.Redis.from_url(redis_server.url)
+    gateway = start_gateway(node, keys=RedisKeyStore(client, prefix), store_ping=client.ping)
     try:
         hi = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
         assert httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=60).status_code == 200
+        health = httpx.get(gateway.url + "/healthz")
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
         redis_server.stop()
+        health = httpx.get(gateway.url + "/healthz")
+        assert (health.status_code, health.json()) == (503, {"status": "store_unavailable"})
         time.sleep(1.1)  # past the key cache's second
         wai = httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=30)
         chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}]}
