@@ -88,6 +88,8 @@ class UsageSinkLike(Protocol):
 
 
 # Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.
+UPSTREAM_RETRY_S = 1.0  # Retry-After of a request no node could start
+
 _CLIENT_ERRORS: dict[str, type[GatewayError]] = {
     "invalid_request": InvalidRequestError,
     "request_too_large": RequestTooLargeError,
@@ -227,6 +229,9 @@ class Dispatcher:
                             account_id=job.account_id,
                         )
                 if retry is None:
+                    # Nothing reached the client: it may try again at once (a dead node's
+                    # record leaves placement within its TTL, a few seconds).
+                    exc.retry_after_s = exc.retry_after_s or UPSTREAM_RETRY_S
                     raise
                 placement = retry
                 trace.placed(placement)

@@ -345,3 +345,36 @@ def test_nan_and_infinity_are_not_json(empty) -> None:
             400,
             [{"code": 5004, "message": f"malformed JSON body: {constant} is not a JSON number"}],
         )
+
+
+def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once() -> None:
+    """Its capacity record is still live (it died within its TTL), and no other node serves
+    the model: nothing reached the client, so the 502 carries a Retry-After."""
+    import time
+
+    from scheduler.capacity import CapacityRecord
+    from tests.conftest import free_port
+
+    registry = LocalCapacityRegistry()
+    dead = f"http://127.0.0.1:{free_port()}"
+    record = CapacityRecord(
+        node_id="gone", address=dead, role="mixed", models=("smollm2",), num_pages=64,
+        num_free_pages=64, page_size=16, kv_dtype="fp32", num_running=0, num_waiting=0,
+        load=0.0, published_at=time.time(), ttl_s=60.0, activations="fp32",
+    )  # fmt: skip
+    asyncio.run(registry.publish(record))
+    keys = MemoryKeyStore()
+    asyncio.run(keys.add(KEY, "acct"))
+    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
+    server = ServerThread(
+        create_app(GatewaySettings(internal_token="t"), keys=keys, placer=placer)
+    ).start()
+    try:
+        wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+        assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == (
+            502,
+            "1",
+            [{"code": 3043, "message": "node gone unreachable: ConnectError"}],
+        )
+    finally:
+        server.stop()
