@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import date
@@ -64,8 +65,14 @@ def parse_group_by(text: str | None) -> tuple[str, ...]:
     return tuple(k for k in GROUP_KEYS if k in wanted)
 
 
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
 def parse_day(text: str, name: str) -> date:
+    """A YYYY-MM-DD day, that spelling only (fromisoformat also takes 20261130 and 2026W441)."""
     try:
+        if not _DAY.fullmatch(text):
+            raise ValueError(text)
         return date.fromisoformat(text)
     except (TypeError, ValueError):
         raise InvalidReportQuery(f"{name}: {text!r} is not a date (YYYY-MM-DD)") from None

@@ -130,10 +130,23 @@ async def parse_body(request: Request, schema: type[M]) -> M:
         raise validation_error(exc) from None
 
 
+# The names pydantic adds to an error's location for the member of a union it tried
+# (`stop.str`, `content.list[dict[str,any]]`): types, not fields, so left out of `param`.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "function-after", "function-before"})
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    return ".".join(
+        str(p)
+        for p in loc
+        if isinstance(p, int) or not (p in _TYPE_TAGS or "[" in p or p.startswith("function-"))
+    )
+
+
 def validation_error(exc: ValidationError) -> InvalidRequestError:
     problems, param = [], None
     for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"])
+        where = _location(err["loc"])
         param = param or (where or None)
         problems.append(f"{where}: {err['msg']}" if where else err["msg"])
     return InvalidRequestError("invalid request: " + "; ".join(problems), param=param)

@@ -140,6 +140,8 @@ async def test_admin_reads_any_account_or_all(client: httpx.AsyncClient) -> None
     [
         ({"from": "2026-13-01"}, "from: '2026-13-01' is not a date (YYYY-MM-DD)"),
         ({"to": "yesterday"}, "to: 'yesterday' is not a date (YYYY-MM-DD)"),
+        ({"from": "20261101"}, "from: '20261101' is not a date (YYYY-MM-DD)"),
+        ({"to": "2026W441"}, "to: '2026W441' is not a date (YYYY-MM-DD)"),
         ({"from": "2026-11-03", "to": "2026-11-02"}, "to (2026-11-02) is before from (2026-11-03)"),
         ({"from": "2026-01-01", "to": "2026-11-02"}, "from..to spans more than 31 days"),
         ({"group_by": "week"}, "group_by: unknown key(s) week; use any of account, model, day"),
