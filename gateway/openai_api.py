@@ -148,12 +148,14 @@ async def chat_completions(request: Request) -> Response:
     body, upstream = await _open(request, ChatCompletionRequest, settings.default_chat_max_tokens)
     completion_id = f"chatcmpl-{request_id_of(request)}"
     if body.stream:
-        stream = ChatStream(completion_id, body.model, body.include_usage)
+        stream = ChatStream(completion_id, upstream.job.model.name, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
     text, finished = await collect(upstream, request.receive)
     message = {"role": "assistant", "content": text, "refusal": None}
     choice = {"index": 0, "message": message, "logprobs": None}
-    return _answer("chat.completion", completion_id, body.model, choice, finished, upstream)
+    return _answer(
+        "chat.completion", completion_id, upstream.job.model.name, choice, finished, upstream
+    )
 
 
 @endpoint("openai")
@@ -163,11 +165,13 @@ async def completions(request: Request) -> Response:
     body, upstream = await _open(request, CompletionRequest, settings.default_completion_max_tokens)
     completion_id = f"cmpl-{request_id_of(request)}"
     if body.stream:
-        stream = CompletionStream(completion_id, body.model, body.include_usage)
+        stream = CompletionStream(completion_id, upstream.job.model.name, body.include_usage)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
     text, finished = await collect(upstream, request.receive)
     choice = {"index": 0, "text": text, "logprobs": None}
-    return _answer("text_completion", completion_id, body.model, choice, finished, upstream)
+    return _answer(
+        "text_completion", completion_id, upstream.job.model.name, choice, finished, upstream
+    )
 
 
 def _model_object(model: CatalogModel) -> dict[str, Any]:

@@ -113,6 +113,16 @@ def test_completions_use_the_raw_prompt(engine, client) -> None:
     assert "".join(c.choices[0].text for c in streamed) == reference.text
 
 
+def test_an_alias_is_answered_under_the_models_catalog_id(client) -> None:
+    """As OpenAI names the snapshot that served a request, whatever alias asked for it."""
+    chat = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=1)
+    assert chat.model == SMOLLM2
+    chunks = list(
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, stream=True)
+    )
+    assert {c.model for c in chunks} == {SMOLLM2}
+
+
 def test_models_list_and_account_scoped_base_url(stack) -> None:
     scoped = openai.OpenAI(
         base_url=f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/v1",
