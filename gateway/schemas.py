@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.errors import UnsupportedError
+from gateway.errors import InvalidRequestError, UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
 
@@ -261,6 +261,9 @@ class CompletionRequest(_OpenAIBase):
             raise UnsupportedError(
                 "'prompt' must be one string (batches are not supported)", param="prompt"
             )
+        if not self.prompt_text():
+            # nothing to continue: the model adds no start token of its own
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if self.echo:
             raise UnsupportedError("'echo' is not supported", param="echo")
         if self.suffix:

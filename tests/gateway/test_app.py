@@ -319,6 +319,8 @@ NOT_SERVED = (503, "no node serves @cf/huggingface/smollm2-135m-instruct now")
         (RUN_SMOL, {"prompt": "hi", "response_format": {"type": "json_schema"}},
          (400, "only the 'text' response_format is supported", 5004)),
         (RUN_SMOL, {"prompt": "hi", "unknown_field": 1}, NOT_SERVED),  # unknown: ignored
+        ("/v1/completions", {"prompt": ""}, (400, "the prompt is empty", "prompt")),
+        ("/v1/completions", {"prompt": [""]}, (400, "the prompt is empty", "prompt")),
         # a union's error names the field, not the member type pydantic tried (`stop.str`)
         (CHAT, {"messages": HI, "stop": 5},
          (400, "invalid request: stop: Input should be a valid string; stop: Input should be "
