@@ -467,12 +467,14 @@ class LLMEngine:
         finished = reason is not None
         end = state.stop_at if state.stop_at is not None else len(state.text)
         if not finished:
-            # Hold back an unfinished UTF-8 character and anything that may begin a stop string.
+            # Hold back an unfinished UTF-8 character and anything that may begin a stop string
+            # (counted back from the last whole character, not from the placeholders of a
+            # half-decoded one, or a multi-byte stop string's first character leaks out).
             if state.text.endswith("\ufffd"):
                 end = len(state.text.rstrip("\ufffd"))
             if params.stop:
                 longest = max(len(s) for s in params.stop)
-                end = min(end, max(state.text_sent, len(state.text) - (longest - 1)))
+                end = min(end, max(state.text_sent, end - (longest - 1)))
         delta = state.text[state.text_sent : max(end, state.text_sent)]
         state.text_sent = max(end, state.text_sent)
         new_tokens = tuple(seq.output_token_ids[state.tokens_sent :])

@@ -202,3 +202,19 @@ def test_final_output_carries_the_engine_events(make_engine, chat_ids):
         ("finished", 3),
     ]
     assert [e.time_ns for e in events] == sorted(e.time_ns for e in events)
+
+
+def test_a_stop_string_of_multibyte_characters_never_leaks_its_start(make_engine) -> None:
+    """Emoji arrive over several tokens; until one is whole its bytes decode as U+FFFD, which
+    must not count as text when holding back what may begin a stop string."""
+    engine = make_engine()
+    ids = engine.tokenizer.encode("Repeat exactly: I love 🍕 and 🍣 and 🍩 very much. I love")
+    full = engine.tokenizer.decode(engine.generate({"f": ids}, SamplingParams(max_tokens=30))["f"])
+    assert full.startswith(" 🍕🍩🍩")
+    for stop, expected in (("🍕🍩", " "), (" 🍕", ""), ("🍩🍩", " 🍕")):
+        engine.add_request(stop, ids, SamplingParams(max_tokens=30, stop=(stop,)))
+        outs = []
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+        assert "".join(o.text for o in outs) == expected, stop
+        assert outs[-1].finish_reason == "stop"
