@@ -11,6 +11,7 @@ the placement and admission reservations and appends the usage event.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+from starlette.types import Receive
 
 from billing.events import UsageEvent
 from edgeserve.telemetry import TelemetrySettings, setup_telemetry
@@ -46,7 +48,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.tracing import GenAISpan, GenAITracer
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, unless_client_leaves
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,10 @@ class Dispatcher:
         self._queue = queue
         self._queue_deadline_s = queue_deadline_s
 
-    async def open(self, job: GenerationJob) -> Upstream:
+    async def open(self, job: GenerationJob, receive: Receive | None = None) -> Upstream:
+        """Admits, places and starts `job`, until the node's first event. With the client's
+        `receive`, a client that leaves while the request waits in the capacity queue ends it
+        there (ClientClosedError): it never reaches a node and is not billed."""
         started_at = time.time()
         trace = self._tracer.start(job)
         # No limiter, no admission step: a span that decided nothing would only mislead.
@@ -135,7 +140,7 @@ class Dispatcher:
             trace.fail(exc)
             raise
         try:
-            return await self._place_and_connect(job, started_at, headers, trace)
+            return await self._place_and_connect(job, started_at, headers, trace, receive)
         except GatewayError as exc:
             # Refused after admission (no node, bad input per the node, node failure): the
             # client still learns where its limits stand.
@@ -195,7 +200,12 @@ class Dispatcher:
         return dict(admission.headers)
 
     async def _place_and_connect(
-        self, job: GenerationJob, started_at: float, headers: dict[str, str], trace: GenAISpan
+        self,
+        job: GenerationJob,
+        started_at: float,
+        headers: dict[str, str],
+        trace: GenAISpan,
+        receive: Receive | None = None,
     ) -> Upstream:
         body = {
             "request_id": job.request_id,
@@ -204,7 +214,7 @@ class Dispatcher:
         } | job.payload
         with trace.step("placement"):
             try:
-                placement = await self._first_placement(job)
+                placement = await self._first_placement(job, receive)
             except NoCapacityError:
                 trace.rejected("no_capacity")
                 raise
@@ -240,9 +250,12 @@ class Dispatcher:
                 await self.release_placement(placement)
                 raise
 
-    async def _first_placement(self, job: GenerationJob) -> Placement:
+    async def _first_placement(
+        self, job: GenerationJob, receive: Receive | None = None
+    ) -> Placement:
         """A node now, or after a fair wait in the capacity queue; NoCapacityError when every
-        node serving the model stays full, NotServedError when none serves it."""
+        node serving the model stays full, NotServedError when none serves it, and
+        ClientClosedError when the client (its `receive`) leaves while queued."""
         largest = await self._placer.largest_node_tokens(job.model.node_model)
         if not largest:
             # No live node serves the model at all: not a busy fleet that frees up in a
@@ -268,13 +281,18 @@ class Dispatcher:
                 return placement
             detail = ""
         else:
-            outcome = await self._queue.place(
+            if self._queue.num_waiting == 0 and (placement := await try_place()) is not None:
+                return placement  # room now: nothing to wait for, nor to watch
+            placing = self._queue.place(
                 job.account_id,
                 try_place,
                 deadline_s=self._queue_deadline_s,
                 reject_if_busy=job.reject_if_busy,
                 on_abandoned=self.release_placement,
             )
+            # While it waits, a client that gives up leaves the queue at once, its admission
+            # given back, rather than holding its place (and a node's time) to the deadline.
+            outcome = await (placing if receive is None else unless_client_leaves(placing, receive))
             if isinstance(outcome, Placed):
                 return outcome.placement
             detail = {
@@ -345,6 +363,18 @@ class Dispatcher:
         except UpstreamError:
             await self._drop(response, placement)
             raise
+        except asyncio.CancelledError:
+            # The client left (or the gateway stops) while the node starts the request: tell
+            # the node, which would otherwise run the whole prompt before it noticed.
+            await asyncio.shield(self._abandon(response, placement, job.request_id))
+            raise
+
+    async def _abandon(
+        self, response: httpx.Response | None, placement: Placement, request_id: str
+    ) -> None:
+        if response is not None:
+            await response.aclose()
+        await self._cancel_on_node(placement, request_id)
 
     async def _drop(self, response: httpx.Response | None, placement: Placement) -> None:
         if response is not None:

@@ -118,7 +118,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
         estimate_tokens(payload),
         stream=body.stream,
     )
-    return body, await gateway_of(request).dispatcher.open(job)
+    return body, await gateway_of(request).dispatcher.open(job, request.receive)
 
 
 def _answer(

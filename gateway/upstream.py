@@ -163,6 +163,24 @@ async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event | None) -> 
         gone.set()
 
 
+async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+    """`work`'s result, unless the client leaves first: then `work` is cancelled and
+    ClientClosedError raised (the request's body already read, so `receive` has nothing
+    left to bring but the disconnect)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(receive, None))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientClosedError("the client closed the connection before the answer began")
+    return task.result()
+
+
 async def until_client_leaves(
     upstream: Upstream,
     work: Coroutine[Any, Any, T],

@@ -70,7 +70,7 @@ async def run_model(request: Request) -> Response:
         reject_if_busy=body.reject_if_busy,
         stream=body.stream,
     )
-    upstream = await gateway_of(request).dispatcher.open(job)
+    upstream = await gateway_of(request).dispatcher.open(job, request.receive)
     if body.stream:
         return RelayResponse(upstream, WorkersAIStream(), upstream.headers)  # type: ignore[return-value]
     text, finished = await collect(upstream, request.receive)

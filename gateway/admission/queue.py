@@ -79,6 +79,7 @@ class CapacityQueue(Generic[T]):
         self._num_wakeups = 0
         self._drain_task: asyncio.Task[None] | None = None
         self._poll_task: asyncio.Task[None] | None = None
+        self._giving_back: set[asyncio.Future[None]] = set()
 
     @property
     def num_waiting(self) -> int:
@@ -133,6 +134,14 @@ class CapacityQueue(Generic[T]):
                 waiter.is_abandoned = True
             elif not waiter.done.done():
                 self._remove(waiter)
+            elif (
+                waiter.on_abandoned is not None
+                and waiter.done.exception() is None
+                and (placement := waiter.done.result()) is not None
+            ):
+                # Placed just as the caller left (its client went away): give it back.
+                self._giving_back.add(task := asyncio.ensure_future(waiter.on_abandoned(placement)))
+                task.add_done_callback(self._giving_back.discard)
             raise
         placement = waiter.done.result()
         if placement is None:

@@ -384,3 +384,42 @@ def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once() -
         )
     finally:
         server.stop()
+
+
+def test_a_client_that_leaves_while_queued_gives_its_slot_back_at_once() -> None:
+    """The one node is full, so requests wait in the capacity queue (30 s deadline). The
+    account may run one request at a time. A queued client that gives up must leave the
+    queue then and there: the next request of the account is admitted (and queues), where
+    the first one's slot had stayed taken until its deadline (429 at once)."""
+    import time
+
+    from gateway.admission import LimitPolicy, Limits, LocalLimiter
+    from scheduler.capacity import CapacityRecord
+    from tests.conftest import free_port
+
+    registry = LocalCapacityRegistry()
+    full = CapacityRecord(
+        node_id="full", address=f"http://127.0.0.1:{free_port()}", role="mixed",
+        models=("smollm2",), num_pages=64, num_free_pages=0, page_size=16, kv_dtype="fp32",
+        num_running=4, num_waiting=0, load=1.0, published_at=time.time(), ttl_s=120.0,
+        activations="fp32",
+    )  # fmt: skip
+    asyncio.run(registry.publish(full))
+    keys = MemoryKeyStore()
+    asyncio.run(keys.add(KEY, "acct"))
+    # No room to reserve on the node: every request waits in the queue.
+    placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), overcommit=0.001)
+    limiter = LocalLimiter(LimitPolicy(default=Limits(max_concurrent=1)))
+    app = create_app(
+        GatewaySettings(internal_token="t", queue_deadline_s=30.0),
+        keys=keys, placer=placer, limiter=limiter,
+    )  # fmt: skip
+    server = ServerThread(app).start()
+    try:
+        body = {"prompt": "hi", "max_tokens": 4}
+        for _ in range(2):  # each gives up after 1 s in the queue; the second is admitted too
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + RUN_SMOL, json=body, headers=AUTH, timeout=1.0)
+            time.sleep(0.3)  # the gateway sees the disconnect
+    finally:
+        server.stop()
