@@ -31,22 +31,13 @@ import time
 
 import numpy as np
 import torch
+from kv_accuracy import PROMPTS  # the KV accuracy benchmark's chat prompts
 
 from gpu_node.config import EngineConfig
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.model_store import resolve_model
 from scheduler.sequence import SamplingParams
 
-PROMPTS = (
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "Explain what a Python list comprehension is.",
-    "What is 17 times 3?",
-    "Give me a synonym for 'happy'.",
-    "What does HTTP stand for?",
-    "Translate 'good morning' into Spanish.",
-)
 NEW_TOKENS = 32
 LOGIT_POSITIONS = 8  # the last this many prompt positions of each prompt
 

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 NO_CAPACITY_RETRY_S = 1.0
 NOT_SERVED_RETRY_S = 10.0  # a node restarting or being added takes this long at least
+UPSTREAM_RETRY_S = 1.0  # a request no node could start: a dead node's record soon lapses
 # Admission's refusal reasons as a client reads them in "too many ... for this account".
 _REFUSAL_REASONS = {
     "requests": "requests",
@@ -90,8 +91,6 @@ class UsageSinkLike(Protocol):
 
 
 # Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.
-UPSTREAM_RETRY_S = 1.0  # Retry-After of a request no node could start
-
 _CLIENT_ERRORS: dict[str, type[GatewayError]] = {
     "invalid_request": InvalidRequestError,
     "request_too_large": RequestTooLargeError,
@@ -239,8 +238,7 @@ class Dispatcher:
                             account_id=job.account_id,
                         )
                 if retry is None:
-                    # Nothing reached the client: it may try again at once (a dead node's
-                    # record leaves placement within its TTL, a few seconds).
+                    # Nothing reached the client: it may try again at once.
                     exc.retry_after_s = exc.retry_after_s or UPSTREAM_RETRY_S
                     raise
                 placement = retry
@@ -281,9 +279,11 @@ class Dispatcher:
                 return placement
             detail = ""
         else:
+            # Room now: nothing to wait for, nor to watch (a client that has just left is
+            # still served, and billed, as it would be without a queue).
             if self._queue.num_waiting == 0 and (placement := await try_place()) is not None:
-                return placement  # room now: nothing to wait for, nor to watch
-            placing = self._queue.place(
+                return placement
+            waiting = self._queue.wait(
                 job.account_id,
                 try_place,
                 deadline_s=self._queue_deadline_s,
@@ -292,7 +292,7 @@ class Dispatcher:
             )
             # While it waits, a client that gives up leaves the queue at once, its admission
             # given back, rather than holding its place (and a node's time) to the deadline.
-            outcome = await (placing if receive is None else unless_client_leaves(placing, receive))
+            outcome = await (waiting if receive is None else unless_client_leaves(waiting, receive))
             if isinstance(outcome, Placed):
                 return outcome.placement
             detail = {
@@ -364,8 +364,8 @@ class Dispatcher:
             await self._drop(response, placement)
             raise
         except asyncio.CancelledError:
-            # The client left (or the gateway stops) while the node starts the request: tell
-            # the node, which would otherwise run the whole prompt before it noticed.
+            # Cancelled (the gateway stops) while the node starts the request: tell the node,
+            # which would otherwise run the whole prompt before it noticed.
             await asyncio.shield(self._abandon(response, placement, job.request_id))
             raise
 

@@ -1,4 +1,5 @@
-"""Request bodies as JSON: every way a body can fail to decode ends in one ValueError."""
+"""Request bodies: read within a size limit (BodyTooLargeError past it), then decoded as
+JSON, where every way a body can fail to decode ends in one ValueError."""
 
 from __future__ import annotations
 

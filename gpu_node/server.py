@@ -141,16 +141,17 @@ async def _checked(request: Request) -> _Call | Response:
     if not prompt_ids:
         return error_response("invalid_request", "the prompt is empty")
     limit = engine.max_request_tokens
-    what = (
-        f"the context window of {limit} tokens"
-        if limit == engine.max_model_len
-        else f"the {limit} tokens this node's KV cache holds (context window {engine.max_model_len})"
-    )
     room = limit - len(prompt_ids)
     if body.max_tokens_is_default and 0 < room < params.max_tokens:
         # The client named no max_tokens: the answer may run to the end of the context.
         params = replace(params, max_tokens=room)
     if len(prompt_ids) + params.max_tokens > limit:
+        what = (
+            f"the context window of {limit} tokens"
+            if limit == engine.max_model_len
+            else f"the {limit} tokens this node's KV cache holds "
+            f"(context window {engine.max_model_len})"
+        )
         return error_response(
             "request_too_large",
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}",

@@ -81,9 +81,11 @@ class ChatTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self._with_bos(ids) if add_special_tokens else ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` after the model's start token, for a model whose GGUF asks for one."""
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -117,9 +119,7 @@ class ChatTokenizer:
             ids += self._text_only.encode(str(content), add_special_tokens=False).ids
             rest = after
         ids += self._tok.encode(rest, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self._with_bos(ids)
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -18,7 +18,6 @@ def register(app: typer.Typer) -> None:
 
 
 def _keys_store(redis_url: str, prefix: str) -> Any:
-
     from gateway.keys import RedisKeyStore
 
     return RedisKeyStore(redis_client(redis_url), prefix)

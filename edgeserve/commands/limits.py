@@ -9,6 +9,8 @@ from typing import Any
 
 import typer
 
+from edgeserve.settings import redis_client
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 _ACCOUNT = typer.Option(..., "--account", help="account id")
@@ -19,13 +21,12 @@ _PREFIX = typer.Option("edgeserve", "--prefix", help="key prefix the gateways us
 
 def _run(redis_url: str, prefix: str, action: Callable[[Any], Awaitable[dict[str, Any]]]) -> None:
     """Runs `action(store)` against Redis, printing its result as JSON; errors exit non-zero."""
-    import redis.asyncio as redis
     from redis.exceptions import RedisError
 
     from gateway.admission import AdmissionError, RedisLimitStore
 
     async def main() -> dict[str, Any]:
-        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        client = redis_client(redis_url)
         try:
             # "edgeserve" and "edgeserve:" name the same keys, as for the gateway and node
             return await action(RedisLimitStore(client, prefix.rstrip(":")))

@@ -23,7 +23,7 @@ from edgeserve.engine_options import (
     resolve_device,
     resolve_kv_dtype,
 )
-from edgeserve.settings import redis_client
+from edgeserve.settings import journal_path, redis_client
 
 if TYPE_CHECKING:
     import uvicorn
@@ -266,7 +266,6 @@ def node(
     token = _internal_token(internal_token)
 
     async def main() -> None:
-
         from gpu_node.server import NodeService, NodeSettings, create_node_app
         from scheduler.capacity import RedisCapacityRegistry
 
@@ -439,8 +438,6 @@ async def _stores(
             MemoryKeyStore(), registry, placer, limiter, limiter.store, policy,
             LocalUsageSink(ledger), ledger, shown_location,
         )  # fmt: skip
-
-    from edgeserve.settings import journal_path
 
     client = redis_client(redis_url or DEFAULT_REDIS_URL)
     shared_registry = RedisCapacityRegistry(client, prefix)

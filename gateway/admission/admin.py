@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from gateway.admission.errors import InvalidLimits, InvalidRequest
 from gateway.admission.limits import LimitPolicy
-from gateway.admission.manage import describe_limits, limits_model, update_limits
+from gateway.admission.manage import clear_limits, describe_limits, update_limits
 from gateway.admission.store import LimitStore
 from gateway.json_body import BodyTooLargeError, load_json, read_body
 
@@ -84,8 +84,10 @@ class LimitsAdmin:
             async with asyncio.timeout(self._timeout_s):
                 if request.method == "PUT":
                     return await self._put(request, account_id)
-                model = limits_model(request.query_params.get("model"))
-                if request.method == "DELETE" and not await self._store.clear(account_id, model):
+                model = request.query_params.get("model")
+                if request.method == "DELETE" and not await clear_limits(
+                    self._store, account_id, model
+                ):
                     return _error("not_found", "no such override")
                 return _ok(await describe_limits(self._store, self._policy, account_id, model))
         except (InvalidLimits, InvalidRequest) as exc:

@@ -47,6 +47,12 @@ async def describe_limits(
     }
 
 
+async def clear_limits(store: LimitStore, account_id: str, model: str | None = None) -> bool:
+    """Drops the override of one scope (the account, or the account on one model); False
+    when there was none."""
+    return await store.clear(account_id, limits_model(model))
+
+
 async def update_limits(
     store: LimitStore,
     policy: LimitPolicy,

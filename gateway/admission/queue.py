@@ -103,11 +103,31 @@ class CapacityQueue(Generic[T]):
         caller is cancelled while its placement is being made, `on_abandoned`
         receives that placement so the gateway can give it back.
         """
-        start = self._clock()
         if self._num_waiting == 0:
+            start = self._clock()
             placement = await try_place()
             if placement is not None:
                 return Placed(placement, self._clock() - start)
+        return await self.wait(
+            account_id,
+            try_place,
+            deadline_s=deadline_s,
+            reject_if_busy=reject_if_busy,
+            on_abandoned=on_abandoned,
+        )
+
+    async def wait(
+        self,
+        account_id: str,
+        try_place: Callable[[], Awaitable[T | None]],
+        *,
+        deadline_s: float,
+        reject_if_busy: bool = False,
+        on_abandoned: Callable[[T], Awaitable[None]] | None = None,
+    ) -> Placed[T] | Rejected:
+        """`place` for a caller that has just tried `try_place` itself, in vain: it waits its
+        turn (or is refused at once) without another try first."""
+        start = self._clock()
         if reject_if_busy:
             return Rejected("busy", self._clock() - start)
         if (
