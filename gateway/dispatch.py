@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +38,7 @@ from gateway.admission import (
 )
 from gateway.catalog import CatalogModel
 from gateway.errors import (
+    ClientClosedError,
     ConflictError,
     GatewayError,
     InvalidRequestError,
@@ -48,7 +50,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.tracing import GenAISpan, GenAITracer
-from gateway.upstream import Upstream, unless_client_leaves
+from gateway.upstream import Upstream, left_first, unless_client_leaves
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,10 @@ log = logging.getLogger(__name__)
 NO_CAPACITY_RETRY_S = 1.0
 NOT_SERVED_RETRY_S = 10.0  # a node restarting or being added takes this long at least
 UPSTREAM_RETRY_S = 1.0  # a request no node could start: a dead node's record soon lapses
+# A client that leaves while the node starts its request: how long the node may take to
+# answer the cancel (it acts between engine steps) before the gateway stops waiting.
+CANCEL_GRACE_S = 10.0
+_LEFT_BEFORE_ANSWER = "the client closed the connection before the answer began"
 # Admission's refusal reasons as a client reads them in "too many ... for this account".
 _REFUSAL_REASONS = {
     "requests": "requests",
@@ -124,8 +130,9 @@ class Dispatcher:
 
     async def open(self, job: GenerationJob, receive: Receive | None = None) -> Upstream:
         """Admits, places and starts `job`, until the node's first event. With the client's
-        `receive`, a client that leaves while the request waits in the capacity queue ends it
-        there (ClientClosedError): it never reaches a node and is not billed."""
+        `receive`, a client that leaves ends it with ClientClosedError: while it waits in
+        the capacity queue, it never reaches a node and is not billed; while the node starts
+        it, it is cancelled there at once and billed as cancelled (its prompt, no output)."""
         started_at = time.time()
         trace = self._tracer.start(job)
         # No limiter, no admission step: a span that decided nothing would only mislead.
@@ -139,7 +146,7 @@ class Dispatcher:
             trace.fail(exc)
             raise
         try:
-            return await self._place_and_connect(job, started_at, headers, trace, receive)
+            upstream = await self._place_and_connect(job, started_at, headers, trace, receive)
         except GatewayError as exc:
             # Refused after admission (no node, bad input per the node, node failure): the
             # client still learns where its limits stand.
@@ -151,6 +158,10 @@ class Dispatcher:
             await self._release_admission(job, 0)
             trace.fail(exc)
             raise
+        if upstream.client_left:
+            await upstream.close()  # billed as cancelled, its admission given back
+            raise ClientClosedError(_LEFT_BEFORE_ANSWER)
+        return upstream
 
     async def _release_admission(self, job: GenerationJob, num_tokens: int) -> None:
         if self._limiter is None:
@@ -224,7 +235,9 @@ class Dispatcher:
         tried = {placement.node_id}
         while True:  # the first node, then one retry elsewhere
             try:
-                return await self._connect(job, placement, body, started_at, headers, trace)
+                return await self._connect(
+                    job, placement, body, started_at, headers, trace, receive
+                )
             except UpstreamError as exc:
                 log.warning("node %s failed before the first token: %s", placement.node_id, exc)
                 retry = None
@@ -319,10 +332,14 @@ class Dispatcher:
         started_at: float,
         headers: dict[str, str],
         trace: GenAISpan,
+        receive: Receive | None = None,
     ) -> Upstream:
         """POST to the node and wait for its first event; UpstreamError when the node is at fault.
 
-        A disaggregated placement names the prefill node, whose KV the decode node fetches."""
+        A disaggregated placement names the prefill node, whose KV the decode node fetches.
+        With the client's `receive`, a client that leaves meanwhile has the request cancelled
+        on the node at once (rather than after its whole prompt has run): the Upstream then
+        comes back marked `client_left`, or ClientClosedError when the node never started it."""
         if placement.prefill_address is not None:
             body = body | {"prefill_from": placement.prefill_address}
         request = self._client.build_request(
@@ -331,9 +348,40 @@ class Dispatcher:
             content=json.dumps(body, separators=(",", ":")).encode(),
             headers=self._auth | {"content-type": "application/json"} | trace.traceparent(),
         )
-        response: httpx.Response | None = None
+        starting = asyncio.ensure_future(self._start(request, placement))
         try:
-            response = await self._client.send(request, stream=True)
+            if receive is not None and await left_first(starting, receive):
+                return await self._left_while_starting(
+                    job, placement, starting, started_at, headers, trace
+                )
+            response, lines, first = await starting
+        except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError) as exc:
+            await self.release_placement(placement)
+            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                # Nothing listens there: the node is dead, whatever its record says.
+                await self._placer.mark_down(placement.node_id)
+            raise UpstreamError(
+                f"node {placement.node_id} unreachable: {type(exc).__name__}"
+            ) from None
+        except UpstreamError:
+            await self.release_placement(placement)
+            raise
+        except asyncio.CancelledError:
+            # Cancelled (the gateway stops) while the node starts the request: tell the node,
+            # which would otherwise run the whole prompt before it noticed.
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await asyncio.shield(self._cancel_on_node(placement, job.request_id))
+            raise
+        return Upstream(self, job, placement, response, lines, first, started_at, headers, trace)
+
+    async def _start(
+        self, request: httpx.Request, placement: Placement
+    ) -> tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]:
+        """The node's response, its lines and its first event; the response is closed when
+        anything goes wrong (a refusal the client caused gives the placement back too)."""
+        response = await self._client.send(request, stream=True)
+        try:
             if response.status_code != 200:
                 await response.aread()
                 code, message = _node_error(response)
@@ -352,39 +400,42 @@ class Dispatcher:
                 raise UpstreamError(
                     f"node {placement.node_id} failed: {first['error'].get('message')}"
                 )
-            return Upstream(
-                self, job, placement, response, lines, first, started_at, headers, trace
-            )
-        except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError) as exc:
-            await self._drop(response, placement)
-            raise UpstreamError(
-                f"node {placement.node_id} unreachable: {type(exc).__name__}"
-            ) from None
-        except UpstreamError:
-            await self._drop(response, placement)
-            raise
-        except asyncio.CancelledError:
-            # Cancelled (the gateway stops) while the node starts the request: tell the node,
-            # which would otherwise run the whole prompt before it noticed.
-            await asyncio.shield(self._abandon(response, placement, job.request_id))
+            return response, lines, first
+        except BaseException:
+            await response.aclose()
             raise
 
-    async def _abandon(
-        self, response: httpx.Response | None, placement: Placement, request_id: str
-    ) -> None:
-        if response is not None:
-            await response.aclose()
-        await self._cancel_on_node(placement, request_id)
-
-    async def _drop(self, response: httpx.Response | None, placement: Placement) -> None:
-        if response is not None:
-            await response.aclose()
-        await self.release_placement(placement)
+    async def _left_while_starting(
+        self,
+        job: GenerationJob,
+        placement: Placement,
+        starting: asyncio.Future[tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]],
+        started_at: float,
+        headers: dict[str, str],
+        trace: GenAISpan,
+    ) -> Upstream:
+        """The client left while the node starts its request: cancel it there, and take the
+        node's answer (its cancelled end, or a first token that beat the cancel) as an
+        Upstream marked `client_left`, so the request is billed as any cancelled one.
+        ClientClosedError when the node never started it (the placement is the caller's
+        to give back)."""
+        await self._cancel_on_node(placement, job.request_id)
+        try:
+            response, lines, first = await asyncio.wait_for(starting, CANCEL_GRACE_S)
+        except Exception:
+            # Refused (a cancel that arrived first), unreachable or too slow: nothing ran
+            # that reached the client, and nothing is billed.
+            raise ClientClosedError(_LEFT_BEFORE_ANSWER) from None
+        upstream = Upstream(
+            self, job, placement, response, lines, first, started_at, headers, trace
+        )
+        upstream.client_left = True
+        return upstream
 
     async def finish(self, upstream: Upstream) -> None:
         job, placement = upstream.job, upstream.placement
         try:
-            if not upstream.is_finished:
+            if not upstream.is_finished and not upstream.client_left:  # else cancelled already
                 await self._cancel_on_node(placement, job.request_id)
             await self.release_placement(placement)
         finally:

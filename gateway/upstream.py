@@ -72,6 +72,7 @@ class Upstream:
         self._failed = False
         self._closed = False
         self.num_delivered_tokens = 0
+        self.client_left = False  # before the answer began: cancelled on the node already
         self.prompt_tokens = int(first.get("prompt_tokens", 0))
         self.cached_tokens = int(first.get("cached_tokens", 0))
 
@@ -161,6 +162,18 @@ async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event | None) -> 
         pass
     if gone is not None:
         gone.set()
+
+
+async def left_first(work: asyncio.Future[Any], receive: Receive) -> bool:
+    """Waits until `work` is done or the client leaves; True when the client left first
+    (`work` still running, for the caller to end)."""
+    watch = asyncio.ensure_future(_wait_for_disconnect(receive, None))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    return not work.done()
 
 
 async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive) -> T:

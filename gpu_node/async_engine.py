@@ -4,7 +4,9 @@ coroutines submit requests and iterate over their outputs.
 Hand-offs cross threads through a command queue (submit / abort) into the
 engine thread, and `loop.call_soon_threadsafe` back to each request's
 asyncio.Queue. Closing a request's async iterator early aborts it, which frees
-its pages at once.
+its pages at once. An abort can overtake its own submit (the two come on different
+connections): the engine remembers the last `REMEMBERED_ABORTS` ids it could not find,
+and refuses such a request when it comes (RequestCancelledError), so it never runs.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gpu_node.config import EngineConfig
-from gpu_node.errors import EngineError, EngineStoppedError
+from gpu_node.errors import EngineError, EngineStoppedError, RequestCancelledError
 from gpu_node.handoff import KVHandoff
 from gpu_node.llm_engine import LLMEngine
 from gpu_node.outputs import EngineStats, RequestOutput
@@ -26,6 +29,8 @@ from gpu_node.weights import Progress
 from scheduler.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
+
+REMEMBERED_ABORTS = 4096
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class AsyncEngine:
         self.max_request_tokens = engine.max_request_tokens
         self._commands: queue.Queue[_Submit | _Abort | None] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._stats = engine.stats()
@@ -120,6 +126,7 @@ class AsyncEngine:
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine refused it or dropped it: nothing to abort
                     raise item
                 if item.finished:
                     finished = True
@@ -166,6 +173,12 @@ class AsyncEngine:
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Submit):
+            if command.request_id in self._aborted_early:
+                del self._aborted_early[command.request_id]
+                command.sink.put(
+                    RequestCancelledError(f"request {command.request_id} was cancelled")
+                )
+                return
             try:
                 self.engine.add_request(
                     command.request_id,
@@ -186,7 +199,11 @@ class AsyncEngine:
         else:
             final = self.engine.abort(command.request_id)
             sink = self._sinks.pop(command.request_id, None)
-            if final is not None and sink is not None:
+            if final is None and sink is None:  # not here yet, or long gone
+                self._aborted_early[command.request_id] = None
+                while len(self._aborted_early) > REMEMBERED_ABORTS:
+                    self._aborted_early.popitem(last=False)
+            elif final is not None and sink is not None:
                 sink.put(final)
         self._stats = self.engine.stats()
 

@@ -31,6 +31,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context window
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Fair prefill (scheduler/scheduler.py): a prompt with more tokens than this left is
+    # long, held to this many a step while others wait; None: a quarter of the budget; 0: off.
+    long_prefill_tokens: int | None = None
     reserve_pages: int = 0
     seed: int = 0
     # Page-ownership checks before each step and inside the kernels. Off only to
@@ -76,6 +79,8 @@ class EngineConfig:
             problems.append(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
+            problems.append(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
         if self.cuda_graph_batch < 0:
             problems.append(f"cuda_graph_batch must be >= 0, got {self.cuda_graph_batch}")
         if self.prefix_cache_blocks < 0:

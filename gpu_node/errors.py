@@ -3,7 +3,8 @@
     EngineError
     ├── ModelNotFoundError      unknown model name, missing or unreadable GGUF
     ├── InvalidRequestError     empty prompt, prompt past the context, bad sampling params
-    └── EngineStoppedError      submit after shutdown
+    ├── EngineStoppedError      submit after shutdown
+    └── RequestCancelledError   submit of a request already cancelled (its cancel came first)
 
 Anything else escaping the engine is a bug.
 """
@@ -22,4 +23,8 @@ class InvalidRequestError(EngineError):
 
 
 class EngineStoppedError(EngineError):
+    pass
+
+
+class RequestCancelledError(EngineError):
     pass

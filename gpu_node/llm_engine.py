@@ -107,7 +107,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, config.page_size, config.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.reserve_pages
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.reserve_pages,
+                config.long_prefill_tokens,
             ),
             self.block_manager,
         )
@@ -121,6 +124,7 @@ class LLMEngine:
         )
         self.runner.graphs = self._decode_graphs(config)
         self.num_integrity_violations = 0
+        self.num_computed_tokens = 0  # tokens the model ran: prompt chunks and decode steps
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -307,6 +311,7 @@ class LLMEngine:
             if not chunks:
                 return outputs
         result = self.runner.run(chunks, tables)
+        self.num_computed_tokens += sum(c.num_new_tokens for c in chunks)
         greedy = (
             self._greedy_tokens(result.logits)
             if any(_plain_greedy(c.seq.params) for c in chunks)
@@ -516,6 +521,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_preemptions=self.scheduler.num_preemptions,
             num_integrity_violations=self.num_integrity_violations,
+            num_computed_tokens=self.num_computed_tokens,
             activations=self.kv_spec.activations,
         )
 

@@ -55,6 +55,7 @@ class EngineStats:
     activations: str  # what the model computes in: fp32, bf16 or fp16
     num_preemptions: int = 0
     num_integrity_violations: int = 0
+    num_computed_tokens: int = 0  # tokens the model ran since the engine started
 
     @property
     def num_free_tokens(self) -> int:

@@ -9,7 +9,8 @@
                                         its KV comes here (gpu_node/handoff.py); this node decodes
     POST   /internal/v1/prefill         the same JSON in; out the prompt's KV handoff (octet-stream):
                                         the prompt and its first token, run for a decode node
-    DELETE /internal/v1/requests/{id}   cancel a request (its pages are freed at once)
+    DELETE /internal/v1/requests/{id}   cancel a request (its pages are freed at once); one
+                                        not here yet is refused when it comes (409 cancelled)
     GET    /internal/v1/health          200 once the model is loaded, 503 before and while draining
     GET    /internal/v1/capacity        the capacity record this node publishes
 
@@ -40,7 +41,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
-from gpu_node.errors import EngineStoppedError, InvalidRequestError
+from gpu_node.errors import EngineStoppedError, InvalidRequestError, RequestCancelledError
 from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.node_app.service import NodeService, NodeSettings
 from gpu_node.telemetry import NodeSpan, NodeTelemetry
@@ -56,6 +57,7 @@ NodeErrorCode = Literal[
     "request_too_large",
     "model_not_found",
     "over_capacity",
+    "cancelled",
     "internal",
 ]
 _STATUS: dict[str, int] = {
@@ -64,6 +66,7 @@ _STATUS: dict[str, int] = {
     "request_too_large": 413,
     "model_not_found": 404,
     "over_capacity": 503,
+    "cancelled": 409,  # cancelled before it arrived: the DELETE overtook the POST
     "internal": 500,
 }
 
@@ -186,6 +189,9 @@ async def prefill(request: Request) -> Response:
     except EngineStoppedError:
         span.fail("over_capacity", "the engine is stopping")
         return error_response("over_capacity", "the engine is stopping")
+    except RequestCancelledError as exc:
+        span.fail("cancelled", str(exc))
+        return error_response("cancelled", str(exc))
     finally:
         service.num_in_flight -= 1
     if final is None or final.handoff is None:
@@ -233,6 +239,10 @@ async def generate(request: Request) -> Response:
         service.num_in_flight -= 1
         span.fail("over_capacity", "the engine is stopping")
         return error_response("over_capacity", "the engine is stopping")
+    except RequestCancelledError as exc:
+        service.num_in_flight -= 1
+        span.fail("cancelled", str(exc))
+        return error_response("cancelled", str(exc))
     except BaseException as exc:
         service.num_in_flight -= 1
         span.fail(type(exc).__qualname__)

@@ -59,6 +59,9 @@ class EngineCollector(Collector):
             ("edgeserve_integrity_violations",
              "Sequences aborted because a step touched a KV page they do not own.",
              stats.num_integrity_violations),
+            ("edgeserve_tokens_computed",
+             "Tokens the model ran: prompt chunks and decode steps.",
+             stats.num_computed_tokens),
         )  # fmt: skip
         for name, documentation, value in counters:
             counter = CounterMetricFamily(name, documentation, labels=ENGINE_LABELS)

@@ -18,6 +18,10 @@ A node is a candidate only while `reserved + this request <= total KV tokens *
 overcommit`: the node may queue some work, but past that the fleet is out of
 capacity and the caller answers 429 / 3040. Reservations carry an expiry so a
 gateway that dies holding one cannot leak it.
+
+A node the gateway could not connect to is marked down (`mark_down`): this gateway
+places nothing more there until the node publishes a new capacity record, rather than
+sending request after request at a dead address until its record's TTL lapses.
 """
 
 from __future__ import annotations
@@ -271,6 +275,27 @@ class Placer:
         # fleet (RedisAffinities); this process's memory by default.
         self._affinity_tokens = affinity_tokens
         self._affinities: Affinities = affinities if affinities is not None else LocalAffinities()
+        # node id -> published_at of the record it had when a connection to it failed
+        self._down: dict[str, float] = {}
+
+    async def mark_down(self, node_id: str) -> None:
+        """Places nothing more on `node_id` until it publishes a newer record (it is alive
+        again) or its record lapses."""
+        for record in await self._view.live():
+            if record.node_id == node_id:
+                self._down[node_id] = record.published_at
+
+    async def _live(self, model: str) -> list[CapacityRecord]:
+        """Live records serving `model`, less the nodes marked down since they published."""
+        live = []
+        for record in await self._view.live(model):
+            down_at = self._down.get(record.node_id)
+            if down_at is None:
+                live.append(record)
+            elif record.published_at != down_at:
+                del self._down[record.node_id]  # it published again: back
+                live.append(record)
+        return live
 
     def _candidate(self, record: CapacityRecord, affine: str | None = None) -> Candidate:
         bonus = self._affinity_tokens if record.node_id == affine else 0
@@ -286,12 +311,12 @@ class Placer:
             await self._affinities.remember(account_id, model, node_id)
 
     async def has_nodes(self, model: str) -> bool:
-        return bool(await self._view.live(model))
+        return bool(await self._live(model))
 
     async def largest_node_tokens(self, model: str) -> int:
         """KV tokens of the biggest live node serving `model` (0 when none): a request
         needing more can never be placed, however long it waits."""
-        return max((r.num_total_tokens for r in await self._view.live(model)), default=0)
+        return max((r.num_total_tokens for r in await self._live(model)), default=0)
 
     async def place(
         self,
@@ -312,7 +337,7 @@ class Placer:
         affinity for its next request.
         """
         affine = await self._affinities.get(account_id, model) if account_id else None
-        live = [r for r in await self._view.live(model) if r.node_id not in exclude]
+        live = [r for r in await self._live(model) if r.node_id not in exclude]
         prefillers = [r for r in live if r.role == "prefill"]
         # a decode node takes KV only from a prefill node of its own KV and activations dtypes
         kinds = {r.kv_kind for r in prefillers}

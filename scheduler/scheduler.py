@@ -2,14 +2,26 @@
 
 Continuous batching: sequences join and leave the running set between steps.
 Each step packs decode tokens and prefill chunks under a token budget
-(`max_num_batched_tokens`); running sequences go first, oldest first, so a
-long prompt is prefilled in chunks while earlier requests keep decoding.
+(`max_num_batched_tokens`): decode tokens first, oldest first, then prefill
+chunks, so a long prompt is prefilled in chunks while earlier requests keep
+decoding.
+
+Fair prefill: a prompt with more than `long_prefill_tokens` left to compute is
+long. While other prefill work waits, a long prefill gets at most that many
+tokens at first, and at most `max_long_prefills` long prompts prefill at once;
+short prompts behind a long one in the queue are admitted past it. What budget
+is left then goes back to the prefills already running, oldest first, and then
+to long prompts still waiting, so the budget is never left idle. A short
+request arriving behind a long prompt answers its first token within a step or
+two instead of after the whole long prefill, and the long prompt is never
+starved: it always gets its share.
 
 Memory-aware admission: a waiting sequence is admitted only when the pages for
 its whole prompt fit with `reserve_pages` left over (the reserve is headroom
-for running sequences' decode growth). When a running sequence needs a page
-and none is free, the newest running sequence is preempted: its pages are
-freed and it goes back to the front of the queue to be recomputed.
+for running sequences' decode growth). No sequence is admitted past one that
+does not fit (memory is handed out in arrival order). When a running sequence
+needs a page and none is free, the newest running sequence is preempted: its
+pages are freed and it goes back to the front of the queue to be recomputed.
 """
 
 from __future__ import annotations
@@ -26,10 +38,28 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     reserve_pages: int = 0
+    # A prompt with more tokens than this left to compute is long (see the module's
+    # docstring); None: a quarter of the budget. 0 turns fair prefill off: prefills then
+    # run in arrival order, each taking all the budget it can.
+    long_prefill_tokens: int | None = None
+    max_long_prefills: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.reserve_pages < 0:
+        if (
+            self.max_num_seqs <= 0
+            or self.max_num_batched_tokens <= 0
+            or self.reserve_pages < 0
+            or (self.long_prefill_tokens is not None and self.long_prefill_tokens < 0)
+            or self.max_long_prefills <= 0
+        ):
             raise ValueError(f"invalid scheduler config: {self}")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """Tokens left above which a prefill is long; 0 when fair prefill is off."""
+        if self.long_prefill_tokens is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return self.long_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -84,43 +114,86 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[Sequence] = []
+        step = _Step(self.config.max_num_batched_tokens)
+        threshold = self.config.long_prefill_threshold
 
+        # Decode tokens first: each running sequence with one token left.
         for seq in list(self.running):
-            if budget == 0:
+            if step.budget == 0:
                 break
-            if seq not in self.running:  # preempted below to make room for an older one
-                continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.block_manager.allocate(seq, seq.num_computed_tokens + num_new) is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                out.chunks.append(ScheduledChunk(seq, num_new))
-                scheduled.append(seq)
-                budget -= num_new
-
+            if seq in self.running and _left(seq) <= 1:
+                self._take(step, seq, 1)
+        # Prefill chunks of running sequences, oldest first; while other prefill work
+        # waits, a long one is held to its share.
+        prefilling = [s for s in self.running if _left(s) > 1]
+        contended = threshold > 0 and (len(prefilling) > 1 or bool(self.waiting))
+        for seq in prefilling:
+            if step.budget == 0:
+                break
+            if seq in self.running:
+                self._take(step, seq, min(_left(seq), threshold if contended else step.budget))
         # Nothing is admitted in a step that had to preempt: memory is short.
-        while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+        if not step.out.preempted:
+            num_long = sum(1 for s in prefilling if s in self.running and _left(s) > threshold)
+            passed_over = self._admit(step, threshold, num_long)
+            # The budget left goes to the prefills under way, oldest first, then to the
+            # long prompts that were passed over.
+            for seq in list(step.sizes):
+                if step.budget == 0:
+                    break
+                self._take(step, seq, _left(seq) - step.sizes[seq])
+            if passed_over:
+                self._admit(step, 0, 0, passed_over)
+        step.out.chunks = [ScheduledChunk(seq, n) for seq, n in step.sizes.items()]
+        return step.out
+
+    def _admit(
+        self, step: _Step, threshold: int, num_long: int, only: list[Sequence] | None = None
+    ) -> list[Sequence]:
+        """Admits waiting sequences in order while budget, slots and pages last, and returns
+        the long ones passed over because `max_long_prefills` long prompts already prefill
+        (none when `threshold` is 0). `only`: admit from these alone."""
+        passed_over: list[Sequence] = []
+        for seq in list(self.waiting):
+            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = self.waiting[0]
-            pages = self.block_manager.allocate(seq, seq.num_tokens, self.config.reserve_pages)
-            if pages is None:
+            if only is not None and seq not in only:
+                continue
+            is_long = threshold > 0 and _left(seq) > threshold
+            reserve = self.config.reserve_pages
+            if is_long and num_long >= self.config.max_long_prefills:
+                if not self.block_manager.can_allocate(seq, seq.num_tokens, reserve):
+                    break  # nothing behind it takes the memory it waits for
+                passed_over.append(seq)
+                continue
+            if self.block_manager.allocate(seq, seq.num_tokens, reserve) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.admitted.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            out.chunks.append(ScheduledChunk(seq, num_new))
-            budget -= num_new
-        return out
+            step.out.admitted.append(seq)
+            self._take(step, seq, min(_left(seq), threshold if is_long else step.budget))
+            num_long += is_long
+        return passed_over
+
+    def _take(self, step: _Step, seq: Sequence, num_more: int) -> None:
+        """Schedules up to `num_more` more tokens of `seq` within the budget, preempting the
+        newest running sequences while its pages are short (perhaps `seq` itself)."""
+        num_more = min(num_more, step.budget)
+        if num_more <= 0:
+            return
+        scheduled = step.sizes.get(seq, 0)
+        while (
+            self.block_manager.allocate(seq, seq.num_computed_tokens + scheduled + num_more) is None
+        ):
+            victim = self.running[-1]
+            self._preempt(victim)
+            step.out.preempted.append(victim)
+            step.budget += step.sizes.pop(victim, 0)
+            if victim is seq:
+                return
+        step.sizes[seq] = scheduled + num_more
+        step.budget -= num_more
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -130,3 +203,18 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def _left(seq: Sequence) -> int:
+    """Tokens of `seq` whose KV is not computed yet."""
+    return seq.num_tokens - seq.num_computed_tokens
+
+
+@dataclass
+class _Step:
+    """One schedule being built: the budget left and the tokens given to each sequence,
+    in batch order."""
+
+    budget: int
+    sizes: dict[Sequence, int] = field(default_factory=dict)
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)

@@ -357,6 +357,7 @@ def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once() -
     """Its capacity record is still live (it died within its TTL), and no other node serves
     the model: nothing reached the client, so the 502 carries a Retry-After."""
     import time
+    from dataclasses import replace
 
     from scheduler.capacity import CapacityRecord
     from tests.conftest import free_port
@@ -376,12 +377,24 @@ def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once() -
         create_app(GatewaySettings(internal_token="t"), keys=keys, placer=placer)
     ).start()
     try:
-        wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
-        assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == (
+        unreachable = (
             502,
             "1",
             [{"code": 3043, "message": "node gone unreachable: ConnectError"}],
         )
+        wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+        assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == unreachable
+        # Marked down: the next request is not sent there while its record stands.
+        wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+        assert (wai.status_code, wai.json()["errors"][0]["message"]) == (
+            503,
+            f"no node serves {SMOLLM2} now",
+        )
+        # A new record from it (alive again, as far as the fleet knows): tried again.
+        asyncio.run(registry.publish(replace(record, published_at=time.time())))
+        time.sleep(1.0)  # the gateway's view refreshes each second
+        wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+        assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == unreachable
     finally:
         server.stop()
 

@@ -15,12 +15,13 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from scheduler.sequence import SamplingParams
-from tests.conftest import ACCOUNT_ID, SMOLLM2
+from tests.conftest import ACCOUNT_ID, SMOLLM2, start_stack
 
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # raw: the model keeps counting
 MAX_TOKENS = 60
@@ -99,11 +100,16 @@ def test_a_cancelled_stream_bills_exactly_the_tokens_its_client_received(
     assert event.input_tokens == len(engine.tokenizer.encode(PROMPT))
 
 
-def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any]) -> bytes:
-    """Everything the gateway wrote back to a client that half-closed its connection right
-    after sending a non-streaming request (it will send nothing more): nothing, since a
-    server writes nothing to a client it has seen leave."""
+def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any], engine: Any) -> bytes:
+    """Everything the gateway wrote back to a client that half-closed its connection (it
+    will send nothing more) once the node's engine holds its non-streaming request: nothing,
+    since a server writes nothing to a client it has seen leave."""
+    before = engine.stats().num_computed_tokens
     with post_on_a_socket(url, api_key, path, body) as sock:
+        deadline = time.monotonic() + 30
+        while not (engine.engine.has_unfinished() or engine.stats().num_computed_tokens > before):
+            assert time.monotonic() < deadline, "the request never reached the node"
+            time.sleep(0.005)
         sock.shutdown(socket.SHUT_WR)
         data = b""
         while chunk := sock.recv(65536):
@@ -130,7 +136,7 @@ def test_a_client_that_leaves_a_whole_answer_cancels_it_and_is_billed_no_output(
     """Without a stream nothing reaches the client before the end: one that leaves ends the
     generation on the node and pays for its prompt alone."""
     before = len(stack.sink.events)
-    assert send_and_leave(stack.url, stack.api_key, path, body) == b""
+    assert send_and_leave(stack.url, stack.api_key, path, body, engine) == b""
     event = stack.sink.event_after(before)
     assert (event.status, event.output_tokens) == ("cancelled", 0)
     assert event.input_tokens == len(engine.tokenizer.encode(PROMPT))
@@ -139,3 +145,47 @@ def test_a_client_that_leaves_a_whole_answer_cancels_it_and_is_billed_no_output(
     while engine.engine.has_unfinished():
         assert time.monotonic() < deadline, "the node kept generating"
         time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def slow_prefill() -> Iterator[Any]:
+    """A stack whose engine prefills 32 tokens a step, so a long prompt takes many steps."""
+    from gpu_node.async_engine import AsyncEngine
+    from gpu_node.config import EngineConfig
+
+    engine = AsyncEngine.from_config(
+        EngineConfig(
+            model="smollm2",
+            max_model_len=1024,
+            kv_memory_bytes=48 * 1024 * 1024,
+            max_num_batched_tokens=32,
+        )
+    )
+    engine.start()
+    started = start_stack(engine)
+    yield started, engine
+    started.gateway.stop()
+    started.node.stop()
+    engine.shutdown()
+
+
+def test_a_client_that_leaves_while_its_prompt_runs_stops_it_there_at_once(
+    slow_prefill: Any,
+) -> None:
+    """Cancelled between two prefill chunks, not after the whole prompt; billed as any
+    cancelled request (its prompt, no output)."""
+    stack, engine = slow_prefill
+    prompt = ", ".join(str(i) for i in range(1, 161))
+    num_prompt = len(engine.tokenizer.encode(prompt))
+    assert num_prompt > 20 * 32  # more than 20 steps of prefill
+    body = {"prompt": prompt, "raw": True, "max_tokens": 4, "temperature": 0}
+    before_events, before = len(stack.sink.events), engine.stats().num_computed_tokens
+    assert send_and_leave(stack.url, stack.api_key, WORKERS_AI_PATH, body, engine) == b""
+    event = stack.sink.event_after(before_events)
+    assert (event.status, event.input_tokens, event.output_tokens) == ("cancelled", num_prompt, 0)
+    deadline = time.monotonic() + 30
+    while (stats := engine.stats()).num_running or stats.num_waiting:  # the engine's snapshot
+        assert time.monotonic() < deadline, "the node kept prefilling"
+        time.sleep(0.02)
+    computed = engine.stats().num_computed_tokens - before
+    assert computed < num_prompt // 2, computed  # stopped early in its prefill (or before)

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from gpu_node.async_engine import AsyncEngine
-from gpu_node.errors import InvalidRequestError
+from gpu_node.errors import InvalidRequestError, RequestCancelledError
 from scheduler.sequence import SamplingParams
 
 
@@ -79,3 +79,20 @@ async def test_a_request_that_breaks_while_being_added_fails_alone(
         await collect(async_engine, "broken", chat_ids("Hi"), params)
     outs = await collect(async_engine, "fine", chat_ids("Hi"), params)  # the thread lives on
     assert outs[-1].finished and outs[-1].num_completion_tokens == 3
+
+
+async def test_a_cancel_before_its_request_refuses_it_and_nothing_runs(async_engine):
+    async_engine.abort("early")
+    before = async_engine.stats().num_computed_tokens
+    with pytest.raises(RequestCancelledError, match="request early was cancelled"):
+        await collect(async_engine, "early", [1, 2, 3], SamplingParams(max_tokens=2))
+    outs = await collect(
+        async_engine, "later", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)
+    )
+    assert outs[-1].num_completion_tokens == 2
+    for _ in range(100):  # the snapshot is taken just after the outputs go out
+        if async_engine.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.02)
+    # Only "later" ran: its 3 prompt tokens, then one decode step for its second token.
+    assert async_engine.stats().num_computed_tokens - before == 4

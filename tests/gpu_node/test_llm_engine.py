@@ -56,6 +56,30 @@ def test_batch_invariance_with_staggered_joins(make_engine, chat_ids):
     assert engine.stats().num_free_pages == engine.stats().num_pages
 
 
+def test_a_short_request_behind_a_long_prompt_answers_in_the_next_step(make_engine, chat_ids):
+    long_ids, short_ids = chat_ids(" ".join(PROMPTS * 3)), chat_ids("Hi")
+    assert len(short_ids) == 31 and len(long_ids) > 225
+    engine = make_engine(max_num_batched_tokens=128)  # long: more than 32 tokens left
+    engine.add_request("long", long_ids, GREEDY)
+    got: dict[str, list[int]] = {"long": [], "short": []}
+    first_at: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        if step == 1:
+            engine.add_request("short", short_ids, GREEDY)
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+            first_at.setdefault(out.request_id, step)
+        step += 1
+    # Step 0: long 128. Step 1: long 32 + short's 31 + the 65 left to long. Then long 127
+    # a step beside short's decode token.
+    assert first_at == {"short": 1, "long": 1 + -(-(len(long_ids) - 225) // 127)}
+    assert got == {
+        "long": run_alone(make_engine, long_ids),
+        "short": run_alone(make_engine, short_ids),
+    }
+
+
 def test_preemption_under_a_small_pool_keeps_greedy_output(make_engine, chat_ids):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = {str(i): chat_ids(p) for i, p in enumerate(PROMPTS[:4])}

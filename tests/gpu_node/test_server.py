@@ -223,6 +223,20 @@ def test_delete_cancels_a_running_request(node) -> None:
     assert wait_all_pages_free(node)["num_running"] == 0
 
 
+def test_a_cancel_that_overtakes_its_request_refuses_it_when_it_comes(node) -> None:
+    with httpx.Client(timeout=60) as client:
+        gone = client.delete(f"{node.url}/internal/v1/requests/early-cancel", headers=AUTH)
+        assert gone.status_code == 204
+        refused = generate(node, request_id="early-cancel", prompt="Hi", max_tokens=4)
+        assert refused.status_code == 409
+        assert refused.json() == {
+            "error": {"code": "cancelled", "message": "request early-cancel was cancelled"}
+        }
+        # Refused once: the id is not held against a later request, nor are others affected.
+        again = generate(node, request_id="early-cancel", prompt="Hi", max_tokens=4)
+        assert again.status_code == 200 and lines(again)[-1]["usage"]["prompt_tokens"] > 0
+
+
 def test_a_draining_node_leaves_the_registry_and_refuses_new_work(engine) -> None:
     from gpu_node.server import NodeService, NodeSettings, create_node_app
     from scheduler.capacity import LocalCapacityRegistry

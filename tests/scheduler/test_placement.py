@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -150,6 +151,24 @@ async def test_placer_answers_none_when_the_fleet_is_out_of_capacity() -> None:
     assert await placer.place("smollm2", "r2", 100) is None
     await placer.release(first)
     assert await placer.place("smollm2", "r2", 100) is not None
+
+
+async def test_a_node_marked_down_gets_nothing_until_it_publishes_again() -> None:
+    registry = LocalCapacityRegistry()
+    await registry.publish(record("node-a"))
+    await registry.publish(record("node-b", free_pages=32))
+    view = CapacityView(registry, max_age_s=0.0)
+    placer = Placer(view, LocalReservations())
+    assert (await placer.place("smollm2", "r1", 100)).node_id == "node-a"
+    await placer.mark_down("node-a")
+    assert (await placer.place("smollm2", "r2", 100)).node_id == "node-b"
+    assert await placer.largest_node_tokens("smollm2") == 1024  # node-b's pool, as node-a's
+    await placer.mark_down("node-b")
+    assert await placer.place("smollm2", "r3", 100) is None
+    assert not await placer.has_nodes("smollm2")
+    assert await placer.largest_node_tokens("smollm2") == 0
+    await registry.publish(replace(record("node-a"), published_at=time.time() + 1))
+    assert (await placer.place("smollm2", "r4", 100)).node_id == "node-a"  # alive again
 
 
 async def test_decode_and_prefill_nodes_split_a_request_and_full_decoders_fall_back() -> None:

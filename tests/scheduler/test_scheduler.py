@@ -78,3 +78,84 @@ def test_max_num_seqs_caps_the_running_set():
         sched.add(seq(i + 1, 2))
     out = run_step(sched)
     assert [s.seq_id for s in out.admitted] == [1, 2] and len(sched.waiting) == 1
+
+
+def chunks(out) -> list[tuple[int, int]]:
+    return [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks]
+
+
+def fair(**kw) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, long_prefill_tokens=4, **kw),
+        BlockManager(64, 4),
+    )
+
+
+def test_a_short_prompt_behind_a_long_prefill_is_admitted_in_the_next_step():
+    sched = fair()
+    a, b = seq(1, 40), seq(2, 3)
+    sched.add(a)
+    assert chunks(run_step(sched)) == [(1, 16)]  # alone: all the budget
+    sched.add(b)
+    # a is held to its 4 while b waits; b takes 3; the 9 left go back to a
+    out = run_step(sched)
+    assert out.admitted == [b] and chunks(out) == [(1, 13), (2, 3)]
+    assert b.num_output_tokens == 1
+    assert chunks(run_step(sched)) == [(2, 1), (1, 11)]  # b's decode first, then a's rest
+
+
+def test_short_prompts_pass_a_waiting_long_one_which_gets_the_budget_left():
+    sched = fair()
+    a, c, d = seq(1, 24), seq(2, 40), seq(3, 2)
+    sched.add(a)
+    assert chunks(run_step(sched)) == [(1, 16)]  # a has 8 left: still long
+    sched.add(c)
+    sched.add(d)
+    # one long prefill at a time: c is passed over for d; a finishes its 8; c gets the 6 left
+    out = run_step(sched)
+    assert chunks(out) == [(1, 8), (3, 2), (2, 6)]
+    assert out.admitted == [d, c] and not sched.waiting
+
+
+def test_fair_prefill_off_keeps_arrival_order_and_whole_chunks():
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, long_prefill_tokens=0), BlockManager(64, 4)
+    )
+    a, b = seq(1, 40), seq(2, 3)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    out = run_step(sched)
+    assert chunks(out) == [(1, 16)] and list(sched.waiting) == [b]
+
+
+def test_a_long_prefill_keeps_its_share_under_a_stream_of_short_prompts():
+    sched = fair(max_num_seqs=256)
+    a = seq(1, 200)
+    sched.add(a)
+    next_id = 2
+    taken = []
+    while a.num_output_tokens == 0:
+        for _ in range(5):  # 15 prompt tokens a step: alone they would fill the budget
+            sched.add(seq(next_id, 3))
+            next_id += 1
+        out = run_step(sched)
+        taken.append(dict(chunks(out)).get(1, 0))
+        for s in list(sched.running):  # the short ones are one-token requests
+            if s is not a and s.num_output_tokens:
+                sched.finish(s)
+    assert min(taken) >= 4 and sum(taken) == 200
+    assert len(taken) <= 50  # 4 a step at the least
+
+
+def test_a_passed_over_long_prompt_that_does_not_fit_holds_the_queue():
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=16, long_prefill_tokens=4), BlockManager(10, 4)
+    )
+    a, c, d = seq(1, 24), seq(2, 40), seq(3, 2)
+    sched.add(a)
+    run_step(sched)  # a holds 6 of the 10 pages
+    sched.add(c)  # needs 10 pages: waits for memory
+    sched.add(d)  # would fit, but does not take memory c waits for
+    out = run_step(sched)
+    assert chunks(out) == [(1, 8)] and list(sched.waiting) == [c, d]

@@ -233,6 +233,7 @@ STATS = EngineStats(
     activations="bf16",
     num_preemptions=4,
     num_integrity_violations=1,
+    num_computed_tokens=12345,
 )
 
 
@@ -257,6 +258,7 @@ def test_engine_collector_reports_the_stats_at_scrape_time() -> None:
         "edgeserve_sequences_waiting": (labels, 2.0),
         "edgeserve_preemptions_total": (labels, 4.0),
         "edgeserve_integrity_violations_total": (labels, 1.0),
+        "edgeserve_tokens_computed_total": (labels, 12345.0),
     }
 
 
