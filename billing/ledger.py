@@ -22,6 +22,7 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from billing.errors import InvalidUsageEvent
 from billing.events import Status, UsageEvent
 
 # The UTC day is stored as 'YYYY-MM-DD' text in both stores: it compares in
@@ -107,6 +108,15 @@ class Ledger(Protocol):
         """Those of `request_ids` that have no ledger row."""
         ...
 
+    def rows(self, request_ids: Iterable[str]) -> dict[str, UsageEvent | None]:
+        """The ledger rows of those of `request_ids` that have one, by request id; None for a
+        row that is no valid usage event (written by something other than the worker)."""
+        ...
+
+    def ended_since(self, when: float) -> list[str]:
+        """Request ids of the rows whose request ended at or after `when` (epoch seconds)."""
+        ...
+
     def count(self) -> int: ...
 
     def close(self) -> None: ...
@@ -168,27 +178,34 @@ class _SqlLedger:
         return [self._execute(self._insert_sql, row).rowcount == 1 for row in rows]
 
     def get(self, request_id: str) -> UsageEvent | None:
+        found = self.rows([request_id])
+        if request_id in found and found[request_id] is None:
+            raise InvalidUsageEvent(f"the ledger row of {request_id} is no valid usage event")
+        return found.get(request_id)
+
+    def rows(self, request_ids: Iterable[str]) -> dict[str, UsageEvent | None]:
+        wanted = list(dict.fromkeys(request_ids))
+        found: dict[str, UsageEvent | None] = {}
+        with self._lock:
+            for i in range(0, len(wanted), _ID_CHUNK):
+                chunk = wanted[i : i + _ID_CHUNK]
+                marks = ", ".join([self._placeholder] * len(chunk))
+                sql = f"SELECT {_COLUMNS} FROM usage_ledger WHERE request_id IN ({marks})"
+                for row in self._execute(sql, chunk).fetchall():
+                    try:
+                        found[row[0]] = _event(row)
+                    except InvalidUsageEvent:
+                        found[row[0]] = None
+        return found
+
+    def ended_since(self, when: float) -> list[str]:
         p = self._placeholder
         with self._lock:
-            row = self._execute(
-                f"SELECT {_COLUMNS} FROM usage_ledger WHERE request_id = {p}", (request_id,)
-            ).fetchone()
-        if row is None:
-            return None
-        rid, account, model, node, num_in, num_out, num_cached, started, ended, status = row
-        status_value: Status = status
-        return UsageEvent(
-            request_id=rid,
-            account_id=account,
-            model=model,
-            node_id=node,
-            input_tokens=int(num_in),
-            output_tokens=int(num_out),
-            cached_tokens=int(num_cached),
-            started_at=float(started),
-            ended_at=float(ended),
-            status=status_value,
-        )
+            rows = self._execute(
+                f"SELECT request_id FROM usage_ledger WHERE ended_at >= {p} ORDER BY request_id",
+                (when,),
+            ).fetchall()
+        return [rid for (rid,) in rows]
 
     def daily_usage(
         self, start: date, end: date, account_id: str | None = None
@@ -345,3 +362,21 @@ def default_sqlite_path() -> Path:
     import platformdirs
 
     return platformdirs.user_data_path("edgeserve") / "ledger.sqlite3"
+
+
+def _event(row: Sequence[Any]) -> UsageEvent:
+    """A ledger row (its _COLUMNS) as the event it records."""
+    rid, account, model, node, num_in, num_out, num_cached, started, ended, status = row
+    status_value: Status = status
+    return UsageEvent(
+        request_id=rid,
+        account_id=account,
+        model=model,
+        node_id=node,
+        input_tokens=int(num_in),
+        output_tokens=int(num_out),
+        cached_tokens=int(num_cached),
+        started_at=float(started),
+        ended_at=float(ended),
+        status=status_value,
+    )

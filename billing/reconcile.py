@@ -1,4 +1,5 @@
-"""Reconciliation: does every usage event that reached the stream or a journal have a ledger row?
+"""Reconciliation: does every usage event that reached the stream or a journal have a ledger row,
+and is every recent ledger row backed by an event that says the same?
 
 A stream entry is in one of three states for the billing group:
 
@@ -9,6 +10,13 @@ A stream entry is in one of three states for the billing group:
 An acknowledged event absent from the ledger is a gap (something lost a row).
 Unread and pending events without a row are in flight, and journaled events
 without a row are waiting for Redis; both are reported, neither is a gap.
+
+The other way round: a ledger row whose request ended after the oldest entry the
+stream still holds (less `CLOCK_MARGIN_S`, for the gateways' clocks against
+Redis's) must have its event in the stream or a journal, since the worker writes
+rows only from the stream and trims only entries older than what it keeps. A row
+with none is unbacked. A row that differs from its acknowledged event (other tokens,
+status, account...) differs. Both make the ledger inconsistent, as a gap does.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from billing.journal import Journal
 from billing.ledger import Ledger
 
 _PAGE = 1000
+CLOCK_MARGIN_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +47,15 @@ class ReconcileReport:
     missing_from_ledger: tuple[str, ...]  # acknowledged but no row: the gaps
     in_flight: tuple[str, ...]  # unread or pending, no row yet
     journal_unbilled: tuple[str, ...]  # journaled, no row yet
+    # rows checked against the stream: those of requests that ended at or after this
+    # (None: the stream holds nothing to check them against)
+    rows_checked_since: float | None = None
+    unbacked_rows: tuple[str, ...] = ()  # ledger rows no stream entry nor journal holds
+    differing_rows: tuple[str, ...] = ()  # ledger rows that differ from their event
 
     @property
     def is_consistent(self) -> bool:
-        return not self.missing_from_ledger
+        return not (self.missing_from_ledger or self.unbacked_rows or self.differing_rows)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +69,9 @@ class ReconcileReport:
             "missing_from_ledger": list(self.missing_from_ledger),
             "in_flight": list(self.in_flight),
             "journal_unbilled": list(self.journal_unbilled),
+            "rows_checked_since": self.rows_checked_since,
+            "unbacked_rows": list(self.unbacked_rows),
+            "differing_rows": list(self.differing_rows),
         }
 
 
@@ -64,27 +81,30 @@ async def reconcile(
     stream_key: str,
     group: str,
     journal_paths: Sequence[str | Path] = (),
+    clock_margin_s: float = CLOCK_MARGIN_S,
 ) -> ReconcileReport:
     last_delivered = await _last_delivered_id(redis_client, stream_key, group)
     pending = await _pending_ids(redis_client, stream_key, group)
-    acked: dict[str, None] = {}
+    acked: dict[str, UsageEvent] = {}
     waiting: dict[str, None] = {}
     num_entries = 0
     num_unread = 0
     num_malformed = 0
+    oldest: str | None = None
     async for entry_id, fields in _entries(redis_client, stream_key):
         num_entries += 1
+        oldest = oldest or entry_id
         is_delivered = _id_key(entry_id) <= _id_key(last_delivered)
         num_unread += not is_delivered
         try:
-            request_id = UsageEvent.from_fields(fields).request_id
+            event = UsageEvent.from_fields(fields)
         except InvalidUsageEvent:
             num_malformed += 1
             continue
         if is_delivered and entry_id not in pending:
-            acked[request_id] = None
+            acked.setdefault(event.request_id, event)  # a replay: the first one was billed
         else:
-            waiting[request_id] = None
+            waiting[event.request_id] = None
     journal_ids: dict[str, None] = {}
     for path in journal_paths:
         contents = await asyncio.to_thread(Journal(path).read)
@@ -92,6 +112,10 @@ async def reconcile(
 
     all_ids = list(acked) + list(waiting) + list(journal_ids)
     absent = await asyncio.to_thread(ledger.missing, all_ids)
+    rows = await asyncio.to_thread(ledger.rows, [i for i in acked if i not in absent])
+    since = None if oldest is None else _id_key(oldest)[0] / 1000 + clock_margin_s
+    recent = [] if since is None else await asyncio.to_thread(ledger.ended_since, since)
+    known = acked.keys() | waiting.keys() | journal_ids.keys()
     return ReconcileReport(
         num_stream_entries=num_entries,
         num_stream_requests=len(acked.keys() | waiting.keys()),
@@ -102,6 +126,9 @@ async def reconcile(
         missing_from_ledger=tuple(sorted(i for i in acked if i in absent)),
         in_flight=tuple(sorted(i for i in waiting if i in absent and i not in acked)),
         journal_unbilled=tuple(sorted(i for i in journal_ids if i in absent)),
+        rows_checked_since=since,
+        unbacked_rows=tuple(sorted(i for i in recent if i not in known)),
+        differing_rows=tuple(sorted(i for i, row in rows.items() if row != acked[i])),
     )
 
 

@@ -170,7 +170,8 @@ def register(app: typer.Typer) -> None:
         journal: list[Path] = typer.Option([], help="gateway journal file(s) to include"),
         as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     ) -> None:
-        """Compare the ledger with the stream and journals; exit 1 if an acknowledged event has no row."""
+        """Compare the ledger with the stream and journals; exit 1 if an acknowledged event has
+        no row, or a recent row has no event or differs from its event."""
         import asyncio
         import json
 
@@ -203,6 +204,13 @@ def register(app: typer.Typer) -> None:
             )
             for request_id in result.missing_from_ledger:
                 typer.echo(f"  {request_id}")
+            for label, ids in (
+                ("UNBACKED (recent row, no event)", result.unbacked_rows),
+                ("DIFFERING (row unlike its event)", result.differing_rows),
+            ):
+                typer.echo(f"{label}: {len(ids)}")
+                for request_id in ids:
+                    typer.echo(f"  {request_id}")
         if not result.is_consistent:
             raise typer.Exit(1)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import redis
@@ -94,7 +95,8 @@ def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_pr
     stream = key_prefix + "usage"
     client = redis.Redis.from_url(REDIS_URL)
     client.xgroup_create(stream, "billing", id="0", mkstream=True)
-    client.xadd(stream, make_event("a-1").to_fields())
+    a1 = make_event("a-1", input_tokens=1_000_000, cached_tokens=500_000, output_tokens=0)
+    client.xadd(stream, a1.to_fields())  # as ledger_file has it
     client.xadd(stream, make_event("z-9").to_fields())
     # Deliver and acknowledge both, though only a-1 has a ledger row: z-9 is a gap.
     entries = client.xreadgroup("billing", "w", {stream: ">"})[0][1]
@@ -109,6 +111,12 @@ def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_pr
     fixed = CliRunner().invoke(build_app(), args)
     assert fixed.exit_code == 0, fixed.output
     assert "GAPS (acknowledged, no ledger row): 0" in fixed.output
+    # A row that says other than its event is as wrong as a missing one.
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE usage_ledger SET input_tokens = 999999 WHERE request_id = 'a-1'")
+    differs = CliRunner().invoke(build_app(), args)
+    assert differs.exit_code == 1, differs.output
+    assert "DIFFERING (row unlike its event): 1\n  a-1\n" in differs.output
     client.close()
 
 

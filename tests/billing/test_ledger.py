@@ -71,6 +71,14 @@ def test_missing_returns_ids_without_rows_across_chunks(ledger: Ledger) -> None:
     assert ledger.missing([]) == set()
 
 
+def test_rows_and_ended_since_read_back_exact_events_across_chunks(ledger: Ledger) -> None:
+    events = [make_event(f"req-{i:04d}", ended_at=DAY1 + i / 3) for i in range(0, 1200, 2)]
+    ledger.insert_many(events)
+    found = ledger.rows(f"req-{i:04d}" for i in range(1200))
+    assert found == {e.request_id: e for e in events}  # floats exact, odd ids absent
+    assert ledger.ended_since(DAY1 + 1194 / 3) == ["req-1194", "req-1196", "req-1198"]
+
+
 def test_concurrent_inserts_of_the_same_ids_bill_each_once(ledger: Ledger) -> None:
     events = [make_event(f"req-{i}") for i in range(200)]
     results: list[list[bool]] = []

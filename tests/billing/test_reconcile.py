@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 
 import redis.asyncio
 
 from billing.ledger import SqliteLedger
-from billing.reconcile import ReconcileReport, reconcile
+from billing.reconcile import CLOCK_MARGIN_S, ReconcileReport, reconcile
 from billing.worker import BillingWorker, WorkerConfig
 from tests.billing.conftest import make_event
 
@@ -40,6 +41,7 @@ async def test_reconcile_separates_gaps_from_in_flight_and_journaled_events(
     )
 
     report = await reconcile(redis_client, ledger, stream, "billing", [journal])
+    ((oldest, _),) = await redis_client.xrange(stream, count=1)
     assert report == ReconcileReport(
         num_stream_entries=8,
         num_stream_requests=6,
@@ -50,6 +52,7 @@ async def test_reconcile_separates_gaps_from_in_flight_and_journaled_events(
         missing_from_ledger=("req-2",),
         in_flight=("req-4", "req-5"),
         journal_unbilled=("req-j",),
+        rows_checked_since=int(oldest.decode().split("-")[0]) / 1000 + CLOCK_MARGIN_S,
     )
     assert report.is_consistent is False
     ledger.close()
@@ -81,4 +84,38 @@ async def test_reconcile_on_a_missing_stream_reports_nothing(
     ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
     report = await reconcile(redis_client, ledger, key_prefix + "absent", "billing")
     assert report == ReconcileReport(0, 0, 0, 0, 0, 0, (), (), ())
+    ledger.close()
+
+
+async def test_recent_rows_the_stream_does_not_back_or_that_differ_are_inconsistent(
+    redis_client: redis.asyncio.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    stream = key_prefix + "usage"
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    worker = BillingWorker(redis_client, ledger, WorkerConfig(stream_key=stream, block_ms=10))
+    await worker.ensure_group()
+    now = time.time()
+    for rid in ("r-1", "r-2"):
+        await redis_client.xadd(stream, make_event(rid, ended_at=now + 1).to_fields())
+    assert (await worker.read_once()).num_new == 2
+    journal = tmp_path / "gateway.journal"
+    journal.write_text(json.dumps(make_event("r-j", ended_at=now + 1).to_fields()) + "\n")
+    ledger.insert_many(
+        [
+            make_event("r-x", ended_at=now + 1),  # in no stream entry nor journal
+            make_event("r-j", ended_at=now + 1),  # its event still in a journal
+            make_event("r-old"),  # ended before the stream's oldest entry: trimmed long ago
+        ]
+    )
+    with sqlite3.connect(ledger.path) as conn:
+        conn.execute("UPDATE usage_ledger SET output_tokens = 999 WHERE request_id = 'r-2'")
+        # no valid usage event at all (more cached tokens than input): it differs too
+        conn.execute("UPDATE usage_ledger SET cached_tokens = 1000 WHERE request_id = 'r-1'")
+
+    report = await reconcile(redis_client, ledger, stream, "billing", [journal], clock_margin_s=0)
+    assert (report.unbacked_rows, report.differing_rows) == (("r-x",), ("r-1", "r-2"))
+    assert report.missing_from_ledger == () and report.is_consistent is False
+    assert report.to_json()["unbacked_rows"] == ["r-x"]
+    # With the clocks' margin the rows are too recent to judge: consistent.
+    assert (await reconcile(redis_client, ledger, stream, "billing", [journal])).unbacked_rows == ()
     ledger.close()
