@@ -2,10 +2,12 @@
 
 Each step's tokens are flattened across sequences; `StepMetadata` says which
 rows belong to which sequence, where their K/V go and which owner tag each
-sequence carries. On a GPU, an all-decode step runs the Triton paged decode
-kernel (ownership check fused); otherwise attention is computed per sequence
-over exactly its own context, so a sequence's numbers do not depend on what
-else is in the batch (batch invariance).
+sequence carries. On a GPU, every decode row (one query) runs the Triton paged
+decode kernel (ownership check fused), in one launch for all of them, in a
+decode-only step as in a step that also prefills; a prefill chunk's attention
+is computed per sequence over exactly its own context. Either way a sequence's
+numbers do not depend on what else is in the batch (batch invariance), and a
+mixed step's decode rows cost one launch a layer, not a few per sequence.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class PagedAttention:
             if metadata.context_lens_device is not None
             else torch.tensor(metadata.context_lens, dtype=torch.int32, device=kv_cache.device)
         )
+        self._decode_rows = (
+            _DecodeRows.of(metadata, self._context_lens)
+            if kv_cache.uses_kernels and not metadata.is_decode
+            else None
+        )
 
     @property
     def violations(self) -> torch.Tensor:
@@ -77,7 +84,11 @@ class PagedAttention:
             per_token = torch.stack(self._refused).sum(0, dtype=torch.int32)  # [T]
             counts.index_add_(0, md.token_seq, per_token)
         if self._foreign:
-            counts += torch.stack(self._foreign).sum(0, dtype=torch.int32)
+            foreign = torch.stack(self._foreign).sum(0, dtype=torch.int32)
+            if self._decode_rows is None:
+                counts += foreign
+            else:  # a mixed step: the kernel saw its decode rows' sequences only
+                counts.index_add_(0, self._decode_rows.seqs, foreign)
         return counts
 
     def __call__(
@@ -99,11 +110,24 @@ class PagedAttention:
             self._foreign.append(foreign)
             return out
         out = torch.empty_like(q)
+        rows = self._decode_rows
+        if rows is not None:
+            decoded, foreign = paged_decode_attention(
+                q.index_select(0, rows.rows), kv.k_cache[layer], kv.v_cache[layer], rows.tables,
+                rows.context_lens, md.page_owner, rows.tags, self.scale, kv.k_scale[layer],
+                kv.v_scale[layer], max_context_len=rows.max_context_len,
+                check_owner=self.check_owner,
+            )  # fmt: skip
+            out.index_copy_(0, rows.rows, decoded)
+            self._foreign.append(foreign)
         start = 0
         for i, (query_len, context_len) in enumerate(
             zip(md.query_lens, md.context_lens, strict=True)
         ):
             end = start + query_len
+            if rows is not None and query_len == 1:
+                start = end
+                continue  # a decode row: done above
             num_pages = -(-context_len // kv.page_size)
             keys, values = kv.gather(
                 layer, md.block_tables[i, :num_pages], context_len, q.dtype
@@ -111,6 +135,39 @@ class PagedAttention:
             out[start:end] = attend_ref(q[start:end], keys, values, self.scale)
             start = end
         return out
+
+
+@dataclass(frozen=True)
+class _DecodeRows:
+    """A mixed step's decode rows (sequences with one query), for one kernel launch a layer."""
+
+    seqs: torch.Tensor  # int64 [D] their sequence indices
+    rows: torch.Tensor  # int64 [D] their query rows
+    tables: torch.Tensor  # int32 [D, M]
+    context_lens: torch.Tensor  # int32 [D]
+    tags: torch.Tensor  # int64 [D]
+    max_context_len: int
+
+    @classmethod
+    def of(cls, md: StepMetadata, context_lens: torch.Tensor) -> _DecodeRows | None:
+        seqs, rows, start = [], [], 0
+        for i, query_len in enumerate(md.query_lens):
+            if query_len == 1:
+                seqs.append(i)
+                rows.append(start)
+            start += query_len
+        if not seqs:
+            return None
+        device = md.block_tables.device
+        index = torch.tensor(seqs, dtype=torch.long, device=device)
+        return cls(
+            seqs=index,
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            tables=md.block_tables.index_select(0, index),
+            context_lens=context_lens.index_select(0, index),
+            tags=md.seq_tags.index_select(0, index),
+            max_context_len=max(md.context_lens[i] for i in seqs),
+        )
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
