@@ -9,6 +9,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -163,11 +164,16 @@ def up(
     device: str = DEVICE,
     cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
     queue_deadline_s: float = _QUEUE_DEADLINE,
+    ledger: str | None = typer.Option(
+        None,
+        help="ledger: a SQLite file or a postgres:// URL (default: the per-user data dir's "
+        "SQLite file, which every `up` of this user shares)",
+    ),
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
 
     With --redis-url the stores are shared through Redis and a billing worker runs in
-    this process, moving the usage stream into the SQLite ledger."""
+    this process, moving the usage stream into the ledger."""
     from gateway.keys import new_key
 
     engine_device = resolve_device(device)
@@ -185,8 +191,9 @@ def up(
         from gpu_node.server import NodeService, NodeSettings, create_node_app
 
         stores = await _stores(
-            redis_url, prefix, port, local=redis_url is None, run_billing_worker=True
-        )
+            redis_url, prefix, port, local=redis_url is None, database_url=ledger,
+            run_billing_worker=True,
+        )  # fmt: skip
         await stores.keys.add(api_key, account_id)
         gateway_telemetry, node_telemetry = (
             _telemetry("edgeserve-gateway"),
@@ -425,8 +432,8 @@ async def _stores(
     )
 
     location: str = database_url or str(default_sqlite_path())
-    if database_url is None:
-        default_sqlite_path().parent.mkdir(parents=True, exist_ok=True)
+    if not location.startswith(("postgres://", "postgresql://")):
+        Path(location).parent.mkdir(parents=True, exist_ok=True)
     ledger = open_ledger(location)
     shown_location = location.split("@")[-1]  # never print a database password
     policy = LimitPolicy()

@@ -13,12 +13,15 @@ import httpx
 from tests.conftest import free_port
 
 
-def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(smollm2_path) -> None:
+def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(
+    smollm2_path, tmp_path
+) -> None:
     port = free_port()
+    ledger_path = tmp_path / "own" / "ledger.sqlite3"  # not the per-user one
     env = os.environ | {"EDGESERVE_API_KEY": "es-up-test", "EDGESERVE_ACCOUNT_ID": "acct-up"}
     proc = subprocess.Popen(
         [sys.executable, "-c", "from edgeserve.cli import main; main()", "up", "--port", str(port),
-         "--max-model-len", "1024", "--kv-memory-mb", "32"],
+         "--max-model-len", "1024", "--kv-memory-mb", "32", "--ledger", str(ledger_path)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}/client/v4/accounts/acct-up/ai/run/smollm2"
@@ -52,6 +55,19 @@ def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(smollm2_p
         assert "account id: acct-up" in out
         assert "API key:    es-up-test" in out
         assert "curl http://127.0.0.1:" in out
+        assert f"ledger:     {ledger_path}" in out
+        from billing.ledger import SqliteLedger
+
+        ledger = SqliteLedger(ledger_path)
+        try:
+            row = ledger.get(response.headers["x-request-id"])
+        finally:
+            ledger.close()
+        assert row is not None and (row.account_id, row.output_tokens, row.status) == (
+            "acct-up",
+            2,
+            "ok",
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
