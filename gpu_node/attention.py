@@ -7,7 +7,9 @@ decode kernel (ownership check fused), in one launch for all of them, in a
 decode-only step as in a step that also prefills; a prefill chunk's attention
 is computed per sequence over exactly its own context. Either way a sequence's
 numbers do not depend on what else is in the batch (batch invariance), and a
-mixed step's decode rows cost one launch a layer, not a few per sequence.
+mixed step's decode rows cost one launch a layer, not a few per sequence. On a
+GPU a prefill chunk takes SDPA's fused kernels (`attend_fused`); on the CPU the
+reference (`attend_ref`), whose numbers the CPU tests pin.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kv_cache import KVCache
@@ -132,7 +135,8 @@ class PagedAttention:
             keys, values = kv.gather(
                 layer, md.block_tables[i, :num_pages], context_len, q.dtype
             )  # [L, K, E]
-            out[start:end] = attend_ref(q[start:end], keys, values, self.scale)
+            attend = attend_fused if kv.uses_kernels else attend_ref
+            out[start:end] = attend(q[start:end], keys, values, self.scale)
             start = end
         return out
 
@@ -184,3 +188,20 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
         mask = torch.arange(length, device=q.device)[None, :] <= rows  # [n, L]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [n, H, E]
+
+
+def attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend_ref`'s attention through SDPA's fused kernels (flash attention on a GPU): the
+    causal mask, aligned to the last query (lower right), is never materialised, where
+    `attend_ref` builds it as an [n, L] tensor and takes SDPA's unfused path, which holds
+    every head's [n, L] scores at once (gigabytes for a long prompt's chunk). K/V heads are
+    repeated to the query heads, as the fused kernels take them.
+    """
+    n, length = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, E]
+    kh = k.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, L, E]
+    vh = v.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
+    mask = causal_lower_right(n, length) if n > 1 else None
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)  # [n, H, E]

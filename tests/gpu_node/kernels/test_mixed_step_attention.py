@@ -11,7 +11,7 @@ import torch
 
 import gpu_node.attention as attention_module
 import gpu_node.kv_cache as kv_cache_module
-from gpu_node.attention import PagedAttention, StepMetadata, attend_ref
+from gpu_node.attention import PagedAttention, StepMetadata, attend_fused, attend_ref
 from gpu_node.kv_cache import KVCache
 from scheduler.block_manager import owner_tag
 from tests.gpu_node.kernels.test_kv_write import kv_write
@@ -98,3 +98,38 @@ def test_a_foreign_page_under_a_decode_row_of_a_mixed_step_is_flagged_by_the_ker
     attention = PagedAttention(kv, metadata, DIM**-0.5)
     attention(0, q, k, v)
     assert attention.violations.tolist() == [0, 0, 1]
+
+
+# (query rows, context length, query heads, kv heads, head dim): a chunk at the end of a
+# longer context, a whole prompt, one row, SmolLM2's and Llama's head shapes.
+FUSED_CASES = [(6, 40, 9, 3, 64), (48, 48, 4, 2, 16), (1, 30, 8, 8, 32), (300, 2100, 32, 8, 128)]
+
+
+@pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "dim"), FUSED_CASES)
+def test_fused_prefill_attention_equals_the_reference(n, length, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(length, kv_heads, dim, generator=gen) for _ in range(2))
+    torch.testing.assert_close(
+        attend_fused(q, k, v, dim**-0.5), attend_ref(q, k, v, dim**-0.5), atol=2e-6, rtol=1e-5
+    )
+
+
+on_gpu = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),
+    reason="needs a CUDA GPU, not interpreted",
+)
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "dim"), FUSED_CASES)
+def test_fused_prefill_attention_on_gpu_equals_the_reference(
+    n, length, heads, kv_heads, dim, dtype
+):
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, heads, dim, generator=gen).to("cuda", dtype)
+    k, v = (torch.randn(length, kv_heads, dim, generator=gen).to("cuda", dtype) for _ in range(2))
+    want = attend_ref(q.float(), k.float(), v.float(), dim**-0.5)
+    got = attend_fused(q, k, v, dim**-0.5).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # 16-bit inputs and outputs
