@@ -58,13 +58,21 @@ async def test_reconcile_separates_gaps_from_in_flight_and_journaled_events(
     ledger.close()
 
 
-async def test_a_fully_billed_stream_is_consistent(
+async def billing(
     redis_client: redis.asyncio.Redis, key_prefix: str, tmp_path: Path
-) -> None:
+) -> tuple[str, SqliteLedger, BillingWorker]:
+    """A usage stream, a SQLite ledger and a worker whose group exists: (stream, ledger, worker)."""
     stream = key_prefix + "usage"
     ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
     worker = BillingWorker(redis_client, ledger, WorkerConfig(stream_key=stream, block_ms=10))
     await worker.ensure_group()
+    return stream, ledger, worker
+
+
+async def test_a_fully_billed_stream_is_consistent(
+    redis_client: redis.asyncio.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    stream, ledger, worker = await billing(redis_client, key_prefix, tmp_path)
     pipe = redis_client.pipeline(transaction=False)
     for i in range(1500):  # more than one XRANGE page
         pipe.xadd(stream, make_event(f"req-{i}").to_fields())
@@ -90,10 +98,7 @@ async def test_reconcile_on_a_missing_stream_reports_nothing(
 async def test_recent_rows_the_stream_does_not_back_or_that_differ_are_inconsistent(
     redis_client: redis.asyncio.Redis, key_prefix: str, tmp_path: Path
 ) -> None:
-    stream = key_prefix + "usage"
-    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
-    worker = BillingWorker(redis_client, ledger, WorkerConfig(stream_key=stream, block_ms=10))
-    await worker.ensure_group()
+    stream, ledger, worker = await billing(redis_client, key_prefix, tmp_path)
     now = time.time()
     for rid in ("r-1", "r-2"):
         await redis_client.xadd(stream, make_event(rid, ended_at=now + 1).to_fields())
