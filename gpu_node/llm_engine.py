@@ -329,11 +329,17 @@ class LLMEngine:
             if not completes:
                 continue
             state = self._requests[seq.request_id]
-            token = (
-                greedy[row]
-                if _plain_greedy(seq.params)
-                else self._sample(state, result.logits[row])
-            )
+            try:
+                token = (
+                    greedy[row]
+                    if _plain_greedy(seq.params)
+                    else self._sample(state, result.logits[row])
+                )
+            except Exception as exc:  # a bug in one request's sampling: it fails alone
+                log.exception("sampling failed for request %s", seq.request_id)
+                outputs.append(self._fail(seq, f"sampling failed: {type(exc).__name__}"))
+                row += 1
+                continue
             row += 1
             seq.output_token_ids.append(token)
             if seq.num_output_tokens == 1:
@@ -411,7 +417,13 @@ class LLMEngine:
             "kv integrity violation: request %s (tag %#x) touched page %d (%s); aborting it",
             seq.request_id, tag, page, reason,
         )  # fmt: skip
-        seq.error = f"KV page ownership violation on page {page}: the request was aborted"
+        return self._fail(
+            seq, f"KV page ownership violation on page {page}: the request was aborted"
+        )
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Ends `seq` with `error`, its pages freed; the others in its step carry on."""
+        seq.error = error
         seq.finish_reason = FinishReason.ERROR
         state = self._requests.pop(seq.request_id)
         state.record("finished")
@@ -471,15 +483,16 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         finished = reason is not None
         end = state.stop_at if state.stop_at is not None else len(state.text)
-        if not finished:
-            # Hold back an unfinished UTF-8 character and anything that may begin a stop string
-            # (counted back from the last whole character, not from the placeholders of a
-            # half-decoded one, or a multi-byte stop string's first character leaks out).
-            if state.text.endswith("\ufffd"):
-                end = len(state.text.rstrip("\ufffd"))
-            if params.stop:
-                longest = max(len(s) for s in params.stop)
-                end = min(end, max(state.text_sent, end - (longest - 1)))
+        # Hold back an unfinished UTF-8 character; an answer that ends inside one (at
+        # max_tokens) never sends its placeholder, only the whole characters before it.
+        if state.text.endswith("\ufffd"):
+            end = min(end, len(state.text.rstrip("\ufffd")))
+        if not finished and params.stop:
+            # Hold back anything that may begin a stop string too (counted back from the last
+            # whole character, not from the placeholders of a half-decoded one, or a
+            # multi-byte stop string's first character leaks out).
+            longest = max(len(s) for s in params.stop)
+            end = min(end, max(state.text_sent, end - (longest - 1)))
         delta = state.text[state.text_sent : max(end, state.text_sent)]
         state.text_sent = max(end, state.text_sent)
         new_tokens = tuple(seq.output_token_ids[state.tokens_sent :])

@@ -53,6 +53,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        outside = before >= params.top_p
+        # The most probable token always stays: a top_p below float32's least value rounds
+        # to 0 beside `before`, and would otherwise leave no token at all.
+        outside[0] = False
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

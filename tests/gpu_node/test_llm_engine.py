@@ -242,3 +242,50 @@ def test_a_stop_string_of_multibyte_characters_never_leaks_its_start(make_engine
             outs.extend(engine.step())
         assert "".join(o.text for o in outs) == expected, stop
         assert outs[-1].finish_reason == "stop"
+
+
+def test_an_answer_cut_inside_a_character_sends_only_whole_characters(make_engine, chat_ids):
+    """The 23rd and 24th tokens are the first bytes of an emoji the 25th completes: an answer
+    cut there ends before it, never with U+FFFD."""
+    engine, ids = make_engine(), chat_ids("Say hello in Spanish.")
+    texts = {}
+    for n in (22, 24, 25):
+        engine.add_request(str(n), ids, SamplingParams(max_tokens=n))
+        outs = []
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+        texts[n] = "".join(o.text for o in outs)
+        assert (outs[-1].finish_reason, outs[-1].num_completion_tokens) == ("length", n)
+    assert texts == {22: "Hola in Spanish! 😊" + "🌍" * 5, 24: "Hola in Spanish! 😊" + "🌍" * 5,
+                     25: "Hola in Spanish! 😊" + "🌍" * 6}  # fmt: skip
+
+
+def test_a_request_whose_sampling_fails_fails_alone(make_engine, chat_ids, monkeypatch):
+    """A fault injected into one request's sampling (none is known to happen now) ends that
+    request with an error; the one beside it in every step answers as it would alone."""
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=1, ignore_eos=True)
+    ids = chat_ids("Hi")
+    alone = make_engine().generate({"ok": ids}, params)["ok"]
+    real = LLMEngine._sample
+
+    def failing(self, state, logits):
+        if state.seq.request_id == "bad":
+            raise RuntimeError("injected")
+        return real(self, state, logits)
+
+    monkeypatch.setattr(LLMEngine, "_sample", failing)
+    engine = make_engine()
+    engine.add_request("ok", ids, params)
+    engine.add_request("bad", ids, params)
+    outs: dict[str, list] = {"ok": [], "bad": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    (bad,) = outs["bad"]
+    assert (bad.finish_reason, bad.error, bad.num_completion_tokens) == (
+        "error",
+        "sampling failed: RuntimeError",
+        0,
+    )
+    assert [t for o in outs["ok"] for t in o.token_ids] == alone
+    assert engine.stats().num_free_pages == engine.stats().num_pages

@@ -59,3 +59,11 @@ def test_a_vanishing_repetition_penalty_leaves_a_finite_draw():
     assert penalized[0] == float("inf") and penalized[1:].tolist() == [3.0, 2.0, -1.0]
     params = SamplingParams(temperature=1.0, repetition_penalty=1e-300)
     assert sample(penalized, params, torch.Generator().manual_seed(0)) == 0
+
+
+def test_a_top_p_below_float32s_least_value_keeps_the_most_probable_token():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    for top_p in (1e-46, 5e-324, 1e-9):  # 1e-46 and 5e-324 round to 0 in float32
+        draws = {sample(logits, SamplingParams(temperature=1.0, top_p=top_p), g) for _ in range(50)}
+        assert draws == {0}, top_p
