@@ -132,7 +132,8 @@ class Dispatcher:
         """Admits, places and starts `job`, until the node's first event. With the client's
         `receive`, a client that leaves ends it with ClientClosedError: while it waits in
         the capacity queue, it never reaches a node and is not billed; while the node starts
-        it, it is cancelled there at once and billed as cancelled (its prompt, no output)."""
+        it, it is cancelled there at once and billed as cancelled: the prompt tokens the node
+        had processed, no output."""
         started_at = time.time()
         trace = self._tracer.start(job)
         # No limiter, no admission step: a span that decided nothing would only mislead.

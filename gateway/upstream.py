@@ -75,6 +75,9 @@ class Upstream:
         self.client_left = False  # before the answer began: cancelled on the node already
         self.prompt_tokens = int(first.get("prompt_tokens", 0))
         self.cached_tokens = int(first.get("cached_tokens", 0))
+        # The prompt tokens the node had processed by its first event: all of them once it
+        # has a token, fewer when it answers a cancel while the prompt still ran.
+        self.prefilled_tokens = int(first.get("prefilled_tokens", self.prompt_tokens))
 
     @property
     def node_id(self) -> str:
@@ -135,8 +138,8 @@ class Upstream:
             f = self._finished
             return "ok", f.prompt_tokens, f.completion_tokens, min(f.cached_tokens, f.prompt_tokens)
         status: Status = "error" if self._failed else "cancelled"
-        cached = min(self.cached_tokens, self.prompt_tokens)
-        return status, self.prompt_tokens, self.num_delivered_tokens, cached
+        cached = min(self.cached_tokens, self.prefilled_tokens)
+        return status, self.prefilled_tokens, self.num_delivered_tokens, cached
 
     def mark_delivered(self, num_tokens: int) -> None:
         """Counts tokens whose text reached the client (billed if the request is cancelled)."""

@@ -61,6 +61,9 @@ class _RequestState:
     events: list[EngineEvent] = field(default_factory=list)
     prefill_only: bool = False  # hand the prompt's KV off after the first token
     handoff: KVHandoff | None = None  # a prefilled prompt's KV, imported on admission
+    # Prompt tokens whose KV this request has had, computed or from the prefix cache or a
+    # handoff (the most at any time: a preemption recomputes them, it does not undo them).
+    num_prefilled: int = 0
 
     def record(self, name: str) -> None:
         self.events.append(EngineEvent(name, time.time_ns(), len(self.seq.block_table)))
@@ -192,6 +195,8 @@ class LLMEngine:
                 state_bytes = bytearray(handoff.generator_state)
                 generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8).clone())
         state = _RequestState(seq, generator, prefill_only=prefill_only, handoff=handoff)
+        if handoff is not None:
+            state.num_prefilled = seq.num_prompt_tokens
         state.record("queued")
         self._requests[request_id] = state
         self.scheduler.add(seq)
@@ -326,9 +331,12 @@ class LLMEngine:
                 row += completes
                 continue
             seq.num_computed_tokens += chunk.num_new_tokens
+            state = self._requests[seq.request_id]
+            state.num_prefilled = max(
+                state.num_prefilled, min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            )
             if not completes:
                 continue
-            state = self._requests[seq.request_id]
             try:
                 token = (
                     greedy[row]
@@ -518,6 +526,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            num_prefilled_tokens=state.num_prefilled,
             error=seq.error,
             events=tuple(state.events) if finished else (),
         )

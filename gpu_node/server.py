@@ -1,7 +1,9 @@
 """The node's internal HTTP API around one engine (versioned under /internal/v1/).
 
     POST   /internal/v1/generate        JSON in; NDJSON out: {"text", "token_ids"} chunks (the first
-                                        also carries prompt_tokens and cached_tokens), then
+                                        also carries prompt_tokens, cached_tokens and
+                                        prefilled_tokens: what billing counts if the stream
+                                        ends early), then
                                         {"finish_reason", "usage": {prompt_tokens, completion_tokens,
                                         cached_tokens}}; a failure after the first line is one
                                         {"error": {"code", "message"}} line. With "prefill_from"
@@ -274,6 +276,7 @@ async def _stream(
                     # What the gateway bills if the stream ends early, before the final usage.
                     chunk["prompt_tokens"] = out.num_prompt_tokens
                     chunk["cached_tokens"] = out.num_cached_tokens
+                    chunk["prefilled_tokens"] = out.num_prefilled_tokens
                     is_first = False
                 yield _line(chunk)
             if out.finished:

@@ -102,19 +102,28 @@ def test_a_cancelled_stream_bills_exactly_the_tokens_its_client_received(
 
 def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any], engine: Any) -> bytes:
     """Everything the gateway wrote back to a client that half-closed its connection (it
-    will send nothing more) once the node's engine holds its non-streaming request: nothing,
-    since a server writes nothing to a client it has seen leave."""
+    will send nothing more) once the node's engine has run a step of its non-streaming
+    request: nothing, since a server writes nothing to a client it has seen leave."""
     before = engine.stats().num_computed_tokens
     with post_on_a_socket(url, api_key, path, body) as sock:
-        deadline = time.monotonic() + 30
-        while not (engine.engine.has_unfinished() or engine.stats().num_computed_tokens > before):
-            assert time.monotonic() < deadline, "the request never reached the node"
-            time.sleep(0.005)
-        sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        wait_until(lambda: engine.stats().num_computed_tokens > before, "it never ran")
+        return leave(sock)
+
+
+def leave(sock: socket.socket) -> bytes:
+    """Half-closes `sock` and reads what the gateway still writes, to the end."""
+    sock.shutdown(socket.SHUT_WR)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
     return data
+
+
+def wait_until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize(
@@ -172,8 +181,8 @@ def slow_prefill() -> Iterator[Any]:
 def test_a_client_that_leaves_while_its_prompt_runs_stops_it_there_at_once(
     slow_prefill: Any,
 ) -> None:
-    """Cancelled between two prefill chunks, not after the whole prompt; billed as any
-    cancelled request (its prompt, no output)."""
+    """Cancelled between two prefill chunks, not after the whole prompt; billed the prompt
+    tokens it had computed, and no output."""
     stack, engine = slow_prefill
     prompt = ", ".join(str(i) for i in range(1, 161))
     num_prompt = len(engine.tokenizer.encode(prompt))
@@ -182,10 +191,38 @@ def test_a_client_that_leaves_while_its_prompt_runs_stops_it_there_at_once(
     before_events, before = len(stack.sink.events), engine.stats().num_computed_tokens
     assert send_and_leave(stack.url, stack.api_key, WORKERS_AI_PATH, body, engine) == b""
     event = stack.sink.event_after(before_events)
-    assert (event.status, event.input_tokens, event.output_tokens) == ("cancelled", num_prompt, 0)
-    deadline = time.monotonic() + 30
-    while (stats := engine.stats()).num_running or stats.num_waiting:  # the engine's snapshot
-        assert time.monotonic() < deadline, "the node kept prefilling"
-        time.sleep(0.02)
+    wait_until(lambda: not (engine.stats().num_running or engine.stats().num_waiting), "ran on")
     computed = engine.stats().num_computed_tokens - before
-    assert computed < num_prompt // 2, computed  # stopped early in its prefill (or before)
+    assert 0 < computed < num_prompt // 2, computed  # stopped early in its prefill
+    assert (event.status, event.input_tokens, event.output_tokens) == ("cancelled", computed, 0)
+
+
+def test_a_request_that_leaves_while_queued_on_the_node_is_billed_nothing(
+    slow_prefill: Any,
+) -> None:
+    """B waits on the node behind A (one long prompt prefills at a time); B's client leaves
+    before any of B ran: B's row is cancelled with no tokens. A, left later, pays for what
+    it computed."""
+    stack, engine = slow_prefill
+    first = ", ".join(str(i) for i in range(1, 161))
+    second = ", ".join(str(i) for i in range(200, 330))
+    before_events, before = len(stack.sink.events), engine.stats().num_computed_tokens
+    bodies = [
+        {"prompt": p, "raw": True, "max_tokens": 4, "temperature": 0} for p in (first, second)
+    ]
+    with post_on_a_socket(stack.url, stack.api_key, WORKERS_AI_PATH, bodies[0]) as a:
+        wait_until(lambda: engine.stats().num_computed_tokens > before, "A never ran")
+        with post_on_a_socket(stack.url, stack.api_key, WORKERS_AI_PATH, bodies[1]) as b:
+            wait_until(lambda: engine.stats().num_waiting == 1, "B never queued on the node")
+            assert leave(b) == b""
+        b_event = stack.sink.event_after(before_events)
+        assert (b_event.status, b_event.input_tokens, b_event.output_tokens) == ("cancelled", 0, 0)
+        assert leave(a) == b""
+    a_event = stack.sink.event_after(before_events + 1)
+    wait_until(lambda: not (engine.stats().num_running or engine.stats().num_waiting), "ran on")
+    computed = engine.stats().num_computed_tokens - before
+    assert (a_event.status, a_event.input_tokens, a_event.output_tokens) == (
+        "cancelled",
+        computed,
+        0,
+    )
