@@ -9,6 +9,8 @@
     │   └── UnsupportedError    400  an option we do not implement (n > 1, tools, logprobs)
     ├── ModelNotFoundError      400 (Workers AI) / 404 (OpenAI)  no such model
     ├── RequestTooLargeError    413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the context
+    ├── PayloadTooLargeError    413  a body past the size limit
+    ├── UnsupportedMediaError   415  a compressed body (Content-Encoding other than identity)
     ├── ConflictError           409  a request id already holds an admission (ids are ours: a bug)
     ├── RateLimitedError        429  admission said no (carries Retry-After and limit headers)
     ├── NoCapacityError         429  every node serving the model is full now (Retry-After)
@@ -90,6 +92,10 @@ class PayloadTooLargeError(GatewayError):
     pass
 
 
+class UnsupportedMediaError(GatewayError):
+    pass
+
+
 class ConflictError(GatewayError):
     pass
 
@@ -146,6 +152,9 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
         413, 3006, 400, "invalid_request_error", "context_length_exceeded"
     ),
     PayloadTooLargeError: ErrorShape(413, 3006, 413, "invalid_request_error", "request_too_large"),
+    UnsupportedMediaError: ErrorShape(
+        415, 5004, 415, "invalid_request_error", "unsupported_media_type"
+    ),
     ConflictError: ErrorShape(409, 5004, 409, "invalid_request_error", "duplicate_request_id"),
     RateLimitedError: ErrorShape(429, 3036, 429, "rate_limit_error", "rate_limit_exceeded"),
     NoCapacityError: ErrorShape(429, 3040, 429, "server_error", "no_capacity"),

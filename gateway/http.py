@@ -24,6 +24,7 @@ from gateway.errors import (
     NotReadyError,
     PayloadTooLargeError,
     PermissionDeniedError,
+    UnsupportedMediaError,
     error_body,
     error_headers,
     error_status,
@@ -114,6 +115,11 @@ def resolve_model(request: Request, name: str) -> CatalogModel:
 
 
 async def parse_body(request: Request, schema: type[M]) -> M:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedMediaError(
+            f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed"
+        )
     try:
         raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
     except BodyTooLargeError as exc:

@@ -35,12 +35,12 @@ class RequestOutput:
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_tokens: int
-    # Prompt tokens whose KV the request had by now (all of them once it has a token; fewer
-    # for one cancelled while its prompt ran, none for one that never left the queue).
-    num_prefilled_tokens: int = 0
     error: str | None = None
     events: tuple[EngineEvent, ...] = ()  # the request's whole history, on the final output only
     handoff: KVHandoff | None = None  # finish_reason "handoff": the prompt's KV for a decode node
+    # Prompt tokens whose KV the request had by now (all of them once it has a token; fewer
+    # for one cancelled while its prompt ran, none for one that never left the queue).
+    num_prefilled_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -157,9 +157,15 @@ async def _checked(request: Request) -> _Call | Response:
             else f"the {limit} tokens this node's KV cache holds "
             f"(context window {engine.max_model_len})"
         )
+        asked = (
+            ""  # the client named no max_tokens: the prompt alone leaves no room
+            if body.max_tokens_is_default
+            else f" + max_tokens ({params.max_tokens})"
+        )
         return error_response(
             "request_too_large",
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what}",
+            f"prompt ({len(prompt_ids)} tokens){asked} exceeds {what}"
+            + (" with room for an answer" if not asked else ""),
         )
     return _Call(service, body, params, prompt_ids)
 

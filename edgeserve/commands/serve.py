@@ -29,6 +29,8 @@ from edgeserve.settings import journal_path, redis_client
 if TYPE_CHECKING:
     import uvicorn
 
+    from gateway.settings import GatewaySettings
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
 ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
@@ -141,6 +143,16 @@ def _internal_token(given: str | None) -> str:
     return token
 
 
+def _gateway_settings(**fields: Any) -> GatewaySettings:
+    """GatewaySettings, or the reason they are refused as a command-line error."""
+    from gateway.settings import GatewaySettings
+
+    try:
+        return GatewaySettings(**fields)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def register(app: typer.Typer) -> None:
     app.command()(up)
     app.command()(node)
@@ -184,10 +196,12 @@ def up(
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     internal_token = secrets.token_urlsafe(24)
     node_port = _free_port("127.0.0.1")
+    settings = _gateway_settings(
+        internal_token=internal_token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
+    )
 
     async def main() -> None:
         from gateway.app import create_app
-        from gateway.settings import GatewaySettings
         from gpu_node.server import NodeService, NodeSettings, create_node_app
 
         stores = await _stores(
@@ -209,8 +223,7 @@ def up(
             ),
         )  # fmt: skip
         gateway_app = create_app(
-            GatewaySettings(internal_token=internal_token, admin_token=admin_token,
-                            queue_deadline_s=queue_deadline_s),
+            settings,
             is_ready=lambda: service.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         servers = [
@@ -331,10 +344,12 @@ def gateway(
             f"must be a positive number of seconds, got {redis_timeout_s}",
             param_hint="--redis-timeout-s",
         )
+    settings = _gateway_settings(
+        internal_token=token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
+    )
 
     async def main() -> None:
         from gateway.app import create_app
-        from gateway.settings import GatewaySettings
 
         stores = await _stores(
             redis_url, prefix, port, local=False, database_url=database_url,
@@ -342,8 +357,7 @@ def gateway(
         )  # fmt: skip
         telemetry = _telemetry("edgeserve-gateway")
         app = create_app(
-            GatewaySettings(internal_token=token, admin_token=admin_token,
-                            queue_deadline_s=queue_deadline_s),
+            settings,
             telemetry=telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         typer.echo(f"gateway listening on http://{host}:{port}", err=True)

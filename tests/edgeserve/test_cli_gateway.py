@@ -14,12 +14,22 @@ from edgeserve.cli import build_app
         (["--redis-timeout-s", "0"], "must be a positive number of seconds, got 0.0"),
         (["--redis-timeout-s", "-1"], "must be a positive number of seconds, got -1.0"),
         (["--on-redis-error", "maybe"], "must be 'open' or 'closed'"),
+        (["--admin-token", "short"], "admin_token must be at least 16 characters"),
     ],
 )
 def test_gateway_refuses_bad_admission_settings(args: list[str], message: str) -> None:
     result = CliRunner().invoke(build_app(), ["gateway", "--internal-token", "t", *args])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())  # rich boxes and wraps it
+
+
+def test_up_refuses_a_short_admin_token_before_it_loads_anything(monkeypatch) -> None:
+    monkeypatch.setenv("EDGESERVE_ADMIN_TOKEN", "short")
+    result = CliRunner().invoke(build_app(), ["up", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "admin_token must be at least 16 characters" in " ".join(
+        result.stderr.replace("│", " ").split()
+    )
 
 
 def test_node_refuses_a_role_it_does_not_know() -> None:

@@ -274,6 +274,22 @@ def test_a_body_past_the_limit_is_413_before_it_is_read_whole() -> None:
         server.stop()
 
 
+def test_a_compressed_body_is_415_in_each_dialect(empty) -> None:
+    import gzip
+
+    body = gzip.compress(b'{"model": "smollm2", "prompt": "hi"}')
+    headers = AUTH | {"content-encoding": "gzip", "content-type": "application/json"}
+    message = "Content-Encoding 'gzip' is not supported: send the JSON body uncompressed"
+    wai = httpx.post(f"{empty.url}{RUN_SMOL}", content=body, headers=headers)
+    assert (wai.status_code, wai.json()["errors"]) == (415, [{"code": 5004, "message": message}])
+    oai = httpx.post(f"{empty.url}/v1/completions", content=body, headers=headers)
+    assert (oai.status_code, oai.json()["error"]) == (
+        415,
+        {"message": message, "type": "invalid_request_error", "param": None,
+         "code": "unsupported_media_type"},
+    )  # fmt: skip
+
+
 CHAT = "/v1/chat/completions"
 RUN_SMOL = "/client/v4/accounts/acct/ai/run/smollm2"
 HI = [{"role": "user", "content": "hi"}]

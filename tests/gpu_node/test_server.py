@@ -328,8 +328,8 @@ def test_a_registry_that_never_answers_holds_neither_the_heartbeat_nor_the_drain
 
 
 def test_a_default_max_tokens_is_shortened_to_what_the_context_leaves(node, engine) -> None:
-    """max_tokens the client never named (the gateway's default) runs to the end of the
-    context instead of being refused: the engine's exact answer for the room left."""
+    """max_tokens the client never named (the gateway's default) is shortened to the room the
+    context leaves instead of being refused: the engine's exact answer for that room."""
     prompt = [28 + i % 500 for i in range(1000)]
     refused = generate(node, prompt_token_ids=prompt, max_tokens=256)
     assert (refused.status_code, refused.json()["error"]["code"]) == (413, "request_too_large")
@@ -378,3 +378,12 @@ def test_a_request_past_the_kv_pool_is_too_large_naming_the_pool(small_pool_node
     )
     assert shortened.status_code == 200
     assert lines(shortened)[-1]["usage"]["completion_tokens"] <= 28
+    # With no max_tokens of the client's, a prompt that fills the pool names no max_tokens.
+    full = generate(
+        small_pool_node, prompt_token_ids=[28] * 128, max_tokens=40, max_tokens_is_default=True
+    )
+    assert (full.status_code, full.json()["error"]["message"]) == (
+        413,
+        "prompt (128 tokens) exceeds the 128 tokens this node's KV cache holds "
+        "(context window 1024) with room for an answer",
+    )
