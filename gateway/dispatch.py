@@ -135,6 +135,13 @@ class Dispatcher:
         it, it is cancelled there at once and billed as cancelled: the prompt tokens the node
         had processed, no output."""
         started_at = time.time()
+        max_tokens, window = int(job.payload["max_tokens"]), job.model.context_window
+        if max_tokens >= window:
+            # Never servable, whatever the prompt: say so, not that it passes a rate limit.
+            raise RequestTooLargeError(
+                f"max_tokens ({max_tokens}) leaves no room for a prompt in the context window "
+                f"of {window} tokens"
+            )
         trace = self._tracer.start(job)
         # No limiter, no admission step: a span that decided nothing would only mislead.
         admitting = (

@@ -194,7 +194,7 @@ def up(
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
-    internal_token = secrets.token_urlsafe(24)
+    internal_token = os.environ.get("EDGESERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
     node_port = _free_port("127.0.0.1")
     settings = _gateway_settings(
         internal_token=internal_token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
@@ -238,6 +238,10 @@ def up(
         typer.echo(f"  API key:    {api_key}")
         typer.echo(f"  admin token: {admin_token}  (/admin/v1, usage of every account)")
         typer.echo(f"  ledger:     {stores.ledger_location}")
+        typer.echo(
+            f"  node:       http://127.0.0.1:{node_port}  (its /metrics takes "
+            f"'Authorization: Bearer {internal_token}', the internal token)"
+        )
         typer.echo("  try:")
         typer.echo(
             f"    curl {url}/client/v4/accounts/{account_id}/ai/run/@cf/huggingface/smollm2-135m-instruct \\\n"

@@ -274,6 +274,22 @@ def test_a_body_past_the_limit_is_413_before_it_is_read_whole() -> None:
         server.stop()
 
 
+def test_a_max_tokens_past_the_context_window_is_refused_as_too_large(empty) -> None:
+    """Before admission, so the answer names the context, not the account's token limit."""
+    message = (
+        "max_tokens (1000000000) leaves no room for a prompt in the context window of 8192 tokens"
+    )
+    wai = httpx.post(f"{empty.url}{RUN_SMOL}", json={"prompt": "hi", "max_tokens": 10**9},
+                     headers=AUTH)  # fmt: skip
+    assert (wai.status_code, wai.json()["errors"]) == (413, [{"code": 3006, "message": message}])
+    oai = httpx.post(
+        f"{empty.url}{CHAT}", json={"model": "smollm2", "messages": HI, "max_tokens": 8192},
+        headers=AUTH,
+    )  # fmt: skip
+    assert (oai.status_code, oai.json()["error"]["code"]) == (400, "context_length_exceeded")
+    assert oai.json()["error"]["message"].startswith("max_tokens (8192) leaves no room")
+
+
 def test_a_compressed_body_is_415_in_each_dialect(empty) -> None:
     import gzip
 

@@ -18,7 +18,12 @@ def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(
 ) -> None:
     port = free_port()
     ledger_path = tmp_path / "own" / "ledger.sqlite3"  # not the per-user one
-    env = os.environ | {"EDGESERVE_API_KEY": "es-up-test", "EDGESERVE_ACCOUNT_ID": "acct-up"}
+    env = os.environ | {
+        "EDGESERVE_API_KEY": "es-up-test",
+        "EDGESERVE_ACCOUNT_ID": "acct-up",
+        "EDGESERVE_INTERNAL_TOKEN": "internal-up-test-token",
+        "PYTHONUNBUFFERED": "1",  # the banner can be read while it runs
+    }
     proc = subprocess.Popen(
         [sys.executable, "-c", "from edgeserve.cli import main; main()", "up", "--port", str(port),
          "--max-model-len", "1024", "--kv-memory-mb", "32", "--ledger", str(ledger_path)],
@@ -48,9 +53,20 @@ def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(
         assert statuses[0] == 503  # it listened before the model was loaded
         assert statuses[-1] == 200
         assert response.json()["result"]["usage"]["completion_tokens"] == 2
+        # The node's metrics, at the address and with the token the banner gives.
+        assert proc.stdout is not None
+        banner = []
+        while not banner or "  node:" not in banner[-1]:
+            banner.append(proc.stdout.readline())
+        node_url = banner[-1].split()[1]
+        assert "'Authorization: Bearer internal-up-test-token'" in banner[-1]
+        metrics = httpx.get(f"{node_url}/metrics",
+                            headers={"authorization": "Bearer internal-up-test-token"})  # fmt: skip
+        assert metrics.status_code == 200
+        assert "edgeserve_tokens_computed_total" in metrics.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        out = proc.stdout.read() if proc.stdout else ""
+        out = "".join(banner) + proc.stdout.read()
         assert f"edgeserve is starting at http://127.0.0.1:{port}" in out
         assert "account id: acct-up" in out
         assert "API key:    es-up-test" in out
