@@ -28,6 +28,7 @@ MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokeni
 Int = StrictInt
 Float = Annotated[float, Strict()]
 # A flag the OpenAI API documents as nullable: null is its default, false.
+PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 NullableFlag = Annotated[StrictBool, BeforeValidator(lambda v: False if v is None else v)]
 
 
@@ -250,7 +251,7 @@ class CompletionRequest(_OpenAIBase):
 
     model_config = ConfigDict(extra="ignore", title="CompletionRequest")
 
-    prompt: str | list[str] = Field(max_length=MAX_PROMPT_CHARS)
+    prompt: PromptText | list[PromptText]  # the cap on each string, a list's one too
     echo: NullableFlag = False
     suffix: str | None = None
     best_of: Int | None = None

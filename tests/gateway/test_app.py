@@ -468,3 +468,15 @@ def test_a_client_that_leaves_while_queued_gives_its_slot_back_at_once() -> None
             time.sleep(0.3)  # the gateway sees the disconnect
     finally:
         server.stop()
+
+
+def test_a_completion_prompt_past_the_character_cap_is_refused_in_a_list_too(empty) -> None:
+    long = "a" * 1_000_001
+    for prompt, where in ((long, "prompt"), ([long], "prompt.0")):
+        oai = httpx.post(f"{empty.url}/v1/completions", json={"model": "smollm2", "prompt": prompt},
+                         headers=AUTH, timeout=30)  # fmt: skip
+        assert oai.status_code == 400
+        assert (
+            f"{where}: String should have at most 1000000 characters"
+            in (oai.json()["error"]["message"])
+        )
