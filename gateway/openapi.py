@@ -10,6 +10,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest, WorkersAIT
 
 _ACCOUNT = {"name": "account_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _MODEL = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string"}}
+_MODEL_ID = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _post(summary: str, schema: str, params: list[dict[str, Any]]) -> dict[str, Any]:
@@ -58,6 +59,9 @@ def build_openapi() -> dict[str, Any]:
             "OpenAI completions", "CompletionRequest", params
         )
         openai_paths[f"{base}/models"] = _get("OpenAI model list", params)
+        openai_paths[f"{base}/models/{{model_id}}"] = _get(
+            "OpenAI model, by its id or an alias", [*params, _MODEL_ID]
+        )
     return {
         "openapi": "3.1.0",
         "info": {"title": "edgeserve", "version": "1"},

@@ -127,9 +127,11 @@ def test_openapi_is_generated_from_the_request_models(empty) -> None:
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/models",
+        "/v1/models/{model_id}",
         "/client/v4/accounts/{account_id}/ai/v1/chat/completions",
         "/client/v4/accounts/{account_id}/ai/v1/completions",
         "/client/v4/accounts/{account_id}/ai/v1/models",
+        "/client/v4/accounts/{account_id}/ai/v1/models/{model_id}",
     }
     schemas = spec["components"]["schemas"]
     for path in spec["paths"].values():  # every $ref resolves
