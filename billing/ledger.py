@@ -349,12 +349,17 @@ class PostgresLedger(_SqlLedger):
             self._conn.close()
 
 
+def is_database_url(location: str | Path) -> bool:
+    """Whether `location` names a PostgreSQL database (postgres:// or postgresql://), not a
+    SQLite file."""
+    return str(location).startswith(("postgres://", "postgresql://"))
+
+
 def open_ledger(location: str | Path) -> Ledger:
     """A PostgresLedger for a postgres:// or postgresql:// URL, else a SqliteLedger at that path."""
-    text = str(location)
-    if text.startswith(("postgres://", "postgresql://")):
-        return PostgresLedger(text)
-    return SqliteLedger(text)
+    if is_database_url(location):
+        return PostgresLedger(str(location))
+    return SqliteLedger(location)
 
 
 def default_sqlite_path() -> Path:

@@ -50,7 +50,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.tracing import GenAISpan, GenAITracer
-from gateway.upstream import Upstream, left_first, unless_client_leaves
+from gateway.upstream import LEFT_BEFORE_ANSWER, Upstream, left_first, unless_client_leaves
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,6 @@ UPSTREAM_RETRY_S = 1.0  # a request no node could start: a dead node's record so
 # A client that leaves while the node starts its request: how long the node may take to
 # answer the cancel (it acts between engine steps) before the gateway stops waiting.
 CANCEL_GRACE_S = 10.0
-_LEFT_BEFORE_ANSWER = "the client closed the connection before the answer began"
 # Admission's refusal reasons as a client reads them in "too many ... for this account".
 _REFUSAL_REASONS = {
     "requests": "requests",
@@ -168,7 +167,7 @@ class Dispatcher:
             raise
         if upstream.client_left:
             await upstream.close()  # billed as cancelled, its admission given back
-            raise ClientClosedError(_LEFT_BEFORE_ANSWER)
+            raise ClientClosedError(LEFT_BEFORE_ANSWER)
         return upstream
 
     async def _release_admission(self, job: GenerationJob, num_tokens: int) -> None:
@@ -433,7 +432,7 @@ class Dispatcher:
         except Exception:
             # Refused (a cancel that arrived first), unreachable or too slow: nothing ran
             # that reached the client, and nothing is billed.
-            raise ClientClosedError(_LEFT_BEFORE_ANSWER) from None
+            raise ClientClosedError(LEFT_BEFORE_ANSWER) from None
         upstream = Upstream(
             self, job, placement, response, lines, first, started_at, headers, trace
         )

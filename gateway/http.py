@@ -138,9 +138,7 @@ async def parse_body(request: Request, schema: type[M]) -> M:
 
 # The names pydantic adds to an error's location for the member of a union it tried
 # (`stop.str`, `content.list[dict[str,any]]`): types, not fields, so left out of `param`.
-_TYPE_TAGS = frozenset(
-    {"str", "constrained-str", "int", "float", "bool", "none", "function-after", "function-before"}
-)
+_TYPE_TAGS = frozenset({"str", "constrained-str", "int", "float", "bool", "none"})
 
 
 def _location(loc: tuple[int | str, ...]) -> str:

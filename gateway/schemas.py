@@ -27,8 +27,8 @@ MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokeni
 # "0.5" are 400s, as in the APIs we speak (an integer is still a number).
 Int = StrictInt
 Float = Annotated[float, Strict()]
-# A flag the OpenAI API documents as nullable: null is its default, false.
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+# A flag the OpenAI API documents as nullable: null is its default, false.
 NullableFlag = Annotated[StrictBool, BeforeValidator(lambda v: False if v is None else v)]
 
 

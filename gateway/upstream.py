@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+LEFT_BEFORE_ANSWER = "the client closed the connection before the answer began"
+
 
 @dataclass(frozen=True)
 class TextChunk:
@@ -184,16 +186,14 @@ async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive) -
     ClientClosedError raised (the request's body already read, so `receive` has nothing
     left to bring but the disconnect)."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(receive, None))
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        left = await left_first(task, receive)
     finally:
-        watch.cancel()
         if not task.done():
             task.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled():
-        raise ClientClosedError("the client closed the connection before the answer began")
+            await asyncio.gather(task, return_exceptions=True)
+    if left:
+        raise ClientClosedError(LEFT_BEFORE_ANSWER)
     return task.result()
 
 

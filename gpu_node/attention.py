@@ -77,6 +77,7 @@ class PagedAttention:
             if kv_cache.uses_kernels and not metadata.is_decode
             else None
         )
+        self._attend_chunk = attend_fused if kv_cache.uses_kernels else attend_ref
 
     @property
     def violations(self) -> torch.Tensor:
@@ -135,8 +136,7 @@ class PagedAttention:
             keys, values = kv.gather(
                 layer, md.block_tables[i, :num_pages], context_len, q.dtype
             )  # [L, K, E]
-            attend = attend_fused if kv.uses_kernels else attend_ref
-            out[start:end] = attend(q[start:end], keys, values, self.scale)
+            out[start:end] = self._attend_chunk(q[start:end], keys, values, self.scale)
             start = end
         return out
 

@@ -157,16 +157,14 @@ async def _checked(request: Request) -> _Call | Response:
             else f"the {limit} tokens this node's KV cache holds "
             f"(context window {engine.max_model_len})"
         )
-        asked = (
-            ""  # the client named no max_tokens: the prompt alone leaves no room
+        message = (
+            # the client named no max_tokens: the prompt alone leaves no room
+            f"prompt ({len(prompt_ids)} tokens) exceeds {what} with room for an answer"
             if body.max_tokens_is_default
-            else f" + max_tokens ({params.max_tokens})"
+            else f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds {what}"
         )
-        return error_response(
-            "request_too_large",
-            f"prompt ({len(prompt_ids)} tokens){asked} exceeds {what}"
-            + (" with room for an answer" if not asked else ""),
-        )
+        return error_response("request_too_large", message)
     return _Call(service, body, params, prompt_ids)
 
 

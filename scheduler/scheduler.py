@@ -124,17 +124,17 @@ class Scheduler:
             if seq in self.running and _left(seq) <= 1:
                 self._take(step, seq, 1)
         # Prefill chunks of running sequences, oldest first; while other prefill work
-        # waits, a long one is held to its share.
+        # waits, a long one is held to its share. Their pages were all taken at admission,
+        # so from here on nothing is preempted.
         prefilling = [s for s in self.running if _left(s) > 1]
         contended = threshold > 0 and (len(prefilling) > 1 or bool(self.waiting))
         for seq in prefilling:
             if step.budget == 0:
                 break
-            if seq in self.running:
-                self._take(step, seq, min(_left(seq), threshold if contended else step.budget))
+            self._take(step, seq, min(_left(seq), threshold if contended else step.budget))
         # Nothing is admitted in a step that had to preempt: memory is short.
         if not step.out.preempted:
-            num_long = sum(1 for s in prefilling if s in self.running and _left(s) > threshold)
+            num_long = sum(1 for s in prefilling if _left(s) > threshold)
             passed_over = self._admit(step, threshold, num_long)
             # The budget left goes to the prefills under way, oldest first, then to the
             # long prompts that were passed over.

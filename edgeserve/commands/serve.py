@@ -430,7 +430,7 @@ async def _stores(
     redis_timeout_s: float = 0.25,
     run_billing_worker: bool = False,
 ) -> _Stores:
-    from billing.ledger import default_sqlite_path, open_ledger
+    from billing.ledger import default_sqlite_path, is_database_url, open_ledger
     from billing.sink import LocalUsageSink, RedisUsageSink
     from billing.worker import BillingWorker, WorkerConfig
     from gateway.admission import (
@@ -450,7 +450,7 @@ async def _stores(
     )
 
     location: str = database_url or str(default_sqlite_path())
-    if not location.startswith(("postgres://", "postgresql://")):
+    if not is_database_url(location):
         Path(location).parent.mkdir(parents=True, exist_ok=True)
     ledger = open_ledger(location)
     shown_location = location.split("@")[-1]  # never print a database password

@@ -89,32 +89,16 @@ class CapacityQueue(Generic[T]):
         return len(self._waiting.get(account_id, ()))
 
     async def place(
-        self,
-        account_id: str,
-        try_place: Callable[[], Awaitable[T | None]],
-        *,
-        deadline_s: float,
-        reject_if_busy: bool = False,
-        on_abandoned: Callable[[T], Awaitable[None]] | None = None,
+        self, account_id: str, try_place: Callable[[], Awaitable[T | None]], **waiting: Any
     ) -> Placed[T] | Rejected:
-        """Places the request now, or waits its turn up to `deadline_s` seconds.
-
-        `reject_if_busy` (Workers AI's options.rejectIfBusy) never waits. When the
-        caller is cancelled while its placement is being made, `on_abandoned`
-        receives that placement so the gateway can give it back.
-        """
+        """Places the request now when nobody waits, else waits its turn: `wait`, whose
+        keyword options `waiting` holds."""
         if self._num_waiting == 0:
             start = self._clock()
             placement = await try_place()
             if placement is not None:
                 return Placed(placement, self._clock() - start)
-        return await self.wait(
-            account_id,
-            try_place,
-            deadline_s=deadline_s,
-            reject_if_busy=reject_if_busy,
-            on_abandoned=on_abandoned,
-        )
+        return await self.wait(account_id, try_place, **waiting)
 
     async def wait(
         self,
@@ -125,8 +109,13 @@ class CapacityQueue(Generic[T]):
         reject_if_busy: bool = False,
         on_abandoned: Callable[[T], Awaitable[None]] | None = None,
     ) -> Placed[T] | Rejected:
-        """`place` for a caller that has just tried `try_place` itself, in vain: it waits its
-        turn (or is refused at once) without another try first."""
+        """Waits its turn for `try_place` up to `deadline_s` seconds, without a try first (for
+        a caller that has just made one in vain).
+
+        `reject_if_busy` (Workers AI's options.rejectIfBusy) never waits. When the
+        caller is cancelled while its placement is being made, `on_abandoned`
+        receives that placement so the gateway can give it back.
+        """
         start = self._clock()
         if reject_if_busy:
             return Rejected("busy", self._clock() - start)
