@@ -14,8 +14,10 @@ reference (`attend_ref`), whose numbers the CPU tests pin.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -38,6 +40,9 @@ class StepMetadata:
     # decode kernels' split grid instead of max(context_lens).
     context_lens_device: torch.Tensor | None = None  # int32 [B]
     max_context_len: int | None = None
+    # Where the gathering chunks' context lies in the pool, built on the host by the runner;
+    # None: PagedAttention builds it from block_tables (one copy to the host a step).
+    context_index: ContextIndex | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -46,6 +51,55 @@ class StepMetadata:
     @property
     def token_tags(self) -> torch.Tensor:
         return self.seq_tags[self.token_seq]
+
+
+def gathering_chunks(query_lens: Sequence[int], uses_kernels: bool) -> list[int]:
+    """The chunks whose attention reads their context out of the pool (`KVCache.gather`):
+    every chunk on the CPU; on a GPU the chunks of more than one token (the decode
+    kernel reads the pages of the rest itself)."""
+    return [i for i, n in enumerate(query_lens) if n > 1 or not uses_kernels]
+
+
+@dataclass(frozen=True)
+class ContextIndex:
+    """The page and the offset in it of every context token of a step's gathering chunks,
+    built once a step on the host, not once a layer: int64 [2, N], chunk after chunk."""
+
+    index: torch.Tensor  # int64 [2, N]: rows page, offset
+    starts: dict[int, int]  # chunk -> its first column
+
+    @classmethod
+    def on_host(
+        cls,
+        tables: np.ndarray,
+        context_lens: Sequence[int] | np.ndarray,
+        chunks: Sequence[int],
+        page_size: int,
+        num_pages: int,
+        device: torch.device,
+    ) -> ContextIndex:
+        """From the step's block tables on the host ([B, M], a row per chunk). ValueError if a
+        chunk's table is too short for its context or names a page outside the pool."""
+        starts, parts, start = {}, [], 0
+        for i in chunks:
+            length = int(context_lens[i])
+            positions = np.arange(length, dtype=np.int64)
+            columns = positions // page_size
+            if length > page_size * tables.shape[1]:
+                raise ValueError(f"chunk {i}: {length} tokens do not fit its block table")
+            pages = tables[i, columns].astype(np.int64)
+            if length and not ((pages >= 0) & (pages < num_pages)).all():
+                raise ValueError(f"block_table holds a page id outside [0, {num_pages})")
+            parts.append(np.stack((pages, positions % page_size)))
+            starts[i] = start
+            start += length
+        index = np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), dtype=np.int64)
+        return cls(torch.from_numpy(index).to(device), starts)
+
+    def of(self, chunk: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages, offsets) int64 [length] of `chunk`'s context."""
+        start = self.starts[chunk]
+        return self.index[0, start : start + length], self.index[1, start : start + length]
 
 
 class PagedAttention:
@@ -78,6 +132,13 @@ class PagedAttention:
             else None
         )
         self._attend_chunk = attend_fused if kv_cache.uses_kernels else attend_ref
+        gathers = gathering_chunks(metadata.query_lens, kv_cache.uses_kernels)
+        self._context_index = metadata.context_index
+        if gathers and self._context_index is None:
+            self._context_index = ContextIndex.on_host(
+                metadata.block_tables.cpu().numpy(), metadata.context_lens, gathers,
+                kv_cache.page_size, kv_cache.num_pages, kv_cache.device,
+            )  # fmt: skip
 
     @property
     def violations(self) -> torch.Tensor:
@@ -96,24 +157,29 @@ class PagedAttention:
         return counts
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # q [T, H, E], k/v [T, K, E]
+        """q [T, H, E], k/v [T, K, E] -> [T, H, E], into `out` where given."""
         md, kv = self.metadata, self.kv_cache
         refused = kv.write(
             layer, k, v, md.slot_mapping, md.page_owner, self._token_tags, self.check_owner
         )  # [T]
         self._refused.append(refused)
         if kv.uses_kernels and md.is_decode:
-            out, foreign = paged_decode_attention(
+            decoded, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
                 md.page_owner, md.seq_tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],
                 max_context_len=md.max_context_len or max(md.context_lens),
                 check_owner=self.check_owner,
             )  # fmt: skip
             self._foreign.append(foreign)
-            return out
-        out = torch.empty_like(q)
+            return decoded if out is None else out.copy_(decoded)
+        out = torch.empty_like(q) if out is None else out
         rows = self._decode_rows
         if rows is not None:
             decoded, foreign = paged_decode_attention(
@@ -132,10 +198,9 @@ class PagedAttention:
             if rows is not None and query_len == 1:
                 start = end
                 continue  # a decode row: done above
-            num_pages = -(-context_len // kv.page_size)
-            keys, values = kv.gather(
-                layer, md.block_tables[i, :num_pages], context_len, q.dtype
-            )  # [L, K, E]
+            assert self._context_index is not None  # built for every gathering chunk
+            pages, offsets = self._context_index.of(i, context_len)
+            keys, values = kv.gather(layer, pages, offsets, q.dtype)  # [L, K, E]
             out[start:end] = self._attend_chunk(q[start:end], keys, values, self.scale)
             start = end
         return out

@@ -45,6 +45,10 @@ class EngineConfig:
     # On a GPU, decode steps of up to this many sequences replay CUDA graphs
     # (gpu_node/decode_graphs.py) instead of launching each kernel from Python; 0: never.
     cuda_graph_batch: int = 32
+    # On a GPU, the other steps (prefill, mixed, larger decode batches) of up to this many
+    # tokens replay CUDA graphs piece by piece, attention run eagerly between the pieces
+    # (gpu_node/step_graphs.py); 0: never. Capped at max_num_batched_tokens.
+    cuda_graph_tokens: int = 2048
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +87,8 @@ class EngineConfig:
             problems.append(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
         if self.cuda_graph_batch < 0:
             problems.append(f"cuda_graph_batch must be >= 0, got {self.cuda_graph_batch}")
+        if self.cuda_graph_tokens < 0:
+            problems.append(f"cuda_graph_tokens must be >= 0, got {self.cuda_graph_tokens}")
         if self.prefix_cache_blocks < 0:
             problems.append(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
         if self.reserve_pages < 0:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
-from gpu_node.kernels.paged_attention_ref import gather_paged_kv
+from gpu_node.kernels.paged_attention_ref import gather_kv
 from gpu_node.kv_quant import (
     FP8_DTYPE,
     SCALE_DTYPE,
@@ -118,14 +118,14 @@ class KVCache:
         )  # fmt: skip
 
     def gather(
-        self, layer: int, pages: torch.Tensor, length: int, dtype: torch.dtype
+        self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` tokens of the sequence whose pages are `pages` -> k, v [L, K, E]."""
-        return gather_paged_kv(
+        """The tokens at (`pages`, `offsets`) (int64 [L], pages within the pool) -> k, v [L, K, E]."""
+        return gather_kv(
             self.k_cache[layer],
             self.v_cache[layer],
             pages,
-            length,
+            offsets,
             dtype,
             self.k_scale[layer],
             self.v_scale[layer],

@@ -79,7 +79,12 @@ def scale_shape(num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int,
 def scale_rows(scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The scales of the tokens at `slots` (any shape [...]): `[..., H]`, a copy."""
     page_size = scale.shape[2]
-    return scale[slots // page_size, :, slots % page_size]
+    return scale_rows_at(scale, slots // page_size, slots % page_size)
+
+
+def scale_rows_at(scale: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The scales of the tokens at (`pages`, `offsets`) (one shape [...]): `[..., H]`, a copy."""
+    return scale[pages, :, offsets]
 
 
 def set_scale_rows(scale: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from gpu_node.config import EngineConfig
 from gpu_node.decode_graphs import DecodeGraphs, capturable
+from gpu_node.step_graphs import StepGraphs
 from gpu_node.errors import InvalidRequestError
 from gpu_node.handoff import KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.kv_cache import KVCache, bytes_per_page
@@ -126,6 +127,7 @@ class LLMEngine:
             config.check_integrity,
         )
         self.runner.graphs = self._decode_graphs(config)
+        self.runner.step_graphs = self._step_graphs(config)
         self.num_integrity_violations = 0
         self.num_computed_tokens = 0  # tokens the model ran: prompt chunks and decode steps
         self._requests: dict[str, _RequestState] = {}
@@ -142,6 +144,16 @@ class LLMEngine:
             return None
         max_batch = min(config.cuda_graph_batch, config.max_num_seqs)
         return DecodeGraphs.for_runner(self.runner, max_batch, self.max_model_len)
+
+    def _step_graphs(self, config: EngineConfig) -> StepGraphs | None:
+        """Piecewise CUDA graphs for the runner's other steps on a GPU (step_graphs.py),
+        where the config asks for them and the model can be captured."""
+        if not config.cuda_graph_tokens or self.kv_cache.device.type != "cuda":
+            return None
+        if not capturable(self.model):
+            return None
+        max_tokens = min(config.cuda_graph_tokens, config.max_num_batched_tokens)
+        return StepGraphs.for_runner(self.runner, max_tokens)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_node.attention import PagedAttention, StepMetadata
+from gpu_node.attention import ContextIndex, PagedAttention, StepMetadata, gathering_chunks
 from gpu_node.decode_graphs import DecodeGraphs, DecodeInputs, GraphCaptureError, batch_bucket
 from gpu_node.kv_cache import KVCache
 from gpu_node.models.llama import LlamaModel
+from gpu_node.step_graphs import StepGraphs
 from scheduler.block_manager import sequence_tag
 from scheduler.scheduler import ScheduledChunk
 
@@ -77,8 +78,10 @@ class ModelRunner:
         check_owner: bool = True,
     ):
         self.model = model
-        # All-decode steps it takes replay CUDA graphs (set by the engine on a GPU).
+        # All-decode steps it takes replay CUDA graphs, steps that prefill piecewise ones
+        # (set by the engine on a GPU).
         self.graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         self.check_owner = check_owner
         self.kv_cache = kv_cache
         self.page_owner = page_owner
@@ -119,34 +122,45 @@ class ModelRunner:
     def prepare(
         self, chunks: list[ScheduledChunk], tables: HostTables | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        """The step's flat inputs on the device: token ids [T], positions [T] and the
+        attention's metadata, built on the host with one copy of the per-token rows."""
         page_size = self.kv_cache.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        token_seq: list[int] = []
-        for i, chunk in enumerate(chunks):
-            seq, start = chunk.seq, chunk.seq.num_computed_tokens
-            end = start + chunk.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(
-                table[p // page_size] * page_size + p % page_size for p in range(start, end)
-            )
-            token_seq.extend([i] * chunk.num_new_tokens)
         t = tables if tables is not None else self.host_tables(chunks)
+        query_lens = [c.num_new_tokens for c in chunks]
+        starts = np.array([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
+        token_seq = np.repeat(np.arange(len(chunks)), query_lens)
+        positions = np.arange(len(token_seq)) - np.repeat(
+            np.cumsum(query_lens) - query_lens - starts, query_lens
+        )
+        columns = positions // page_size
+        if (columns >= t.table_lens[token_seq]).any():
+            raise ValueError("a chunk's tokens reach past its block table")
+        rows = np.empty((4, len(token_seq)), dtype=np.int64)  # ids, positions, slots, seq
+        rows[0] = [
+            i
+            for c, s in zip(chunks, starts, strict=True)
+            for i in c.seq.token_ids[s : s + c.num_new_tokens]
+        ]
+        rows[1] = positions
+        rows[2] = t.tables[token_seq, columns] * page_size + positions % page_size
+        rows[3] = token_seq
+        flat = torch.from_numpy(rows).to(self.device)
+        gathers = gathering_chunks(query_lens, self.kv_cache.uses_kernels)
         metadata = StepMetadata(
-            query_lens=[c.num_new_tokens for c in chunks],
+            query_lens=query_lens,
             context_lens=t.context_lens.tolist(),
             block_tables=torch.from_numpy(t.tables.astype(np.int32)).to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=flat[2],
             seq_tags=torch.from_numpy(t.seq_tags).to(self.device),
-            token_seq=torch.tensor(token_seq, dtype=torch.long, device=self.device),
+            token_seq=flat[3],
             page_owner=self.page_owner,
+            context_index=ContextIndex.on_host(
+                t.tables, t.context_lens, gathers, page_size, self.kv_cache.num_pages, self.device
+            )
+            if gathers
+            else None,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, metadata
+        return flat[0], flat[1], metadata
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], tables: HostTables | None = None) -> StepResult:
@@ -161,9 +175,14 @@ class ModelRunner:
                 except GraphCaptureError:
                     pass  # logged; this step and every later one run eagerly
         ids, pos, metadata = self.prepare(chunks, t)
-        ends = torch.tensor(metadata.query_lens, device=self.device).cumsum(0) - 1
+        ends = np.cumsum(metadata.query_lens) - 1
+        logits_indices = torch.from_numpy(ends[completing]).to(self.device)
         attention = PagedAttention(self.kv_cache, metadata, self.scale, self.check_owner)
-        logits = self.model(ids, pos, attention, logits_indices=ends[completing])
+        step_graphs = self.step_graphs
+        if step_graphs is not None and step_graphs.takes(len(ids)):
+            logits = step_graphs.run(ids, pos, attention, logits_indices)
+        else:
+            logits = self.model(ids, pos, attention, logits_indices=logits_indices)
         return StepResult(logits, (attention.violations > 0).tolist())
 
     def _run_decode_graph(

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from gpu_node.kv_quant import FP8_DTYPE, dequantize_fp8, scale_rows, validate_kv_layer
+from gpu_node.kv_quant import (
+    FP8_DTYPE,
+    dequantize_fp8,
+    scale_rows,
+    scale_rows_at,
+    validate_kv_layer,
+)
 
 
 def check_page_ownership(
@@ -51,20 +57,33 @@ def gather_paged_kv(
 
     For prefill over the paged cache (attention over cached prefix + new chunk). It
     reads pages as given: run `check_page_ownership` on the step's sequences first.
+    The engine builds the index once a step (attention.ContextIndex) and calls `gather_kv`.
     """
     num_pages, page_size, _, _ = validate_kv_layer(k_cache, v_cache, k_scale, v_scale)
     positions = torch.arange(context_len, device=k_cache.device)
     pages = block_table[positions // page_size].long()
     if context_len and not bool(((pages >= 0) & (pages < num_pages)).all()):
         raise ValueError(f"block_table holds a page id outside [0, {num_pages})")
-    offsets = positions % page_size
-    slots = pages * page_size + offsets  # [L]
+    return gather_kv(k_cache, v_cache, pages, positions % page_size, dtype, k_scale, v_scale)
+
+
+def gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of the tokens at (`pages`, `offsets`) (int64 [L], pages within the pool),
+    dequantized: two [L, H, D] in `dtype`."""
     k = k_cache[pages, offsets]  # [L, H, D], either pool memory order
     v = v_cache[pages, offsets]
     if k_cache.dtype == FP8_DTYPE:
-        assert k_scale is not None and v_scale is not None  # validated above
-        k_e = scale_rows(k_scale, slots)
-        v_e = scale_rows(v_scale, slots)
+        assert k_scale is not None and v_scale is not None  # validated by the caller
+        k_e = scale_rows_at(k_scale, pages, offsets)
+        v_e = scale_rows_at(v_scale, pages, offsets)
         return dequantize_fp8(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
     return k.to(dtype), v.to(dtype)
 

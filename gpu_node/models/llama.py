@@ -222,15 +222,27 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> logits [N, V] for the rows in `logits_indices` (all if None)."""
+        return self.logits(self.hidden_states(input_ids, positions, attention), logits_indices)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> the last layer's output [T, D], before the final norm."""
         x = self.embed_tokens(input_ids)  # [T, D]
         with self.rope.at(positions):
             for layer in self.layers:
                 x = layer(x, positions, self.rope, attention)
+        return x
+
+    def logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last layer's output [T, D] -> logits [N, V] (fp32) of the rows in
+        `logits_indices` (all if None)."""
         if logits_indices is not None:
-            x = x[
-                logits_indices
-            ]  # only the tokens we sample from: the lm_head is the widest matmul
-        return self.lm_head(self.norm(x)).float()  # [N, V]
+            # only the tokens we sample from: the lm_head is the widest matmul
+            hidden = hidden[logits_indices]
+        return self.lm_head(self.norm(hidden)).float()  # [N, V]
 
 
 def fuse_projections(model: LlamaModel) -> LlamaModel:

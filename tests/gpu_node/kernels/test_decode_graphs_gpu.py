@@ -57,7 +57,7 @@ def _engine(model, kv_dtype, cuda_graph_batch):
 
     config = EngineConfig(
         model="seeded", device="cuda", kv_dtype=kv_dtype, num_pages=64,
-        cuda_graph_batch=cuda_graph_batch,
+        cuda_graph_batch=cuda_graph_batch, cuda_graph_tokens=0,  # decode graphs alone
     )  # fmt: skip
     return LLMEngine(config, model, _Tokens())
 

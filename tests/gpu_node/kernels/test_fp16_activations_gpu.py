@@ -45,7 +45,7 @@ def _engine(model, kv_dtype, activations, cuda_graph_batch=0):
 
     config = EngineConfig(
         model="seeded", device="cuda", kv_dtype=kv_dtype, activations=activations,
-        num_pages=64, cuda_graph_batch=cuda_graph_batch,
+        num_pages=64, cuda_graph_batch=cuda_graph_batch, cuda_graph_tokens=0,  # decode graphs alone
     )  # fmt: skip
     return LLMEngine(config, model, _Tokens())
 
