@@ -20,7 +20,8 @@
 7. The same Llama-3-8B-shaped decode, INT4 computing in fp16 (`--activations fp16`: the
    W4A16 kernels' 5-instruction dequantization) against bf16, beside bf16 weights.
 
-Sections 1-3 run eager steps (`cuda_graph_batch=0`), as in the sessions before graphs.
+Sections 1-3 run eager steps (`cuda_graph_batch=0`, `cuda_graph_tokens=0`), as in the
+sessions before graphs.
 
 Weights are seeded (the real GGUF is not on the GPU machine); the work per step
 is the same as with real weights. Imports only torch, triton, numpy and our code.
@@ -121,7 +122,7 @@ def median_ms(fn, device, iters):
 def make_engine(model, device, **overrides):
     config = EngineConfig(**{"model": "bench", "device": device, "page_size": 16, "max_num_seqs": 256,
                              "max_num_batched_tokens": 16384, "cuda_graph_batch": 0,
-                             **overrides})  # fmt: skip
+                             "cuda_graph_tokens": 0, **overrides})  # fmt: skip
     return LLMEngine(config, model, NullTokenizer())
 
 

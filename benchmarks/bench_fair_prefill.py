@@ -112,6 +112,7 @@ def main() -> None:
                 max_num_batched_tokens=args.budget,
                 long_prefill_tokens=lpt,
                 cuda_graph_batch=8,
+                cuda_graph_tokens=args.budget,  # steps that prefill from step graphs, as served
             )
             for name, lpt in (("off", 0), ("fair", None))
         }

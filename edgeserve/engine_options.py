@@ -24,6 +24,12 @@ CUDA_GRAPH_BATCH = typer.Option(
     None, min=0,
     help="on a GPU, decode batches up to this size replay CUDA graphs (0: off; default 32)",
 )  # fmt: skip
+CUDA_GRAPH_TOKENS = typer.Option(
+    None, min=0,
+    help="on a GPU, other steps (prefill, mixed) of up to this many tokens replay CUDA graphs "
+    "piecewise, attention eager between the pieces (0: off; default 2048, at most the step "
+    "budget)",
+)  # fmt: skip
 
 
 def resolve_device(name: str) -> str:

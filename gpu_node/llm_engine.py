@@ -17,7 +17,6 @@ import torch
 
 from gpu_node.config import EngineConfig
 from gpu_node.decode_graphs import DecodeGraphs, capturable
-from gpu_node.step_graphs import StepGraphs
 from gpu_node.errors import InvalidRequestError
 from gpu_node.handoff import KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.kv_cache import KVCache, bytes_per_page
@@ -27,6 +26,7 @@ from gpu_node.models.llama import LlamaModel
 from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
 from gpu_node.prefix_cache import PrefixCache
 from gpu_node.sampler import apply_penalties, sample
+from gpu_node.step_graphs import StepGraphs
 from gpu_node.tokenizer import ChatTokenizer
 from gpu_node.weights import Progress, activation_dtype, build_model
 from scheduler.block_manager import BlockManager, pages_for, sequence_tag

@@ -17,6 +17,7 @@ import typer
 from edgeserve.engine_options import (
     ACTIVATIONS,
     CUDA_GRAPH_BATCH,
+    CUDA_GRAPH_TOKENS,
     DEVICE,
     KV_DTYPE,
     PREFIX_CACHE_BLOCKS,
@@ -112,6 +113,7 @@ def _engine_factory(
     device: str = "cpu",
     cuda_graph_batch: int | None = None,
     activations: str = "auto",
+    cuda_graph_tokens: int | None = None,
 ) -> Any:
     def load() -> Any:
         from gpu_node.async_engine import AsyncEngine
@@ -122,6 +124,8 @@ def _engine_factory(
         }  # fmt: skip
         if cuda_graph_batch is not None:
             options["cuda_graph_batch"] = cuda_graph_batch
+        if cuda_graph_tokens is not None:
+            options["cuda_graph_tokens"] = cuda_graph_tokens
         if weights is not None:
             options["weights"] = weights
         if max_model_len is not None:
@@ -175,6 +179,7 @@ def up(
     prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS,
     device: str = DEVICE,
     cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
+    cuda_graph_tokens: int | None = CUDA_GRAPH_TOKENS,
     queue_deadline_s: float = _QUEUE_DEADLINE,
     ledger: str | None = typer.Option(
         None,
@@ -219,7 +224,7 @@ def up(
             stores.registry,
             engine_factory=_engine_factory(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
-                engine_device, cuda_graph_batch, activations,
+                engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
             ),
         )  # fmt: skip
         gateway_app = create_app(
@@ -275,6 +280,7 @@ def node(
     prefix_cache_blocks: int = PREFIX_CACHE_BLOCKS,
     device: str = DEVICE,
     cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
+    cuda_graph_tokens: int | None = CUDA_GRAPH_TOKENS,
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
@@ -303,7 +309,7 @@ def node(
             RedisCapacityRegistry(client, prefix),
             engine_factory=_engine_factory(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
-                engine_device, cuda_graph_batch, activations,
+                engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
             ),
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
