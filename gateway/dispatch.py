@@ -134,7 +134,7 @@ class Dispatcher:
         it, it is cancelled there at once and billed as cancelled: the prompt tokens the node
         had processed, no output."""
         started_at = time.time()
-        max_tokens, window = int(job.payload["max_tokens"]), job.model.context_window
+        max_tokens, window = int(job.payload["max_tokens"]), await self.context_window(job.model)
         if max_tokens >= window:
             # Never servable, whatever the prompt: say so, not that it passes a rate limit.
             raise RequestTooLargeError(
@@ -169,6 +169,12 @@ class Dispatcher:
             await upstream.close()  # billed as cancelled, its admission given back
             raise ClientClosedError(LEFT_BEFORE_ANSWER)
         return upstream
+
+    async def context_window(self, model: CatalogModel) -> int:
+        """`model`'s context window as the fleet serves it now: the catalog's, or less where
+        the largest live node serving it takes no longer a request (its KV pool is smaller)."""
+        largest = await self._placer.max_request_tokens(model.node_model)
+        return model.context_window if largest is None else min(model.context_window, largest)
 
     async def _release_admission(self, job: GenerationJob, num_tokens: int) -> None:
         if self._limiter is None:

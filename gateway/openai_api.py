@@ -174,15 +174,20 @@ async def completions(request: Request) -> Response:
     )
 
 
-def _model_object(model: CatalogModel) -> dict[str, Any]:
-    return {"id": model.name, "object": "model", "created": 0, "owned_by": "edgeserve"}
+async def _model_object(request: Request, model: CatalogModel) -> dict[str, Any]:
+    """OpenAI's model object, and the context window (prompt + max_tokens) served now."""
+    window = await gateway_of(request).dispatcher.context_window(model)
+    return {
+        "id": model.name, "object": "model", "created": 0, "owned_by": "edgeserve",
+        "context_window": window,
+    }  # fmt: skip
 
 
 @endpoint("openai")
 async def list_models(request: Request) -> Response:
     """GET /v1/models: the catalog (a model no live node serves answers 503 when used)."""
     await authenticate(request)
-    data = [_model_object(m) for m in gateway_of(request).catalog.models]
+    data = [await _model_object(request, m) for m in gateway_of(request).catalog.models]
     return JSONBytes({"object": "list", "data": data})
 
 
@@ -191,4 +196,4 @@ async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{model_id}: one catalog entry by its id or an alias (ids hold slashes)."""
     await authenticate(request)
     name = request.path_params["model_id"]
-    return JSONBytes(_model_object(resolve_model(request, name)))
+    return JSONBytes(await _model_object(request, resolve_model(request, name)))

@@ -105,7 +105,10 @@ async def search_models(request: Request) -> Response:
     if task := request.query_params.get("task"):
         models = [m for m in models if m.task.lower() == task.lower()]
     start = (page - 1) * per_page
-    result = [m.search_entry() for m in models[start : start + per_page]]
+    dispatcher = gateway_of(request).dispatcher
+    result = [
+        m.search_entry(await dispatcher.context_window(m)) for m in models[start : start + per_page]
+    ]
     return JSONBytes(
         envelope(result)
         | {

@@ -45,6 +45,9 @@ class CapacityRecord:
     # What the node's model computes in (fp32, bf16, fp16): with kv_dtype, what a prefill
     # node and a decode node must share for one's KV to continue on the other
     activations: str
+    # The longest request (prompt + max_tokens) the node takes: its model's context window
+    # or what its KV pool holds, the smaller; 0 from a node before the field (unknown)
+    max_request_tokens: int = 0
 
     @property
     def kv_kind(self) -> tuple[str, str]:

@@ -297,6 +297,12 @@ class Placer:
                 live.append(record)
         return live
 
+    async def max_request_tokens(self, model: str) -> int | None:
+        """The longest request (prompt + max_tokens) a live node serving `model` takes;
+        None when none is live or none says."""
+        sizes = [r.max_request_tokens for r in await self._live(model) if r.max_request_tokens]
+        return max(sizes, default=None)
+
     def _candidate(self, record: CapacityRecord, affine: str | None = None) -> Candidate:
         bonus = self._affinity_tokens if record.node_id == affine else 0
         return Candidate(

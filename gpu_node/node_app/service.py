@@ -111,6 +111,7 @@ class NodeService:
             ),
             published_at=time.time(),
             ttl_s=self.settings.ttl_s,
+            max_request_tokens=self.engine.max_request_tokens,
         )
 
     async def publish(self) -> None:

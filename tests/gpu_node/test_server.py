@@ -94,9 +94,13 @@ def test_health_and_capacity(node, engine) -> None:
         "page_size": stats.page_size,
     }
     assert capacity["ttl_s"] == 30.0
+    # the longest request it takes: the context window or the KV pool, the smaller
+    assert capacity["max_request_tokens"] == engine.max_request_tokens
+    assert engine.max_request_tokens == min(engine.max_model_len, stats.num_pages * stats.page_size)
     # The heartbeat published the same record to the registry.
     published = asyncio.run(node.registry.list_live())
     assert [r.node_id for r in published] == ["node-t"]
+    assert published[0].max_request_tokens == engine.max_request_tokens
 
 
 def test_generate_streams_the_engines_exact_tokens_then_usage(node, engine) -> None:

@@ -51,6 +51,14 @@ def test_a_record_from_before_activations_reads_as_its_own_kind() -> None:
     assert old.activations == "unknown" and old.kv_kind == ("fp8", "unknown")
 
 
+def test_a_record_from_before_max_request_tokens_says_none() -> None:
+    r = replace(record("node-1"), max_request_tokens=5824)
+    assert CapacityRecord.from_json(r.to_json()).max_request_tokens == 5824
+    fields = json.loads(r.to_json())
+    del fields["max_request_tokens"]
+    assert CapacityRecord.from_json(json.dumps(fields)).max_request_tokens == 0
+
+
 def test_record_is_live_until_its_ttl_passes() -> None:
     r = record("node-1", ttl_s=2.0, published_at=100.0)
     assert r.is_live(101.999)
