@@ -20,6 +20,7 @@ numpy and our code.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ab_prefill_attention import first_token_s
 from bench_engine_gpu import MODEL_SHAPES, make_engine, seeded_model
 
 from gpu_node.models.llama import fuse_projections
@@ -45,18 +47,19 @@ def engine_for(model, variant: str, budget: int, pages: int):
     )  # fmt: skip
 
 
-def first_token_s(engine, prompt: list[int], name: str) -> tuple[float, list[int]]:
-    engine.add_request(name, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    first, tokens = None, []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.token_ids)
-            if first is None and out.token_ids:
-                first = time.perf_counter() - start
-    assert first is not None
-    return first, tokens
+def alternate(engines, measure, rounds: int):
+    """`measure(engine, name=...) -> (value or values, tokens)` of each variant's engine,
+    variants alternated, a warm-up round first: per variant, the measured rounds' values
+    and the last round's tokens."""
+    values: dict[str, list[float]] = {v: [] for v in engines}
+    answers = {}
+    for r in range(rounds + 1):
+        for v, engine in engines.items():
+            got, tokens = measure(engine, name=f"{v}-{r}")
+            if r:
+                values[v].extend(got if isinstance(got, list) else [got])
+            answers[v] = tokens
+    return values, answers
 
 
 def mixed_steps_ms(engine, prompt: list[int], name: str) -> tuple[list[float], list[int]]:
@@ -108,14 +111,9 @@ def main() -> None:
         )
         for budget in budgets:
             engines = {v: engine_for(model, v, budget, pages) for v in VARIANTS}
-            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            answers = {}
-            for r in range(args.rounds + 1):
-                for v in VARIANTS:
-                    seconds, tokens = first_token_s(engines[v], prompt, f"{v}-{budget}-{r}")
-                    if r:
-                        times[v].append(seconds)
-                    answers[v] = tokens
+            times, answers = alternate(
+                engines, functools.partial(first_token_s, prompt=prompt), args.rounds
+            )
             eager, graphs = (statistics.median(times[v]) * 1e3 for v in VARIANTS)
             print(
                 f"  1. budget {budget:5d}: first token eager {eager:7.1f} ms, graphs {graphs:7.1f} "
@@ -126,14 +124,9 @@ def main() -> None:
         budget = min(budgets)
         half = prompt[: len(prompt) // 2]
         engines = {v: engine_for(model, v, budget, pages + 64) for v in VARIANTS}
-        steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        answers = {}
-        for r in range(args.rounds + 1):
-            for v in VARIANTS:
-                walls, tokens = mixed_steps_ms(engines[v], half, f"{v}-mixed-{r}")
-                if r:
-                    steps[v].extend(walls)
-                answers[v] = tokens
+        steps, answers = alternate(
+            engines, functools.partial(mixed_steps_ms, prompt=half), args.rounds
+        )
         eager, graphs = (statistics.median(steps[v]) for v in VARIANTS)
         print(
             f"  2. budget {budget:5d}, 4 decoding + a {len(half)}-token prompt: mixed step eager "

@@ -1,8 +1,8 @@
 """Prefill and mixed steps replayed from CUDA graphs, in pieces split at attention.
 
-An eager step that prefills is bound by the host as a decode step is: on an H200, the
-kernels of a 512-token step of a 1B-parameter model take about 6 ms, and launching them one
-by one from Python about 45 ms (docs/bench/step_graphs.md). Attention cannot be recorded once
+An eager step that prefills is bound by the host as a decode step is: on an H200, a
+512-token step of a 1B-parameter model took 49 ms, of which its kernels ran 6; the rest was
+Python launching them one by one (docs/bench/step_graphs.md). Attention cannot be recorded once
 for every such step: a chunk's attention reads a context whose length, and so the shape of
 its work, changes every step. Everything else in a layer treats the step's tokens row by
 row, so:
@@ -73,7 +73,8 @@ class _Pieces:
 
 
 class StepGraphs:
-    """Runs steps of up to `max_tokens` tokens that prefill from piecewise CUDA graphs.
+    """Runs steps of up to `max_tokens` tokens from piecewise CUDA graphs: those that
+    prefill, and decode batches larger than the decode graphs take.
 
     `capture=False` runs the same padded, static-buffer pieces eagerly every step (any
     device): the tests use it on CPU to check the padding and the pieces' hand-offs against

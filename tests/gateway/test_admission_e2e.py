@@ -344,17 +344,26 @@ def test_a_request_larger_than_any_pool_gets_the_nodes_answer_at_once_not_a_queu
     gateway = start_gateway(node, limiter=limiter(), settings={"queue_deadline_s": 30.0})
     try:
         too_big = node.total_tokens() + 1
-        started = time.monotonic()
-        response = httpx.post(
-            f"{gateway.url}{RUN}", json=HI | {"max_tokens": too_big}, headers=AUTH, timeout=60
-        )
-        assert time.monotonic() - started < 5  # not the 30 s queue deadline
-        assert response.status_code == 413  # the node's own count: past the context window
-        body = response.json()
-        assert body["success"] is False and body["errors"][0]["code"] == 3006
-        assert body["errors"][0]["message"] == (
-            f"prompt (31 tokens) + max_tokens ({too_big}) exceeds the context window of 1024 tokens"
-        )
+        # The node publishes the longest request it takes (its 1024-token window): a
+        # max_tokens past it is the gateway's 413, before admission; one within it that
+        # the prompt pushes past it is the node's own count.
+        for max_tokens, message in (
+            (too_big, f"max_tokens ({too_big}) leaves no room for a prompt in the context "
+                      "window of 1024 tokens"),
+            (1000, "prompt (31 tokens) + max_tokens (1000) exceeds the context window of 1024 "
+                   "tokens"),
+        ):  # fmt: skip
+            started = time.monotonic()
+            response = httpx.post(
+                f"{gateway.url}{RUN}", json=HI | {"max_tokens": max_tokens}, headers=AUTH,
+                timeout=60,
+            )  # fmt: skip
+            assert time.monotonic() - started < 5  # not the 30 s queue deadline
+            assert response.status_code == 413
+            body = response.json()
+            assert body["success"] is False and body["errors"] == [
+                {"code": 3006, "message": message}
+            ]
         assert (
             httpx.post(f"{gateway.url}{RUN}", json=HI, headers=AUTH, timeout=60).status_code == 200
         )

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from scheduler.sequence import SamplingParams
-from tests.gpu_node.kernels.test_decode_graphs_gpu import _model, _Tokens, needs_cuda
+from tests.gpu_node.kernels.test_decode_graphs_gpu import (
+    _model,
+    _record_logits,
+    _Tokens,
+    needs_cuda,
+)
 
 # Prompts of 9 to 101 tokens under a 48-token budget: chunked prefill beside decode rows
 PROMPTS = {f"r{i}": [(13 * i + 7 * j) % 4000 + 1 for j in range(9 + 23 * i)] for i in range(5)}
@@ -72,18 +77,6 @@ def test_step_graphs_give_the_eager_tokens(weights, kv_dtype):
     # full 48-token steps of chunks and decode rows, and the last prompt chunks' small steps
     assert buckets == {8, 48}
     assert engine.runner.step_graphs.captured == [8, 48]
-
-
-def _record_logits(runner):
-    steps, run = [], runner.run
-
-    def record(chunks, tables=None):
-        result = run(chunks, tables)
-        steps.append(result.logits.clone())
-        return result
-
-    runner.run = record
-    return steps
 
 
 @needs_cuda
