@@ -32,3 +32,23 @@ def test_model_pull_is_idempotent(smollm2_path):
     assert smollm2_path.stat().st_mtime_ns == before
     result = edgeserve("model", "pull", "llama-9000")
     assert result.returncode == 1 and "unknown model 'llama-9000'" in result.stderr
+
+
+def test_the_graph_options_of_up_and_node_reach_the_engine_config() -> None:
+    """`--cuda-graph-batch` and `--cuda-graph-tokens` as `up` and `node` pass them on (the
+    engine is built for real, on the CPU, where neither kind of graph runs), and the
+    engine's defaults when they are not given."""
+    from edgeserve.commands.serve import _engine_factory
+
+    for given, expected in (((4, 128), (4, 128)), ((None, None), (32, 2048))):
+        batch, tokens = given
+        engine = _engine_factory(
+            "smollm2", "fp32", None, None, None, device="cpu", cuda_graph_batch=batch,
+            cuda_graph_tokens=tokens,
+        )()  # fmt: skip
+        try:
+            config = engine.engine.config
+            assert (config.cuda_graph_batch, config.cuda_graph_tokens) == expected
+            assert engine.engine.runner.step_graphs is None  # a CPU engine
+        finally:
+            engine.shutdown()
