@@ -16,17 +16,16 @@ class CatalogModel:
     task: str = "Text Generation"
     context_window: int = 8192
 
-    def search_entry(self, context_window: int | None = None) -> dict[str, Any]:
-        """One item of Workers AI's models/search result; `context_window` as served now
-        (Dispatcher.context_window), the catalog's when not given."""
-        window = self.context_window if context_window is None else context_window
+    def search_entry(self, context_window: int) -> dict[str, Any]:
+        """One item of Workers AI's models/search result, with the context window served
+        now (Dispatcher.context_window)."""
         return {
             "id": self.id,
             "name": self.name,
             "description": self.description,
             "task": {"id": "c329a1f9-323d-4e91-b2aa-582dd4188d34", "name": self.task},
             "properties": [
-                {"property_id": "context_window", "value": str(window)},
+                {"property_id": "context_window", "value": str(context_window)},
                 {"property_id": "aliases", "value": ",".join(self.aliases)},
             ],
         }

@@ -132,13 +132,18 @@ class PagedAttention:
             else None
         )
         self._attend_chunk = attend_fused if kv_cache.uses_kernels else attend_ref
-        gathers = gathering_chunks(metadata.query_lens, kv_cache.uses_kernels)
-        self._context_index = metadata.context_index
-        if gathers and self._context_index is None:
-            self._context_index = ContextIndex.on_host(
+        # Per gathering chunk, once a step: its query rows, its context's pages and offsets.
+        self._gathers: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        if gathers := gathering_chunks(metadata.query_lens, kv_cache.uses_kernels):
+            index = metadata.context_index or ContextIndex.on_host(
                 metadata.block_tables.cpu().numpy(), metadata.context_lens, gathers,
                 kv_cache.page_size, kv_cache.num_pages, kv_cache.device,
             )  # fmt: skip
+            row_starts = np.cumsum([0, *metadata.query_lens]).tolist()
+            self._gathers = [
+                (row_starts[i], row_starts[i + 1], *index.of(i, metadata.context_lens[i]))
+                for i in gathers
+            ]
 
     @property
     def violations(self) -> torch.Tensor:
@@ -190,19 +195,9 @@ class PagedAttention:
             )  # fmt: skip
             out.index_copy_(0, rows.rows, decoded)
             self._foreign.append(foreign)
-        start = 0
-        for i, (query_len, context_len) in enumerate(
-            zip(md.query_lens, md.context_lens, strict=True)
-        ):
-            end = start + query_len
-            if rows is not None and query_len == 1:
-                start = end
-                continue  # a decode row: done above
-            assert self._context_index is not None  # built for every gathering chunk
-            pages, offsets = self._context_index.of(i, context_len)
+        for start, end, pages, offsets in self._gathers:  # the rest: gathered chunks
             keys, values = kv.gather(layer, pages, offsets, q.dtype)  # [L, K, E]
             out[start:end] = self._attend_chunk(q[start:end], keys, values, self.scale)
-            start = end
         return out
 
 

@@ -126,31 +126,35 @@ class LLMEngine:
             self.block_manager.page_column_host,
             config.check_integrity,
         )
-        self.runner.graphs = self._decode_graphs(config)
-        self.runner.step_graphs = self._step_graphs(config)
+        records = self._records_graphs()
+        self.runner.graphs = self._decode_graphs(config) if records else None
+        self.runner.step_graphs = self._step_graphs(config) if records else None
         self.num_integrity_violations = 0
         self.num_computed_tokens = 0  # tokens the model ran: prompt chunks and decode steps
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._rng = torch.Generator().manual_seed(config.seed)
 
-    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
-        """CUDA graphs for the runner's decode steps on a GPU (decode_graphs.py), where the
-        config asks for them and the model can be captured."""
-        if not config.cuda_graph_batch or self.kv_cache.device.type != "cuda":
-            return None
+    def _records_graphs(self) -> bool:
+        """Whether CUDA graphs may record this engine's steps: on a GPU, for a model whose
+        forward waits for nothing on the host (decode_graphs.capturable)."""
+        if self.kv_cache.device.type != "cuda":
+            return False
         if not capturable(self.model):
-            log.info("this model's decode steps cannot be captured; they run eagerly")
+            log.info("this model's steps cannot be captured; they run eagerly")
+            return False
+        return True
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """CUDA graphs for the runner's decode steps (decode_graphs.py), where asked for."""
+        if not config.cuda_graph_batch:
             return None
         max_batch = min(config.cuda_graph_batch, config.max_num_seqs)
         return DecodeGraphs.for_runner(self.runner, max_batch, self.max_model_len)
 
     def _step_graphs(self, config: EngineConfig) -> StepGraphs | None:
-        """Piecewise CUDA graphs for the runner's other steps on a GPU (step_graphs.py),
-        where the config asks for them and the model can be captured."""
-        if not config.cuda_graph_tokens or self.kv_cache.device.type != "cuda":
-            return None
-        if not capturable(self.model):
+        """Piecewise CUDA graphs for the runner's other steps (step_graphs.py), where asked for."""
+        if not config.cuda_graph_tokens:
             return None
         max_tokens = min(config.cuda_graph_tokens, config.max_num_batched_tokens)
         return StepGraphs.for_runner(self.runner, max_tokens)
