@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gpu_node.kernels import w4a16_mma_plan
+from gpu_node.kernels import w4a16_mma_gemm, w4a16_mma_plan
 from gpu_node.kernels.launch import has_mma_sync
 from gpu_node.kernels.w4a16 import is_interpreted
 from gpu_node.kernels.w4a16_gemv import MAX_M, split_counters
@@ -355,10 +355,11 @@ def _launch(
 def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, over Int4WeightMMA.
 
-    Up to 8 rows of bf16/fp16 on CUDA take the tensor-core GEMV; anything else
-    (more rows, fp32, a CPU, the interpreter) dequantizes W^T into a transient dense
-    buffer (w4a16_mma_dequant.py) and runs torch.matmul, as w4a16_kn_matmul does
-    past its GEMV.
+    Up to 8 rows of bf16/fp16 on CUDA take the tensor-core GEMV; up to
+    w4a16_mma_gemm.MAX_M rows of a weight of MIN_WEIGHTS or more the GEMMs that dequantize
+    in registers (the interpreter runs their dot kernel too); anything else (more rows, fp32 on a GPU, a CPU uninterpreted)
+    dequantizes W into a transient dense buffer (w4a16_mma_dequant.py) and runs
+    torch.matmul, as w4a16_kn_matmul does past its GEMV.
     """
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -371,6 +372,8 @@ def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
         return x.new_empty(*lead, n)
     if supports(x2, weight):
         return _launch(x2, weight, None).reshape(*lead, n)
+    if w4a16_mma_gemm.serves(x2, weight):
+        return w4a16_mma_gemm.w4a16_mma_gemm(x2, weight).reshape(*lead, n)
     return torch.matmul(x2, dequantize_mma(weight, x2.dtype)).reshape(*lead, n)
 
 

@@ -135,6 +135,54 @@ HALVES_PTX = (
 )
 
 
+def _dequant_asm(dtype: torch.dtype) -> str:
+    """PTX for a lane's four words of a 64-k chunk (k16 steps s, $16..$19) -> their A
+    registers, dequantized once for every token tile the GEMM multiplies them by: output
+    4r + s (output tensor r, element s) is A register r of step s's word."""
+    magic, in_place = MAGIC[dtype][0], HIGH_ROWS[dtype] > 1
+    lines = ["{", ".reg .b32 a<4>, sh<3>;"]
+    for s in range(4):
+        lines += _dequant(f"${16 + s}", magic, high_in_place=in_place)
+        lines += [f"mov.b32 ${4 * r + s}, a{r};" for r in range(4)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _tile_mma_asm(dtype: torch.dtype, halves: bool) -> str:
+    """PTX for one 64-k chunk of one token tile (8 activation rows) and row block: the four
+    k16 steps' A registers (from `_dequant_asm`) -> four mma into D (with `halves`, steps
+    0-1 into the first accumulator and 2-3 into the second, one g32 group each).
+
+    Operands: D out (4 per accumulator), the A registers (4r + s: register r of step s),
+    the lane's eight activation pairs of the tile (step s takes pairs 2s and 2s + 1), D in.
+    """
+    ab_type, outputs = _ab_type(dtype), 8 if halves else 4
+    a, x, d_in = outputs, outputs + 16, outputs + 24
+    lines = []
+    for s in range(4):
+        chain, first = _chain(s, 2 if halves else 1, halves)
+        c = _regs(d_in + 4 * chain) if first else _regs(4 * chain)
+        regs = "{" + ", ".join(f"${a + 4 * r + s}" for r in range(4)) + "}"
+        b = f"{{${x + 2 * s}, ${x + 1 + 2 * s}}}"
+        lines.append(_mma(ab_type, _regs(4 * chain), regs, b, c))
+    return "\n".join(lines)
+
+
+# The GEMM's PTX by dtype: (dequantize, its constraints; a tile's mma, its constraints;
+# x_sum, its constraints), one accumulator a tile (groups of 64 and 128) or two (of 32).
+GEMM_PTX = {
+    halves: (
+        {dt: _dequant_asm(dt) for dt in MAGIC},
+        ",".join(["=r"] * 16 + ["r"] * 4),
+        {dt: _tile_mma_asm(dt, halves) for dt in MAGIC},
+        _constraints(8 if halves else 4, 24, 8 if halves else 4),
+        {dt: _s_asm(dt, 2 if halves else 1, halves) for dt in MAGIC},
+        _constraints(8 if halves else 4, 8, 8 if halves else 4),
+    )
+    for halves in (False, True)
+}
+
+
 def _f32(value: float) -> str:
     """A PTX fp32 immediate, exactly (0fXXXXXXXX)."""
     return "0f" + struct.pack(">f", value).hex().upper()

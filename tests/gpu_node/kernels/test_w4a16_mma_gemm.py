@@ -1,0 +1,205 @@
+"""The W4A16 GEMMs over Int4WeightMMA (more rows than the decode GEMV takes).
+
+On CPU the interpreter runs the dot kernel (products in fp32); on CUDA both kernels run
+compiled, in bf16 and fp16 (the tc kernel's inline PTX is GPU-only; its PTX has CPU
+tests here). Every path must equal x @ W^T over the dequantized weights: the dot kernel
+rounds them to x's dtype as the dense copy does, the tc kernel multiplies the exact codes
+and applies the scales in fp32 as the GEMV does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # the dot kernel runs interpreted on CPU
+
+import gpu_node.kernels.w4a16_mma as mma_module
+import gpu_node.kernels.w4a16_mma_dequant as dequant_module
+import gpu_node.kernels.w4a16_mma_gemm as gemm_module
+from gpu_node.kernels.w4a16_mma_asm import GEMM_PTX, MAGIC
+from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, from_mma, quantize_int4, to_mma
+
+# Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
+# imported the kernels before TRITON_INTERPRET was set: decorate them again.
+dequant_module = importlib.reload(dequant_module)
+gemm_module = importlib.reload(gemm_module)
+mma_module = importlib.reload(mma_module)
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32]
+KERNELS = ["tc", "dot"] if CUDA else ["dot"]
+needs_cuda = pytest.mark.skipif(not CUDA, reason="the tc kernel's inline PTX runs on GPUs only")
+# Max |gemm - reference| over max |reference|: fp32 sums of the same products in another
+# order, and (bf16/fp16) one rounding of the output.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+
+
+def mma_weight(n: int, k: int, group_size: int, seed: int, symmetric: bool) -> Int4WeightMMA:
+    gen = torch.Generator().manual_seed(seed)
+    weight = quantize_int4(torch.randn(n, k, generator=gen), group_size, symmetric=symmetric)
+    mma = to_mma(weight, symmetric=symmetric)
+    return Int4WeightMMA(mma.tiles.to(DEVICE), mma.shape, group_size, symmetric)
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+
+
+def reference(x: torch.Tensor, weight: Int4WeightMMA, kernel: str) -> torch.Tensor:
+    """fp32 x @ W^T over the weights each kernel multiplies: rounded to x's dtype (dot),
+    exact (tc)."""
+    w = dequantize_int4(from_mma(weight))
+    if kernel == "dot":
+        w = w.to(x.dtype).float()
+    return x.float() @ w.T
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "m, n, k, group_size, symmetric",
+    [
+        (9, 40, 128, 32, False),  # N not a multiple of 16: pad rows never stored
+        (20, 64, 256, 64, False),
+        (33, 48, 256, 128, True),
+        (17, 72, 192, 32, True),  # three steps of 64: an odd step count
+        (12, 24, 384, 128, False),  # three steps of 128
+    ],
+)
+def test_gemm_equals_the_reference(m, n, k, group_size, symmetric, dtype, kernel) -> None:
+    weight = mma_weight(n, k, group_size, seed=m, symmetric=symmetric)
+    x = activations(m, k, dtype, seed=n)
+    y = gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel})
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert relative_error(y, reference(x, weight, kernel)) < TOLERANCE[dtype]
+
+
+DOT_CONFIGS = [
+    {"KERNEL": "dot", "SPLIT_K": 3, "RB": 2},  # 2, 2 and 2 of 6 groups of 32
+    {"KERNEL": "dot", "SPLIT_K": 5, "RB": 1},  # uneven splits: 1 or 2 groups each
+    {"KERNEL": "dot", "BLOCK_M": 32, "RB": 1},  # two token blocks, the last one partial
+    {"KERNEL": "dot", "BLOCK_M": 64, "RB": 8},  # more row blocks a program than there are
+]
+TC_CONFIGS = [
+    {"KERNEL": "tc", "MT": 1, "R": 1, "SPLIT_K": 3},  # one step of 64 a split
+    {"KERNEL": "tc", "MT": 4, "R": 2, "SPLIT_K": 2},  # 2 and 1 steps: an odd split
+    {"KERNEL": "tc", "MT": 2, "R": 4, "WARPS": 8},  # 32 row blocks a program, 5 of them
+]
+
+
+@pytest.mark.parametrize(
+    "config", DOT_CONFIGS + ([pytest.param(c, marks=needs_cuda) for c in TC_CONFIGS])
+)
+def test_every_config_gives_the_same_product(config) -> None:
+    dtype = DTYPES[0]
+    weight = mma_weight(72, 192, 32, seed=1, symmetric=False)
+    x = activations(60, 192, dtype, seed=2)
+    y = gemm_module.w4a16_mma_gemm(x, weight, config)
+    assert relative_error(y, reference(x, weight, config["KERNEL"])) < TOLERANCE[dtype]
+    # Splits sum their fp32 partials in a fixed order: the same bits call after call.
+    assert torch.equal(y, gemm_module.w4a16_mma_gemm(x, weight, config))
+
+
+def test_gemm_refuses_what_it_cannot_take() -> None:
+    weight = mma_weight(32, 128, 64, seed=0, symmetric=False)
+    x = activations(16, 128, DTYPES[0], 0)
+    with pytest.raises(ValueError, match=re.escape("x must be [M, 128], got (4, 64)")):
+        gemm_module.w4a16_mma_gemm(activations(4, 64, DTYPES[0], 0), weight)
+    too_many = activations(gemm_module.MAX_M + 1, 128, DTYPES[0], 0)
+    with pytest.raises(ValueError, match=f"1..{gemm_module.MAX_M} rows"):
+        gemm_module.w4a16_mma_gemm(too_many, weight)
+    with pytest.raises(ValueError, match=re.escape("SPLIT_K must be 1..2, got 3")):
+        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "dot", "SPLIT_K": 3})
+    with pytest.raises(ValueError, match="KERNEL is tc or dot, got 'mma'"):
+        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "mma"})
+    assert not gemm_module.supports(x.unsqueeze(0), weight)
+    assert not gemm_module.supports(x, from_mma(weight))
+    if not CUDA:
+        with pytest.raises(ValueError, match="the tc kernel takes bf16/fp16 on CUDA sm_80"):
+            gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "tc"})
+
+
+@needs_cuda
+def test_tc_refuses_register_tensors_it_cannot_lay_out() -> None:
+    weight = mma_weight(32, 128, 64, seed=0, symmetric=False)
+    x = activations(16, 128, DTYPES[0], 0)
+    with pytest.raises(ValueError, match=r"MT and R are 1, 2 or 4 .* got MT 3, R 1"):
+        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "tc", "MT": 3, "R": 1})
+
+
+def test_the_heuristic_fills_the_gpu() -> None:
+    # tc: two token tiles a program. 4096 x 4096 on 132 multiprocessors, 16 rows: 256 row
+    # blocks in 64 programs of four one-row-block warps, K split four ways (1024 warps).
+    assert gemm_module.gemm_config("tc", 16, 4096, 4096, 128, 132) == {
+        "KERNEL": "tc", "MT": 2, "R": 1, "WARPS": 4, "SPLIT_K": 4,
+    }  # fmt: skip
+    # 14336 k: two row blocks a warp, 32 programs, eight splits of 14 steps.
+    assert gemm_module.gemm_config("tc", 16, 4096, 14336, 128, 132)["SPLIT_K"] == 8
+    # 16384 rows at 32 tokens: 128 x 2 programs already fill six warps a multiprocessor.
+    assert gemm_module.gemm_config("tc", 32, 16384, 2048, 128, 132)["SPLIT_K"] == 1
+    # dot: 64 tokens in one block of four row blocks; 64 programs split K in four.
+    assert gemm_module.gemm_config("dot", 64, 4096, 4096, 128, 132) == {
+        "KERNEL": "dot", "BLOCK_M": 64, "RB": 4, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3,
+    }  # fmt: skip
+    # Never fewer than 8 groups a split: 8 programs, yet 16 groups split only in two.
+    assert gemm_module.gemm_config("dot", 64, 512, 2048, 128, 132)["SPLIT_K"] == 2
+
+
+def test_matmul_takes_the_gemm_between_the_gemv_and_the_dense_copy(monkeypatch) -> None:
+    """w4a16_mma_matmul (what Int4Linear runs) sends 9..MAX_M rows of a weight of
+    MIN_WEIGHTS or more to the GEMMs (tc up to TC_MAX_M rows on a GPU), and more rows or a
+    smaller weight to the dense copy and torch.matmul."""
+    dtype = DTYPES[0]
+    weight = mma_weight(48, 128, 64, seed=3, symmetric=False)
+    copy = dequant_module.dequantize_mma(weight, dtype)
+
+    def through_copy(x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, copy)
+
+    x = activations(9, 128, dtype, seed=9)
+    assert gemm_module.MIN_WEIGHTS > 48 * 128  # a small weight: the copy is the faster
+    assert torch.equal(mma_module.w4a16_mma_matmul(x, weight), through_copy(x))
+    monkeypatch.setattr(gemm_module, "MIN_WEIGHTS", 48 * 128)
+    for m, kernel in ((9, KERNELS[0]), (gemm_module.TC_MAX_M + 1, "dot")):
+        x = activations(m, 128, dtype, seed=m)
+        y = mma_module.w4a16_mma_matmul(x, weight)
+        assert torch.equal(y, gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel}))
+    x = activations(gemm_module.MAX_M + 1, 128, dtype, seed=5)
+    assert torch.equal(mma_module.w4a16_mma_matmul(x, weight), through_copy(x))
+
+
+@pytest.mark.parametrize("dtype", list(MAGIC))
+@pytest.mark.parametrize("halves", [False, True])
+def test_gemm_ptx_operands_match_their_constraints(dtype, halves) -> None:
+    # Every $i the PTX uses exists and every operand is used: outputs, then inputs.
+    dq, dq_c, mma, mma_c, s_asm, s_c = GEMM_PTX[halves]
+    outputs = 8 if halves else 4
+    for asm, constraints, outs in ((dq[dtype], dq_c, 16), (mma[dtype], mma_c, outputs),
+                                   (s_asm[dtype], s_c, outputs)):  # fmt: skip
+        used = {int(v) for v in re.findall(r"\$(\d+)", asm)}
+        kinds = constraints.split(",")
+        assert used == set(range(len(kinds)))
+        assert all(kind.startswith("=") for kind in kinds[:outs])
+        assert not any(kind.startswith("=") for kind in kinds[outs:])
+    # One mma a k16 step, its A registers the dequantized words' (4r + s: register r of
+    # step s), its B the lane's pairs 2s and 2s + 1 of the tile.
+    steps = re.findall(r"\{(\$\d+), (\$\d+), (\$\d+), (\$\d+)\}, \{(\$\d+), (\$\d+)\}", mma[dtype])
+    assert len(steps) == 4
+    for s, regs in enumerate(steps):
+        a = [int(r[1:]) - outputs for r in regs[:4]]
+        b = [int(r[1:]) - outputs - 16 for r in regs[4:]]
+        assert a == [4 * r + s for r in range(4)] and b == [2 * s, 2 * s + 1]
+    # The dequantization writes output 4r + s from word s: one LOP3 a register.
+    assert dq[dtype].count("lop3.b32") == 16
+    assert all(f"${4 * r + s}," in dq[dtype] for r in range(4) for s in range(4))
