@@ -8,6 +8,14 @@ import os
 import torch
 
 
+def check_operands(x: torch.Tensor, k: int, device: torch.device) -> None:
+    """The checks the W4A16 launch wrappers share: x [M, K] on the weight's device."""
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"x on {x.device}, weight on {device}")
+
+
 @functools.cache
 def has_mma_sync(device: torch.device) -> bool:
     """Whether `device` runs the bf16/fp16 `mma.sync.m16n8k16` of the tensor-core W4A16 and

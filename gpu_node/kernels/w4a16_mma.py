@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels import w4a16_mma_gemm, w4a16_mma_plan
-from gpu_node.kernels.launch import has_mma_sync
+from gpu_node.kernels.launch import check_operands, has_mma_sync
 from gpu_node.kernels.w4a16 import is_interpreted
 from gpu_node.kernels.w4a16_gemv import MAX_M, split_counters
 from gpu_node.kernels.w4a16_mma_asm import MAGIC
@@ -300,11 +300,7 @@ def w4a16_mma_gemv(
     a warp's share; NO_SUM, benchmarks only: with split K the partials are written and never
     summed, so y is left unwritten, to time the sum) overrides the heuristic; benchmarks sweep it.
     """
-    k = weight.shape[1]
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    if x.device != weight.tiles.device:
-        raise ValueError(f"x on {x.device}, weight on {weight.tiles.device}")
+    check_operands(x, weight.shape[1], weight.tiles.device)
     if not supports(x, weight):
         raise ValueError(
             f"w4a16_mma_gemv takes bf16/fp16 x of 1..{MAX_M} rows on CUDA (sm_80+, compiled, "

@@ -48,10 +48,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_node.kernels.launch import has_mma_sync
+from gpu_node.kernels.launch import check_operands, has_mma_sync
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_mma_asm import GEMM_PTX, HIGH_ROWS, MAGIC
-from gpu_node.kernels.w4a16_mma_step import fragment
+from gpu_node.kernels.w4a16_mma_step import fragment, x_sum_chunk, x_sum_chunk2
 from gpu_node.quant.int4 import MMA_GROUP_SIZES, Int4WeightMMA
 
 __all__ = [
@@ -190,21 +190,6 @@ def _tile_mma2(a, x_lo, x_hi, d_a, d_b, ASM: tl.constexpr, CONSTRAINTS: tl.const
 
 
 @triton.jit
-def _x_sum(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [x_lo, x_hi, s], dtype=tl.float32, is_pure=True, pack=4
-    )  # fmt: skip
-
-
-@triton.jit
-def _x_sum2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [x_lo, x_hi, s_a, s_b], dtype=(tl.float32, tl.float32),
-        is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@triton.jit
 def _load_x(x_at, step, x_ok, CPG: tl.constexpr, X_HI: tl.constexpr):
     xc = x_at + step * (32 * CPG)
     x0_lo = tl.load(xc, mask=x_ok, other=0)
@@ -280,10 +265,10 @@ def _step(acc, loaded, sm_mul, MT: tl.constexpr, R: tl.constexpr, E: tl.constexp
         a = _dequant(w, DQ_ASM, DQ_CONSTRAINTS)
         if SUBS == 2:
             d_a, d_b = _tile_mma2(a, x_lo, x_hi, d_a, d_b, MMA_ASM, MMA_CONSTRAINTS)
-            s_a, s_b = _x_sum2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
+            s_a, s_b = x_sum_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
         else:
             d_a = _tile_mma(a, x_lo, x_hi, d_a, MMA_ASM, MMA_CONSTRAINTS)
-            s_a = _x_sum(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
+            s_a = x_sum_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
     acc = _corrected(acc, d_a, s_a, sc0, mn0, sm_mul, SYMMETRIC, OFFSET, HIGH)
     if SUBS == 2:
         acc = _corrected(acc, d_b, s_b, sc1, mn1, sm_mul, SYMMETRIC, OFFSET, HIGH)
@@ -464,10 +449,7 @@ def w4a16_mma_gemm(
     registers. `config` (gemm_config's keys; KERNEL picks the kernel) overrides the
     heuristic's; benchmarks sweep it."""
     n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    if x.device != weight.tiles.device:
-        raise ValueError(f"x on {x.device}, weight on {weight.tiles.device}")
+    check_operands(x, k, weight.tiles.device)
     if not supports(x, weight):
         raise ValueError(
             f"w4a16_mma_gemm takes bf16/fp16 x of 1..{MAX_M} rows on CUDA (or the "

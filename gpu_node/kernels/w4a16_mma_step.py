@@ -18,7 +18,8 @@ def _d_chunk(words, x_lo, x_hi, d, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr)
 
 
 @triton.jit
-def _s_chunk(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+def x_sum_chunk(x_lo, x_hi, s, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    """s + a chunk's activation sums (mma with A = 1); the GEMM takes it too."""
     return tl.inline_asm_elementwise(
         ASM, CONSTRAINTS, [x_lo, x_hi, s], dtype=tl.float32, is_pure=True, pack=4
     )
@@ -33,7 +34,7 @@ def _d_chunk2(words, x_lo, x_hi, d_a, d_b, ASM: tl.constexpr, CONSTRAINTS: tl.co
 
 
 @triton.jit
-def _s_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+def x_sum_chunk2(x_lo, x_hi, s_a, s_b, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
     return tl.inline_asm_elementwise(
         ASM, CONSTRAINTS, [x_lo, x_hi, s_a, s_b], dtype=(tl.float32, tl.float32),
         is_pure=True, pack=4,
@@ -172,11 +173,11 @@ def mma_group_step(
         if CHAINS == 2:
             d_a, d_b = _d_chunk2(w, x_lo, x_hi, d_a, d_b, D_ASM, D_CONSTRAINTS)
             if MODE != 2:  # MODE 2 (benchmarks): x_sum left out
-                s_a, s_b = _s_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
+                s_a, s_b = x_sum_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
         else:
             d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
             if MODE != 2:
-                s_a = _s_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
+                s_a = x_sum_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
     scale, corr = _scales(sm, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
     if SUBS == 2:
         scale2, corr2 = _scales(sm2, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
