@@ -21,8 +21,10 @@ DAYS = (date(2026, 11, 1), date(2026, 11, 30))
 
 
 def client_for(server: RedisServer) -> redis.asyncio.Redis:
-    # Short timeouts: a dead Redis must fail an append fast, not hold a request's end.
-    return redis.asyncio.Redis.from_url(server.url, socket_connect_timeout=0.2, socket_timeout=0.5)
+    # A stopped server refuses connections at once, so the timeouts only bound a slow
+    # live one: long enough for 40 connections opened together on a loaded CI machine
+    # (0.2 s once journaled 28 of 40 appends while Redis was up), short against a hang.
+    return redis.asyncio.Redis.from_url(server.url, socket_connect_timeout=2.0, socket_timeout=2.0)
 
 
 async def stream_request_ids(client: redis.asyncio.Redis) -> list[str]:
