@@ -323,7 +323,7 @@ def _launch(
     else:
         plan = plan_launch(n, k, weight.group_size, x.dtype, x.device, weight.symmetric, config)
     x = x.contiguous()
-    if x.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
+    if x.storage_offset() % 2 or x.stride(0) % 2:  # no int32 pairs in an odd view
         x = x.clone()
     pairs = x.view(torch.int32)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -352,10 +352,12 @@ def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, over Int4WeightMMA.
 
     Up to 8 rows of bf16/fp16 on CUDA take the tensor-core GEMV; up to
-    w4a16_mma_gemm.MAX_M rows of a weight of MIN_WEIGHTS or more the GEMMs that dequantize
-    in registers (the interpreter runs their dot kernel too); anything else (more rows, fp32 on a GPU, a CPU uninterpreted)
-    dequantizes W into a transient dense buffer (w4a16_mma_dequant.py) and runs
-    torch.matmul, as w4a16_kn_matmul does past its GEMV.
+    w4a16_mma_gemm.MAX_M rows of a weight of MIN_WEIGHTS or more the GEMMs that
+    dequantize in registers (the interpreter runs their dot kernel too); anything else
+    (more rows, fp32 on a GPU) dequantizes W into a transient dense buffer
+    (w4a16_mma_dequant.py) and runs torch.matmul, as w4a16_kn_matmul does past its GEMV.
+    Triton kernels all: CPU tensors need TRITON_INTERPRET=1 (Int4Linear runs torch's own
+    int4 kernel on a CPU instead).
     """
     n, k = weight.shape
     if x.shape[-1] != k:

@@ -3,7 +3,7 @@
 Letters: N out features, K in features, G group size (32, 64 or 128), T = max(G, 64)
 k values a tile.
 
-One program per (row block, step) tile: its 16 x T values, computed in fp32 as
+One program per BLOCKS row blocks and step: their 16 x T values each, computed in fp32 as
 scale * q + min (a symmetric weight's min being -8 * scale) and stored into W [N, K].
 Lane 4g + t of a chunk holds the words of rows g and g + 8 at k = 16t .. 16t + 15 of the
 chunk (groups of 32: 8t .. 8t + 7 and 32 + 8t .. 32 + 8t + 7, int4.py), so each lane
@@ -21,7 +21,7 @@ import triton.language as tl
 from gpu_node.kernels.w4a16 import is_interpreted
 from gpu_node.quant.int4 import Int4WeightMMA
 
-BLOCKS = 4  # row blocks a program: one a warp
+BLOCKS = 4  # row blocks a program, as many warps
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _dequant_mma_kernel(
     chunk = (lane // 32) % CPG
     g = (lane // 4) % 8
     t = lane % 4
-    tile = tiles_ptr + rb.to(tl.int64) * stride_tr + step * stride_tg
+    tile = tiles_ptr + rb.to(tl.int64) * stride_tr + step.to(tl.int64) * stride_tg
     words = tl.load(tile + chunk * 128 + (lane % 32) * 4 + s, mask=rb_ok, other=0)  # [L, 4]
     c = tl.arange(0, 16)[None, :]
     if GROUP_SIZE == 32:  # steps 0-1 in the chunk's first group, 2-3 in its second
@@ -70,7 +70,7 @@ def _dequant_mma_kernel(
         if SYMMETRIC:
             min_ = scale * -8.0
         else:
-            min_ = tl.load(sm + 2 * hr + 1, mask=rb_ok, other=0.0).to(tl.float32)
+            min_ = tl.load(sm + PER_ROW * hr + 1, mask=rb_ok, other=0.0).to(tl.float32)
         # nibble hr + 2h + 4e holds W[n, kb + 2h + e]: shift 4 hr + 8h + 16e
         q = (words[:, :, None] >> (4 * hr + 8 * (he // 2) + 16 * (he % 2))) & 15  # [L, 4, 4]
         value = q.to(tl.float32) * scale[:, :, None] + min_[:, :, None]

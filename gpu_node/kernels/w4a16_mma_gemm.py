@@ -42,6 +42,7 @@ depend on timing (CUDA-graph replays give the bits of eager calls).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 
 import torch
@@ -65,7 +66,7 @@ __all__ = [
 ]
 
 # Where the GEMMs beat the dense copy + cuBLAS (H200, docs/bench/w4a16_gemm.md): up to
-# MAX_M rows (at 128 the copy was faster at four of eight layer shapes) and weights of
+# MAX_M rows (at 128 the copy was faster at five of eight layer shapes) and weights of
 # MIN_WEIGHTS or more (smaller ones' copy is cheap: 2048 x 3072 took 10.6 us against the
 # tc kernel's 10.9 at 16 rows). tc up to TC_MAX_M rows, dot above.
 TC_MAX_M = 32
@@ -134,7 +135,7 @@ def _gemm_mma_kernel(
     for grp in tl.range(g_begin, g_end, num_stages=NUM_STAGES):
         step = grp // SUBS
         sub = grp % SUBS
-        tile = row_at + step * stride_tg  # [ROWS, 1]
+        tile = row_at + step.to(tl.int64) * stride_tg  # [ROWS, 1]
         # + 2 sub: the second g32 group of a chunk is on steps 2-3 (sub is 0 otherwise)
         words = tl.load(tile + word_in + 2 * sub, mask=rb_ok[:, None], other=0)
         words = words >> shift  # row hr's nibbles at 0, 8, 16, 24 (h = 0) and 4 up (h = 1)
@@ -222,8 +223,8 @@ def _load_step(words_at, sm_at, x_at, step, stride_tg, mask, x_ok, CPG: tl.const
         mn1 = sc1 if SYMMETRIC else tl.load(sm_at + at2 + 1, mask=mask, other=0.0)
     else:
         sc1, mn1 = sc0, mn0  # unused
-    # A warp barrier, which ptxas does not move loads across: without it they sink to the
-    # end of the loop, after the mma that were to hide them (as in w4a16_mma_step.py).
+    # A warp barrier after the loads, as the GEMV's (w4a16_mma_step.py). Alone it did not
+    # keep them ahead of the mma here (H200 SASS, one buffer); the two buffers did.
     tl.inline_asm_elementwise(
         "bar.warp.sync -1;\nmov.b32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1,
@@ -369,16 +370,18 @@ def _gemm_tc_kernel(
 
 def supports(x: torch.Tensor, weight: object) -> bool:
     """Whether w4a16_mma_gemm takes this call: 2-D bf16/fp16 (or fp32 interpreted) x of
-    1..MAX_M rows on CUDA or in the interpreter, over Int4WeightMMA."""
-    interpreted = is_interpreted(x)
-    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if interpreted else ())
+    1..MAX_M rows on CUDA or under TRITON_INTERPRET=1, over Int4WeightMMA tiles whose
+    offsets (fp16 ones twice the int32) stay within int32."""
+    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if interpreter else ())
     return (
         isinstance(weight, Int4WeightMMA)
-        and (x.is_cuda or interpreted)
+        and (x.is_cuda or interpreter)
         and x.dtype in dtypes
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_M
         and weight.group_size in MMA_GROUP_SIZES
+        and 2 * weight.tiles.numel() < 2**31
     )
 
 
@@ -452,8 +455,9 @@ def w4a16_mma_gemm(
     check_operands(x, k, weight.tiles.device)
     if not supports(x, weight):
         raise ValueError(
-            f"w4a16_mma_gemm takes bf16/fp16 x of 1..{MAX_M} rows on CUDA (or the "
-            f"interpreter) and a group size in {MMA_GROUP_SIZES}; got {x.dtype} "
+            f"w4a16_mma_gemm takes bf16/fp16 x (fp32 interpreted) of 1..{MAX_M} rows on CUDA "
+            f"or under TRITON_INTERPRET=1, a group size in {MMA_GROUP_SIZES} and tiles of "
+            f"under 2^30 int32; got {x.dtype} "
             f"{tuple(x.shape)} on {x.device}, group {weight.group_size}"
         )
     kernel = str((config or {}).get("KERNEL", default_kernel(x)))
@@ -512,7 +516,7 @@ def _launch_dot(x: torch.Tensor, weight: Int4WeightMMA, plan: Mapping[str, objec
         SYMMETRIC=weight.symmetric,
         BLOCK_M=block_m,
         RB=rb,
-        DOT_FP32=is_interpreted(x) or x.dtype == torch.float32,
+        DOT_FP32=is_interpreted(x),  # fp32 x comes interpreted only
         NUM_STAGES=stages,
         num_warps=warps,
     )
@@ -527,7 +531,7 @@ def _launch_tc(x: torch.Tensor, weight: Int4WeightMMA, plan: Mapping[str, object
         raise ValueError(f"MT and R are 1, 2 or 4 (register tensors), got MT {mt}, R {r}")
     steps = weight.tiles.shape[1]
     out = _split_out(x, m, n, split, steps)
-    if x.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
+    if x.storage_offset() % 2 or x.stride(0) % 2:  # no int32 pairs in an odd view
         x = x.clone()
     pairs = x.view(torch.int32)
     row_blocks = weight.tiles.shape[0]

@@ -111,6 +111,32 @@ def test_every_config_gives_the_same_product(config) -> None:
     assert torch.equal(y, gemm_module.w4a16_mma_gemm(x, weight, config))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("group_size, symmetric", [(64, True), (128, False)])
+def test_splits_of_whole_groups_give_the_same_product(kernel, group_size, symmetric) -> None:
+    # K = 384: six groups of 64 (six tc steps) or three of 128 (three tc steps of two
+    # chunks each), split unevenly three and two ways.
+    dtype = DTYPES[0]
+    weight = mma_weight(40, 384, group_size, seed=4, symmetric=symmetric)
+    x = activations(24, 384, dtype, seed=5)
+    ref = reference(x, weight, kernel)
+    for split in (2, 3):
+        y = gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel, "SPLIT_K": split})
+        assert relative_error(y, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_views_of_x_give_the_product_of_their_rows(kernel) -> None:
+    # Rows starting at an odd element, every other row, and one row of an odd stride:
+    # the tc kernel reads x as int32 pairs, so such views are copied first.
+    dtype = DTYPES[0]
+    weight = mma_weight(32, 128, 64, seed=6, symmetric=False)
+    base = activations(41, 129, dtype, seed=7)
+    for x in (base[1:18, 1:], base[::2, :128], base[3:4, 1:]):
+        y = gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel})
+        assert relative_error(y, reference(x, weight, kernel)) < TOLERANCE[dtype]
+
+
 def test_gemm_refuses_what_it_cannot_take() -> None:
     weight = mma_weight(32, 128, 64, seed=0, symmetric=False)
     x = activations(16, 128, DTYPES[0], 0)
@@ -200,6 +226,15 @@ def test_gemm_ptx_operands_match_their_constraints(dtype, halves) -> None:
         a = [int(r[1:]) - outputs for r in regs[:4]]
         b = [int(r[1:]) - outputs - 16 for r in regs[4:]]
         assert a == [4 * r + s for r in range(4)] and b == [2 * s, 2 * s + 1]
-    # The dequantization writes output 4r + s from word s: one LOP3 a register.
+    # The dequantization writes output 4r + s (register r) from word s ($16 + s), each
+    # word's four registers moved out before the next word is read: one LOP3 a register.
     assert dq[dtype].count("lop3.b32") == 16
-    assert all(f"${4 * r + s}," in dq[dtype] for r in range(4) for s in range(4))
+    word, moved = -1, []
+    for line in dq[dtype].splitlines():
+        read = re.search(r"\$(1[6-9])\b", line)
+        if read:
+            word = int(read.group(1)) - 16
+        out = re.match(r"mov\.b32 \$(\d+), a(\d);", line)
+        if out:
+            moved.append((int(out.group(1)), 4 * int(out.group(2)) + word))
+    assert len(moved) == 16 and all(got == want for got, want in moved)
