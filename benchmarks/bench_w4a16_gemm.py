@@ -21,6 +21,7 @@ prints the fastest.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -37,7 +38,15 @@ from bench_w4a16 import bench_graph, copies_for
 
 from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
 from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
-from gpu_node.kernels.w4a16_mma_gemm import MAX_M, TC_MAX_M, gemm_config, w4a16_mma_gemm
+from gpu_node.kernels.w4a16_mma_gemm import (
+    MAX_M,
+    TC_MAX_M,
+    DotConfig,
+    GemmConfig,
+    TcConfig,
+    gemm_config,
+    w4a16_mma_gemm,
+)
 from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, from_mma, quantize_int4, to_mma
 
 # (K, N) of the products of a decoder layer: qkv, o, gate_up, down
@@ -60,23 +69,22 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def tc_grid(m: int) -> list[dict[str, object]]:
+def tc_grid(m: int) -> list[GemmConfig]:
     return [
-        {"KERNEL": "tc", "MT": mt, "R": r, "WARPS": 4, "SPLIT_K": split}
+        TcConfig(mt=mt, r=r, warps=4, split_k=split)
         for mt, r, split in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8))
         if 8 * mt <= max(8, m)
     ]
 
 
-def dot_grid(m: int) -> list[dict[str, object]]:
-    grid: list[dict[str, object]] = []
+def dot_grid(m: int) -> list[GemmConfig]:
+    grid: list[GemmConfig] = []
     for block_m, rb, split, warps in itertools.product(
         (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 4), (4, 8)
     ):
         rows = block_m * rb * 16
         if block_m <= max(16, m) and rows <= 128 * 128 and not (warps == 8 and rows < 64 * 64):
-            grid.append({"KERNEL": "dot", "BLOCK_M": block_m, "RB": rb, "SPLIT_K": split,
-                         "num_warps": warps, "num_stages": 3})  # fmt: skip
+            grid.append(DotConfig(block_m, rb, split, warps, num_stages=3))
     return grid
 
 
@@ -138,12 +146,12 @@ def main() -> None:
                 if m > MAX_M or (kernel == "tc" and m > TC_MAX_M):
                     row[f"{kernel}_us"] = row[f"err_{kernel}"] = float("nan")
                     continue
-                config = {"KERNEL": kernel}
+                config = gemm_config(kernel, m, n, k, args.group, sms)
                 row[f"{kernel}_us"] = timed_int4(
                     mmas, lambda q, x=x, c=config: w4a16_mma_gemm(x, q, c)
                 )
                 row[f"err_{kernel}"] = error(w4a16_mma_gemm(x, mma, config), ref)
-                row[f"{kernel}_config"] = gemm_config(kernel, m, n, k, args.group, sms)
+                row[f"{kernel}_config"] = dataclasses.asdict(config)
             row["served_us"] = timed_int4(mmas, lambda q, x=x: w4a16_mma_matmul(x, q))
             note = ""
             if args.sweep:
@@ -154,11 +162,12 @@ def main() -> None:
                     best = min(
                         (timed_int4(mmas, lambda q, x=x, c=cfg: w4a16_mma_gemm(x, q, c)), i)
                         for i, cfg in enumerate(grid)
-                        if int(str(cfg["SPLIT_K"])) <= steps
+                        if cfg.split_k <= steps
                     )
-                    row[f"best_{kernel}_us"], row[f"best_{kernel}"] = best[0], grid[best[1]]
+                    fastest = dataclasses.asdict(grid[best[1]])
+                    row[f"best_{kernel}_us"], row[f"best_{kernel}"] = best[0], fastest
                     note += f" | {kernel} {best[0]:.1f} " + " ".join(
-                        f"{key}={v}" for key, v in grid[best[1]].items() if key != "KERNEL"
+                        f"{key}={v}" for key, v in fastest.items()
                     )
             rows.append(row)
             served, dense_us, copy_us = row["served_us"], row["dense_us"], row["copy_us"]

@@ -9,6 +9,7 @@ and applies the scales in fp32 as the GEMV does.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -22,12 +23,16 @@ if not torch.cuda.is_available():
 import gpu_node.kernels.w4a16_mma as mma_module
 import gpu_node.kernels.w4a16_mma_dequant as dequant_module
 import gpu_node.kernels.w4a16_mma_gemm as gemm_module
+import gpu_node.kernels.w4a16_mma_gemm_dot as dot_module
+import gpu_node.kernels.w4a16_mma_gemm_tc as tc_module
 from gpu_node.kernels.w4a16_mma_asm import GEMM_PTX, MAGIC
 from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, from_mma, quantize_int4, to_mma
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
 # imported the kernels before TRITON_INTERPRET was set: decorate them again.
 dequant_module = importlib.reload(dequant_module)
+dot_module = importlib.reload(dot_module)
+tc_module = importlib.reload(tc_module)
 gemm_module = importlib.reload(gemm_module)
 mma_module = importlib.reload(mma_module)
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -61,6 +66,15 @@ def reference(x: torch.Tensor, weight: Int4WeightMMA, kernel: str) -> torch.Tens
     return x.float() @ w.T
 
 
+def config_for(kernel: str, x: torch.Tensor, weight: Int4WeightMMA, **changes: int):
+    """The heuristic launch of `kernel` for this call (the interpreter plans for 4
+    multiprocessors, as w4a16_mma_gemm does), with `changes`."""
+    n, k = weight.shape
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if CUDA else 4
+    config = gemm_module.gemm_config(kernel, x.shape[0], n, k, weight.group_size, sms)
+    return dataclasses.replace(config, **changes)
+
+
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
@@ -80,33 +94,36 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 def test_gemm_equals_the_reference(m, n, k, group_size, symmetric, dtype, kernel) -> None:
     weight = mma_weight(n, k, group_size, seed=m, symmetric=symmetric)
     x = activations(m, k, dtype, seed=n)
-    y = gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel})
+    y = gemm_module.w4a16_mma_gemm(x, weight, config_for(kernel, x, weight))
     assert y.shape == (m, n) and y.dtype == dtype
     assert relative_error(y, reference(x, weight, kernel)) < TOLERANCE[dtype]
 
 
 DOT_CONFIGS = [
-    {"KERNEL": "dot", "SPLIT_K": 3, "RB": 2},  # 2, 2 and 2 of 6 groups of 32
-    {"KERNEL": "dot", "SPLIT_K": 5, "RB": 1},  # uneven splits: 1 or 2 groups each
-    {"KERNEL": "dot", "BLOCK_M": 32, "RB": 1},  # two token blocks, the last one partial
-    {"KERNEL": "dot", "BLOCK_M": 64, "RB": 8},  # more row blocks a program than there are
+    {"split_k": 3, "rb": 2},  # 2, 2 and 2 of 6 groups of 32
+    {"split_k": 5, "rb": 1},  # uneven splits: 1 or 2 groups each
+    {"block_m": 32, "rb": 1},  # two token blocks, the last one partial
+    {"block_m": 64, "rb": 8},  # more row blocks a program than there are
 ]
 TC_CONFIGS = [
-    {"KERNEL": "tc", "MT": 1, "R": 1, "SPLIT_K": 3},  # one step of 64 a split
-    {"KERNEL": "tc", "MT": 4, "R": 2, "SPLIT_K": 2},  # 2 and 1 steps: an odd split
-    {"KERNEL": "tc", "MT": 2, "R": 4, "WARPS": 8},  # 32 row blocks a program, 5 of them
+    {"mt": 1, "r": 1, "split_k": 3},  # one step of 64 a split
+    {"mt": 4, "r": 2, "split_k": 2},  # 2 and 1 steps: an odd split
+    {"mt": 2, "r": 4, "warps": 8},  # 32 row blocks a program, 5 of them
 ]
 
 
 @pytest.mark.parametrize(
-    "config", DOT_CONFIGS + ([pytest.param(c, marks=needs_cuda) for c in TC_CONFIGS])
+    "kernel, changes",
+    [("dot", c) for c in DOT_CONFIGS]
+    + [pytest.param("tc", c, marks=needs_cuda) for c in TC_CONFIGS],
 )
-def test_every_config_gives_the_same_product(config) -> None:
+def test_every_config_gives_the_same_product(kernel, changes) -> None:
     dtype = DTYPES[0]
     weight = mma_weight(72, 192, 32, seed=1, symmetric=False)
     x = activations(60, 192, dtype, seed=2)
+    config = config_for(kernel, x, weight, **changes)
     y = gemm_module.w4a16_mma_gemm(x, weight, config)
-    assert relative_error(y, reference(x, weight, config["KERNEL"])) < TOLERANCE[dtype]
+    assert relative_error(y, reference(x, weight, kernel)) < TOLERANCE[dtype]
     # Splits sum their fp32 partials in a fixed order: the same bits call after call.
     assert torch.equal(y, gemm_module.w4a16_mma_gemm(x, weight, config))
 
@@ -121,7 +138,7 @@ def test_splits_of_whole_groups_give_the_same_product(kernel, group_size, symmet
     x = activations(24, 384, dtype, seed=5)
     ref = reference(x, weight, kernel)
     for split in (2, 3):
-        y = gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel, "SPLIT_K": split})
+        y = gemm_module.w4a16_mma_gemm(x, weight, config_for(kernel, x, weight, split_k=split))
         assert relative_error(y, ref) < TOLERANCE[dtype]
 
 
@@ -133,7 +150,7 @@ def test_views_of_x_give_the_product_of_their_rows(kernel) -> None:
     weight = mma_weight(32, 128, 64, seed=6, symmetric=False)
     base = activations(41, 129, dtype, seed=7)
     for x in (base[1:18, 1:], base[::2, :128], base[3:4, 1:]):
-        y = gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel})
+        y = gemm_module.w4a16_mma_gemm(x, weight, config_for(kernel, x, weight))
         assert relative_error(y, reference(x, weight, kernel)) < TOLERANCE[dtype]
 
 
@@ -145,41 +162,46 @@ def test_gemm_refuses_what_it_cannot_take() -> None:
     too_many = activations(gemm_module.MAX_M + 1, 128, DTYPES[0], 0)
     with pytest.raises(ValueError, match=f"1..{gemm_module.MAX_M} rows"):
         gemm_module.w4a16_mma_gemm(too_many, weight)
-    with pytest.raises(ValueError, match=re.escape("SPLIT_K must be 1..2, got 3")):
-        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "dot", "SPLIT_K": 3})
-    with pytest.raises(ValueError, match="KERNEL is tc or dot, got 'mma'"):
-        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "mma"})
+    with pytest.raises(ValueError, match=re.escape("split_k must be 1..2, got 3")):
+        gemm_module.w4a16_mma_gemm(x, weight, gemm_module.DotConfig(split_k=3))
+    with pytest.raises(ValueError, match="kernel is tc or dot, got 'mma'"):
+        gemm_module.gemm_config("mma", 16, 32, 128, 64, 4)
+    with pytest.raises(TypeError, match="config is a TcConfig or a DotConfig, got dict"):
+        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "dot"})  # type: ignore[arg-type]
     assert not gemm_module.supports(x.unsqueeze(0), weight)
     assert not gemm_module.supports(x, from_mma(weight))
     if not CUDA:
         with pytest.raises(ValueError, match="the tc kernel takes bf16/fp16 on CUDA sm_80"):
-            gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "tc"})
+            gemm_module.w4a16_mma_gemm(x, weight, gemm_module.TcConfig())
 
 
-@needs_cuda
-def test_tc_refuses_register_tensors_it_cannot_lay_out() -> None:
-    weight = mma_weight(32, 128, 64, seed=0, symmetric=False)
-    x = activations(16, 128, DTYPES[0], 0)
-    with pytest.raises(ValueError, match=r"MT and R are 1, 2 or 4 .* got MT 3, R 1"):
-        gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": "tc", "MT": 3, "R": 1})
+def test_configs_refuse_launches_the_kernels_cannot_lay_out() -> None:
+    with pytest.raises(ValueError, match=r"mt and r are 1, 2 or 4 .* got mt 3, r 1"):
+        gemm_module.TcConfig(mt=3, r=1)
+    with pytest.raises(ValueError, match="warps must be a power of two and split_k 1 or more"):
+        gemm_module.TcConfig(split_k=0)
+    with pytest.raises(ValueError, match="rb must be a power of two, got 3"):
+        gemm_module.DotConfig(rb=3)
+    with pytest.raises(ValueError, match=r"block_m must be 16 or more \(tl.dot\), got 8"):
+        gemm_module.DotConfig(block_m=8)
 
 
 def test_the_heuristic_fills_the_gpu() -> None:
     # tc: two token tiles a program. 4096 x 4096 on 132 multiprocessors, 16 rows: 256 row
     # blocks in 64 programs of four one-row-block warps, K split four ways (1024 warps).
-    assert gemm_module.gemm_config("tc", 16, 4096, 4096, 128, 132) == {
-        "KERNEL": "tc", "MT": 2, "R": 1, "WARPS": 4, "SPLIT_K": 4,
-    }  # fmt: skip
+    assert gemm_module.gemm_config("tc", 16, 4096, 4096, 128, 132) == gemm_module.TcConfig(
+        mt=2, r=1, warps=4, split_k=4
+    )
     # 14336 k: two row blocks a warp, 32 programs, eight splits of 14 steps.
-    assert gemm_module.gemm_config("tc", 16, 4096, 14336, 128, 132)["SPLIT_K"] == 8
+    assert gemm_module.gemm_config("tc", 16, 4096, 14336, 128, 132).split_k == 8
     # 16384 rows at 32 tokens: 128 x 2 programs already fill six warps a multiprocessor.
-    assert gemm_module.gemm_config("tc", 32, 16384, 2048, 128, 132)["SPLIT_K"] == 1
+    assert gemm_module.gemm_config("tc", 32, 16384, 2048, 128, 132).split_k == 1
     # dot: 64 tokens in one block of four row blocks; 64 programs split K in four.
-    assert gemm_module.gemm_config("dot", 64, 4096, 4096, 128, 132) == {
-        "KERNEL": "dot", "BLOCK_M": 64, "RB": 4, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3,
-    }  # fmt: skip
+    assert gemm_module.gemm_config("dot", 64, 4096, 4096, 128, 132) == gemm_module.DotConfig(
+        block_m=64, rb=4, split_k=4, num_warps=8, num_stages=3
+    )
     # Never fewer than 8 groups a split: 8 programs, yet 16 groups split only in two.
-    assert gemm_module.gemm_config("dot", 64, 512, 2048, 128, 132)["SPLIT_K"] == 2
+    assert gemm_module.gemm_config("dot", 64, 512, 2048, 128, 132).split_k == 2
 
 
 def test_matmul_takes_the_gemm_between_the_gemv_and_the_dense_copy(monkeypatch) -> None:
@@ -200,7 +222,7 @@ def test_matmul_takes_the_gemm_between_the_gemv_and_the_dense_copy(monkeypatch) 
     for m, kernel in ((9, KERNELS[0]), (gemm_module.TC_MAX_M + 1, "dot")):
         x = activations(m, 128, dtype, seed=m)
         y = mma_module.w4a16_mma_matmul(x, weight)
-        assert torch.equal(y, gemm_module.w4a16_mma_gemm(x, weight, {"KERNEL": kernel}))
+        assert torch.equal(y, gemm_module.w4a16_mma_gemm(x, weight, config_for(kernel, x, weight)))
     x = activations(gemm_module.MAX_M + 1, 128, dtype, seed=5)
     assert torch.equal(mma_module.w4a16_mma_matmul(x, weight), through_copy(x))
 
