@@ -17,6 +17,16 @@ def check_operands(x: torch.Tensor, k: int, device: torch.device) -> None:
 
 
 @functools.cache
+def int32_pairs(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 rows [M, K] (K even) as int32 pairs [M, K / 2], for kernels that load
+    two activations a word. A view starting at an odd element, or whose rows are an odd
+    number of elements apart, has no such pairs and is copied (into fresh row-major
+    memory: `clone` would keep a one-row view's odd stride)."""
+    if x.storage_offset() % 2 or x.stride(0) % 2 or x.stride(1) != 1:
+        x = torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+    return x.view(torch.int32)
+
+
 def has_mma_sync(device: torch.device) -> bool:
     """Whether `device` runs the bf16/fp16 `mma.sync.m16n8k16` of the tensor-core W4A16 and
     MoE kernels: a CUDA GPU of compute capability 8.0 (Ampere) or newer."""

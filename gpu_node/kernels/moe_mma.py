@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gpu_node.kernels.launch import has_mma_sync, launches_early
+from gpu_node.kernels.launch import has_mma_sync, int32_pairs, launches_early
 from gpu_node.kernels.moe_slots import expert_slots
 from gpu_node.kernels.w4a16 import is_interpreted, num_sms
 from gpu_node.kernels.w4a16_gemv import MAX_TILES, split_counters
@@ -317,10 +317,7 @@ def _grouped_gemv(
     programs = num_slots * programs_n
     if splits > 1 and not sum_slots and programs > MAX_TILES:  # a per_split override
         raise ValueError(f"{programs} programs with split K exceed the {MAX_TILES} counters")
-    a = a.contiguous()
-    if a.storage_offset() % 2:  # a view starting at an odd element: no int32 pairs
-        a = a.clone()
-    pairs = a.view(torch.int32)  # rows of even length: a contiguous view starts aligned
+    pairs = int32_pairs(a)
     cols = n // 2 if w.gated else n
     out = torch.empty(1 if sum_slots else num_assignments, cols, device=a.device, dtype=a.dtype)
     if sum_slots:  # one slab per (slot, split)

@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels import w4a16_mma_gemm, w4a16_mma_plan
-from gpu_node.kernels.launch import check_operands, has_mma_sync
+from gpu_node.kernels.launch import check_operands, has_mma_sync, int32_pairs
 from gpu_node.kernels.w4a16 import is_interpreted
 from gpu_node.kernels.w4a16_gemv import MAX_M, split_counters
 from gpu_node.kernels.w4a16_mma_asm import MAGIC
@@ -322,10 +322,7 @@ def _launch(
         )
     else:
         plan = plan_launch(n, k, weight.group_size, x.dtype, x.device, weight.symmetric, config)
-    x = x.contiguous()
-    if x.storage_offset() % 2 or x.stride(0) % 2:  # no int32 pairs in an odd view
-        x = x.clone()
-    pairs = x.view(torch.int32)
+    pairs = int32_pairs(x)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     splits = plan.splits
     part = torch.empty(splits, plan.programs, *plan.tile, device=x.device) if splits > 1 else out

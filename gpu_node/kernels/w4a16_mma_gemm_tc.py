@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_node.kernels.launch import int32_pairs
 from gpu_node.kernels.w4a16_mma_asm import GEMM_PTX, HIGH_ROWS, MAGIC
 from gpu_node.kernels.w4a16_mma_step import fragment, x_sum_chunk, x_sum_chunk2
 from gpu_node.quant.int4 import Int4WeightMMA
@@ -284,9 +285,7 @@ def launch_tc(x: torch.Tensor, weight: Int4WeightMMA, config: TcConfig, out: tor
     config.split_k)."""
     n = weight.shape[0]
     m = x.shape[0]
-    if x.storage_offset() % 2 or x.stride(0) % 2:  # no int32 pairs in an odd view
-        x = x.clone()
-    pairs = x.view(torch.int32)
+    pairs = int32_pairs(x)
     row_blocks = weight.tiles.shape[0]
     grid = (
         triton.cdiv(m, 8 * config.mt),

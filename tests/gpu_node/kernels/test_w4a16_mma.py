@@ -951,6 +951,14 @@ def test_kernel_takes_any_rows_and_views() -> None:
     assert relative_error(got, w4a16_mma_ref(x.contiguous(), weight)) < TOLERANCE[torch.bfloat16]
     three_d = w4a16_mma_matmul(x.contiguous().reshape(3, 1, 256), weight)
     assert torch.equal(three_d.reshape(3, 10), got)
+    # One row of an odd stride at an even element: contiguous() and clone() keep the
+    # stride, so the kernel's int32 pairs come from a copy.
+    row = torch.randn(4, 257, device="cuda", generator=gen).to(torch.bfloat16)[2:3, 1:]
+    assert row.is_contiguous() and row.stride(0) == 257 and row.storage_offset() % 2 == 0
+    assert torch.equal(
+        w4a16_mma_matmul(row, weight),
+        w4a16_mma_matmul(row.clone(memory_format=torch.contiguous_format), weight),
+    )
 
 
 @needs_cuda
