@@ -59,7 +59,8 @@ class DotConfig:
 def dot_config(m: int, n: int, k: int, group_size: int, sms: int) -> DotConfig:
     """The heuristic launch for M rows of an [N, K] weight on `sms` multiprocessors: the
     smallest token block that holds M, four row blocks a program, K split (keeping 8 groups
-    a split) while the programs do not fill the multiprocessors."""
+    a split) while the programs do not fill the multiprocessors, four warps (at 64 tokens
+    1-6% faster than eight at five layer shapes, H200: docs/bench/w4a16_gemm.md)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     rb = 4
     row_blocks = -(-n // 16)
@@ -68,7 +69,7 @@ def dot_config(m: int, n: int, k: int, group_size: int, sms: int) -> DotConfig:
     split = 1
     while programs * split < sms and groups // (2 * split) >= 8:
         split *= 2
-    return DotConfig(block_m, rb, split, 8 if block_m == 64 else 4)
+    return DotConfig(block_m, rb, split, num_warps=4)
 
 
 @triton.jit
