@@ -84,7 +84,9 @@ def dot_grid(m: int) -> list[GemmConfig]:
     ):
         rows = block_m * rb * 16
         if block_m <= max(16, m) and rows <= 128 * 128 and not (warps == 8 and rows < 64 * 64):
-            grid.append(DotConfig(block_m, rb, split, warps, num_stages=3))
+            grid.append(
+                DotConfig(block_m=block_m, rb=rb, split_k=split, num_warps=warps, num_stages=3)
+            )
     return grid
 
 

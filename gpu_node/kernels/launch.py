@@ -16,7 +16,6 @@ def check_operands(x: torch.Tensor, k: int, device: torch.device) -> None:
         raise ValueError(f"x on {x.device}, weight on {device}")
 
 
-@functools.cache
 def int32_pairs(x: torch.Tensor) -> torch.Tensor:
     """bf16/fp16 rows [M, K] (K even) as int32 pairs [M, K / 2], for kernels that load
     two activations a word. A view starting at an odd element, or whose rows are an odd
@@ -27,6 +26,7 @@ def int32_pairs(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
 
 
+@functools.cache
 def has_mma_sync(device: torch.device) -> bool:
     """Whether `device` runs the bf16/fp16 `mma.sync.m16n8k16` of the tensor-core W4A16 and
     MoE kernels: a CUDA GPU of compute capability 8.0 (Ampere) or newer."""

@@ -31,10 +31,10 @@ from gpu_node.quant.int4 import Int4WeightMMA
 __all__ = ["DotConfig", "dot_config", "launch_dot"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DotConfig:
-    """A launch of the dot kernel: BLOCK_M tokens and RB row blocks (16 rows) a program,
-    K split SPLIT_K ways, Triton's num_warps and num_stages."""
+    """A launch of the dot kernel: `block_m` tokens and `rb` row blocks (16 rows) a
+    program, K split `split_k` ways, Triton's `num_warps` and `num_stages`."""
 
     block_m: int = 16
     rb: int = 4
@@ -49,10 +49,9 @@ class DotConfig:
                 raise ValueError(f"{name} must be a power of two, got {value}")
         if self.block_m < 16:
             raise ValueError(f"block_m must be 16 or more (tl.dot), got {self.block_m}")
-        if self.split_k < 1 or self.num_stages < 1:
-            raise ValueError(
-                f"split_k and num_stages must be 1 or more, got {self.split_k}, {self.num_stages}"
-            )
+        for name in ("split_k", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be 1 or more, got {getattr(self, name)}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -69,7 +68,7 @@ def dot_config(m: int, n: int, k: int, group_size: int, sms: int) -> DotConfig:
     split = 1
     while programs * split < sms and groups // (2 * split) >= 8:
         split *= 2
-    return DotConfig(block_m, rb, split, num_warps=4)
+    return DotConfig(block_m=block_m, rb=rb, split_k=split, num_warps=4)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""The `tc` W4A16 GEMM over Int4WeightMMA (w4a16_mma_gemm.py picks it for 9 to TC_MAX_M
-rows on the GPU): y = x @ W^T with the decode GEMV's arithmetic and token tiles.
+"""The `tc` W4A16 GEMM over Int4WeightMMA (w4a16_mma_gemm.py picks it for up to TC_MAX_M
+rows on the GPU; w4a16_mma_matmul sends it 9 or more, the GEMV takes fewer): y = x @ W^T with the decode GEMV's arithmetic and token tiles.
 
 Letters: M tokens, N out features, K in features, G group size (32, 64 or 128),
 T = max(G, 64) k values a tile step, S split-K ways.
@@ -38,10 +38,10 @@ __all__ = ["TcConfig", "launch_tc", "tc_config"]
 TILE_COUNTS = (1, 2, 4)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TcConfig:
-    """A launch of the tc kernel: MT token tiles (8 rows) a program, R row blocks (16 rows)
-    a warp, WARPS warps a program, K split SPLIT_K ways."""
+    """A launch of the tc kernel: `mt` token tiles (8 rows) a program, `r` row blocks (16
+    rows) a warp, `warps` warps a program, K split `split_k` ways."""
 
     mt: int = 2
     r: int = 1
@@ -49,15 +49,15 @@ class TcConfig:
     split_k: int = 1
 
     def __post_init__(self) -> None:
-        if self.mt not in TILE_COUNTS or self.r not in TILE_COUNTS:
-            raise ValueError(
-                f"mt and r are 1, 2 or 4 (register tensors), got mt {self.mt}, r {self.r}"
-            )
-        if self.warps < 1 or self.warps & (self.warps - 1) or self.split_k < 1:
-            raise ValueError(
-                f"warps must be a power of two and split_k 1 or more, got {self.warps}, "
-                f"{self.split_k}"
-            )
+        for name in ("mt", "r"):
+            if getattr(self, name) not in TILE_COUNTS:
+                raise ValueError(
+                    f"{name} must be 1, 2 or 4 (register tensors), got {getattr(self, name)}"
+                )
+        if self.warps < 1 or self.warps & (self.warps - 1):
+            raise ValueError(f"warps must be a power of two, got {self.warps}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be 1 or more, got {self.split_k}")
 
 
 @functools.lru_cache(maxsize=1024)

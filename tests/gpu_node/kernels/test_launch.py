@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -37,3 +39,24 @@ def test_int32_pairs_holds_each_row_and_copies_only_odd_views(rows, copied) -> N
     # Each int32 is a row's two bf16 in order: the low half the even k.
     assert torch.equal(pairs.view(torch.bfloat16), x)
     assert pairs.stride(1) == 1
+
+
+def test_int32_pairs_copies_columns_that_are_not_adjacent() -> None:
+    base = torch.arange(4 * 260, dtype=torch.float32).reshape(4, 260).to(torch.bfloat16)
+    x = base[:, ::2][:, :128]  # strides (260, 2): each row's k apart by two elements
+    pairs = int32_pairs(x)
+    assert pairs.data_ptr() != x.data_ptr()
+    assert torch.equal(pairs.view(torch.bfloat16), x)
+
+
+def test_int32_pairs_keeps_nothing_between_calls() -> None:
+    # Each call reads x as it is now, and holds no reference to it afterwards.
+    base = torch.zeros(4, 129, dtype=torch.bfloat16)
+    x = base[1:2, 1:]  # the copying path
+    assert torch.equal(int32_pairs(x).view(torch.bfloat16), x)
+    x.fill_(3.0)
+    assert torch.equal(int32_pairs(x).view(torch.bfloat16), x)
+    alive = weakref.ref(x)
+    del x, base
+    gc.collect()
+    assert alive() is None

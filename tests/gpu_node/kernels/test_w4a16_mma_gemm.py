@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import os
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -66,7 +67,9 @@ def reference(x: torch.Tensor, weight: Int4WeightMMA, kernel: str) -> torch.Tens
     return x.float() @ w.T
 
 
-def config_for(kernel: str, x: torch.Tensor, weight: Int4WeightMMA, **changes: int):
+def config_for(
+    kernel: str, x: torch.Tensor, weight: Int4WeightMMA, **changes: Any
+) -> gemm_module.GemmConfig:
     """The heuristic launch of `kernel` for this call (the interpreter plans for 4
     multiprocessors, as w4a16_mma_gemm does), with `changes`."""
     n, k = weight.shape
@@ -175,15 +178,31 @@ def test_gemm_refuses_what_it_cannot_take() -> None:
             gemm_module.w4a16_mma_gemm(x, weight, gemm_module.TcConfig())
 
 
-def test_configs_refuse_launches_the_kernels_cannot_lay_out() -> None:
-    with pytest.raises(ValueError, match=r"mt and r are 1, 2 or 4 .* got mt 3, r 1"):
-        gemm_module.TcConfig(mt=3, r=1)
-    with pytest.raises(ValueError, match="warps must be a power of two and split_k 1 or more"):
-        gemm_module.TcConfig(split_k=0)
-    with pytest.raises(ValueError, match="rb must be a power of two, got 3"):
-        gemm_module.DotConfig(rb=3)
-    with pytest.raises(ValueError, match=r"block_m must be 16 or more \(tl.dot\), got 8"):
-        gemm_module.DotConfig(block_m=8)
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: gemm_module.TcConfig(mt=3), "mt must be 1, 2 or 4 (register tensors), got 3"),
+        (lambda: gemm_module.TcConfig(r=8), "r must be 1, 2 or 4 (register tensors), got 8"),
+        (lambda: gemm_module.TcConfig(warps=3), "warps must be a power of two, got 3"),
+        (lambda: gemm_module.TcConfig(split_k=0), "split_k must be 1 or more, got 0"),
+        (lambda: gemm_module.DotConfig(rb=3), "rb must be a power of two, got 3"),
+        (lambda: gemm_module.DotConfig(num_warps=6), "num_warps must be a power of two, got 6"),
+        (lambda: gemm_module.DotConfig(block_m=8), "block_m must be 16 or more (tl.dot), got 8"),
+        (lambda: gemm_module.DotConfig(split_k=0), "split_k must be 1 or more, got 0"),
+        (lambda: gemm_module.DotConfig(num_stages=0), "num_stages must be 1 or more, got 0"),
+    ],
+)
+def test_configs_refuse_launches_the_kernels_cannot_lay_out(make, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
+
+
+@needs_cuda
+def test_tc_refuses_more_splits_than_steps() -> None:
+    weight = mma_weight(32, 128, 64, seed=0, symmetric=False)  # two steps of 64
+    x = activations(16, 128, DTYPES[0], 0)
+    with pytest.raises(ValueError, match=re.escape("split_k must be 1..2, got 3")):
+        gemm_module.w4a16_mma_gemm(x, weight, gemm_module.TcConfig(split_k=3))
 
 
 def test_the_heuristic_fills_the_gpu() -> None:
