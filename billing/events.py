@@ -20,8 +20,19 @@ _TEXT_FIELDS = ("request_id", "account_id", "model", "node_id")
 _TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens")
 # The most tokens a count may hold: the ledger's BIGINT. A count past it is refused here, so
 # the worker dead-letters its event instead of failing the batch's insert again and again.
-MAX_TOKENS = 2**63 - 1
+# The most tokens a count may hold. A request's count is bounded by a context window
+# (millions), so 2^40 refuses only corrupt counts, and it leaves 2^23 events of the most
+# tokens an account x model x day before a report's 64-bit SUM would overflow. A count past
+# it is refused here, so the worker dead-letters its event instead of failing the batch's
+# insert (or a later report) again and again.
+MAX_TOKENS = 2**40
 _TIME_FIELDS = ("started_at", "ended_at")
+# The latest time a ledger row can hold: 9999-12-31 23:59:59 UTC, the last day a date has
+# (a time in milliseconds, 1000x too large, falls past it).
+MAX_EPOCH_S = 253402300799.0
+# The longest text a field may hold: the gateway's identifiers are at most 256 characters,
+# and Postgres indexes request_id in a btree (whose rows end at 2704 bytes).
+MAX_TEXT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +63,11 @@ class UsageEvent:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise InvalidUsageEvent(f"{name} must be a string, got {type(value).__name__}")
+            if len(value) > MAX_TEXT:
+                raise InvalidUsageEvent(f"{name} must be at most {MAX_TEXT} characters")
+            # Postgres text holds no NUL and only what encodes as UTF-8.
+            if "\x00" in value or _has_surrogate(value):
+                raise InvalidUsageEvent(f"{name} must be UTF-8 text without NUL, got {value!r}")
         # node_id may be empty: a request that failed before placement ran on no node.
         for name in ("request_id", "account_id", "model"):
             if not getattr(self, name):
@@ -74,8 +90,10 @@ class UsageEvent:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InvalidUsageEvent(f"{name} must be epoch seconds, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise InvalidUsageEvent(f"{name} must be finite and non-negative, got {value!r}")
+            if not math.isfinite(value) or not 0 <= value <= MAX_EPOCH_S:
+                raise InvalidUsageEvent(
+                    f"{name} must be epoch seconds in [0, {MAX_EPOCH_S:.0f}], got {value!r}"
+                )
         if self.ended_at < self.started_at:
             raise InvalidUsageEvent(
                 f"ended_at ({self.ended_at}) is before started_at ({self.started_at})"
@@ -98,9 +116,12 @@ class UsageEvent:
     def from_fields(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> UsageEvent:
         """Parse what `to_fields` wrote (as XRANGE/XREADGROUP return it, bytes or str)."""
         data: dict[str, str] = {}
-        for key, value in raw.items():
-            k = key.decode() if isinstance(key, bytes) else key
-            data[k] = value.decode() if isinstance(value, bytes) else value
+        try:
+            for key, value in raw.items():
+                k = key.decode() if isinstance(key, bytes) else key
+                data[k] = value.decode() if isinstance(value, bytes) else value
+        except UnicodeDecodeError as exc:
+            raise InvalidUsageEvent(f"usage event has a field that is not UTF-8: {exc}") from None
         missing = [f.name for f in fields(cls) if f.name not in data]
         if missing:
             raise InvalidUsageEvent(f"usage event lacks fields: {', '.join(missing)}")
@@ -119,3 +140,12 @@ class UsageEvent:
             )
         except ValueError as exc:
             raise InvalidUsageEvent(f"usage event has a non-numeric field: {exc}") from None
+
+
+def _has_surrogate(text: str) -> bool:
+    """Whether `text` holds a lone surrogate (no UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -19,7 +19,7 @@ import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from billing.errors import InvalidReportQuery
 from billing.ledger import Ledger
 from billing.prices import PriceTable
-from billing.reports import build_report, parse_day, parse_group_by, to_json
+from billing.reports import build_report, parse_day, parse_group_by, to_json, window_start
 
 ALL_ACCOUNTS = "*"
 DEFAULT_DAYS = 30
@@ -94,7 +94,7 @@ def usage_endpoint(
             start = (
                 parse_day(query["from"], "from")
                 if "from" in query
-                else end - timedelta(days=DEFAULT_DAYS - 1)
+                else window_start(end, DEFAULT_DAYS)
             )
             if (end - start).days + 1 > max_days:
                 raise InvalidReportQuery(f"from..to spans more than {max_days} days")

@@ -66,14 +66,30 @@ class Journal:
 
     def clear(self, rejected_lines: list[str]) -> None:
         """Empty the journal after its events reached Redis, keeping unparsable lines aside."""
+        self.keep([], rejected_lines)
+
+    def keep(self, events: list[UsageEvent], rejected_lines: list[str]) -> None:
+        """Leave only `events` in the journal (the others reached Redis), unparsable lines
+        set aside. A crash leaves the old journal or the new one, never a part of either."""
         if rejected_lines:
             log.warning(
                 "billing journal %s: %d unparsable lines set aside", self.path, len(rejected_lines)
             )
             self._append_lines(self.rejected_path, rejected_lines)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if not events:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.unlink(missing_ok=True)
+        self._append_lines(partial, [json.dumps(e.to_fields(), sort_keys=True) for e in events])
+        os.replace(partial, self.path)
+        fd = os.open(self.path.parent, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            os.fsync(fd)  # the rename itself survives a crash
         finally:
             os.close(fd)
 

@@ -13,7 +13,7 @@ import io
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -76,6 +76,16 @@ def parse_day(text: str, name: str) -> date:
         return date.fromisoformat(text)
     except (TypeError, ValueError):
         raise InvalidReportQuery(f"{name}: {text!r} is not a date (YYYY-MM-DD)") from None
+
+
+def window_start(end: date, days: int) -> date:
+    """The first day of a `days`-day window that ends on `end` (inclusive)."""
+    try:
+        return end - timedelta(days=days - 1)
+    except OverflowError:
+        raise InvalidReportQuery(
+            f"from: a {days}-day window ending on {end.isoformat()} starts before 0001-01-01"
+        ) from None
 
 
 def build_report(

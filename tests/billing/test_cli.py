@@ -89,6 +89,12 @@ def test_report_rejects_bad_input_with_a_clear_message(tmp_path: Path) -> None:
     )
     assert bad_format.exit_code == 2
     assert "use table, json or csv" in bad_format.output
+    too_early = CliRunner().invoke(
+        app, ["billing", "report", "--sqlite", str(path), "--to", "0001-01-10"]
+    )
+    assert too_early.exit_code == 2
+    message = " ".join(too_early.output.replace("│", " ").split())  # rich wraps it in a box
+    assert "a 30-day window ending on 0001-01-10 starts before 0001-01-01" in message
 
 
 def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_prefix: str) -> None:

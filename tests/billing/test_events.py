@@ -34,19 +34,30 @@ def test_fields_round_trip_exactly() -> None:
         ({"account_id": 7}, "account_id must be a string, got int"),
         (
             {"input_tokens": -1},
-            "input_tokens must be an integer in [0, 9223372036854775807], got -1",
+            "input_tokens must be an integer in [0, 1099511627776], got -1",
         ),
         (
             {"output_tokens": True},
-            "output_tokens must be an integer in [0, 9223372036854775807], got True",
+            "output_tokens must be an integer in [0, 1099511627776], got True",
         ),
         (
             {"input_tokens": 2**64, "cached_tokens": 0},  # past the ledger's BIGINT
-            "input_tokens must be an integer in [0, 9223372036854775807], got 18446744073709551616",
+            "input_tokens must be an integer in [0, 1099511627776], got 18446744073709551616",
+        ),
+        (
+            {"input_tokens": 2**40 + 1, "cached_tokens": 0},  # a report's SUM could overflow
+            "input_tokens must be an integer in [0, 1099511627776], got 1099511627777",
+        ),
+        ({"request_id": "r" * 257}, "request_id must be at most 256 characters"),
+        ({"model": "m\x00"}, "model must be UTF-8 text without NUL, got 'm\\x00'"),
+        ({"node_id": "n\ud800"}, "node_id must be UTF-8 text without NUL, got 'n\\ud800'"),
+        (
+            {"ended_at": 1793620801000.0},  # milliseconds: past the year 9999
+            "ended_at must be epoch seconds in [0, 253402300799], got 1793620801000.0",
         ),
         ({"cached_tokens": 101}, "cached_tokens (101) exceeds input_tokens (100)"),
         ({"ended_at": DAY1 - 1}, "is before started_at"),
-        ({"started_at": float("nan")}, "started_at must be finite"),
+        ({"started_at": float("nan")}, "started_at must be epoch seconds in [0, 253402300799]"),
         ({"status": "done"}, "status must be one of ['cancelled', 'error', 'ok'], got 'done'"),
     ],
 )
@@ -66,6 +77,10 @@ def test_from_fields_names_missing_and_non_numeric_fields() -> None:
     fields = make_event("req-1").to_fields() | {"output_tokens": "many"}
     with pytest.raises(InvalidUsageEvent, match="non-numeric"):
         UsageEvent.from_fields(fields)
+    as_bytes = {k.encode(): v.encode() for k, v in make_event("req-1").to_fields().items()}
+    as_bytes[b"model"] = b"\xff\xfe"
+    with pytest.raises(InvalidUsageEvent, match="a field that is not UTF-8"):
+        UsageEvent.from_fields(as_bytes)
 
 
 def test_empty_node_is_allowed_for_requests_that_never_reached_one() -> None:

@@ -145,6 +145,10 @@ async def test_admin_reads_any_account_or_all(client: httpx.AsyncClient) -> None
         ({"from": "2026-11-03", "to": "2026-11-02"}, "to (2026-11-02) is before from (2026-11-03)"),
         ({"from": "2026-01-01", "to": "2026-11-02"}, "from..to spans more than 31 days"),
         ({"group_by": "week"}, "group_by: unknown key(s) week; use any of account, model, day"),
+        (  # the default window of 30 days would start before the first date (it was a 500)
+            {"to": "0001-01-10"},
+            "from: a 30-day window ending on 0001-01-10 starts before 0001-01-01",
+        ),
     ],
 )
 async def test_bad_queries_are_400_in_the_envelope(

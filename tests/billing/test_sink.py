@@ -12,7 +12,7 @@ import redis.asyncio
 from billing.events import UsageEvent
 from billing.journal import Journal
 from billing.ledger import Ledger, SqliteLedger
-from billing.sink import LocalUsageSink, RedisUsageSink
+from billing.sink import REPLAY_CHUNK, LocalUsageSink, RedisUsageSink
 from billing.worker import BillingWorker, WorkerConfig
 from tests.billing.conftest import RedisServer, make_event
 
@@ -208,3 +208,46 @@ def test_a_torn_last_line_keeps_to_itself_and_the_next_event_is_kept(tmp_path: P
     clean.append(make_event("req-1"))
     clean.append(make_event("req-2"))
     assert clean.path.read_text().count("\n") == 2
+
+
+async def test_a_replay_cut_short_keeps_only_what_it_did_not_send(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A long journal replays in chunks of REPLAY_CHUNK. Redis refusing writes midway (out
+    of memory) leaves the journal holding the chunks not sent, which the next replay sends:
+    once the journal had been re-sent whole on every attempt and never emptied."""
+    client = client_for(redis_server)
+    path = tmp_path / "gateway.journal"
+    events = [make_event(f"j-{i}") for i in range(3 * REPLAY_CHUNK + 500)]
+    Journal(path).append_many(events)
+    await client.xadd(STREAM, make_event("probe").to_fields())
+    used = int((await client.info("memory"))["used_memory"])
+    # Room for part of the journal (stream entries take ~100-150 bytes each here): a
+    # chunk past the first fails part way, where Redis's own accounting puts it.
+    await client.config_set("maxmemory", str(used + 300 * REPLAY_CHUNK))
+    await client.config_set("maxmemory-policy", "noeviction")
+    sink = RedisUsageSink(client, STREAM, path, timeout_s=5.0)
+    sent = await sink.replay_journal()
+    assert 0 < sent < len(events) and sent % REPLAY_CHUNK == 0
+    left = Journal(path).read()
+    assert [e.request_id for e in left.events] == [e.request_id for e in events[sent:]]
+    await client.config_set("maxmemory", "0")
+    assert await sink.replay_journal() == len(events) - sent
+    assert path.read_text() == ""
+    ids = await stream_request_ids(client)
+    # Every event once, those of the chunk that failed perhaps twice (the ledger absorbs it).
+    assert set(ids) == {e.request_id for e in events} | {"probe"}
+    assert len(ids) <= len(events) + 1 + REPLAY_CHUNK
+    assert sink.num_replayed == len(events)
+    await client.aclose()
+
+
+def test_keep_leaves_only_the_events_given(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "gateway.journal")
+    journal.append_many([make_event(f"k-{i}") for i in range(5)])
+    journal.keep([make_event("k-3"), make_event("k-4")], ["torn"])
+    assert [e.request_id for e in journal.read().events] == ["k-3", "k-4"]
+    assert journal.rejected_path.read_text() == "torn\n"
+    assert not (tmp_path / "gateway.journal.partial").exists()
+    journal.keep([], [])
+    assert journal.is_empty()

@@ -99,6 +99,37 @@ async def test_a_count_past_the_ledgers_bigint_is_dead_lettered_and_billing_goes
     assert ledger.count() == 1
 
 
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {b"model": b"\xff\xfe"},  # not UTF-8: decoding had raised outside the parse
+        {b"ended_at": b"1793620801000.0"},  # milliseconds: no UTC day to bill it on
+        {b"node_id": b"n\x00"},  # NUL: Postgres text holds none
+        {b"request_id": b"r" * 8192},  # past Postgres's btree row
+    ],
+    ids=["not-utf8", "milliseconds", "nul", "long-id"],
+)
+async def test_an_entry_the_ledger_cannot_store_is_dead_lettered_and_billing_goes_on(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str, poison: dict
+) -> None:
+    """Each of these had failed its batch's insert (or its parse) on every retry, wedging
+    the group: nothing after it, nor the good events of its batch, was ever billed."""
+    cfg = config(key_prefix, "w1")
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    await redis_client.xadd(cfg.stream_key, make_event("req-0").to_fields())
+    fields = {k.encode(): v.encode() for k, v in make_event("req-bad").to_fields().items()}
+    fields |= poison
+    bad_id = (await redis_client.xadd(cfg.stream_key, fields)).decode()
+    await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
+    result = await worker.read_once()
+    assert (result.num_new, result.num_duplicate, result.num_dead) == (2, 0, 1)
+    dead = await redis_client.xrange(cfg.dead_letter_key)
+    assert [entry for _, entry in dead] == [fields | {b"source_id": bad_id.encode()}]
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert ledger.count() == 2
+
+
 async def test_a_restarted_consumer_first_bills_what_it_held_when_it_stopped(
     redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
 ) -> None:

@@ -19,14 +19,27 @@ COMPOSE = INFRA / "compose.yaml"
 DATABASE_URL = {"name": "DATABASE_URL", "valueFrom": {"secretKeyRef": {"name": "edgeserve", "key": "database-url"}}}  # fmt: skip
 
 
-def k8s_containers() -> dict[str, dict[str, Any]]:
-    """Deployment name -> its one container."""
+def k8s_workloads() -> dict[str, dict[str, Any]]:
+    """Deployment or StatefulSet name -> its document."""
     documents = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
     return {
-        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
-        for d in documents
-        if d["kind"] == "Deployment"
+        d["metadata"]["name"]: d for d in documents if d["kind"] in ("Deployment", "StatefulSet")
     }
+
+
+def k8s_containers() -> dict[str, dict[str, Any]]:
+    """Workload name -> its one container."""
+    return {
+        name: d["spec"]["template"]["spec"]["containers"][0] for name, d in k8s_workloads().items()
+    }
+
+
+def image_home() -> str:
+    """EDGESERVE_HOME as the image sets it: where a gateway's usage journal lives."""
+    for line in (INFRA / "Dockerfile").read_text().splitlines():
+        if line.startswith("ENV ") and "EDGESERVE_HOME=" in line:
+            return line.split("EDGESERVE_HOME=")[1].split()[0]
+    raise AssertionError("the Dockerfile sets no EDGESERVE_HOME")
 
 
 def edgeserve_args(command: list[str]) -> list[str]:
@@ -47,6 +60,31 @@ def test_the_k8s_fleet_runs_a_billing_worker_on_the_gateways_ledger() -> None:
         env = {e["name"]: e for e in containers[name]["env"]}
         assert env["DATABASE_URL"] == DATABASE_URL, name
         assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url", name
+
+
+def test_k8s_gateways_keep_their_journal_across_restarts() -> None:
+    """The journal is named by host name and lives in EDGESERVE_HOME: a gateway must come
+    back under its own name, with its own volume there, to replay what it journaled."""
+    gateway = k8s_workloads()["edgeserve-gateway"]
+    assert gateway["kind"] == "StatefulSet"
+    (claim,) = gateway["spec"]["volumeClaimTemplates"]
+    mounts = k8s_containers()["edgeserve-gateway"]["volumeMounts"]
+    assert mounts == [{"name": claim["metadata"]["name"], "mountPath": image_home()}]
+    services = {
+        d["metadata"]["name"]: d
+        for d in yaml.safe_load_all(K8S.read_text())
+        if d and d["kind"] == "Service"
+    }
+    assert services[gateway["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+
+
+def test_compose_gateways_keep_their_journal_across_recreation() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    for name in ("gateway-1", "gateway-2"):
+        service = compose["services"][name]
+        assert service["hostname"] == name
+        assert service["volumes"] == [f"{name}:{image_home()}"]
+        assert name in compose["volumes"]
 
 
 def test_the_compose_fleet_gives_every_process_one_ledger() -> None:
