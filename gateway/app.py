@@ -34,10 +34,10 @@ from gateway.dispatch import Dispatcher, UsageSinkLike
 from gateway.errors import (
     Dialect,
     GatewayError,
+    InternalError,
     MethodNotAllowedError,
     NotFoundError,
     UnavailableError,
-    UpstreamError,
 )
 from gateway.http import Gateway, JSONBytes, error_response
 from gateway.keys import KeyStore
@@ -90,7 +90,8 @@ async def _store_unreachable(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(UpstreamError("internal error"), dialect_of_path(request.url.path))
+    # Our fault, not a node's: a 500, so that alerts on 502s keep meaning "a node failed".
+    return error_response(InternalError("internal error"), dialect_of_path(request.url.path))
 
 
 def _bearer(request: Request) -> str:

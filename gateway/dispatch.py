@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import httpx
@@ -136,11 +136,16 @@ class Dispatcher:
         started_at = time.time()
         max_tokens, window = int(job.payload["max_tokens"]), await self.context_window(job.model)
         if max_tokens >= window:
-            # Never servable, whatever the prompt: say so, not that it passes a rate limit.
-            raise RequestTooLargeError(
-                f"max_tokens ({max_tokens}) leaves no room for a prompt in the context window "
-                f"of {window} tokens"
-            )
+            if not job.payload.get("max_tokens_is_default"):
+                # Never servable, whatever the prompt: say so, not that it passes a rate limit.
+                raise RequestTooLargeError(
+                    f"max_tokens ({max_tokens}) leaves no room for a prompt in the context "
+                    f"window of {window} tokens"
+                )
+            # The client named none: the default runs to what the window leaves (the node
+            # shortens it further to what the prompt leaves), and admission reserves that.
+            payload = job.payload | {"max_tokens": window - 1}
+            job = replace(job, payload=payload, estimated_tokens=estimate_tokens(payload))
         trace = self._tracer.start(job)
         # No limiter, no admission step: a span that decided nothing would only mislead.
         admitting = (

@@ -18,6 +18,7 @@
     ├── NotReadyError           503  the model is still loading
     ├── UnavailableError        503  the rate-limit store is unreachable and admission fails closed
     ├── UpstreamError           502  a node failed
+    ├── InternalError           500  a fault of the gateway's own (logged with its traceback)
     └── ClientClosedError       499  the client left before a whole (non-streamed) answer:
                                      written to nobody, it names the request in the access log
 
@@ -128,6 +129,10 @@ class ClientClosedError(GatewayError):
     pass
 
 
+class InternalError(GatewayError):
+    pass
+
+
 @dataclass(frozen=True)
 class ErrorShape:
     workers_ai_status: int
@@ -162,6 +167,7 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
     NotReadyError: ErrorShape(503, 3040, 503, "server_error", "model_loading"),
     UnavailableError: ErrorShape(503, 7010, 503, "server_error", "service_unavailable"),
     UpstreamError: ErrorShape(502, 3043, 502, "server_error", "upstream_error"),
+    InternalError: ErrorShape(500, 3043, 500, "server_error", "internal_error"),
     ClientClosedError: ErrorShape(499, 5004, 499, "invalid_request_error", "client_closed_request"),
 }
 

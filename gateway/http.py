@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.catalog import CatalogModel, ModelCatalog
 from gateway.dispatch import Dispatcher
 from gateway.errors import (
     AuthenticationError,
+    ClientClosedError,
     Dialect,
     GatewayError,
     InvalidRequestError,
@@ -32,6 +33,8 @@ from gateway.errors import (
 from gateway.json_body import BodyTooLargeError, load_json, read_body
 from gateway.keys import KeyStore
 from gateway.settings import GatewaySettings
+
+LEFT_MID_BODY = "the client closed the connection before its request body arrived"
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,8 @@ async def parse_body(request: Request, schema: type[M]) -> M:
         raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
     except BodyTooLargeError as exc:
         raise PayloadTooLargeError(str(exc)) from None
+    except ClientDisconnect:  # it left mid-body: nobody to answer, a 499 in the access log
+        raise ClientClosedError(LEFT_MID_BODY) from None
     try:
         data = load_json(raw)
     except ValueError as exc:  # not UTF-8, not JSON, nested too deeply, an integer too long

@@ -124,6 +124,8 @@ class WorkersAITextRequest(BaseModel):
 
     def node_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        if "max_tokens" not in self.model_fields_set:  # the node may shorten the default
+            payload["max_tokens_is_default"] = True
         if self.messages is not None:
             payload["messages"] = [m.node_message() for m in self.messages]
         else:

@@ -286,10 +286,16 @@ def node(
     ttl_s: float = typer.Option(3.0),
 ) -> None:
     """One GPU node: the engine behind the internal API, publishing its capacity to Redis."""
+    from gpu_node.node_app.service import check_node_id
     from scheduler.capacity import ROLES
 
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
+    node_id = f"{socket.gethostname()}-{port}" if node_id is None else node_id
+    try:
+        check_node_id(node_id)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--node-id") from None
     engine_device = resolve_device(device)
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
@@ -303,7 +309,7 @@ def node(
         telemetry = _telemetry("edgeserve-node")
         service = NodeService(
             NodeSettings(
-                node_id=node_id or f"{socket.gethostname()}-{port}", address=advertise or f"http://{host}:{port}",
+                node_id=node_id, address=advertise or f"http://{host}:{port}",
                 internal_token=token, role=role, heartbeat_s=heartbeat_s, ttl_s=ttl_s,
             ),
             RedisCapacityRegistry(client, prefix),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,19 @@ if TYPE_CHECKING:
     from gpu_node.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
+
+# A node id names the node's capacity record in Redis and every usage event it serves
+# (which billing refuses past 256 characters): letters, digits and a few separators.
+NODE_ID = re.compile(r"[A-Za-z0-9@/_.:+=-]{1,256}")
+
+
+def check_node_id(node_id: str) -> str:
+    """`node_id` when it can name a node, else ValueError naming the rule."""
+    if NODE_ID.fullmatch(node_id) is None:
+        raise ValueError(
+            f"node id {node_id!r} must be 1-256 characters of letters, digits and @/_.:+=-"
+        )
+    return node_id
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,9 @@ class NodeSettings:
     registry_timeout_s: float = 5.0
     handoff_timeout_s: float = 120.0  # a prefill node's answer with a prompt's KV
     max_num_seqs: int = 16  # for the load estimate: how many requests make one batch
+
+    def __post_init__(self) -> None:
+        check_node_id(self.node_id)
 
 
 class NodeService:

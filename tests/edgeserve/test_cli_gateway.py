@@ -40,6 +40,18 @@ def test_node_refuses_a_role_it_does_not_know() -> None:
     )
 
 
+@pytest.mark.parametrize("node_id", ["", "node 1", "n" * 257, "a{b}"])
+def test_node_refuses_an_id_billing_could_not_store(node_id: str) -> None:
+    # Every usage event names its node; billing dead-letters an id past 256 characters.
+    result = CliRunner().invoke(
+        build_app(), ["node", "--internal-token", "t", "--node-id", node_id]
+    )
+    assert result.exit_code == 2
+    assert "must be 1-256 characters of letters, digits and @/_.:+=-" in " ".join(
+        result.stderr.replace("│", " ").split()
+    )
+
+
 @pytest.mark.parametrize(
     ("command", "device", "message"),
     [

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import subprocess
 import sys
 
@@ -533,3 +535,94 @@ def test_the_context_window_shown_and_enforced_is_what_the_largest_live_node_tak
         assert windows() == (8192, 8192, "8192")
     finally:
         server.stop()
+
+
+def asgi_scope(path: str, headers: dict[str, str]) -> dict:
+    """An HTTP request's ASGI scope, as uvicorn hands it to the app."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8080),
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()], "state": {},
+    }  # fmt: skip
+
+
+async def call_app(app, scope: dict, messages: list[dict]) -> tuple[int, bytes]:  # type: ignore[no-untyped-def]
+    """The app's answer to `messages` (then a disconnect), called as uvicorn calls it: a
+    server on loopback cannot send half a body and leave at a point of the test's choosing."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_a_client_that_leaves_mid_body_is_a_quiet_499(caplog) -> None:
+    """It was logged at ERROR as an unhandled error and answered as a node failure (502)."""
+
+    async def main() -> tuple[int, bytes]:
+        keys = MemoryKeyStore()
+        await keys.add(KEY, "acct")
+        placer = Placer(CapacityView(LocalCapacityRegistry(), max_age_s=1.0), LocalReservations())
+        app = create_app(GatewaySettings(internal_token="t"), keys=keys, placer=placer,
+                         is_ready=lambda: True)  # fmt: skip
+        headers = AUTH | {"content-type": "application/json", "content-length": "1000"}
+        half = [{"type": "http.request", "body": b'{"model": ', "more_body": True}]
+        return await call_app(app, asgi_scope(CHAT, headers), half)
+
+    with caplog.at_level(logging.WARNING):
+        status, body = asyncio.run(main())
+    assert (status, json.loads(body)) == (
+        499,
+        {
+            "error": {
+                "message": "the client closed the connection before its request body arrived",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "client_closed_request",
+            }
+        },
+    )
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+class FaultyKeyStore(MemoryKeyStore):
+    """A key store with a bug of its own: what the gateway does with a fault that is no
+    GatewayError (the only such faults left are bugs, which a test cannot reach otherwise)."""
+
+    async def lookup(self, key: str) -> str | None:
+        raise RuntimeError("a bug")
+
+
+def test_a_fault_of_the_gateways_own_is_a_500_in_each_dialect_and_logged(caplog) -> None:
+    """It was a 502 upstream_error, which alerts read as a node failure."""
+    placer = Placer(CapacityView(LocalCapacityRegistry(), max_age_s=1.0), LocalReservations())
+    app = create_app(GatewaySettings(internal_token="t"), keys=FaultyKeyStore(), placer=placer,
+                     is_ready=lambda: True)  # fmt: skip
+    server = ServerThread(app).start()
+    try:
+        with caplog.at_level(logging.ERROR):
+            wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+            oai = httpx.post(f"{server.url}{CHAT}", json={"model": "smollm2", "messages": HI},
+                             headers=AUTH)  # fmt: skip
+    finally:
+        server.stop()
+    assert (wai.status_code, wai.json()["errors"]) == (
+        500,
+        [{"code": 3043, "message": "internal error"}],
+    )
+    assert (oai.status_code, oai.json()["error"]) == (
+        500,
+        {
+            "message": "internal error",
+            "type": "server_error",
+            "param": None,
+            "code": "internal_error",
+        },
+    )
+    assert sum("unhandled error on" in r.getMessage() for r in caplog.records) == 2
