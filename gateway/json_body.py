@@ -26,8 +26,11 @@ def load_json(raw: bytes) -> Any:
     Python's decoder takes, and JSON has not), an integer longer than
     Python converts (its own ValueError) or a string with an unpaired surrogate escape, so
     callers answer every one as the client's 400."""
+    # JSON between systems is UTF-8 (RFC 8259): json.loads would also guess UTF-16 or -32
+    # from bytes and skip a UTF-8 byte order mark.
+    text = raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
     try:
-        value = json.loads(raw, parse_constant=_not_json)
+        value = json.loads(text, parse_constant=_not_json)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     if _SURROGATE_ESCAPE.search(raw):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -318,7 +320,16 @@ def test_bad_requests_are_4xx_with_a_message_and_the_server_keeps_serving(
             "Exceeds the limit (4300 digits) for integer string conversion: value has 5001 "
             "digits; use sys.set_int_max_str_digits() to increase the limit",
         ),
+        (  # JSON is UTF-8: the decoder would have guessed UTF-16 from the bytes
+            json.dumps({"model": "smollm2", "messages": []}).encode("utf-16"),
+            "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        ),
+        (
+            b"\xef\xbb\xbf" + json.dumps({"model": "smollm2"}).encode(),
+            "Unexpected UTF-8 BOM (decode using utf-8-sig): line 1 column 1 (char 0)",
+        ),
     ],
+    ids=["deep", "long-int", "utf-16", "bom"],
 )
 def test_json_past_the_decoders_limits_is_a_400_and_the_connection_keeps_serving(
     stack, body, reason
