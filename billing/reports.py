@@ -53,10 +53,11 @@ class UsageReport:
 
 
 def parse_group_by(text: str | None) -> tuple[str, ...]:
-    """'model,day' -> ('model', 'day'), in canonical order; empty or None -> all three."""
-    if text is None or not text.strip():
+    """'model,day' -> ('model', 'day'), in canonical order; None or no key named (empty,
+    ',') -> all three."""
+    wanted = [part.strip() for part in (text or "").split(",") if part.strip()]
+    if not wanted:
         return GROUP_KEYS
-    wanted = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [w for w in wanted if w not in GROUP_KEYS]
     if unknown:
         raise InvalidReportQuery(

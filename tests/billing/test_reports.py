@@ -185,3 +185,5 @@ def test_bad_queries_raise_typed_errors(ledger: Ledger, prices: PriceTable) -> N
         parse_group_by("model,week")
     assert parse_group_by(" day , model ") == ("model", "day")
     assert parse_group_by("") == ("account", "model", "day")
+    assert parse_group_by(" , ") == ("account", "model", "day")  # was () (ungrouped)
+    assert parse_group_by(None) == ("account", "model", "day")
