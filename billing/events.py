@@ -30,8 +30,9 @@ _TIME_FIELDS = ("started_at", "ended_at")
 # The latest time a ledger row can hold: 9999-12-31 23:59:59 UTC, the last day a date has
 # (a time in milliseconds, 1000x too large, falls past it).
 MAX_EPOCH_S = 253402300799.0
-# The longest text a field may hold: the gateway's identifiers are at most 256 characters,
-# and Postgres indexes request_id in a btree (whose rows end at 2704 bytes).
+# The longest text a field may hold: the fleet's identifiers are at most 256 characters
+# (scheduler.capacity.IDENTIFIER), and Postgres indexes request_id in a btree (whose rows
+# end at 2704 bytes).
 MAX_TEXT = 256
 
 

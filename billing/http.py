@@ -31,7 +31,6 @@ from billing.prices import PriceTable
 from billing.reports import build_report, parse_day, parse_group_by, to_json, window_start
 
 ALL_ACCOUNTS = "*"
-DEFAULT_DAYS = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +90,7 @@ def usage_endpoint(
         try:
             query = request.query_params
             end = parse_day(query["to"], "to") if "to" in query else today()
-            start = (
-                parse_day(query["from"], "from")
-                if "from" in query
-                else window_start(end, DEFAULT_DAYS)
-            )
+            start = parse_day(query["from"], "from") if "from" in query else window_start(end)
             if (end - start).days + 1 > max_days:
                 raise InvalidReportQuery(f"from..to spans more than {max_days} days")
             group_by = parse_group_by(query.get("group_by"))

@@ -40,7 +40,7 @@ class Journal:
     def append_many(self, events: list[UsageEvent]) -> None:
         """One write and one fsync for all of them."""
         self.num_writes += 1
-        self._append_lines(self.path, [json.dumps(e.to_fields(), sort_keys=True) for e in events])
+        self._append_lines(self.path, [_line(e) for e in events])
 
     def read(self) -> JournalContents:
         try:
@@ -76,16 +76,9 @@ class Journal:
                 "billing journal %s: %d unparsable lines set aside", self.path, len(rejected_lines)
             )
             self._append_lines(self.rejected_path, rejected_lines)
-        if not events:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return
         partial = self.path.with_name(self.path.name + ".partial")
         partial.unlink(missing_ok=True)
-        self._append_lines(partial, [json.dumps(e.to_fields(), sort_keys=True) for e in events])
+        self._append_lines(partial, [_line(e) for e in events])
         os.replace(partial, self.path)
         fd = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -110,3 +103,8 @@ class Journal:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _line(event: UsageEvent) -> str:
+    """An event as its journal line (without the newline)."""
+    return json.dumps(event.to_fields(), sort_keys=True)

@@ -79,7 +79,10 @@ def parse_day(text: str, name: str) -> date:
         raise InvalidReportQuery(f"{name}: {text!r} is not a date (YYYY-MM-DD)") from None
 
 
-def window_start(end: date, days: int) -> date:
+DEFAULT_DAYS = 30  # a report's days when its query names no `from`
+
+
+def window_start(end: date, days: int = DEFAULT_DAYS) -> date:
     """The first day of a `days`-day window that ends on `end` (inclusive)."""
     try:
         return end - timedelta(days=days - 1)

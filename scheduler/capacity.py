@@ -15,12 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import redis.asyncio as aioredis
+
+# Names that become parts of the fleet's Redis keys (inside `{...}` cluster hash tags) and
+# of usage events: node ids here, account ids and model names in gateway admission. So
+# braces, whitespace and control characters are refused, and 256 characters is the most
+# (what billing stores: billing/events.py MAX_TEXT).
+IDENTIFIER = re.compile(r"[A-Za-z0-9@/_.:+=-]{1,256}")
+IDENTIFIER_RULE = "1-256 characters of letters, digits and @/_.:+=-"
+
+
+def check_node_id(node_id: str) -> str:
+    """`node_id` when it can name a node (IDENTIFIER), else ValueError naming the rule."""
+    if IDENTIFIER.fullmatch(node_id) is None:
+        raise ValueError(f"node id {node_id!r} must be {IDENTIFIER_RULE}")
+    return node_id
+
 
 ROLES = ("mixed", "prefill", "decode")
 

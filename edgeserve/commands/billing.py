@@ -134,20 +134,27 @@ def register(app: typer.Typer) -> None:
 
         from rich.console import Console
 
-        from billing.errors import BillingError
+        from billing.errors import BillingError, InvalidReportQuery
         from billing.prices import PriceTable
-        from billing.reports import build_report, parse_group_by, to_csv, to_json, to_table
+        from billing.reports import (
+            build_report,
+            parse_group_by,
+            to_csv,
+            to_json,
+            to_table,
+            window_start,
+        )
 
         if format not in ("table", "json", "csv"):
             raise typer.BadParameter("use table, json or csv", param_hint="--format")
-        from billing.errors import InvalidReportQuery
-        from billing.reports import window_start
-
         end = _day(to, datetime.now(UTC).date(), "to")
-        try:
-            start = _day(from_, end, "from") if from_ is not None else window_start(end, 30)
-        except InvalidReportQuery as exc:
-            raise typer.BadParameter(str(exc), param_hint="--to") from None
+        if from_ is not None:
+            start = _day(from_, end, "from")
+        else:
+            try:
+                start = window_start(end)
+            except InvalidReportQuery as exc:
+                raise typer.BadParameter(str(exc), param_hint="--to") from None
         try:
             table = PriceTable.load(prices) if prices else PriceTable.default()
             keys = parse_group_by(group_by)

@@ -286,8 +286,7 @@ def node(
     ttl_s: float = typer.Option(3.0),
 ) -> None:
     """One GPU node: the engine behind the internal API, publishing its capacity to Redis."""
-    from gpu_node.node_app.service import check_node_id
-    from scheduler.capacity import ROLES
+    from scheduler.capacity import ROLES, check_node_id
 
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from gateway.admission.errors import InvalidLimits, InvalidRequest
-
-# Account ids and model names become parts of Redis keys (inside a `{...}` cluster hash
-# tag), so braces, whitespace and control characters are refused up front.
-_IDENTIFIER = re.compile(r"[A-Za-z0-9@/_.:+=-]{1,256}")
+from scheduler.capacity import IDENTIFIER, IDENTIFIER_RULE
 
 
 def check_identifier(kind: str, value: str) -> str:
-    """Returns `value` when it can name an account or a model, else raises InvalidRequest."""
-    if not isinstance(value, str) or _IDENTIFIER.fullmatch(value) is None:
-        raise InvalidRequest(
-            f"{kind} {value!r} must be 1-256 characters of letters, digits and @/_.:+=-"
-        )
+    """Returns `value` when it can name an account or a model (account ids and model names
+    become parts of Redis keys, scheduler.capacity.IDENTIFIER), else raises InvalidRequest."""
+    if not isinstance(value, str) or IDENTIFIER.fullmatch(value) is None:
+        raise InvalidRequest(f"{kind} {value!r} must be {IDENTIFIER_RULE}")
     return value
 
 

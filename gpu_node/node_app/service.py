@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,25 +14,12 @@ import httpx
 
 from gpu_node.handoff import KVHandoff
 from gpu_node.node_app.schemas import GenerateRequest
-from scheduler.capacity import CapacityRecord, CapacityRegistry, load_estimate
+from scheduler.capacity import CapacityRecord, CapacityRegistry, check_node_id, load_estimate
 
 if TYPE_CHECKING:
     from gpu_node.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
-
-# A node id names the node's capacity record in Redis and every usage event it serves
-# (which billing refuses past 256 characters): letters, digits and a few separators.
-NODE_ID = re.compile(r"[A-Za-z0-9@/_.:+=-]{1,256}")
-
-
-def check_node_id(node_id: str) -> str:
-    """`node_id` when it can name a node, else ValueError naming the rule."""
-    if NODE_ID.fullmatch(node_id) is None:
-        raise ValueError(
-            f"node id {node_id!r} must be 1-256 characters of letters, digits and @/_.:+=-"
-        )
-    return node_id
 
 
 @dataclass(frozen=True)
@@ -53,6 +39,7 @@ class NodeSettings:
     max_num_seqs: int = 16  # for the load estimate: how many requests make one batch
 
     def __post_init__(self) -> None:
+        # It names the node's capacity record and every usage event the node serves.
         check_node_id(self.node_id)
 
 
