@@ -117,12 +117,12 @@ def w4a16_mma_gemm(
             f"under 2^30 int32; got {x.dtype} "
             f"{tuple(x.shape)} on {x.device}, group {weight.group_size}"
         )
-    if config is None:
+    if config is None:  # default_kernel picks tc only where it runs
         sms = 4 if is_interpreted(x) else num_sms(x.device)
         config = gemm_config(default_kernel(x), x.shape[0], n, k, weight.group_size, sms)
-    if not isinstance(config, (TcConfig, DotConfig)):
+    elif not isinstance(config, (TcConfig, DotConfig)):
         raise TypeError(f"config is a TcConfig or a DotConfig, got {type(config).__name__}")
-    if isinstance(config, TcConfig) and not _tensor_cores(x):
+    elif isinstance(config, TcConfig) and not _tensor_cores(x):
         raise ValueError(
             f"the tc kernel takes bf16/fp16 on CUDA sm_80+, got {x.dtype} on {x.device}"
         )
