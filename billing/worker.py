@@ -11,13 +11,19 @@ ledger's unique request id turns into a no-op. So the stream gives
 at-least-once delivery and the ledger makes it exactly-once billing.
 
 An entry that cannot be parsed is copied to `<stream>:dead` and acknowledged,
-so one bad entry cannot wedge the group.
+so one bad entry cannot wedge the group. Both happen in one script that writes the
+dead letter only if its own XACK took the entry off the pending list: a crash
+cannot leave one without the other, and an entry delivered to two consumers (one
+claimed it from a slow one) is dead-lettered once. The dead-letter stream keeps
+the newest `dead_letter_max` entries. (The script touches both keys: on Redis
+Cluster give the stream a hash tag, `{edgeserve}:usage`, that `:dead` then shares.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -35,7 +41,27 @@ log = logging.getLogger(__name__)
 DEFAULT_STREAM = "edgeserve:usage"
 DEFAULT_GROUP = "billing"
 
+# Fields of an entry copied into its dead letter: far more than an event has, and few
+# enough for the script's unpack (Lua's stack), which thousands would overflow.
+_DEAD_LETTER_FIELDS = 256
+
 AfterCommit = Callable[[list[str]], Awaitable[None]]
+
+# KEYS: stream, dead-letter stream. ARGV: group, entry id, cap, then the entry's fields and
+# values. Acknowledging first makes the dead letter once-only: a second delivery of the
+# entry finds it acknowledged already and writes nothing.
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+    return 0
+end
+local cap = tonumber(ARGV[3])
+if cap > 0 then
+    redis.call('XADD', KEYS[2], 'MAXLEN', cap, '*', unpack(ARGV, 4))
+else
+    redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+end
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +77,8 @@ class WorkerConfig:
     # can look back this far. 0 keeps the stream whole.
     retain_s: float = 7 * 86_400
     retry_s: float = 1.0  # pause after Redis or the ledger failed
+    # The dead-letter stream keeps this many of its newest entries (0: all of them).
+    dead_letter_max: int = 100_000
 
     def __post_init__(self) -> None:
         if not self.stream_key:
@@ -64,6 +92,8 @@ class WorkerConfig:
             raise ValueError("claim_interval_s and retry_s must be positive")
         if self.retain_s < 0:
             raise ValueError("retain_s must be >= 0")
+        if self.dead_letter_max < 0:
+            raise ValueError("dead_letter_max must be >= 0")
 
     @property
     def dead_letter_key(self) -> str:
@@ -97,6 +127,7 @@ class BillingWorker:
         self.consumer = self.config.consumer_name()
         # A seam for the crash test: runs after the ledger commit and before the XACK.
         self._after_commit = after_commit
+        self._dead_letter = redis_client.register_script(_DEAD_LETTER)
         self._stop = asyncio.Event()
         self.num_new = 0
         self.num_duplicate = 0
@@ -231,17 +262,30 @@ class BillingWorker:
                 log.error("usage entry %s is malformed (%s); dead-lettered", _id(entry_id), exc)
                 dead.append((_id(entry_id), fields))
         is_new = await asyncio.to_thread(self._ledger.insert_many, events) if events else []
-        for entry_id, fields in dead:
-            await self._redis.xadd(self.config.dead_letter_key, {**fields, "source_id": entry_id})
-        done = ids + [entry_id for entry_id, _ in dead]
         if self._after_commit is not None:
-            await self._after_commit(done)
-        await self._redis.xack(self.config.stream_key, self.config.group, *done)
-        result = BatchResult(sum(is_new), len(is_new) - sum(is_new), len(dead))
+            await self._after_commit(ids + [entry_id for entry_id, _ in dead])
+        num_dead = 0
+        for entry_id, fields in dead:
+            num_dead += await self._write_dead_letter(entry_id, fields)
+        if ids:
+            await self._redis.xack(self.config.stream_key, self.config.group, *ids)
+        result = BatchResult(sum(is_new), len(is_new) - sum(is_new), num_dead)
         self.num_new += result.num_new
         self.num_duplicate += result.num_duplicate
         self.num_dead += result.num_dead
         return result
+
+    async def _write_dead_letter(self, entry_id: str, fields: dict[Any, Any]) -> int:
+        """Acknowledge `entry_id` and copy it to the dead-letter stream, atomically; 0 when
+        another delivery of it was acknowledged first (and wrote the dead letter)."""
+        kept = dict(itertools.islice(fields.items(), _DEAD_LETTER_FIELDS))
+        extra = {"dropped_fields": len(fields) - len(kept)} if len(fields) > len(kept) else {}
+        pairs: list[Any] = []
+        for name, value in {**kept, **extra, "source_id": entry_id}.items():
+            pairs += [name, value]
+        keys = [self.config.stream_key, self.config.dead_letter_key]
+        args = [self.config.group, entry_id, self.config.dead_letter_max, *pairs]
+        return int(await self._dead_letter(keys=keys, args=args))
 
 
 def _ms(entry_id: bytes | str) -> int:

@@ -13,6 +13,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
@@ -78,11 +86,37 @@ STORE_RETRY_AFTER_S = 2.0
 STORE_PING_TIMEOUT_S = 0.5  # how long /healthz waits for the store's PING
 
 
-async def _store_unreachable(request: Request, exc: Exception) -> Response:
-    """Redis (keys, limits, capacity, reservations) did not answer: 503, retry shortly."""
-    log.warning("the shared store did not answer on %s: %s", request.url.path, exc)
+# Redis errors that say the store cannot serve for now, not that we asked it wrongly: it is
+# away, a replica after a failover (READONLY), full (OOM), loading a restart, refusing writes
+# (MISCONF: a failed snapshot; NOREPLICAS: min-replicas-to-write), or busy with a script.
+_UNAVAILABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    OutOfMemoryError,
+    ClusterDownError,
+    TryAgainError,
+)
+_UNAVAILABLE_CODES = frozenset({"MISCONF", "NOREPLICAS", "BUSY"})
+
+
+def is_store_unavailable(exc: BaseException) -> bool:
+    """Whether a Redis error means "retry shortly" (503) rather than a fault of ours (500)."""
+    if isinstance(exc, _UNAVAILABLE):
+        return True
+    return (
+        isinstance(exc, ResponseError) and getattr(exc, "status_code", None) in _UNAVAILABLE_CODES
+    )
+
+
+async def _store_error(request: Request, exc: Exception) -> Response:
+    """Redis (keys, limits, capacity, reservations) could not serve: 503, retry shortly.
+    Any other Redis error is a fault of ours, as any other exception is."""
+    if not is_store_unavailable(exc):
+        return await _unexpected(request, exc)
+    log.warning("the shared store could not serve %s: %s", request.url.path, exc)
     error = UnavailableError(
-        "the service's shared store is unreachable; retry shortly",
+        "the service's shared store is unavailable; retry shortly",
         retry_after_s=STORE_RETRY_AFTER_S,
     )
     return error_response(error, dialect_of_path(request.url.path))
@@ -201,7 +235,9 @@ def create_app(
             try:
                 async with asyncio.timeout(STORE_PING_TIMEOUT_S):
                     await store_ping()
-            except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError):
+            except (RedisError, OSError, TimeoutError) as exc:
+                if isinstance(exc, RedisError) and not is_store_unavailable(exc):
+                    raise
                 return JSONBytes({"status": "store_unavailable"}, status_code=503)
         return JSONBytes({"status": "ok"}, status_code=200)
 
@@ -244,8 +280,7 @@ def create_app(
         routes=routes,
         exception_handlers={
             HTTPException: _http_exception,
-            RedisConnectionError: _store_unreachable,
-            RedisTimeoutError: _store_unreachable,
+            RedisError: _store_error,
             Exception: _unexpected,
         },
         lifespan=lifespan,

@@ -76,6 +76,9 @@ def register(app: typer.Typer) -> None:
         retain_days: float = typer.Option(
             7.0, min=0, help="trim acknowledged entries older than this (0: keep all)"
         ),
+        dead_letter_max: int = typer.Option(
+            100_000, min=0, help="dead letters kept, the newest (0: keep all)"
+        ),
     ) -> None:
         """Move usage events from the Redis stream into the ledger, exactly once, until SIGTERM."""
         import asyncio
@@ -91,6 +94,7 @@ def register(app: typer.Typer) -> None:
             claim_idle_ms=claim_idle_ms,
             claim_interval_s=claim_interval_s,
             retain_s=retain_days * 86_400,
+            dead_letter_max=dead_letter_max,
         )
         ledger = _open_ledger(database_url, sqlite)
 

@@ -99,6 +99,81 @@ async def test_a_count_past_the_ledgers_bigint_is_dead_lettered_and_billing_goes
     assert ledger.count() == 1
 
 
+async def test_an_entry_delivered_to_two_consumers_is_dead_lettered_once(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    """A slow consumer's entries are claimed by another, which bills them; when the slow one
+    goes on, its copy of the malformed entry must not become a second dead letter (each
+    consumer had written one before its XACK, so either could also crash between the two)."""
+    cfg = config(key_prefix, "slow", claim_idle_ms=50)
+    resume = asyncio.Event()
+    stalled = asyncio.Event()
+
+    async def stall(done: list[str]) -> None:
+        stalled.set()
+        await resume.wait()
+
+    slow = BillingWorker(redis_client, ledger, cfg, after_commit=stall)
+    await slow.ensure_group()
+    bad_id = (await redis_client.xadd(cfg.stream_key, {"request_id": "x"})).decode()
+    await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
+    slow_read = asyncio.create_task(slow.read_once())
+    await asyncio.wait_for(stalled.wait(), 10)  # its row is committed, nothing acknowledged
+
+    async def idle_past_50_ms() -> bool:
+        entries = await redis_client.xpending_range(cfg.stream_key, cfg.group, "-", "+", 10)
+        return len(entries) == 2 and all(e["time_since_delivered"] >= 50 for e in entries)
+
+    await wait_for(idle_past_50_ms)
+    fast = BillingWorker(redis_client, ledger, config(key_prefix, "fast", claim_idle_ms=50))
+    assert await fast.claim_idle() == 2
+    assert (fast.num_new, fast.num_duplicate, fast.num_dead) == (0, 1, 1)
+    resume.set()
+    result = await asyncio.wait_for(slow_read, 10)
+    assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 0)
+    dead = await redis_client.xrange(cfg.dead_letter_key)
+    assert [fields for _, fields in dead] == [{b"request_id": b"x", b"source_id": bad_id.encode()}]
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert ledger.count() == 1
+
+
+async def test_the_dead_letter_stream_keeps_its_newest_entries(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    cfg = config(key_prefix, "w1", dead_letter_max=3)
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    for i in range(5):
+        await redis_client.xadd(cfg.stream_key, {"request_id": f"bad-{i}"})
+    assert (await worker.read_once()).num_dead == 5
+    dead = await redis_client.xrange(cfg.dead_letter_key)
+    assert [fields[b"request_id"] for _, fields in dead] == [b"bad-2", b"bad-3", b"bad-4"]
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+
+
+async def test_an_entry_of_thousands_of_fields_is_dead_lettered_in_part(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    """All its fields would overflow the dead-letter script's unpack on every retry."""
+    cfg = config(key_prefix, "w1")
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    fields = {f"f{i}": str(i) for i in range(10_000)}
+    bad_id = (await redis_client.xadd(cfg.stream_key, fields)).decode()
+    await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
+    result = await worker.read_once()
+    assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 1)
+    [(_, letter)] = await redis_client.xrange(cfg.dead_letter_key)
+    kept = {f"f{i}".encode(): str(i).encode() for i in range(256)}
+    assert letter == kept | {b"dropped_fields": b"9744", b"source_id": bad_id.encode()}
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+
+
+def test_a_negative_dead_letter_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="dead_letter_max must be >= 0"):
+        WorkerConfig(dead_letter_max=-1)
+
+
 @pytest.mark.parametrize(
     "poison",
     [

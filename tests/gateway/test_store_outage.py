@@ -17,13 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from billing.sink import RedisUsageSink
 from gateway.admission import AdmissionSettings, LimitPolicy, Limits, RedisLimiter
 from gateway.keys import RedisKeyStore
 from scheduler.placement import RedisReservations
-from tests.conftest import ACCOUNT_ID, SMOLLM2
+from tests.conftest import ACCOUNT_ID, SMOLLM2, free_port
 from tests.gateway.admission.test_outage import RedisServer
 from tests.gateway.loopback import API_KEY, Node, running_node, start_gateway
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 RUN = f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}"
-UNREACHABLE = "the service's shared store is unreachable; retry shortly"
+UNAVAILABLE = "the service's shared store is unavailable; retry shortly"
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_an_unreachable_redis_is_503_in_each_dialect_and_on_healthz(node, redis_
             {
                 "result": None,
                 "success": False,
-                "errors": [{"code": 7010, "message": UNREACHABLE}],
+                "errors": [{"code": 7010, "message": UNAVAILABLE}],
                 "messages": [],
             },
         )
@@ -85,7 +86,7 @@ def test_an_unreachable_redis_is_503_in_each_dialect_and_on_healthz(node, redis_
             "2000",
             {
                 "error": {
-                    "message": UNREACHABLE,
+                    "message": UNAVAILABLE,
                     "type": "server_error",
                     "param": None,
                     "code": "service_unavailable",
@@ -157,4 +158,63 @@ def test_a_stream_that_ends_while_redis_is_away_is_journaled_and_frees_its_slot(
         again = httpx.post(gateway.url + RUN, json=body, headers=AUTH, timeout=60)
         assert again.status_code == 200, again.text
     finally:
+        gateway.stop()
+
+
+def test_a_store_demoted_to_a_read_only_replica_is_503_in_each_dialect(
+    node, redis_server, tmp_path: Path
+) -> None:
+    """A failover leaves a gateway on the old master, now a replica: keys still read, every
+    write (the limiter's, the reservation's) answers READONLY. The limiter "open" admits on
+    this gateway's share; the reservation's READONLY must then be a 503 to retry, not a 500."""
+    prefix = f"test-readonly-{uuid.uuid4().hex[:8]}:"
+    client = aioredis.Redis.from_url(redis_server.url)
+    asyncio.run(
+        RedisKeyStore(aioredis.Redis.from_url(redis_server.url), prefix).add(API_KEY, ACCOUNT_ID)
+    )
+    settings = AdmissionSettings(on_redis_error="open", key_prefix=prefix.rstrip(":"))
+    gateway = start_gateway(
+        node,
+        keys=RedisKeyStore(client, prefix),
+        limiter=RedisLimiter(client, settings),
+        reservations=RedisReservations(client, prefix),
+        usage_sink=RedisUsageSink(client, f"{prefix}usage", tmp_path / "usage.journal"),
+        store_ping=client.ping,
+    )
+    hi = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        assert httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=60).status_code == 200
+        admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a master never seen
+        assert admin.info("replication")["role"] == "slave"
+        wai = httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=30)
+        oai = httpx.post(gateway.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=30)
+        assert (wai.status_code, wai.headers["retry-after"], wai.json()) == (
+            503,
+            "2",
+            {
+                "result": None,
+                "success": False,
+                "errors": [{"code": 7010, "message": UNAVAILABLE}],
+                "messages": [],
+            },
+        )
+        assert (oai.status_code, oai.headers["retry-after-ms"], oai.json()["error"]) == (
+            503,
+            "2000",
+            {
+                "message": UNAVAILABLE,
+                "type": "server_error",
+                "param": None,
+                "code": "service_unavailable",
+            },
+        )
+        # The store still answers PING (reads go on): the gateway stays in the balancer.
+        assert httpx.get(gateway.url + "/healthz").status_code == 200
+        admin.execute_command("REPLICAOF", "NO", "ONE")  # promoted: writes come back
+        again = httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=60)
+        assert again.status_code == 200, again.text
+    finally:
+        admin.close()
         gateway.stop()
