@@ -16,7 +16,10 @@ the tokens up to it only (a prefix's rows come out bit for bit the same in any
 longer prompt, tested), so a cached prefix gives exactly the tokens a cold one does.
 
 The store holds `num_blocks` blocks in the pool's own storage (fp8 bytes and scales
-for fp8 pools); when it is full the least recently used block makes room.
+for fp8 pools); when it is full the least recently used block makes room. A prompt's
+blocks are used last to first, so of one prompt the block nearest its end goes first:
+a block is reachable only behind all of its prompt's earlier ones, and evicting the
+first had left the rest in the store, taking room, never to be read again.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ class PrefixCache:
             slot = self._slots.get(digest)
             if slot is None:
                 break
-            self._slots.move_to_end(digest)
             slots.append(slot)
+        for digest in reversed(digests[: len(slots)]):  # the first block used last
+            self._slots.move_to_end(digest)
         if slots:
             self._copy(slots, pages[: len(slots)], into_pool=True)
         return len(slots)
@@ -82,8 +86,10 @@ class PrefixCache:
     def store(self, digests: list[bytes], pages: list[int]) -> None:
         """Keeps the blocks in `pages` under `digests` (the ones not kept already)."""
         slots, sources = [], []
-        # At most a cache's worth, so no block stored here makes room for a later one.
-        for digest, page in list(zip(digests, pages, strict=True))[: self.num_blocks]:
+        # At most a cache's worth, so no block stored here makes room for another of them;
+        # last to first, so that the first is the most recently used.
+        blocks = list(zip(digests, pages, strict=True))[: self.num_blocks]
+        for digest, page in reversed(blocks):
             if digest in self._slots:
                 self._slots.move_to_end(digest)
                 continue

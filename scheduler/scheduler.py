@@ -18,7 +18,7 @@ starved: it always gets its share.
 
 Memory-aware admission: a waiting sequence is admitted only when the pages for
 its whole prompt fit with `reserve_pages` left over (the reserve is headroom
-for running sequences' decode growth). No sequence is admitted past one that
+for running sequences' decode growth, so none is kept while none runs). No sequence is admitted past one that
 does not fit (memory is handed out in arrival order). When a running sequence
 needs a page and none is free, the newest running sequence is preempted: its
 pages are freed and it goes back to the front of the queue to be recomputed.
@@ -160,7 +160,10 @@ class Scheduler:
             if only is not None and seq not in only:
                 continue
             is_long = threshold > 0 and _left(seq) > threshold
-            reserve = self.config.reserve_pages
+            # The reserve is headroom for running sequences' growth: with none running it
+            # guards nothing, and would keep a prompt (or a preempted sequence, grown since)
+            # that fits the pool only without it waiting for good.
+            reserve = self.config.reserve_pages if self.running else 0
             if is_long and num_long >= self.config.max_long_prefills:
                 if not self.block_manager.can_allocate(seq, seq.num_tokens, reserve):
                     break  # nothing behind it takes the memory it waits for

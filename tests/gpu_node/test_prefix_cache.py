@@ -1,5 +1,6 @@
 """Prefix caching on the real SmolLM2: cached prompt pages give exactly the cold tokens,
-are counted as cached tokens, never cross accounts, and make room oldest first."""
+are counted as cached tokens, never cross accounts, and make room oldest first, the end of
+a prompt before its start."""
 
 from __future__ import annotations
 
@@ -56,12 +57,14 @@ def test_a_full_cache_makes_room_oldest_first(make_engine, chat_ids) -> None:
     one, two = chat_ids(BASE), chat_ids("Name three colours and say which one you like best.")
     # 48 and 41 tokens: 3 and 2 full pages, the first (the chat template's) the same
     assert (len(one), len(two)) == (48, 41) and one[:16] == two[:16]
-    run(engine, "one", one)  # keeps pages A1 A2 A3
-    run(engine, "two", two)  # A1 is used again; its page B2 takes the oldest, A2's, slot
+    run(engine, "one", one)  # keeps pages A1 A2 A3, used last to first: A3 is the oldest
+    run(engine, "two", two)  # A1 is used again; its page B2 takes the oldest, A3's, slot
     _, two_again = run(engine, "two-again", two)
     assert two_again.num_cached_tokens == 32  # A1 B2
     _, one_again = run(engine, "one-again", one)
-    assert one_again.num_cached_tokens == 16  # A1, then A2 is gone: the chain stops
+    # A1 A2, then A3 is gone. Had A2 made room (the oldest by first use), the chain would
+    # stop at A1 and A3 would sit in the store, never reachable.
+    assert one_again.num_cached_tokens == 32
 
 
 def test_off_by_default_and_refuses_a_negative_size(make_engine, chat_ids) -> None:

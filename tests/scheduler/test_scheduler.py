@@ -53,6 +53,42 @@ def test_admission_waits_until_pages_fit_with_reserve():
     assert [s.seq_id for s in out.admitted] == [2]
 
 
+def test_the_reserve_is_not_kept_while_nothing_runs():
+    """A prompt that fits the pool only without the reserve had waited for good, and
+    everything queued behind it with it."""
+    sched = Scheduler(SchedulerConfig(reserve_pages=1), BlockManager(4, 4))
+    big, small = seq(1, 16), seq(2, 2)
+    sched.add(big)
+    sched.add(small)
+    out = run_step(sched)
+    assert [s.seq_id for s in out.admitted] == [1]  # all 4 pages: nothing else runs
+    assert big.block_table == [0, 1, 2, 3]
+    assert small.status is SequenceStatus.WAITING  # 1 page + 1 reserve, none free
+    sched.finish(big)
+    assert [s.seq_id for s in run_step(sched).admitted] == [2]
+
+
+def test_a_preempted_sequence_grown_past_pool_minus_reserve_is_readmitted():
+    """b is preempted with 9 tokens (3 pages): with the reserve it needs 5 of the pool's 4
+    pages, so it had waited for good once a finished."""
+    bm = BlockManager(4, 4)
+    sched = Scheduler(SchedulerConfig(reserve_pages=2), bm)
+    a, b = seq(1, 2), seq(2, 2)
+    sched.add(a)
+    sched.add(b)
+    assert [s.seq_id for s in run_step(sched).admitted] == [1, 2]  # b: 1 page + 2 reserve
+    preempted = []
+    while not preempted:  # both grow by a token a step until a needs a third page
+        preempted = run_step(sched).preempted
+    assert preempted == [b] and b.num_tokens == 9 and b.status is SequenceStatus.WAITING
+    assert (a.num_tokens, a.block_table) == (10, [0, 2, 1])
+    sched.finish(a)
+    out = run_step(sched)
+    assert [s.seq_id for s in out.admitted] == [2]  # 3 pages, no reserve while none runs
+    assert [(ch.seq.seq_id, ch.num_new_tokens) for ch in out.chunks] == [(2, 9)]
+    assert b.block_table == [3, 0, 2]
+
+
 def test_out_of_pages_preempts_the_newest_and_requeues_it_first():
     bm = BlockManager(3, 4)
     sched = Scheduler(SchedulerConfig(), bm)
