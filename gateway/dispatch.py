@@ -46,6 +46,7 @@ from gateway.errors import (
     NotServedError,
     RateLimitedError,
     RequestTooLargeError,
+    TokenLimitError,
     UnavailableError,
     UpstreamError,
 )
@@ -79,6 +80,7 @@ class GenerationJob:
     estimated_tokens: int  # prompt estimate + max_tokens: what admission and placement reserve
     reject_if_busy: bool = False  # Workers AI options.rejectIfBusy: never wait for a node
     stream: bool = False  # the client reads the answer as it comes (gen_ai.request.stream)
+    max_tokens_name: str = "max_tokens"  # the field the client named it in, for its errors
 
 
 def estimate_tokens(payload: dict[str, Any]) -> int:
@@ -139,8 +141,9 @@ class Dispatcher:
             if not job.payload.get("max_tokens_is_default"):
                 # Never servable, whatever the prompt: say so, not that it passes a rate limit.
                 raise RequestTooLargeError(
-                    f"max_tokens ({max_tokens}) leaves no room for a prompt in the context "
-                    f"window of {window} tokens"
+                    f"{job.max_tokens_name} ({max_tokens}) leaves no room for a prompt in the "
+                    f"context window of {window} tokens",
+                    param=job.max_tokens_name,
                 )
             # The client named none: the default runs to what the window leaves (the node
             # shortens it further to what the prompt leaves), and admission reserves that.
@@ -201,7 +204,7 @@ class Dispatcher:
             )
         except RequestTooLarge as exc:
             trace.rejected("too_large")
-            raise RequestTooLargeError(str(exc)) from None
+            raise TokenLimitError(str(exc)) from None
         except (InvalidRequest, InvalidLimits) as exc:
             raise InvalidRequestError(f"cannot admit this request: {exc}") from None
         except DuplicateRequestId as exc:

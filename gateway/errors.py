@@ -9,6 +9,8 @@
     │   └── UnsupportedError    400  an option we do not implement (n > 1, tools, logprobs)
     ├── ModelNotFoundError      400 (Workers AI) / 404 (OpenAI)  no such model
     ├── RequestTooLargeError    413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the context
+    ├── TokenLimitError         413 (Workers AI) / 429 (OpenAI)  the request alone reserves more
+    │                                than its account's tokens per minute: never admissible
     ├── PayloadTooLargeError    413  a body past the size limit
     ├── UnsupportedMediaError   415  a compressed body (Content-Encoding other than identity)
     ├── ConflictError           409  a request id already holds an admission (ids are ours: a bug)
@@ -89,6 +91,10 @@ class RequestTooLargeError(GatewayError):
     pass
 
 
+class TokenLimitError(GatewayError):
+    pass
+
+
 class PayloadTooLargeError(GatewayError):
     pass
 
@@ -156,6 +162,9 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
     RequestTooLargeError: ErrorShape(
         413, 3006, 400, "invalid_request_error", "context_length_exceeded"
     ),
+    # OpenAI's own answer to a request past a tokens-per-minute limit (type "tokens"); not
+    # context_length_exceeded, on which clients trim the conversation.
+    TokenLimitError: ErrorShape(413, 3006, 429, "tokens", "rate_limit_exceeded"),
     PayloadTooLargeError: ErrorShape(413, 3006, 413, "invalid_request_error", "request_too_large"),
     UnsupportedMediaError: ErrorShape(
         415, 5004, 415, "invalid_request_error", "unsupported_media_type"

@@ -159,5 +159,7 @@ def validation_error(exc: ValidationError) -> InvalidRequestError:
     for err in exc.errors(include_url=False):
         where = _location(err["loc"])
         param = param or (where or None)
-        problems.append(f"{where}: {err['msg']}" if where else err["msg"])
+        # A validator's own ValueError reads as its text, without pydantic's "Value error, ".
+        msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        problems.append(f"{where}: {msg}" if where else msg)
     return InvalidRequestError("invalid request: " + "; ".join(problems), param=param)

@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from gateway.catalog import CatalogModel
 from gateway.dispatch import GenerationJob, estimate_tokens
-from gateway.errors import GatewayError, error_body
+from gateway.errors import GatewayError, RequestTooLargeError, error_body
 from gateway.http import (
     JSONBytes,
     authenticate,
@@ -117,8 +117,13 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
         payload,
         estimate_tokens(payload),
         stream=body.stream,
+        max_tokens_name=body.max_tokens_name,
     )
-    return body, await gateway_of(request).dispatcher.open(job, request.receive)
+    try:
+        return body, await gateway_of(request).dispatcher.open(job, request.receive)
+    except RequestTooLargeError as exc:  # the node's count of the prompt: past the window
+        exc.param = exc.param or body.prompt_field
+        raise
 
 
 def _answer(

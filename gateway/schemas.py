@@ -6,7 +6,7 @@ gives the body of the node's `POST /internal/v1/generate` (minus the ids).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -16,6 +16,7 @@ from pydantic import (
     Strict,
     StrictBool,
     StrictInt,
+    field_validator,
     model_validator,
 )
 
@@ -166,14 +167,18 @@ class _OpenAIBase(BaseModel):
     user: str | None = None
     logit_bias: Any = None
 
-    @model_validator(mode="after")
-    def _stop_list(self) -> _OpenAIBase:
-        stops = self.stop_strings()
+    # Where a context-window refusal points: the field that holds the prompt.
+    prompt_field: ClassVar[str] = "prompt"
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if len(stops) > 4:
-            raise ValueError("'stop' takes at most 4 sequences")
+            raise ValueError("takes at most 4 sequences")
         if any(not s for s in stops):
-            raise ValueError("'stop' sequences must not be empty")
-        return self
+            raise ValueError("sequences must not be empty")
+        return stop
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -183,7 +188,7 @@ class _OpenAIBase(BaseModel):
     def check_supported(self) -> None:
         if self.n is not None and self.n > 1:
             raise UnsupportedError("'n' > 1 is not supported", param="n")
-        if self.logprobs not in (None, False, 0):
+        if self.wants_logprobs():
             raise UnsupportedError("'logprobs' is not supported", param="logprobs")
         if self.logit_bias:  # null and {} change nothing
             raise UnsupportedError("'logit_bias' is not supported", param="logit_bias")
@@ -191,6 +196,16 @@ class _OpenAIBase(BaseModel):
             raise UnsupportedError(
                 "'stream_options' requires 'stream': true", param="stream_options"
             )
+
+    def wants_logprobs(self) -> bool:
+        """Chat's `logprobs` is a flag; a completion's a count, where 0 still asks for the
+        sampled tokens' own."""
+        return self.logprobs is not None and self.logprobs is not False
+
+    @property
+    def max_tokens_name(self) -> str:
+        """The field the client gave the output limit in (what its errors should name)."""
+        return "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -221,9 +236,29 @@ class ChatCompletionRequest(_OpenAIBase):
     function_call: Any = None
     top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
+    # Outputs of other kinds, or ways of making them, that these models have none of:
+    # refused, as OpenAI refuses them for a model without them, never answered in text.
+    modalities: list[Any] | None = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+
+    prompt_field: ClassVar[str] = "messages"
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs not in (None, False)
+
+    @property
+    def max_tokens_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise UnsupportedError("only the 'text' modality is supported", param="modalities")
+        for name in ("audio", "web_search_options", "reasoning_effort"):
+            if getattr(self, name) is not None:
+                raise UnsupportedError(f"'{name}' is not supported", param=name)
         if self.tools:
             raise UnsupportedError("'tools' is not supported", param="tools")
         if self.functions:

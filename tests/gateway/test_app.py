@@ -195,6 +195,22 @@ def test_admission_refusals_are_429_in_each_dialect_with_the_limiters_headers() 
             "plus max_tokens), more than the account's limit of 1000 tokens per minute; "
             "shorten the prompt or lower max_tokens"
         )
+        # OpenAI's own answer to a request past a tokens-per-minute limit, not
+        # context_length_exceeded (on which clients trim the conversation)
+        body = {"model": "smollm2", "prompt": "hi", "max_tokens": 5000}
+        huge = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH)
+        assert (huge.status_code, huge.json()["error"]) == (
+            429,
+            {
+                "message": f"request reserves {2 // 3 + 8 + 5000} tokens (its prompt, estimated "
+                "from its length, plus max_tokens), more than the account's limit of 1000 tokens "
+                "per minute; shorten the prompt or lower max_tokens",
+                "type": "tokens",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            },
+        )
+        assert "retry-after" not in huge.headers  # waiting never makes it fit
     finally:
         server.stop()
 
@@ -338,7 +354,7 @@ NOT_SERVED = (503, "no node serves @cf/huggingface/smollm2-135m-instruct now")
          NOT_SERVED),
         (CHAT, {"messages": [*HI, {"role": "assistant", "content": None}, *HI]}, NOT_SERVED),
         (CHAT, {"messages": [{"role": "user", "content": None}]},
-         (400, "invalid request: messages.0: Value error, a user message needs 'content'",
+         (400, "invalid request: messages.0: a user message needs 'content'",
           "messages.0")),
         # options these models cannot honour are refused, never dropped
         (CHAT, {"messages": HI, "logit_bias": {"7042": -100}},
@@ -355,6 +371,11 @@ NOT_SERVED = (503, "no node serves @cf/huggingface/smollm2-135m-instruct now")
         (RUN_SMOL, {"prompt": "hi", "response_format": {"type": "json_schema"}},
          (400, "only the 'text' response_format is supported", 5004)),
         (RUN_SMOL, {"prompt": "hi", "unknown_field": 1}, NOT_SERVED),  # unknown: ignored
+        # a completion's logprobs is a count: 0 still asks for the sampled tokens' own
+        ("/v1/completions", {"prompt": "hi", "logprobs": 0},
+         (400, "'logprobs' is not supported", "logprobs")),
+        ("/v1/completions", {"prompt": "hi", "logprobs": None}, NOT_SERVED),
+        (CHAT, {"messages": HI, "logprobs": False, "modalities": ["text"]}, NOT_SERVED),
         ("/v1/completions", {"prompt": ""}, (400, "the prompt is empty", "prompt")),
         ("/v1/completions", {"prompt": [""]}, (400, "the prompt is empty", "prompt")),
         # a union's error names the field, not the member type pydantic tried (`stop.str`)

@@ -191,7 +191,7 @@ def test_missing_wrong_and_foreign_keys(stack) -> None:
             RUN,
             400,
             5004,
-            "invalid request: Value error, give exactly one of 'prompt' or 'messages'",
+            "invalid request: give exactly one of 'prompt' or 'messages'",
         ),
         (
             {"prompt": "hi"},
