@@ -233,14 +233,16 @@ def to_csv(report: UsageReport) -> str:
 
 
 def to_table(report: UsageReport) -> Table:
-    """A rich table for the terminal, with the totals as its footer."""
+    """A rich table for the terminal, with the totals as its footer. A narrow terminal
+    folds a cell onto more lines, never cuts it short: a cost or a day shown as "0.00…"
+    would say nothing."""
     table = Table(
         title=f"Usage {report.start} .. {report.end} (UTC days, {report.currency})",
         show_footer=True,
     )
     labels = {"account": "Account", "model": "Model", "day": "Day"}
     for i, key in enumerate(report.group_by):
-        table.add_column(labels[key], footer="Total" if i == 0 else "")
+        table.add_column(labels[key], footer="Total" if i == 0 else "", overflow="fold")
     total = report.total
     numbers = [
         ("Requests", str(total.requests)),
@@ -250,7 +252,7 @@ def to_table(report: UsageReport) -> Table:
         ("Cost", format_money(total.cost) or ""),
     ]
     for label, footer in numbers:
-        table.add_column(label, footer=footer, justify="right")
+        table.add_column(label, footer=footer, justify="right", overflow="fold")
     for row in report.rows:
         values = _row_dict(report, row)
         keys = [str(values[_COLUMN[k]]) for k in report.group_by]

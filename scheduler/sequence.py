@@ -7,6 +7,7 @@ WAITING with its pages freed (its KV is recomputed when it runs again).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 # What a seed may be: the range torch.Generator.manual_seed takes (int64's least value to
@@ -52,14 +53,21 @@ class SamplingParams:
         found = []
         if self.max_tokens <= 0:
             found.append(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            found.append(f"temperature must be >= 0, got {self.temperature}")
+        # Written so that NaN fails each check (every comparison with NaN is false): NaN
+        # had passed `temperature < 0` and sampled greedily.
+        if not 0 <= self.temperature < math.inf:
+            found.append(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             found.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            found.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            found.append(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                found.append(f"{name} must be finite, got {getattr(self, name)}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             found.append(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if any(not s for s in self.stop):

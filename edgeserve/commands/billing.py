@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 
 from edgeserve.settings import redis_client
-
-if TYPE_CHECKING:
-    from billing.ledger import Ledger
+from edgeserve.stores import ledger_errors, ledger_failed, open_ledger, run_on_redis
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # A test seam: when set to a file path, the worker writes the entry ids of each
@@ -27,22 +25,6 @@ _DATABASE = typer.Option(
 _SQLITE = typer.Option(None, "--sqlite", help="SQLite ledger file (default: per-user data dir)")
 _STREAM = typer.Option("edgeserve:usage", "--stream", help="usage stream key")
 _GROUP = typer.Option("billing", "--group", help="consumer group")
-
-
-def _open_ledger(database_url: str | None, sqlite: Path | None) -> Ledger:
-    from billing.ledger import PostgresLedger, SqliteLedger, default_sqlite_path
-
-    if database_url and sqlite:
-        raise typer.BadParameter("give --database-url or --sqlite, not both")
-    # Neither flag: the environment's DATABASE_URL, as the gateway reads it, so that a fleet's
-    # worker and gateways share one ledger from one setting (infra/compose.yaml,
-    # infra/k8s/edgeserve.yaml). A --sqlite flag wins over it.
-    database_url = database_url or (None if sqlite else os.environ.get("DATABASE_URL"))
-    if database_url:
-        return PostgresLedger(database_url)
-    path = sqlite or default_sqlite_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return SqliteLedger(path)
 
 
 def _day(text: str | None, default: date, name: str) -> date:
@@ -96,7 +78,7 @@ def register(app: typer.Typer) -> None:
             retain_s=retain_days * 86_400,
             dead_letter_max=dead_letter_max,
         )
-        ledger = _open_ledger(database_url, sqlite)
+        ledger = open_ledger(database_url, sqlite, create=True)
 
         async def main() -> None:
             client = redis_client(redis_url)
@@ -162,7 +144,7 @@ def register(app: typer.Typer) -> None:
         try:
             table = PriceTable.load(prices) if prices else PriceTable.default()
             keys = parse_group_by(group_by)
-            ledger = _open_ledger(database_url, sqlite)
+            ledger = open_ledger(database_url, sqlite, create=False)
             try:
                 result = build_report(ledger, table, start, end, account_id=account, group_by=keys)
             finally:
@@ -170,12 +152,17 @@ def register(app: typer.Typer) -> None:
         except BillingError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
+        except ledger_errors() as exc:
+            raise ledger_failed(database_url or str(sqlite or "the default file"), exc) from None
         if format == "json":
             typer.echo(json.dumps(to_json(result), indent=2))
         elif format == "csv":
             typer.echo(to_csv(result), nl=False)
         else:
-            Console().print(to_table(result))
+            console, rendered = Console(), to_table(result)
+            if not console.is_terminal:  # piped: as wide as the table is, not 80 columns
+                console = Console(width=Console(width=10_000).measure(rendered).maximum)
+            console.print(rendered)
 
     @billing_app.command("reconcile")
     def reconcile_command(
@@ -189,22 +176,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Compare the ledger with the stream and journals; exit 1 if an acknowledged event has
         no row, or a recent row has no event or differs from its event."""
-        import asyncio
         import json
 
         from billing.reconcile import reconcile
 
-        ledger = _open_ledger(database_url, sqlite)
-
-        async def main() -> Any:
-            client = redis_client(redis_url)
-            try:
-                return await reconcile(client, ledger, stream, group, journal)
-            finally:
-                await client.aclose()
-
+        ledger = open_ledger(database_url, sqlite, create=False)
         try:
-            result = asyncio.run(main())
+            result = run_on_redis(
+                redis_url, lambda client: reconcile(client, ledger, stream, group, journal)
+            )
         finally:
             ledger.close()
         if as_json:

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import typer
 
 from edgeserve.commands.serve import DEFAULT_REDIS_URL
-from edgeserve.settings import redis_client
+from edgeserve.stores import run_on_redis
 
-keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed in Redis)")
+keys_app = typer.Typer(
+    no_args_is_help=True,
+    help="API keys (stored hashed in the fleet's Redis). A plain `edgeserve up` keeps its one "
+    "key in its own process and never reads these: start it with --redis-url to use them.",
+)
 
 
 def register(app: typer.Typer) -> None:
     app.add_typer(keys_app, name="keys")
 
 
-def _keys_store(redis_url: str, prefix: str) -> Any:
+def _keys_store(client: Any, prefix: str) -> Any:
     from gateway.keys import RedisKeyStore
 
-    return RedisKeyStore(redis_client(redis_url), prefix)
+    return RedisKeyStore(client, prefix)
 
 
 @keys_app.command("create")
@@ -33,7 +36,7 @@ def keys_create(
     from gateway.keys import InvalidAccountIdError, key_id_of
 
     try:
-        key = asyncio.run(_keys_store(redis_url, prefix).create(account))
+        key = run_on_redis(redis_url, lambda client: _keys_store(client, prefix).create(account))
     except InvalidAccountIdError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(key)
@@ -49,7 +52,8 @@ def keys_list(
     prefix: str = typer.Option("edgeserve:"),
 ) -> None:
     """The account's key ids (never the keys)."""
-    for info in asyncio.run(_keys_store(redis_url, prefix).list(account)):
+    infos = run_on_redis(redis_url, lambda client: _keys_store(client, prefix).list(account))
+    for info in infos:
         typer.echo(f"{info.key_id}\t{info.account_id}\t{info.created_at:.0f}")
 
 
@@ -60,7 +64,7 @@ def keys_revoke(
     prefix: str = typer.Option("edgeserve:"),
 ) -> None:
     """Revoke a key by its id; every gateway stops accepting it within a second."""
-    if not asyncio.run(_keys_store(redis_url, prefix).revoke(key_id)):
+    if not run_on_redis(redis_url, lambda client: _keys_store(client, prefix).revoke(key_id)):
         typer.echo(f"no key with id {key_id}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")

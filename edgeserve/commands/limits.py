@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import typer
 
-from edgeserve.settings import redis_client
+from edgeserve.stores import run_on_redis
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -21,31 +20,26 @@ _PREFIX = typer.Option("edgeserve", "--prefix", help="key prefix the gateways us
 
 def _run(redis_url: str, prefix: str, action: Callable[[Any], Awaitable[dict[str, Any]]]) -> None:
     """Runs `action(store)` against Redis, printing its result as JSON; errors exit non-zero."""
-    from redis.exceptions import RedisError
-
     from gateway.admission import AdmissionError, RedisLimitStore
 
-    async def main() -> dict[str, Any]:
-        client = redis_client(redis_url)
-        try:
-            # "edgeserve" and "edgeserve:" name the same keys, as for the gateway and node
-            return await action(RedisLimitStore(client, prefix.rstrip(":")))
-        finally:
-            await client.aclose()
-
     try:
-        result = asyncio.run(main())
+        # "edgeserve" and "edgeserve:" name the same keys, as for the gateway and node
+        result = run_on_redis(
+            redis_url, lambda client: action(RedisLimitStore(client, prefix.rstrip(":")))
+        )
     except AdmissionError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except (RedisError, OSError) as exc:
-        typer.echo(f"error: cannot reach Redis at {redis_url}: {exc}", err=True)
-        raise typer.Exit(1) from None
     typer.echo(json.dumps(result, indent=2))
 
 
 def register(app: typer.Typer) -> None:
-    limits_app = typer.Typer(no_args_is_help=True, help="Per-account rate limits.")
+    limits_app = typer.Typer(
+        no_args_is_help=True,
+        help="Per-account rate limits in the fleet's Redis. A plain `edgeserve up` keeps its "
+        "limits in its own process and never reads these: use its admin API "
+        "(PUT /admin/v1/accounts/{id}/limits), or start it with --redis-url.",
+    )
 
     @limits_app.command("set")
     def set_limits(

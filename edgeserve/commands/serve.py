@@ -59,7 +59,21 @@ def _telemetry(service_name: str) -> Any:
     return setup_telemetry(settings)
 
 
-def _server(app: Any, host: str, port: int) -> uvicorn.Server:
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: any free port) before anything is printed or loaded:
+    a port in use is one line and exit 1, not a banner with a key that never works and then
+    a traceback; and a port picked here cannot be taken before the server starts."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        typer.echo(f"error: cannot listen on {host}:{port}: {reason}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _server(app: Any, sock: socket.socket) -> uvicorn.Server:
+    """A uvicorn server on the bound socket `sock`."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -68,6 +82,10 @@ def _server(app: Any, host: str, port: int) -> uvicorn.Server:
         def capture_signals(self) -> Iterator[None]:
             yield
 
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().serve(sockets=[sock])
+
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http="httptools", log_level="warning",
         timeout_graceful_shutdown=30, access_log=False,
@@ -95,12 +113,6 @@ async def _run_servers(servers: list[uvicorn.Server], on_signal: Any = None) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
     await asyncio.gather(*(s.serve() for s in servers))
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _engine_factory(
@@ -200,7 +212,9 @@ def up(
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     internal_token = os.environ.get("EDGESERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
-    node_port = _free_port("127.0.0.1")
+    gateway_sock = _listen(host, port)
+    node_sock = _listen("127.0.0.1", 0)
+    node_port = int(node_sock.getsockname()[1])
     settings = _gateway_settings(
         internal_token=internal_token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
@@ -232,8 +246,8 @@ def up(
             is_ready=lambda: service.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         servers = [
-            _server(create_node_app(service, node_telemetry), "127.0.0.1", node_port),
-            _server(gateway_app, host, port),
+            _server(create_node_app(service, node_telemetry), node_sock),
+            _server(gateway_app, gateway_sock),
         ]
         url = f"http://{host}:{port}"
         typer.echo(
@@ -299,6 +313,7 @@ def node(
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     token = _internal_token(internal_token)
+    sock = _listen(host, port)
 
     async def main() -> None:
         from gpu_node.server import NodeService, NodeSettings, create_node_app
@@ -320,7 +335,7 @@ def node(
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
         try:
             await _run_servers(
-                [_server(create_node_app(service, telemetry), host, port)],
+                [_server(create_node_app(service, telemetry), sock)],
                 on_signal=service.begin_drain,
             )
         finally:
@@ -362,6 +377,7 @@ def gateway(
     settings = _gateway_settings(
         internal_token=token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
+    sock = _listen(host, port)
 
     async def main() -> None:
         from gateway.app import create_app
@@ -379,7 +395,7 @@ def gateway(
         if admin_token is None:
             typer.echo(f"no admin token ({ADMIN_TOKEN_ENV}): /admin/v1 is not mounted", err=True)
         try:
-            await _run_servers([_server(app, host, port)])
+            await _run_servers([_server(app, sock)])
         finally:
             telemetry.shutdown()
 

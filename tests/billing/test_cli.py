@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from billing.ledger import PostgresLedger, SqliteLedger
 from edgeserve.cli import build_app
 from tests.billing.conftest import DAY2, REDIS_URL, make_event
+from tests.conftest import free_port
 
 SMOL = "@cf/huggingface/smollm2-135m-instruct"
 
@@ -163,3 +164,68 @@ def test_the_worker_command_bills_then_stops_gracefully_on_sigterm(
     assert client.xpending(stream, "billing")["pending"] == 0
     ledger.close()
     client.close()
+
+
+def test_report_on_a_ledger_that_is_not_there_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    """A mistyped path had been created, empty, and reported as zero usage."""
+    missing = tmp_path / "typo" / "ledger.sqlite3"
+    result = CliRunner().invoke(build_app(), ["billing", "report", "--sqlite", str(missing)])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: no ledger at {missing}: nothing was billed there (--sqlite FILE or "
+        "--database-url URL names another)\n"
+    )
+    assert not missing.parent.exists()
+
+
+def test_a_ledger_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    not_a_database = tmp_path / "notes.txt"
+    not_a_database.write_text("x" * 4096)
+    app = build_app()
+    result = CliRunner().invoke(app, ["billing", "report", "--sqlite", str(not_a_database)])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"error: the ledger at {not_a_database} cannot be read: file is not a database\n",
+    )
+    url = f"postgresql://auditor:s3cret@127.0.0.1:{free_port()}/ledger"
+    result = CliRunner().invoke(app, ["billing", "report", "--database-url", url])
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(
+        f"error: the ledger at postgresql://auditor@127.0.0.1:{url.rsplit(':', 1)[1]} cannot "
+        "be read: "
+    )
+    assert "s3cret" not in result.output
+
+
+def test_the_report_table_piped_keeps_every_cell_whole(tmp_path: Path) -> None:
+    """Piped, rich had laid the table out in 80 columns and cut the model, day and cost."""
+    path = ledger_file(tmp_path)
+    result = CliRunner().invoke(
+        build_app(),
+        ["billing", "report", "--sqlite", str(path), "--from", "2026-11-02", "--to", "2026-11-03"],
+        env={"COLUMNS": "80"},
+    )
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if "acct-a" in line]
+    assert [[cell.strip() for cell in row.split("│")[1:-1]] for row in rows] == [
+        ["acct-a", SMOL, "2026-11-02", "1", "1000000", "500000", "0", "0.02025"],
+        ["acct-a", SMOL, "2026-11-03", "1", "100", "0", "1000000", "0.2010027"],
+    ]
+    assert "…" not in result.stdout
+
+
+def test_reconcile_and_keys_say_in_one_line_that_redis_is_unreachable(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    app = build_app()
+    reconcile = CliRunner().invoke(
+        app, ["billing", "reconcile", "--sqlite", str(ledger_file(tmp_path)), "--redis-url", url]
+    )
+    create = CliRunner().invoke(app, ["keys", "create", "--account", "acme", "--redis-url", url])
+    listed = CliRunner().invoke(app, ["keys", "list", "--account", "acme", "--redis-url", url])
+    revoke = CliRunner().invoke(app, ["keys", "revoke", "k1", "--redis-url", url])
+    for result in (reconcile, create, listed, revoke):
+        assert result.exit_code == 1
+        [line] = result.stderr.splitlines()
+        assert line.startswith(f"error: cannot reach Redis at {url}: Error 111 connecting to ")
+        assert result.stdout == ""

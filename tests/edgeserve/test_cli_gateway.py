@@ -127,3 +127,23 @@ def test_auto_kv_dtype_follows_fp16_activations_on_a_gpu() -> None:
     assert resolve_kv_dtype("auto", "cuda", "auto") == "bf16"
     assert resolve_kv_dtype("auto", "cpu", "fp16") == "fp32"
     assert resolve_kv_dtype("fp8", "cuda", "fp16") == "fp8"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["up", "--device", "cpu"],
+        ["node", "--internal-token", "t", "--device", "cpu"],
+        ["gateway", "--internal-token", "t"],
+    ],
+)
+def test_a_port_in_use_is_one_line_before_any_banner(command: list[str]) -> None:
+    """`up` had printed its banner (a new API key that would never work), then ~10 KB of
+    tracebacks; each command now binds its port before it prints or loads anything."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(build_app(), [*command, "--port", str(port)])
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"

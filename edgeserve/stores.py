@@ -1,0 +1,97 @@
+"""How a command reaches the shared stores (Redis, the ledger): opened for that command
+alone, and a store that cannot be reached or opened is one line on stderr and a non-zero
+exit, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import typer
+
+from edgeserve.settings import redis_client
+
+if TYPE_CHECKING:
+    from billing.ledger import Ledger
+
+T = TypeVar("T")
+
+UNREACHABLE_EXIT = 1  # the store did not answer; what the command was asked is not done
+LEDGER_EXIT = 2
+
+
+def run_on_redis(redis_url: str, action: Callable[[Any], Awaitable[T]]) -> T:
+    """`action(client)` on an asyncio Redis client of its own, closed afterwards."""
+    from redis.exceptions import RedisError
+
+    async def main() -> T:
+        client = redis_client(redis_url)
+        try:
+            return await action(client)
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(main())
+    except (RedisError, OSError) as exc:
+        typer.echo(f"error: cannot reach Redis at {redis_url}: {exc}", err=True)
+        raise typer.Exit(UNREACHABLE_EXIT) from None
+
+
+def open_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) -> Ledger:
+    """The ledger a command names: --database-url, --sqlite, else the environment's
+    DATABASE_URL (as the gateway reads it), else the per-user SQLite file. `create=False`
+    (reports, reconciliation) refuses a SQLite file that does not exist: a mistyped path
+    would otherwise read as an empty ledger and report zero usage."""
+    from billing.ledger import PostgresLedger, SqliteLedger, default_sqlite_path
+
+    if database_url and sqlite:
+        raise typer.BadParameter("give --database-url or --sqlite, not both")
+    # Neither flag: the environment's DATABASE_URL, so that a fleet's worker and gateways
+    # share one ledger from one setting (infra/compose.yaml, infra/k8s/edgeserve.yaml).
+    database_url = database_url or (None if sqlite else os.environ.get("DATABASE_URL"))
+    if database_url:
+        return _opened(database_url, lambda: PostgresLedger(database_url))
+    path = sqlite or default_sqlite_path()
+    if not create and not path.is_file():
+        typer.echo(
+            f"error: no ledger at {path}: nothing was billed there (--sqlite FILE or "
+            "--database-url URL names another)",
+            err=True,
+        )
+        raise typer.Exit(LEDGER_EXIT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _opened(str(path), lambda: SqliteLedger(path))
+
+
+def ledger_errors() -> tuple[type[BaseException], ...]:
+    """What a ledger raises when its database cannot be opened or read."""
+    import psycopg
+
+    return (sqlite3.Error, psycopg.Error, OSError)
+
+
+def ledger_failed(where: str, exc: BaseException) -> typer.Exit:
+    message = " ".join(str(exc).split())  # a driver's message can run over several lines
+    typer.echo(f"error: the ledger at {where} cannot be read: {message}", err=True)
+    return typer.Exit(LEDGER_EXIT)
+
+
+def _opened(where: str, open_it: Callable[[], Ledger]) -> Ledger:
+    try:
+        return open_it()
+    except ledger_errors() as exc:
+        raise ledger_failed(_redacted(where), exc) from None
+
+
+def _redacted(url: str) -> str:
+    """A database URL without its password, for an error message."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    return f"{scheme}://{credentials.split(':', 1)[0]}@{host}"
