@@ -15,6 +15,13 @@ class CatalogModel:
     aliases: tuple[str, ...] = ()
     task: str = "Text Generation"
     context_window: int = 8192
+    is_experimental: bool = False  # Workers AI search's hide_experimental leaves it out
+
+    @property
+    def author(self) -> str:
+        """Who published the weights: the name's second part ("@cf/meta/..." -> "meta")."""
+        parts = self.name.split("/")
+        return parts[1] if len(parts) > 2 else ""
 
     def search_entry(self, context_window: int) -> dict[str, Any]:
         """One item of Workers AI's models/search result, with the context window served
@@ -45,6 +52,7 @@ DEFAULT_MODELS = (
         id="0b6c8f7e-2f0d-4c55-8f42-1d9e3b7a6c02",
         description="A small mixture-of-experts model with seeded weights, for benchmarks.",
         aliases=("moe-small",),
+        is_experimental=True,
     ),
 )
 

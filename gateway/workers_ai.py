@@ -92,9 +92,19 @@ def _positive_int(request: Request, name: str, default: int, most: int) -> int:
     return value
 
 
+def _flag(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None or raw.lower() == "false":
+        return False
+    if raw.lower() == "true":
+        return True
+    raise InvalidRequestError(f"{name} must be true or false, got {raw!r}")
+
+
 @endpoint("workers_ai")
 async def search_models(request: Request) -> Response:
-    """GET /client/v4/accounts/{account_id}/ai/models/search: the catalog, paginated as Workers AI does."""
+    """GET /client/v4/accounts/{account_id}/ai/models/search: the catalog, filtered (search,
+    task, author, hide_experimental) and paginated as Workers AI does."""
     await authenticate(request)
     page = _positive_int(request, "page", 1, 1_000_000)
     per_page = _positive_int(request, "per_page", 20, 100)
@@ -104,6 +114,10 @@ async def search_models(request: Request) -> Response:
         models = [m for m in models if search.lower() in (m.name + " " + m.description).lower()]
     if task := request.query_params.get("task"):
         models = [m for m in models if m.task.lower() == task.lower()]
+    if author := request.query_params.get("author"):
+        models = [m for m in models if m.author.lower() == author.lower()]
+    if _flag(request, "hide_experimental"):
+        models = [m for m in models if not m.is_experimental]
     start = (page - 1) * per_page
     dispatcher = gateway_of(request).dispatcher
     result = [

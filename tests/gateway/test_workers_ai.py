@@ -136,6 +136,19 @@ def test_catalog_search_paginates_like_workers_ai(stack) -> None:
     assert past_end["result"] == []
     assert past_end["result_info"] == {"page": 3, "per_page": 1, "count": 0, "total_count": 2}
     assert [m["name"] for m in page("search=smollm")["result"]] == [SMOLLM2]
+    # Workers AI's other filters had been ignored, answering with every model
+    assert [m["name"] for m in page("author=HuggingFace")["result"]] == [SMOLLM2]
+    assert page("author=meta")["result"] == []
+    assert [m["name"] for m in page("hide_experimental=true")["result"]] == [SMOLLM2]
+    assert len(page("hide_experimental=false")["result"]) == 2
+    maybe = httpx.get(
+        f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?hide_experimental=yes",
+        headers={"authorization": f"Bearer {stack.api_key}"},
+    )
+    assert (maybe.status_code, maybe.json()) == (
+        400,
+        failure(5004, "hide_experimental must be true or false, got 'yes'"),
+    )
     bad = httpx.get(
         f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?page=zero",
         headers={"authorization": f"Bearer {stack.api_key}"},
