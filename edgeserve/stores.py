@@ -38,7 +38,7 @@ def run_on_redis(redis_url: str, action: Callable[[Any], Awaitable[T]]) -> T:
     try:
         return asyncio.run(main())
     except (RedisError, OSError) as exc:
-        typer.echo(f"error: cannot reach Redis at {redis_url}: {exc}", err=True)
+        typer.echo(f"error: cannot reach Redis at {_redacted(redis_url)}: {exc}", err=True)
         raise typer.Exit(UNREACHABLE_EXIT) from None
 
 
@@ -89,7 +89,7 @@ def _opened(where: str, open_it: Callable[[], Ledger]) -> Ledger:
 
 
 def _redacted(url: str) -> str:
-    """A database URL without its password, for an error message."""
+    """A Redis or database URL without its password, for an error message."""
     if "://" not in url or "@" not in url:
         return url
     scheme, rest = url.split("://", 1)

@@ -57,6 +57,9 @@ from scheduler.placement import Placement, Placer
 log = logging.getLogger(__name__)
 
 NO_CAPACITY_RETRY_S = 1.0
+# What a client reads when a node fails (the node and its words go to the log and trace).
+NODE_UNREACHABLE = "the node chosen for this request could not be reached; retry shortly"
+NODE_FAILED = "the node serving this request failed; retry shortly"
 NOT_SERVED_RETRY_S = 10.0  # a node restarting or being added takes this long at least
 UPSTREAM_RETRY_S = 1.0  # a request no node could start: a dead node's record soon lapses
 # A client that leaves while the node starts its request: how long the node may take to
@@ -260,7 +263,7 @@ class Dispatcher:
                     job, placement, body, started_at, headers, trace, receive
                 )
             except UpstreamError as exc:
-                log.warning("node %s failed before the first token: %s", placement.node_id, exc)
+                log.warning("request %s: %s, before the first token", job.request_id, exc.detail)
                 retry = None
                 if len(tried) == 1:
                     with trace.step("placement"):
@@ -382,7 +385,7 @@ class Dispatcher:
                 # Nothing listens there: the node is dead, whatever its record says.
                 await self._placer.mark_down(placement.node_id)
             raise UpstreamError(
-                f"node {placement.node_id} unreachable: {type(exc).__name__}"
+                NODE_UNREACHABLE, detail=f"node {placement.node_id} unreachable: {exc!r}"
             ) from None
         except UpstreamError:
             await self.release_placement(placement)
@@ -410,7 +413,8 @@ class Dispatcher:
                     await self.release_placement(placement)
                     raise _CLIENT_ERRORS[code](message)
                 raise UpstreamError(
-                    f"node {placement.node_id} answered {response.status_code}: {message}"
+                    NODE_FAILED,
+                    detail=f"node {placement.node_id} answered {response.status_code}: {message}",
                 )
             lines = response.aiter_lines()
             first_line = ""
@@ -419,7 +423,8 @@ class Dispatcher:
             first = json.loads(first_line)
             if "error" in first:
                 raise UpstreamError(
-                    f"node {placement.node_id} failed: {first['error'].get('message')}"
+                    NODE_FAILED,
+                    detail=f"node {placement.node_id} failed: {first['error'].get('message')}",
                 )
             return response, lines, first
         except BaseException:

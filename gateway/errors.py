@@ -128,7 +128,13 @@ class UnavailableError(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    pass
+    """A node failed. The client reads `message`, which names no node; `detail` (which node,
+    its address, what it said) goes to the log and the trace only: node ids, internal
+    addresses and a node's exception text are the fleet's own business."""
+
+    def __init__(self, message: str, *, detail: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.detail = detail or message
 
 
 class ClientClosedError(GatewayError):

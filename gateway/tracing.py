@@ -295,7 +295,8 @@ class GenAISpan:
             self._labels, duration_s=time.perf_counter() - self._started_at, error_type=error_type
         )
         self.span.set_attribute("error.type", error_type)
-        self.span.set_status(Status(StatusCode.ERROR, f"{error_type}: {error}"))
+        detail = getattr(error, "detail", error)  # the trace may name the node; the client not
+        self.span.set_status(Status(StatusCode.ERROR, f"{error_type}: {detail}"))
         self.span.end()
 
 

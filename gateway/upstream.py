@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,7 +30,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 LEFT_BEFORE_ANSWER = "the client closed the connection before the answer began"
+# What a client reads when its node fails mid-answer (which node, and how, is logged).
+MID_ANSWER = "the node serving this request failed mid-answer"
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,11 @@ class Upstream:
     def node_id(self) -> str:
         return self.placement.node_id
 
+    def _failure(self, what: str) -> UpstreamError:
+        detail = f"node {self.node_id} {what}"
+        log.warning("request %s: %s", self.job.request_id, detail)
+        return UpstreamError(MID_ANSWER, detail=detail)
+
     async def events(self) -> AsyncIterator[TextChunk | Finished]:
         """The node's events in order; raises UpstreamError if the node fails mid-stream."""
         while True:
@@ -95,18 +105,16 @@ class Upstream:
                     line = await anext(self._lines)
                 except StopAsyncIteration:
                     self._failed = True
-                    raise UpstreamError("the node closed the stream before the end") from None
+                    raise self._failure("closed the stream before the end") from None
                 except httpx.HTTPError as exc:
                     self._failed = True
-                    raise UpstreamError(
-                        f"the node failed mid-stream: {type(exc).__name__}"
-                    ) from None
+                    raise self._failure(f"failed mid-stream: {exc!r}") from None
                 if not line:
                     continue
                 event = json.loads(line)
             if "error" in event:
                 self._failed = True
-                raise UpstreamError(f"the node failed mid-stream: {event['error'].get('message')}")
+                raise self._failure(f"failed mid-stream: {event['error'].get('message')}")
             if "finish_reason" in event:
                 usage = event["usage"]
                 self._finished = Finished(

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from edgeserve.telemetry import PROPAGATOR, PROVIDER_NAME, GenAILabels, Telemetry
-from edgeserve.telemetry.logs import current_request_id
+from edgeserve.telemetry.logs import current_log_span, current_request_id
 from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.outputs import EngineStats, RequestOutput
 
@@ -144,6 +144,8 @@ class NodeSpan:
             attributes=attributes,
             start_time=started_ns,
         )
+        # Named by the log lines of the rest of the request's task, as its request id is.
+        current_log_span.set(self.span)
 
     def finish(self, out: RequestOutput) -> None:
         """The request's last output: its events, usage and the engine-side GenAI metrics."""

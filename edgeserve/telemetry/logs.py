@@ -19,6 +19,9 @@ from opentelemetry import trace
 from edgeserve.telemetry.settings import TelemetrySettings
 
 current_request_id: ContextVar[str | None] = ContextVar("edgeserve_request_id", default=None)
+# The span a task's log lines name when none is current: the node's, which serves a request
+# over several tasks and is never made current (it would parent every later span there).
+current_log_span: ContextVar[trace.Span | None] = ContextVar("edgeserve_log_span", default=None)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -39,6 +42,8 @@ class JsonLogFormatter(logging.Formatter):
         if request_id is not None:
             entry["request_id"] = request_id
         span_context = trace.get_current_span().get_span_context()
+        if not span_context.is_valid and (span := current_log_span.get()) is not None:
+            span_context = span.get_span_context()
         if span_context.is_valid:
             entry["trace_id"] = format(span_context.trace_id, "032x")
             entry["span_id"] = format(span_context.span_id, "016x")

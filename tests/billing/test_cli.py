@@ -229,3 +229,13 @@ def test_reconcile_and_keys_say_in_one_line_that_redis_is_unreachable(tmp_path: 
         [line] = result.stderr.splitlines()
         assert line.startswith(f"error: cannot reach Redis at {url}: Error 111 connecting to ")
         assert result.stdout == ""
+
+
+def test_a_redis_password_is_never_printed() -> None:
+    url = f"redis://:s3cretpw@127.0.0.1:{free_port()}/0"
+    result = CliRunner().invoke(build_app(), ["keys", "list", "--account", "x", "--redis-url", url])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(
+        f"error: cannot reach Redis at redis://@127.0.0.1:{url.rsplit(':', 1)[1]}: "
+    )
+    assert "s3cretpw" not in result.output

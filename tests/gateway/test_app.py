@@ -410,9 +410,10 @@ def test_nan_and_infinity_are_not_json(empty) -> None:
         )
 
 
-def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once() -> None:
+def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once(caplog) -> None:
     """Its capacity record is still live (it died within its TTL), and no other node serves
-    the model: nothing reached the client, so the 502 carries a Retry-After."""
+    the model: nothing reached the client, so the 502 carries a Retry-After. The client is
+    not told which node, nor its address (they had been in the message): the log is."""
     import time
     from dataclasses import replace
 
@@ -437,10 +438,21 @@ def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once() -
         unreachable = (
             502,
             "1",
-            [{"code": 3043, "message": "node gone unreachable: ConnectError"}],
+            [
+                {
+                    "code": 3043,
+                    "message": "the node chosen for this request could not be reached; "
+                    "retry shortly",
+                }
+            ],
         )
         wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
         assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == unreachable
+        request_id = wai.headers["x-request-id"]
+        assert [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()] == [
+            f"request {request_id}: node gone unreachable: ConnectError('All connection "
+            "attempts failed'), before the first token"
+        ]
         # Marked down: the next request is not sent there while its record stands.
         wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
         assert (wai.status_code, wai.json()["errors"][0]["message"]) == (

@@ -524,3 +524,45 @@ def test_a_disaggregated_placement_names_its_prefill_node() -> None:
     attributes = dict(genai.attributes or {})
     assert attributes["edgeserve.node_id"] == "dec-1"
     assert attributes["edgeserve.prefill_node.address"] == "http://10.0.0.8:8081"
+
+
+def test_a_nodes_log_lines_carry_its_trace_and_span_ids() -> None:
+    """The node span was never made current: a node's log lines (a generation that failed)
+    carried the request id but no trace or span id, unlike the gateway's."""
+    import contextvars
+
+    from edgeserve.telemetry.logs import JsonLogFormatter
+
+    node = NodeTelemetry(
+        setup_telemetry(
+            TelemetrySettings("node"), span_processors=[SimpleSpanProcessor(InMemorySpanExporter())]
+        ),
+        "node-7",
+        lambda: STATS,
+    )
+    headers = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}
+    body = GenerateRequest(request_id="r-9", model="smollm2", prompt="hi", max_tokens=1)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonLogFormatter())
+    log = logging.getLogger("gpu_node.server")
+    log.addHandler(handler)
+
+    def serve():  # one request's task: the context it sets ends with it
+        span = node.start(headers, body, num_prompt_tokens=3, started_ns=1)
+        log.error("generation r-9 failed")
+        return span
+
+    try:
+        span = contextvars.copy_context().run(serve)
+    finally:
+        log.removeHandler(handler)
+    line = json.loads(stream.getvalue())
+    assert {k: v for k, v in line.items() if k != "time"} == {
+        "level": "ERROR",
+        "logger": "gpu_node.server",
+        "message": "generation r-9 failed",
+        "request_id": "r-9",
+        "trace_id": "ab" * 16,
+        "span_id": format(span.span.get_span_context().span_id, "016x"),
+    }
