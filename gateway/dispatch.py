@@ -256,7 +256,8 @@ class Dispatcher:
                 trace.rejected("not_served")
                 raise
         trace.placed(placement)
-        tried = {placement.node_id}
+        tried = set(placement.node_ids)  # a disaggregated placement's prefill node too
+        retried = False
         while True:  # the first node, then one retry elsewhere
             try:
                 return await self._connect(
@@ -265,7 +266,8 @@ class Dispatcher:
             except UpstreamError as exc:
                 log.warning("request %s: %s, before the first token", job.request_id, exc.detail)
                 retry = None
-                if len(tried) == 1:
+                if not retried:
+                    retried = True
                     with trace.step("placement"):
                         retry = await self._placer.place(
                             job.model.node_model,
@@ -280,7 +282,7 @@ class Dispatcher:
                     raise
                 placement = retry
                 trace.placed(placement)
-                tried.add(placement.node_id)
+                tried |= placement.node_ids
             except BaseException:
                 await self.release_placement(placement)
                 raise

@@ -62,6 +62,12 @@ class Placement:
     # Disaggregated: the prefill node whose KV the decode node `address` takes (the
     # decode node holds the reservation; a prefill holds its pages only briefly).
     prefill_address: str | None = None
+    prefill_node_id: str | None = None
+
+    @property
+    def node_ids(self) -> frozenset[str]:
+        """Every node the request runs on: a retry goes to none of them."""
+        return frozenset(n for n in (self.node_id, self.prefill_node_id) if n is not None)
 
 
 class Reservations(Protocol):
@@ -297,10 +303,19 @@ class Placer:
                 live.append(record)
         return live
 
+    async def _servable(self, model: str) -> list[CapacityRecord]:
+        """The live records that can take a request for `model`: those that serve whole
+        requests, and decode nodes while a prefill node of their kind is live (alone, a
+        decode node serves nothing, so a fleet of them does not serve the model)."""
+        live = await self._live(model)
+        kinds = {r.kv_kind for r in live if r.role == "prefill"}
+        return [r for r in live if r.role != "decode" or r.kv_kind in kinds]
+
     async def max_request_tokens(self, model: str) -> int | None:
         """The longest request (prompt + max_tokens) a live node serving `model` takes;
         None when none is live or none says."""
-        sizes = [r.max_request_tokens for r in await self._live(model) if r.max_request_tokens]
+        records = await self._servable(model)
+        sizes = [r.max_request_tokens for r in records if r.max_request_tokens]
         return max(sizes, default=None)
 
     def _candidate(self, record: CapacityRecord, affine: str | None = None) -> Candidate:
@@ -317,12 +332,12 @@ class Placer:
             await self._affinities.remember(account_id, model, node_id)
 
     async def has_nodes(self, model: str) -> bool:
-        return bool(await self._live(model))
+        return bool(await self._servable(model))
 
     async def largest_node_tokens(self, model: str) -> int:
         """KV tokens of the biggest live node serving `model` (0 when none): a request
         needing more can never be placed, however long it waits."""
-        return max((r.num_total_tokens for r in await self._live(model)), default=0)
+        return max((r.num_total_tokens for r in await self._servable(model)), default=0)
 
     async def place(
         self,
@@ -361,7 +376,12 @@ class Placer:
                 )
                 await self._remember(account_id, model, prefiller.node_id)
                 return Placement(
-                    request_id, chosen.node_id, chosen.address, num_tokens, prefiller.address
+                    request_id,
+                    chosen.node_id,
+                    chosen.address,
+                    num_tokens,
+                    prefiller.address,
+                    prefiller.node_id,
                 )
         records = [r for r in live if r.role in ("mixed", "prefill")]
         index = await self._reservations.reserve_best(

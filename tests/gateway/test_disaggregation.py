@@ -76,6 +76,7 @@ def fleet(engine: Any, decode_engine: Any) -> Iterator[dict[str, Any]]:
         "gateway": gateway, "api_key": api_key, "sink": sink, "prefill": prefill_node,
         "decode": decode_node, "prefill_service": prefill_service, "exporter": exporter,
         "telemetry": {"prefill": prefill_telemetry, "decode": decode_telemetry},
+        "registry": registry,
     }  # fmt: skip
     gateway.stop()
     decode_node.stop()
@@ -205,3 +206,36 @@ def test_one_trace_runs_from_the_gateway_through_the_decode_node_to_the_prefill_
         for role, telemetry in fleet["telemetry"].items()
     }
     assert counts["prefill"] is None and counts["decode"] >= 1
+
+
+def test_the_retry_after_a_dead_prefill_node_goes_to_neither_node_of_the_placement(
+    fleet: dict[str, Any],
+) -> None:
+    """A prefill node died within its record's TTL, the freest of the fleet: the decode node
+    cannot fetch from it and answers 503. The one retry had excluded the decode node alone
+    and went, whole, to the dead prefill node (still the freest): a 502 for a request a
+    live node could serve."""
+    from dataclasses import replace
+
+    registry = fleet["registry"]
+    live = {r.node_id: r for r in asyncio.run(registry.list_live())}
+    real = live["prefill-1"]
+    ghost = replace(
+        real, node_id="a-ghost", address=f"http://127.0.0.1:{free_port()}",
+        num_pages=2 * real.num_pages, num_free_pages=2 * real.num_pages,
+        published_at=time.time(), ttl_s=60.0,
+    )  # fmt: skip
+    asyncio.run(registry.publish(ghost))
+    try:
+        time.sleep(0.3)  # past the gateway's view of 0.2 s
+        response = httpx.post(
+            f"{fleet['gateway'].url}/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}",
+            json={"prompt": "Hi", "max_tokens": 2, "temperature": 0},
+            headers={"authorization": f"Bearer {fleet['api_key']}"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        event = fleet["sink"].event_of(response.headers["x-request-id"])
+        assert (event.node_id, event.status) == ("prefill-1", "ok")
+    finally:
+        asyncio.run(registry.remove("a-ghost"))

@@ -27,6 +27,7 @@ def record(
     role="mixed",
     kv_dtype="fp8",
     activations="bf16",
+    max_request_tokens=0,
 ) -> CapacityRecord:
     return CapacityRecord(
         node_id=node_id,
@@ -43,6 +44,7 @@ def record(
         published_at=time.time(),
         ttl_s=30.0,
         activations=activations,
+        max_request_tokens=max_request_tokens,
     )
 
 
@@ -184,17 +186,29 @@ async def test_decode_and_prefill_nodes_split_a_request_and_full_decoders_fall_b
         await registry.publish(r)
     placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), overcommit=1.0)
     first = await placer.place("smollm2", "r1", 600)
-    assert first == Placement("r1", "dec-a", "http://dec-a:8081", 600, "http://pre-a:8081")
+    assert first == Placement("r1", "dec-a", "http://dec-a:8081", 600, "http://pre-a:8081", "pre-a")
     second = await placer.place("smollm2", "r2", 500)  # dec-a holds 600 of its 1024
-    assert second == Placement("r2", "dec-b", "http://dec-b:8081", 500, "http://pre-a:8081")
+    assert second == Placement(
+        "r2", "dec-b", "http://dec-b:8081", 500, "http://pre-a:8081", "pre-a"
+    )
     # both decode nodes are full: the request runs whole, on the best mixed or prefill node
     third = await placer.place("smollm2", "r3", 600)
     assert third == Placement("r3", "node-m", "http://node-m:8081", 600)
-    # without a prefill node, decode nodes take nothing
+    assert first.node_ids == {"dec-a", "pre-a"} and third.node_ids == {"node-m"}
+    # without a prefill node, decode nodes take nothing: the model is not served at all (a
+    # decode-only fleet had counted as serving it, so requests waited out the capacity
+    # queue's deadline for a 429, where no node could ever take them)
     alone = LocalCapacityRegistry()
-    await alone.publish(record("dec-a", role="decode"))
-    lonely = Placer(CapacityView(alone, max_age_s=1.0), LocalReservations())
+    await alone.publish(record("dec-a", role="decode", max_request_tokens=1000))
+    lonely = Placer(CapacityView(alone, max_age_s=0.0), LocalReservations())
     assert await lonely.place("smollm2", "r4", 10) is None
+    assert not await lonely.has_nodes("smollm2")
+    assert await lonely.largest_node_tokens("smollm2") == 0
+    assert await lonely.max_request_tokens("smollm2") is None
+    await alone.publish(record("pre-a", role="prefill", free_pages=16, max_request_tokens=500))
+    assert await lonely.has_nodes("smollm2")
+    assert await lonely.largest_node_tokens("smollm2") == 1024
+    assert await lonely.max_request_tokens("smollm2") == 1000
 
 
 async def test_a_decode_node_pairs_only_with_prefill_nodes_of_its_kv_and_activations() -> None:
@@ -211,10 +225,14 @@ async def test_a_decode_node_pairs_only_with_prefill_nodes_of_its_kv_and_activat
     placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations(), overcommit=1.0)
     # dec-16 takes KV from pre-16 alone, though pre-b scores higher
     first = await placer.place("smollm2", "r1", 600)
-    assert first == Placement("r1", "dec-16", "http://dec-16:8081", 600, "http://pre-16:8081")
+    assert first == Placement(
+        "r1", "dec-16", "http://dec-16:8081", 600, "http://pre-16:8081", "pre-16"
+    )
     # dec-8 (fp8 KV from fp16) has no prefill node of its kind: dec-b takes the next, with pre-b
     second = await placer.place("smollm2", "r2", 500)
-    assert second == Placement("r2", "dec-b", "http://dec-b:8081", 500, "http://pre-b:8081")
+    assert second == Placement(
+        "r2", "dec-b", "http://dec-b:8081", 500, "http://pre-b:8081", "pre-b"
+    )
     # dec-16 and dec-b full; dec-8 still takes nothing: the request runs whole on node-m
     third = await placer.place("smollm2", "r3", 600)
     assert third == Placement("r3", "node-m", "http://node-m:8081", 600)
