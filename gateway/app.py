@@ -210,6 +210,8 @@ def create_app(
         queue=queue,
         queue_deadline_s=settings.queue_deadline_s,
         tracer=GenAITracer(telemetry),
+        node_silence_s=settings.node_silence_s,
+        node_probe_timeout_s=settings.node_probe_timeout_s,
     )
     gateway = Gateway(
         settings=settings,

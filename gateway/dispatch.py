@@ -118,8 +118,12 @@ class Dispatcher:
         queue: CapacityQueue[Placement] | None = None,
         queue_deadline_s: float = 0.0,
         tracer: GenAITracer | None = None,
+        node_silence_s: float = 5.0,
+        node_probe_timeout_s: float = 5.0,
     ) -> None:
         self._client = client
+        self.node_silence_s = node_silence_s
+        self._node_probe_timeout_s = node_probe_timeout_s
         # Without a tracer of the caller's, GenAI metrics go to a registry nobody scrapes.
         self._tracer = tracer or GenAITracer(
             setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
@@ -374,7 +378,7 @@ class Dispatcher:
             content=json.dumps(body, separators=(",", ":")).encode(),
             headers=self._auth | {"content-type": "application/json"} | trace.traceparent(),
         )
-        starting = asyncio.ensure_future(self._start(request, placement))
+        starting = asyncio.ensure_future(self._start_watched(request, placement))
         try:
             if receive is not None and await left_first(starting, receive):
                 return await self._left_while_starting(
@@ -400,6 +404,45 @@ class Dispatcher:
             await asyncio.shield(self._cancel_on_node(placement, job.request_id))
             raise
         return Upstream(self, job, placement, response, lines, first, started_at, headers, trace)
+
+    async def node_answers(self, placement: Placement) -> bool:
+        """Whether the node answers its health endpoint at all (200, or 503 while it loads
+        or drains) within node_probe_timeout_s; a frozen node does not, and is marked down."""
+        try:
+            await self._client.get(
+                f"{placement.address}/internal/v1/health",
+                headers=self._auth,
+                timeout=self._node_probe_timeout_s,
+            )
+        except httpx.HTTPError:
+            await self._placer.mark_down(placement.node_id)
+            return False
+        return True
+
+    @property
+    def silence(self) -> str:
+        """How a node that the probe gave up on failed, for the log."""
+        return f"stopped answering: nothing for {self.node_silence_s:g}s, no answer to a probe"
+
+    async def _start_watched(
+        self, request: httpx.Request, placement: Placement
+    ) -> tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]:
+        """`_start`, failed with UpstreamError (so retried elsewhere) when the node stays
+        silent and does not answer a health probe: a frozen node's kernel still accepts the
+        connection, and the request would wait out the read timeout."""
+        start = asyncio.ensure_future(self._start(request, placement))
+        try:
+            while True:
+                done, _ = await asyncio.wait({start}, timeout=self.node_silence_s)
+                if done:
+                    return start.result()
+                if not await self.node_answers(placement):
+                    detail = f"node {placement.node_id} {self.silence}"
+                    raise UpstreamError(NODE_FAILED, detail=detail)
+        finally:
+            if not start.done():
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
 
     async def _start(
         self, request: httpx.Request, placement: Placement

@@ -12,6 +12,12 @@ class GatewaySettings:
     max_body_bytes: int = 4 * 1024 * 1024
     node_connect_timeout_s: float = 5.0
     node_read_timeout_s: float = 300.0  # between two chunks of a node's stream (queueing included)
+    # A node that has sent nothing on a request's stream for node_silence_s is asked its
+    # health; one that does not answer within node_probe_timeout_s (frozen, hung) fails the
+    # request: before the first token it is retried elsewhere. A busy or draining node
+    # answers, and is waited for, up to node_read_timeout_s.
+    node_silence_s: float = 5.0
+    node_probe_timeout_s: float = 5.0
     max_node_connections: int = 1000
     default_chat_max_tokens: int = 256
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
@@ -30,6 +36,8 @@ class GatewaySettings:
             "capacity_max_age_s",
             "node_connect_timeout_s",
             "node_read_timeout_s",
+            "node_silence_s",
+            "node_probe_timeout_s",
             "max_queued",
             "max_queued_per_account",
         ):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -77,6 +78,8 @@ class Upstream:
         self._started_at = started_at
         self._finished: Finished | None = None
         self._failed = False
+        self._last_heard = time.monotonic()  # when the node last sent a line
+        self._is_unresponsive = False  # the watchdog closed the stream of a silent node
         self._closed = False
         self.num_delivered_tokens = 0
         self.client_left = False  # before the answer began: cancelled on the node already
@@ -95,8 +98,32 @@ class Upstream:
         log.warning("request %s: %s", self.job.request_id, detail)
         return UpstreamError(MID_ANSWER, detail=detail)
 
+    async def _watch(self) -> None:
+        """Closes the node's stream once the node has sent nothing for node_silence_s and
+        does not answer a health probe either: the pending read then fails at once, where
+        a frozen node would have held the client to the read timeout."""
+        silence_s = self._dispatcher.node_silence_s
+        while True:
+            await asyncio.sleep(self._last_heard + silence_s - time.monotonic())
+            if time.monotonic() - self._last_heard < silence_s:
+                continue
+            if await self._dispatcher.node_answers(self.placement):
+                self._last_heard = time.monotonic()  # alive, only quiet: another round
+                continue
+            self._is_unresponsive = True
+            await self._response.aclose()
+            return
+
     async def events(self) -> AsyncIterator[TextChunk | Finished]:
         """The node's events in order; raises UpstreamError if the node fails mid-stream."""
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            async for event in self._events():
+                yield event
+        finally:
+            watchdog.cancel()
+
+    async def _events(self) -> AsyncIterator[TextChunk | Finished]:
         while True:
             if self._first is not None:
                 event, self._first = self._first, None
@@ -108,7 +135,10 @@ class Upstream:
                     raise self._failure("closed the stream before the end") from None
                 except httpx.HTTPError as exc:
                     self._failed = True
+                    if self._is_unresponsive:
+                        raise self._failure(self._dispatcher.silence) from None
                     raise self._failure(f"failed mid-stream: {exc!r}") from None
+                self._last_heard = time.monotonic()
                 if not line:
                     continue
                 event = json.loads(line)

@@ -40,6 +40,8 @@ from tests.conftest import (
 )
 
 TTL_S = 3.0  # node-a's: its expiry is under test, so short, yet 15 heartbeats long
+# The gateways probe a node silent for SILENCE_S, and give it PROBE_S to answer.
+SILENCE_S, PROBE_S = 1.0, 2.0
 NODE_B_TTL_S = 30.0  # node-b's expiry is not under test: a loaded machine must not lapse it
 HEARTBEAT_S = 0.2
 KV_MEMORY_MB = 48  # the shared test engine's size, so both nodes start with equal free KV
@@ -101,7 +103,12 @@ def start_gateway(prefix: str) -> tuple[ServerThread, RecordingPlacer, ListSink]
     )
     sink = ListSink()
     app = create_app(
-        GatewaySettings(internal_token=INTERNAL_TOKEN, capacity_max_age_s=HEARTBEAT_S),
+        GatewaySettings(
+            internal_token=INTERNAL_TOKEN,
+            capacity_max_age_s=HEARTBEAT_S,
+            node_silence_s=SILENCE_S,
+            node_probe_timeout_s=PROBE_S,
+        ),
         keys=RedisKeyStore(client, prefix),
         placer=placer,
         usage_sink=sink,
@@ -260,16 +267,17 @@ def node_a_back_after(fleet: Fleet) -> Iterator[None]:
         time.sleep(HEARTBEAT_S)  # the gateways' capacity caches turn over
 
 
-def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet, node_a_back_after) -> None:
-    # A stream must run on node-a. Left to the scores, it may not: node-b can hold the
-    # account's prefix affinity, and a stream that ends early gives its reservation back.
-    # A hold of node-b's whole pool on it makes node-a score higher whenever a gateway sees
-    # node-a; on a loaded machine a heartbeat can lapse for a moment, and a gateway then
-    # sees node-b alone, so streams are opened until one runs on node-a.
+def stream_on_node_a(fleet: Fleet, stack: contextlib.ExitStack) -> Iterator[str]:
+    """A counting stream that runs on node-a, its first line read.
+
+    Left to the scores, it may not: node-b can hold the account's prefix affinity, and a
+    stream that ends early gives its reservation back. A hold of node-b's whole pool on it
+    makes node-a score higher whenever a gateway sees node-a; on a loaded machine a
+    heartbeat can lapse for a moment, and a gateway then sees node-b alone, so streams are
+    opened until one runs on node-a."""
     (record_b,) = [r for r in fleet.records() if r.node_id == "node-b"]
     hold_on(fleet, "node-b", record_b.num_total_tokens)
-    with contextlib.ExitStack() as stack:
-        stack.callback(hold_on, fleet, "node-b", None)
+    try:
         deadline = time.monotonic() + 30
         while True:
             while sorted(fleet.live_nodes()) != ["node-a", "node-b"]:
@@ -277,9 +285,15 @@ def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet, node_a_back_after)
                 time.sleep(0.05)
             lines = open_counting_stream(fleet, stack)
             if fleet.placements()[-1] == "node-a":
-                break
+                return lines
             assert time.monotonic() < deadline, f"placements: {fleet.placements()}"
+    finally:
         hold_on(fleet, "node-b", None)
+
+
+def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet, node_a_back_after) -> None:
+    with contextlib.ExitStack() as stack:
+        lines = stream_on_node_a(fleet, stack)
         fleet.node_a.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         rest = list(lines)
@@ -306,6 +320,29 @@ def test_a_node_killed_mid_run_drops_out_after_its_ttl(fleet, node_a_back_after)
     assert fleet.placements(since=after) == ["node-b"] * 4
     assert [e.node_id for e in fleet.events() if e.started_at >= after_wall] == ["node-b"] * 4
     assert fleet.live_nodes() == ["node-b"]
+
+
+def test_a_node_frozen_mid_answer_fails_its_stream_in_seconds(fleet, node_a_back_after) -> None:
+    """SIGSTOP: a hung node's sockets stay open, so its stream had waited out the read
+    timeout (300 s). Silent for SILENCE_S and unanswering its health probe, the node's
+    stream now ends with an error event within seconds."""
+    with contextlib.ExitStack() as stack:
+        lines = stream_on_node_a(fleet, stack)
+        fleet.node_a.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            rest = list(lines)
+            waited = time.monotonic() - stopped_at
+        finally:
+            fleet.node_a.send_signal(signal.SIGKILL)
+            fleet.node_a.wait(timeout=10)
+    assert json.loads(rest[-1].removeprefix("data: "))["error"] == {
+        "message": "the node serving this request failed mid-answer",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    assert waited < SILENCE_S + PROBE_S + 5.0, waited
 
 
 def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(

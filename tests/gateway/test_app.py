@@ -468,6 +468,52 @@ def test_a_node_that_cannot_be_reached_is_a_502_the_client_may_retry_at_once(cap
         server.stop()
 
 
+def test_a_frozen_node_fails_its_request_in_seconds_not_at_the_read_timeout(caplog) -> None:
+    """A frozen (stopped, hung) node's kernel still accepts connections, so a request sent
+    there had waited out the read timeout (300 s). After node_silence_s with nothing from
+    the node, the gateway probes its health; no answer: 502 at once, the node marked down."""
+    import socket
+    import time
+
+    from scheduler.capacity import CapacityRecord
+
+    registry = LocalCapacityRegistry()
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as frozen:  # never accepted
+        address = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+        record = CapacityRecord(
+            node_id="frozen", address=address, role="mixed", models=("smollm2",),
+            num_pages=64, num_free_pages=64, page_size=16, kv_dtype="fp32", num_running=0,
+            num_waiting=0, load=0.0, published_at=time.time(), ttl_s=60.0, activations="fp32",
+        )  # fmt: skip
+        asyncio.run(registry.publish(record))
+        keys = MemoryKeyStore()
+        asyncio.run(keys.add(KEY, "acct"))
+        placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
+        settings = GatewaySettings(internal_token="t", node_silence_s=0.3, node_probe_timeout_s=0.3)
+        server = ServerThread(create_app(settings, keys=keys, placer=placer)).start()
+        try:
+            started = time.monotonic()
+            wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+            assert time.monotonic() - started < 5.0
+            assert (wai.status_code, wai.headers["retry-after"], wai.json()["errors"]) == (
+                502,
+                "1",
+                [{"code": 3043, "message": "the node serving this request failed; retry shortly"}],
+            )
+            request_id = wai.headers["x-request-id"]
+            assert [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()] == [
+                f"request {request_id}: node frozen stopped answering: nothing for 0.3s, no "
+                "answer to a probe, before the first token"
+            ]
+            again = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi"}, headers=AUTH)
+            assert (again.status_code, again.json()["errors"][0]["message"]) == (
+                503,
+                f"no node serves {SMOLLM2} now",
+            )
+        finally:
+            server.stop()
+
+
 def test_a_client_that_leaves_while_queued_gives_its_slot_back_at_once() -> None:
     """The one node is full, so requests wait in the capacity queue (30 s deadline). The
     account may run one request at a time. A queued client that gives up must leave the
