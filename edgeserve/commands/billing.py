@@ -181,12 +181,25 @@ def register(app: typer.Typer) -> None:
         from billing.reconcile import reconcile
 
         ledger = open_ledger(database_url, sqlite, create=False)
+
+        async def checked(client: Any) -> Any:
+            # The gateways and the worker create the stream: none means a mistyped --stream
+            # (or another Redis), and would have read as a clean reconcile.
+            if not await client.exists(stream):
+                return None
+            return await reconcile(client, ledger, stream, group, journal)
+
         try:
-            result = run_on_redis(
-                redis_url, lambda client: reconcile(client, ledger, stream, group, journal)
-            )
+            result = run_on_redis(redis_url, checked)
         finally:
             ledger.close()
+        if result is None:
+            typer.echo(
+                f"error: no usage stream {stream!r} in that Redis (--stream names the one the "
+                "gateways write)",
+                err=True,
+            )
+            raise typer.Exit(2)
         if as_json:
             typer.echo(json.dumps(result.to_json(), indent=2))
         else:

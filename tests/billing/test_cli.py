@@ -124,6 +124,13 @@ def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_pr
     differs = CliRunner().invoke(build_app(), args)
     assert differs.exit_code == 1, differs.output
     assert "DIFFERING (row unlike its event): 1\n  a-1\n" in differs.output
+    # A mistyped stream had read as a clean reconcile (exit 0), the ledger's rows unchecked.
+    typo = CliRunner().invoke(build_app(), [*args[:-1], stream + "s"])
+    assert (typo.exit_code, typo.stderr) == (
+        2,
+        f"error: no usage stream {stream + 's'!r} in that Redis (--stream names the one the "
+        "gateways write)\n",
+    )
     client.close()
 
 
