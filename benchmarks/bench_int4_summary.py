@@ -36,27 +36,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_w4a16 import bench_graph, copies_for, copy_bandwidth, to_tinygemm
+from bench_w4a16_gemm import parse_shapes
 
 from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
 from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, quantize_int4, to_mma
 
 GROUP = 128
-SHAPES = {  # (K, N): the products of a decoder layer
-    "8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
-    "70b": [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)],
-    "dsv3": [(7168, 18432), (18432, 7168)],  # DeepSeek-V3's dense MLP
-}
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes: list[tuple[int, int]] = []
-    for part in text.split(","):
-        if part in SHAPES:
-            shapes += SHAPES[part]
-        else:
-            k, n = part.lower().split("x")
-            shapes.append((int(k), int(n)))
-    return shapes
 
 
 def median_rounds(variants: dict[str, list[Callable[[], object]]], rounds: int) -> dict[str, float]:

@@ -38,6 +38,12 @@ async def wait_for(condition, timeout_s: float = 20.0) -> None:  # type: ignore[
         await asyncio.sleep(0.02)
 
 
+async def dead_letters(client: redis.asyncio.Redis, cfg: WorkerConfig) -> list[dict]:
+    """The dead-letter stream's entries' fields, oldest first; the group left nothing pending."""
+    assert (await client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    return [fields for _, fields in await client.xrange(cfg.dead_letter_key)]
+
+
 async def test_worker_bills_each_request_once_and_acknowledges_everything(
     redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
 ) -> None:
@@ -72,9 +78,9 @@ async def test_a_malformed_entry_is_dead_lettered_and_acknowledged(
     await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
     result = await worker.read_once()
     assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 1)
-    dead = await redis_client.xrange(cfg.dead_letter_key)
-    assert [fields for _, fields in dead] == [{b"request_id": b"x", b"source_id": bad_id.encode()}]
-    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert await dead_letters(redis_client, cfg) == [
+        {b"request_id": b"x", b"source_id": bad_id.encode()}
+    ]
     assert ledger.count() == 1
 
 
@@ -91,11 +97,9 @@ async def test_a_count_past_the_ledgers_bigint_is_dead_lettered_and_billing_goes
     await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
     result = await worker.read_once()
     assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 1)
-    dead = await redis_client.xrange(cfg.dead_letter_key)
-    assert [fields for _, fields in dead] == [
+    assert await dead_letters(redis_client, cfg) == [
         {**{k.encode(): v.encode() for k, v in huge.items()}, b"source_id": bad_id.encode()}
     ]
-    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
     assert ledger.count() == 1
 
 
@@ -131,9 +135,9 @@ async def test_an_entry_delivered_to_two_consumers_is_dead_lettered_once(
     resume.set()
     result = await asyncio.wait_for(slow_read, 10)
     assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 0)
-    dead = await redis_client.xrange(cfg.dead_letter_key)
-    assert [fields for _, fields in dead] == [{b"request_id": b"x", b"source_id": bad_id.encode()}]
-    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert await dead_letters(redis_client, cfg) == [
+        {b"request_id": b"x", b"source_id": bad_id.encode()}
+    ]
     assert ledger.count() == 1
 
 
@@ -146,9 +150,8 @@ async def test_the_dead_letter_stream_keeps_its_newest_entries(
     for i in range(5):
         await redis_client.xadd(cfg.stream_key, {"request_id": f"bad-{i}"})
     assert (await worker.read_once()).num_dead == 5
-    dead = await redis_client.xrange(cfg.dead_letter_key)
-    assert [fields[b"request_id"] for _, fields in dead] == [b"bad-2", b"bad-3", b"bad-4"]
-    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    dead = await dead_letters(redis_client, cfg)
+    assert [fields[b"request_id"] for fields in dead] == [b"bad-2", b"bad-3", b"bad-4"]
 
 
 async def test_an_entry_of_thousands_of_fields_is_dead_lettered_in_part(
@@ -163,10 +166,10 @@ async def test_an_entry_of_thousands_of_fields_is_dead_lettered_in_part(
     await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
     result = await worker.read_once()
     assert (result.num_new, result.num_duplicate, result.num_dead) == (1, 0, 1)
-    [(_, letter)] = await redis_client.xrange(cfg.dead_letter_key)
     kept = {f"f{i}".encode(): str(i).encode() for i in range(256)}
-    assert letter == kept | {b"dropped_fields": b"9744", b"source_id": bad_id.encode()}
-    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert await dead_letters(redis_client, cfg) == [
+        kept | {b"dropped_fields": b"9744", b"source_id": bad_id.encode()}
+    ]
 
 
 def test_a_negative_dead_letter_cap_is_refused() -> None:
@@ -199,9 +202,7 @@ async def test_an_entry_the_ledger_cannot_store_is_dead_lettered_and_billing_goe
     await redis_client.xadd(cfg.stream_key, make_event("req-1").to_fields())
     result = await worker.read_once()
     assert (result.num_new, result.num_duplicate, result.num_dead) == (2, 0, 1)
-    dead = await redis_client.xrange(cfg.dead_letter_key)
-    assert [entry for _, entry in dead] == [fields | {b"source_id": bad_id.encode()}]
-    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 0
+    assert await dead_letters(redis_client, cfg) == [fields | {b"source_id": bad_id.encode()}]
     assert ledger.count() == 2
 
 

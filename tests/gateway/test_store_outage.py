@@ -35,6 +35,36 @@ RUN = f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}"
 UNAVAILABLE = "the service's shared store is unavailable; retry shortly"
 
 
+def assert_store_unavailable(gateway_url: str) -> None:
+    """A request in either dialect gets the 503 of a store that cannot serve, to retry in 2 s."""
+    hi = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    wai = httpx.post(gateway_url + RUN, json=hi, headers=AUTH, timeout=30)
+    oai = httpx.post(gateway_url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=30)
+    assert (wai.status_code, wai.headers["retry-after"], wai.json()) == (
+        503,
+        "2",
+        {
+            "result": None,
+            "success": False,
+            "errors": [{"code": 7010, "message": UNAVAILABLE}],
+            "messages": [],
+        },
+    )
+    assert (oai.status_code, oai.headers["retry-after-ms"], oai.json()) == (
+        503,
+        "2000",
+        {
+            "error": {
+                "message": UNAVAILABLE,
+                "type": "server_error",
+                "param": None,
+                "code": "service_unavailable",
+            }
+        },
+    )
+
+
 @pytest.fixture(scope="module")
 def node(engine: Any) -> Iterator[Node]:
     yield from running_node(engine)
@@ -68,31 +98,7 @@ def test_an_unreachable_redis_is_503_in_each_dialect_and_on_healthz(node, redis_
         health = httpx.get(gateway.url + "/healthz")
         assert (health.status_code, health.json()) == (503, {"status": "store_unavailable"})
         time.sleep(1.1)  # past the key cache's second
-        wai = httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=30)
-        chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}]}
-        oai = httpx.post(gateway.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=30)
-        assert (wai.status_code, wai.headers["retry-after"], wai.json()) == (
-            503,
-            "2",
-            {
-                "result": None,
-                "success": False,
-                "errors": [{"code": 7010, "message": UNAVAILABLE}],
-                "messages": [],
-            },
-        )
-        assert (oai.status_code, oai.headers["retry-after-ms"], oai.json()) == (
-            503,
-            "2000",
-            {
-                "error": {
-                    "message": UNAVAILABLE,
-                    "type": "server_error",
-                    "param": None,
-                    "code": "service_unavailable",
-                }
-            },
-        )
+        assert_store_unavailable(gateway.url)
         redis_server.start()  # the same port, empty: the key is gone, and says so
         again = httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=60)
         assert again.status_code == 401
@@ -182,34 +188,12 @@ def test_a_store_demoted_to_a_read_only_replica_is_503_in_each_dialect(
         store_ping=client.ping,
     )
     hi = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
-    chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     admin = redis.Redis.from_url(redis_server.url)
     try:
         assert httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=60).status_code == 200
         admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a master never seen
         assert admin.info("replication")["role"] == "slave"
-        wai = httpx.post(gateway.url + RUN, json=hi, headers=AUTH, timeout=30)
-        oai = httpx.post(gateway.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=30)
-        assert (wai.status_code, wai.headers["retry-after"], wai.json()) == (
-            503,
-            "2",
-            {
-                "result": None,
-                "success": False,
-                "errors": [{"code": 7010, "message": UNAVAILABLE}],
-                "messages": [],
-            },
-        )
-        assert (oai.status_code, oai.headers["retry-after-ms"], oai.json()["error"]) == (
-            503,
-            "2000",
-            {
-                "message": UNAVAILABLE,
-                "type": "server_error",
-                "param": None,
-                "code": "service_unavailable",
-            },
-        )
+        assert_store_unavailable(gateway.url)
         # The store still answers PING (reads go on): the gateway stays in the balancer.
         assert httpx.get(gateway.url + "/healthz").status_code == 200
         admin.execute_command("REPLICAOF", "NO", "ONE")  # promoted: writes come back

@@ -119,11 +119,14 @@ def test_streaming_sends_chunks_then_usage_then_done(stack, engine) -> None:
 
 
 def test_catalog_search_paginates_like_workers_ai(stack) -> None:
-    def page(query: str) -> dict:
-        response = httpx.get(
+    def search(query: str) -> httpx.Response:
+        return httpx.get(
             f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?{query}",
             headers={"authorization": f"Bearer {stack.api_key}"},
         )
+
+    def page(query: str) -> dict:
+        response = search(query)
         assert response.status_code == 200
         return response.json()
 
@@ -141,22 +144,12 @@ def test_catalog_search_paginates_like_workers_ai(stack) -> None:
     assert page("author=meta")["result"] == []
     assert [m["name"] for m in page("hide_experimental=true")["result"]] == [SMOLLM2]
     assert len(page("hide_experimental=false")["result"]) == 2
-    maybe = httpx.get(
-        f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?hide_experimental=yes",
-        headers={"authorization": f"Bearer {stack.api_key}"},
-    )
-    assert (maybe.status_code, maybe.json()) == (
-        400,
-        failure(5004, "hide_experimental must be true or false, got 'yes'"),
-    )
-    bad = httpx.get(
-        f"{stack.url}/client/v4/accounts/{ACCOUNT_ID}/ai/models/search?page=zero",
-        headers={"authorization": f"Bearer {stack.api_key}"},
-    )
-    assert (bad.status_code, bad.json()) == (
-        400,
-        failure(5004, "page must be an integer, got 'zero'"),
-    )
+    for query, message in [
+        ("hide_experimental=yes", "hide_experimental must be true or false, got 'yes'"),
+        ("page=zero", "page must be an integer, got 'zero'"),
+    ]:
+        bad = search(query)
+        assert (bad.status_code, bad.json()) == (400, failure(5004, message))
 
 
 def test_missing_wrong_and_foreign_keys(stack) -> None:
