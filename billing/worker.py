@@ -11,10 +11,10 @@ ledger's unique request id turns into a no-op. So the stream gives
 at-least-once delivery and the ledger makes it exactly-once billing.
 
 An entry that cannot be parsed is copied to `<stream>:dead` and acknowledged,
-so one bad entry cannot wedge the group. Both happen in one script that writes the
-dead letter only if its own XACK took the entry off the pending list: a crash
-cannot leave one without the other, and an entry delivered to two consumers (one
-claimed it from a slow one) is dead-lettered once. The dead-letter stream keeps
+so one bad entry cannot wedge the group. Both happen in one script, and only for an
+entry still pending: a crash cannot leave one without the other, a letter that cannot
+be written leaves the entry pending (not lost), and an entry delivered to two consumers
+(one claimed it from a slow one) is dead-lettered once. The dead-letter stream keeps
 the newest `dead_letter_max` entries. (The script touches both keys: on Redis
 Cluster give the stream a hash tag, `{edgeserve}:usage`, that `:dead` then shares.)
 """
@@ -48,10 +48,11 @@ _DEAD_LETTER_FIELDS = 256
 AfterCommit = Callable[[list[str]], Awaitable[None]]
 
 # KEYS: stream, dead-letter stream. ARGV: group, entry id, cap, then the entry's fields and
-# values. Acknowledging first makes the dead letter once-only: a second delivery of the
-# entry finds it acknowledged already and writes nothing.
+# values. Only an entry still pending is written, and it is acknowledged after its letter:
+# a second delivery finds it acknowledged and writes nothing, and a write that fails (a
+# script is not rolled back) leaves the entry pending, to be tried again, not lost.
 _DEAD_LETTER = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then
     return 0
 end
 local cap = tonumber(ARGV[3])
@@ -60,6 +61,7 @@ if cap > 0 then
 else
     redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
@@ -276,7 +278,7 @@ class BillingWorker:
         return result
 
     async def _write_dead_letter(self, entry_id: str, fields: dict[Any, Any]) -> int:
-        """Acknowledge `entry_id` and copy it to the dead-letter stream, atomically; 0 when
+        """Copy `entry_id` to the dead-letter stream and acknowledge it, atomically; 0 when
         another delivery of it was acknowledged first (and wrote the dead letter)."""
         kept = dict(itertools.islice(fields.items(), _DEAD_LETTER_FIELDS))
         extra = {"dropped_fields": len(fields) - len(kept)} if len(fields) > len(kept) else {}

@@ -124,6 +124,7 @@ class Dispatcher:
         self._client = client
         self.node_silence_s = node_silence_s
         self._node_probe_timeout_s = node_probe_timeout_s
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # node id -> the probe in flight
         # Without a tracer of the caller's, GenAI metrics go to a registry nobody scrapes.
         self._tracer = tracer or GenAITracer(
             setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
@@ -407,13 +408,24 @@ class Dispatcher:
 
     async def node_answers(self, placement: Placement) -> bool:
         """Whether the node answers its health endpoint at all (200, or 503 while it loads
-        or drains) within node_probe_timeout_s; a frozen node does not, and is marked down."""
+        or drains) within node_probe_timeout_s; a frozen node does not, and is marked down.
+        The quiet streams of one node share one probe in flight."""
+        probe = self._probes.get(placement.node_id)
+        if probe is None:
+            probe = asyncio.ensure_future(self._probe(placement))
+            self._probes[placement.node_id] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(placement.node_id, None))
+        return await asyncio.shield(probe)
+
+    async def _probe(self, placement: Placement) -> bool:
         try:
             await self._client.get(
                 f"{placement.address}/internal/v1/health",
                 headers=self._auth,
                 timeout=self._node_probe_timeout_s,
             )
+        except httpx.PoolTimeout:
+            return True  # our own connections are all in use: nothing learnt of the node
         except httpx.HTTPError:
             await self._placer.mark_down(placement.node_id)
             return False

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio
+import redis.exceptions
 
 from billing.ledger import Ledger, PostgresLedger, SqliteLedger
 from billing.worker import BillingWorker, WorkerConfig
@@ -139,6 +140,27 @@ async def test_an_entry_delivered_to_two_consumers_is_dead_lettered_once(
         {b"request_id": b"x", b"source_id": bad_id.encode()}
     ]
     assert ledger.count() == 1
+
+
+async def test_a_dead_letter_that_cannot_be_written_leaves_its_entry_pending(
+    redis_client: redis.asyncio.Redis, ledger: Ledger, key_prefix: str
+) -> None:
+    """The script had acknowledged first: when its write then failed (a script is not
+    rolled back), the entry was gone, with no letter, and the retry found nothing to do."""
+    cfg = config(key_prefix, "w1", claim_idle_ms=1)
+    worker = BillingWorker(redis_client, ledger, cfg)
+    await worker.ensure_group()
+    await redis_client.set(cfg.dead_letter_key, "not a stream")
+    bad_id = (await redis_client.xadd(cfg.stream_key, {"request_id": "x"})).decode()
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        await worker.read_once()
+    assert (await redis_client.xpending(cfg.stream_key, cfg.group))["pending"] == 1
+    await redis_client.delete(cfg.dead_letter_key)
+    await asyncio.sleep(0.01)  # idle past claim_idle_ms
+    assert await worker.claim_idle() == 1
+    assert await dead_letters(redis_client, cfg) == [
+        {b"request_id": b"x", b"source_id": bad_id.encode()}
+    ]
 
 
 async def test_the_dead_letter_stream_keeps_its_newest_entries(
