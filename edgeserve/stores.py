@@ -42,21 +42,37 @@ def run_on_redis(redis_url: str, action: Callable[[Any], Awaitable[T]]) -> T:
         raise typer.Exit(UNREACHABLE_EXIT) from None
 
 
-def open_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) -> Ledger:
-    """The ledger a command names: --database-url, --sqlite, else the environment's
-    DATABASE_URL (as the gateway reads it), else the per-user SQLite file. `create=False`
-    (reports, reconciliation) refuses a SQLite file that does not exist: a mistyped path
-    would otherwise read as an empty ledger and report zero usage."""
-    from billing.ledger import PostgresLedger, SqliteLedger, default_sqlite_path
+def _resolve(database_url: str | None, sqlite: Path | None) -> tuple[str | None, Path | None]:
+    """(database URL, SQLite path), one of them None: --database-url, --sqlite, else the
+    environment's DATABASE_URL (as the gateway reads it, so a fleet's worker and gateways
+    share one ledger from one setting), else the per-user SQLite file."""
+    from billing.ledger import default_sqlite_path
 
     if database_url and sqlite:
         raise typer.BadParameter("give --database-url or --sqlite, not both")
-    # Neither flag: the environment's DATABASE_URL, so that a fleet's worker and gateways
-    # share one ledger from one setting (infra/compose.yaml, infra/k8s/edgeserve.yaml).
     database_url = database_url or (None if sqlite else os.environ.get("DATABASE_URL"))
     if database_url:
-        return _opened(database_url, lambda: PostgresLedger(database_url))
-    path = sqlite or default_sqlite_path()
+        return database_url, None
+    return None, sqlite or default_sqlite_path()
+
+
+def ledger_location(database_url: str | None, sqlite: Path | None) -> str:
+    """Where the ledger a command names lies, for its messages: never the password."""
+    url, path = _resolve(database_url, sqlite)
+    return _redacted(url) if url else str(path)
+
+
+def open_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) -> Ledger:
+    """The ledger a command names (see `_resolve`). `create=False` (reports,
+    reconciliation) refuses a SQLite file that does not exist: a mistyped path would
+    otherwise read as an empty ledger and report zero usage."""
+    from billing.ledger import PostgresLedger, SqliteLedger
+
+    url, path = _resolve(database_url, sqlite)
+    where = ledger_location(database_url, sqlite)
+    if url:
+        return _opened(where, lambda: PostgresLedger(url))
+    assert path is not None
     if not create and not path.is_file():
         typer.echo(
             f"error: no ledger at {path}: nothing was billed there (--sqlite FILE or "
@@ -65,7 +81,7 @@ def open_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) 
         )
         raise typer.Exit(LEDGER_EXIT)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _opened(str(path), lambda: SqliteLedger(path))
+    return _opened(where, lambda: SqliteLedger(path))
 
 
 def ledger_errors() -> tuple[type[BaseException], ...]:
@@ -85,7 +101,7 @@ def _opened(where: str, open_it: Callable[[], Ledger]) -> Ledger:
     try:
         return open_it()
     except ledger_errors() as exc:
-        raise ledger_failed(_redacted(where), exc) from None
+        raise ledger_failed(where, exc) from None
 
 
 def _redacted(url: str) -> str:

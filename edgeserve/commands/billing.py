@@ -10,7 +10,13 @@ from typing import Any
 import typer
 
 from edgeserve.settings import redis_client
-from edgeserve.stores import ledger_errors, ledger_failed, open_ledger, run_on_redis
+from edgeserve.stores import (
+    ledger_errors,
+    ledger_failed,
+    ledger_location,
+    open_ledger,
+    run_on_redis,
+)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # A test seam: when set to a file path, the worker writes the entry ids of each
@@ -153,7 +159,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         except ledger_errors() as exc:
-            raise ledger_failed(database_url or str(sqlite or "the default file"), exc) from None
+            raise ledger_failed(ledger_location(database_url, sqlite), exc) from None
         if format == "json":
             typer.echo(json.dumps(to_json(result), indent=2))
         elif format == "csv":

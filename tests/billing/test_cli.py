@@ -246,3 +246,18 @@ def test_a_redis_password_is_never_printed() -> None:
         f"error: cannot reach Redis at redis://@127.0.0.1:{url.rsplit(':', 1)[1]}: "
     )
     assert "s3cretpw" not in result.output
+
+
+def test_a_ledger_is_named_in_messages_without_its_password(monkeypatch, tmp_path: Path) -> None:
+    """The report's message for a read that failed had printed --database-url as given,
+    password and all, and "the default file" for a URL taken from DATABASE_URL."""
+    from billing.ledger import default_sqlite_path
+    from edgeserve.stores import ledger_location
+
+    url = "postgresql://auditor:s3cret@db.internal:5432/ledger"
+    assert ledger_location(url, None) == "postgresql://auditor@db.internal:5432/ledger"
+    monkeypatch.setenv("DATABASE_URL", url)
+    assert ledger_location(None, None) == "postgresql://auditor@db.internal:5432/ledger"
+    assert ledger_location(None, tmp_path / "l.sqlite3") == str(tmp_path / "l.sqlite3")
+    monkeypatch.delenv("DATABASE_URL")
+    assert ledger_location(None, None) == str(default_sqlite_path())
