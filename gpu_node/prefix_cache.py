@@ -77,8 +77,7 @@ class PrefixCache:
             if slot is None:
                 break
             slots.append(slot)
-        for digest in reversed(digests[: len(slots)]):  # the first block used last
-            self._slots.move_to_end(digest)
+        self._use_last_to_first(digests[: len(slots)])
         if slots:
             self._copy(slots, pages[: len(slots)], into_pool=True)
         return len(slots)
@@ -86,12 +85,15 @@ class PrefixCache:
     def store(self, digests: list[bytes], pages: list[int]) -> None:
         """Keeps the blocks in `pages` under `digests` (the ones not kept already)."""
         slots, sources = [], []
-        # At most a cache's worth, so no block stored here makes room for another of them;
-        # last to first, so that the first is the most recently used.
+        # At most a cache's worth. The blocks kept already are used first, so that none of
+        # this prompt's is the least recently used when a new one takes a slot: room is
+        # made from other prompts' blocks alone, and nothing stored here is copied twice.
         blocks = list(zip(digests, pages, strict=True))[: self.num_blocks]
-        for digest, page in reversed(blocks):
+        for digest, _ in blocks:
             if digest in self._slots:
                 self._slots.move_to_end(digest)
+        for digest, page in blocks:
+            if digest in self._slots:
                 continue
             if self._free:
                 slot = self._free.pop()
@@ -100,8 +102,14 @@ class PrefixCache:
             self._slots[digest] = slot
             slots.append(slot)
             sources.append(page)
+        self._use_last_to_first([digest for digest, _ in blocks])
         if slots:
             self._copy(slots, sources, into_pool=False)
+
+    def _use_last_to_first(self, digests: list[bytes]) -> None:
+        """Marks a prompt's blocks used, its first block last (the most recently used)."""
+        for digest in reversed(digests):
+            self._slots.move_to_end(digest)
 
     def _copy(self, slots: list[int], pages: list[int], into_pool: bool) -> None:
         cache = self._cache

@@ -106,3 +106,25 @@ def test_a_block_table_naming_another_requests_page_is_never_cached(make_engine,
     assert len(engine.prefix_cache) == 0
     engine.abort("b")  # b's own table is sound: its page is kept
     assert len(engine.prefix_cache) == len(chat_ids("Name three colours.")) // 16
+
+
+def test_storing_a_prompt_never_makes_room_with_its_own_blocks() -> None:
+    """Stored last to first, a prompt's new second block had taken the slot of its own
+    first block (the least recently used), which was then copied again into another."""
+    from gpu_node.kv_cache import KVCache
+    from gpu_node.prefix_cache import PrefixCache
+
+    class Recording(PrefixCache):
+        def _copy(self, slots, pages, into_pool):
+            self.copies.append((list(slots), list(pages), into_pool))
+            super()._copy(slots, pages, into_pool)
+
+    store = Recording(KVCache(1, 8, 4, 1, 8, "fp32"), num_blocks=2)
+    store.copies = []
+    store.store([b"A1"], [0])  # slot 0
+    store.store([b"B1"], [1])  # slot 1; A1 is now the least recently used
+    store.store([b"A1", b"A2"], [2, 3])  # A1 kept: A2 takes B1's slot
+    assert store.copies == [([0], [0], False), ([1], [1], False), ([1], [3], False)]
+    assert store.load([b"A1", b"A2"], [4, 5]) == 2
+    assert store.copies[-1] == ([0, 1], [4, 5], True)
+    assert store.load([b"B1"], [6]) == 0
