@@ -10,7 +10,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -59,21 +59,45 @@ def _telemetry(service_name: str) -> Any:
     return setup_telemetry(settings)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (0: any free port) before anything is printed or loaded:
-    a port in use is one line and exit 1, not a banner with a key that never works and then
-    a traceback; and a port picked here cannot be taken before the server starts."""
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of `host` ("" for all) on `port` (0: one free port),
+    before anything is printed or loaded: a port in use or a name that does not resolve is
+    one line and exit 1, not a banner with a key that never works and then a traceback;
+    and a port picked here cannot be taken before the server starts."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        _cannot_listen(host, port, exc.strerror or str(exc))
+    addresses = list(dict.fromkeys((family, address) for family, _, _, _, address in infos))
+    sockets: list[socket.socket] = []
+    try:
+        for family, address in addresses[: 1 if port == 0 else None]:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # its own socket beside the IPv4 one
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
     except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        typer.echo(f"error: cannot listen on {host}:{port}: {reason}", err=True)
-        raise typer.Exit(1) from None
+        for sock in sockets:
+            sock.close()
+        _cannot_listen(host, port, os.strerror(exc.errno) if exc.errno else str(exc))
+    return sockets
 
 
-def _server(app: Any, sock: socket.socket) -> uvicorn.Server:
-    """A uvicorn server on the bound socket `sock`."""
+def _cannot_listen(host: str, port: int, reason: str) -> NoReturn:
+    typer.echo(f"error: cannot listen on {host}:{port}: {reason}", err=True)
+    raise typer.Exit(1)
+
+
+def _port(sockets: list[socket.socket]) -> int:
+    return int(sockets[0].getsockname()[1])
+
+
+def _server(app: Any, sockets: list[socket.socket]) -> uvicorn.Server:
+    """A uvicorn server on the bound `sockets`."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -83,9 +107,10 @@ def _server(app: Any, sock: socket.socket) -> uvicorn.Server:
             yield
 
         async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().serve(sockets=[sock])
+            await super().serve(sockets=bound)
 
-    host, port = sock.getsockname()[:2]
+    bound = sockets
+    host, port = sockets[0].getsockname()[:2]
     config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", http="httptools", log_level="warning",
         timeout_graceful_shutdown=30, access_log=False,
@@ -213,8 +238,9 @@ def up(
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     internal_token = os.environ.get("EDGESERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
     gateway_sock = _listen(host, port)
+    port = _port(gateway_sock)  # the one bound, where --port 0 asked for any
     node_sock = _listen("127.0.0.1", 0)
-    node_port = int(node_sock.getsockname()[1])
+    node_port = _port(node_sock)
     settings = _gateway_settings(
         internal_token=internal_token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
@@ -314,6 +340,7 @@ def node(
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     token = _internal_token(internal_token)
     sock = _listen(host, port)
+    port = _port(sock)  # the one bound, where --port 0 asked for any
 
     async def main() -> None:
         from gpu_node.server import NodeService, NodeSettings, create_node_app
@@ -378,6 +405,7 @@ def gateway(
         internal_token=token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
     sock = _listen(host, port)
+    port = _port(sock)
 
     async def main() -> None:
         from gateway.app import create_app
