@@ -104,9 +104,8 @@ def is_store_unavailable(exc: BaseException) -> bool:
     """Whether a Redis error means "retry shortly" (503) rather than a fault of ours (500)."""
     if isinstance(exc, _UNAVAILABLE):
         return True
-    return (
-        isinstance(exc, ResponseError) and getattr(exc, "status_code", None) in _UNAVAILABLE_CODES
-    )
+    # redis-py keeps a code it has no class for as the message's first word
+    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _UNAVAILABLE_CODES
 
 
 async def _store_error(request: Request, exc: Exception) -> Response:

@@ -705,3 +705,31 @@ def test_a_fault_of_the_gateways_own_is_a_500_in_each_dialect_and_logged(caplog)
         },
     )
     assert sum("unhandled error on" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.parametrize(
+    ("error", "is_unavailable"),
+    [
+        ("ConnectionError", True),
+        ("TimeoutError", True),
+        ("ReadOnlyError", True),  # a replica after a failover
+        ("OutOfMemoryError", True),
+        ("BusyLoadingError", True),
+        ("MasterDownError", True),
+        ("ResponseError:MISCONF Redis is configured to save RDB snapshots", True),
+        ("ResponseError:NOREPLICAS Not enough good replicas to write", True),
+        ("ResponseError:BUSY Redis is busy running a script", True),
+        ("ResponseError:WRONGTYPE Operation against a key holding the wrong kind", False),
+        ("ResponseError:ERR unknown command", False),
+        ("DataError", False),
+    ],
+)
+def test_redis_errors_that_mean_retry_shortly_are_told_from_our_faults(
+    error: str, is_unavailable: bool
+) -> None:
+    import redis.exceptions
+
+    from gateway.app import is_store_unavailable
+
+    name, _, message = error.partition(":")
+    assert is_store_unavailable(getattr(redis.exceptions, name)(message)) is is_unavailable
