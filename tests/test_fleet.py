@@ -143,6 +143,30 @@ def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
     prefix = f"test:fleet-{os.getpid()}-{time.monotonic_ns()}:"
     log = Path(tmp_path_factory.mktemp("fleet")) / "node-a.log"
     node_a = spawn_node_a(prefix, log)
+    try:
+        fleet = _start_the_rest(prefix, log, node_a, engine)
+    except BaseException:  # a process left behind would heartbeat into Redis for good
+        node_a.kill()
+        node_a.wait(timeout=10)
+        raise
+    yield fleet
+    if fleet.node_a.poll() is None:
+        fleet.node_a.send_signal(signal.SIGTERM)
+        fleet.node_a.wait(timeout=30)
+    for gateway in fleet.gateways:
+        gateway.stop()
+    fleet.node_b.stop()
+    # Leave nothing behind under the prefix.
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def _start_the_rest(prefix: str, log: Path, node_a: subprocess.Popen[bytes], engine) -> Fleet:
     port_b = free_port()
     service_b = NodeService(
         NodeSettings(
@@ -171,21 +195,7 @@ def fleet(engine, tmp_path_factory) -> Iterator[Fleet]:
         asyncio.run(add_key()), prefix,
     )  # fmt: skip
     wait_both_live(fleet)
-    yield fleet
-    if fleet.node_a.poll() is None:
-        fleet.node_a.send_signal(signal.SIGTERM)
-        fleet.node_a.wait(timeout=30)
-    for gateway in fleet.gateways:
-        gateway.stop()
-    node_b.stop()
-    # Leave nothing behind under the prefix.
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    return fleet
 
 
 async def chat(
