@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -436,25 +436,41 @@ class Dispatcher:
         """How a node that the probe gave up on failed, for the log."""
         return f"stopped answering: nothing for {self.node_silence_s:g}s, no answer to a probe"
 
+    async def until_unresponsive(
+        self, placement: Placement, last_heard: Callable[[], float]
+    ) -> None:
+        """Returns once the node has sent nothing for node_silence_s since `last_heard()` (a
+        monotonic time) and then does not answer a health probe; a node that answers is
+        given another node_silence_s. A frozen node's kernel still accepts connections and
+        keeps them open, so only this tells it from a slow one before the read timeout."""
+        answered_at = float("-inf")
+        while True:
+            quiet_until = max(last_heard(), answered_at) + self.node_silence_s
+            if (wait := quiet_until - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+                continue
+            if not await self.node_answers(placement):
+                return
+            answered_at = time.monotonic()
+
     async def _start_watched(
         self, request: httpx.Request, placement: Placement
     ) -> tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]:
-        """`_start`, failed with UpstreamError (so retried elsewhere) when the node stays
-        silent and does not answer a health probe: a frozen node's kernel still accepts the
-        connection, and the request would wait out the read timeout."""
+        """`_start`, failed with UpstreamError (so retried elsewhere) when the node goes
+        unresponsive before its first event (`until_unresponsive`)."""
+        sent_at = time.monotonic()
         start = asyncio.ensure_future(self._start(request, placement))
+        watch = asyncio.ensure_future(self.until_unresponsive(placement, lambda: sent_at))
         try:
-            while True:
-                done, _ = await asyncio.wait({start}, timeout=self.node_silence_s)
-                if done:
-                    return start.result()
-                if not await self.node_answers(placement):
-                    detail = f"node {placement.node_id} {self.silence}"
-                    raise UpstreamError(NODE_FAILED, detail=detail)
+            await asyncio.wait({start, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if start.done():
+                return start.result()
+            raise UpstreamError(NODE_FAILED, detail=f"node {placement.node_id} {self.silence}")
         finally:
-            if not start.done():
-                start.cancel()
-                await asyncio.gather(start, return_exceptions=True)
+            for task in (start, watch):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(start, watch, return_exceptions=True)
 
     async def _start(
         self, request: httpx.Request, placement: Placement

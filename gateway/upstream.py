@@ -99,20 +99,12 @@ class Upstream:
         return UpstreamError(MID_ANSWER, detail=detail)
 
     async def _watch(self) -> None:
-        """Closes the node's stream once the node has sent nothing for node_silence_s and
-        does not answer a health probe either: the pending read then fails at once, where
-        a frozen node would have held the client to the read timeout."""
-        silence_s = self._dispatcher.node_silence_s
-        while True:
-            await asyncio.sleep(self._last_heard + silence_s - time.monotonic())
-            if time.monotonic() - self._last_heard < silence_s:
-                continue
-            if await self._dispatcher.node_answers(self.placement):
-                self._last_heard = time.monotonic()  # alive, only quiet: another round
-                continue
-            self._is_unresponsive = True
-            await self._response.aclose()
-            return
+        """Closes the node's stream once the node goes unresponsive mid-answer
+        (`Dispatcher.until_unresponsive`): the pending read then fails at once, where a
+        frozen node would have held the client to the read timeout."""
+        await self._dispatcher.until_unresponsive(self.placement, lambda: self._last_heard)
+        self._is_unresponsive = True
+        await self._response.aclose()
 
     async def events(self) -> AsyncIterator[TextChunk | Finished]:
         """The node's events in order; raises UpstreamError if the node fails mid-stream."""

@@ -259,6 +259,14 @@ class LocalAffinities:
             self._table.popitem(last=False)
 
 
+def _can_serve(records: list[CapacityRecord]) -> list[CapacityRecord]:
+    """Those of `records` that can take a request: the ones that serve whole requests, and
+    decode nodes beside a prefill node of their own KV and activations dtypes (the only KV
+    a decode node takes), without which a decode node serves nothing."""
+    kinds = {r.kv_kind for r in records if r.role == "prefill"}
+    return [r for r in records if r.role != "decode" or r.kv_kind in kinds]
+
+
 class Placer:
     """Chooses a node for a request among the live ones serving its model."""
 
@@ -304,12 +312,9 @@ class Placer:
         return live
 
     async def _servable(self, model: str) -> list[CapacityRecord]:
-        """The live records that can take a request for `model`: those that serve whole
-        requests, and decode nodes while a prefill node of their kind is live (alone, a
-        decode node serves nothing, so a fleet of them does not serve the model)."""
-        live = await self._live(model)
-        kinds = {r.kv_kind for r in live if r.role == "prefill"}
-        return [r for r in live if r.role != "decode" or r.kv_kind in kinds]
+        """The live records that can take a request for `model` (`_can_serve`): a fleet of
+        decode nodes alone does not serve the model."""
+        return _can_serve(await self._live(model))
 
     async def max_request_tokens(self, model: str) -> int | None:
         """The longest request (prompt + max_tokens) a live node serving `model` takes;
@@ -358,11 +363,9 @@ class Placer:
         affinity for its next request.
         """
         affine = await self._affinities.get(account_id, model) if account_id else None
-        live = [r for r in await self._live(model) if r.node_id not in exclude]
+        live = _can_serve([r for r in await self._live(model) if r.node_id not in exclude])
         prefillers = [r for r in live if r.role == "prefill"]
-        # a decode node takes KV only from a prefill node of its own KV and activations dtypes
-        kinds = {r.kv_kind for r in prefillers}
-        decoders = [r for r in live if r.role == "decode" and r.kv_kind in kinds]
+        decoders = [r for r in live if r.role == "decode"]
         if decoders:
             index = await self._reservations.reserve_best(
                 request_id, num_tokens, [self._candidate(r) for r in decoders]

@@ -18,8 +18,9 @@ starved: it always gets its share.
 
 Memory-aware admission: a waiting sequence is admitted only when the pages for
 its whole prompt fit with `reserve_pages` left over (the reserve is headroom
-for running sequences' decode growth, so none is kept while none runs). No sequence is admitted past one that
-does not fit (memory is handed out in arrival order). When a running sequence
+for running sequences' decode growth, so none is kept while none runs). No
+sequence is admitted past one that does not fit (memory is handed out in
+arrival order). When a running sequence
 needs a page and none is free, the newest running sequence is preempted: its
 pages are freed and it goes back to the front of the queue to be recomputed.
 """
