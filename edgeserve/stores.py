@@ -42,46 +42,44 @@ def run_on_redis(redis_url: str, action: Callable[[Any], Awaitable[T]]) -> T:
         raise typer.Exit(UNREACHABLE_EXIT) from None
 
 
-def _resolve(database_url: str | None, sqlite: Path | None) -> tuple[str | None, Path | None]:
-    """(database URL, SQLite path), one of them None: --database-url, --sqlite, else the
-    environment's DATABASE_URL (as the gateway reads it, so a fleet's worker and gateways
-    share one ledger from one setting), else the per-user SQLite file."""
+def _location(database_url: str | None, sqlite: Path | None) -> str | Path:
+    """The ledger a command names: --database-url, --sqlite, else the environment's
+    DATABASE_URL (as the gateway reads it, so a fleet's worker and gateways share one
+    ledger from one setting), else the per-user SQLite file. A str is a PostgreSQL database
+    in any form libpq takes (a URL or key=value pairs), a Path a SQLite file."""
     from billing.ledger import default_sqlite_path
 
     if database_url and sqlite:
         raise typer.BadParameter("give --database-url or --sqlite, not both")
     database_url = database_url or (None if sqlite else os.environ.get("DATABASE_URL"))
-    if database_url:
-        return database_url, None
-    return None, sqlite or default_sqlite_path()
+    return database_url or sqlite or default_sqlite_path()
 
 
 def ledger_location(database_url: str | None, sqlite: Path | None) -> str:
     """Where the ledger a command names lies, for its messages: never the password."""
-    url, path = _resolve(database_url, sqlite)
-    return _redacted(url) if url else str(path)
+    return _redacted(str(_location(database_url, sqlite)))
 
 
-def open_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) -> Ledger:
-    """The ledger a command names (see `_resolve`). `create=False` (reports,
-    reconciliation) refuses a SQLite file that does not exist: a mistyped path would
-    otherwise read as an empty ledger and report zero usage."""
+def command_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) -> Ledger:
+    """The ledger a command names (`_location`). `create=False` (reports, reconciliation)
+    refuses a SQLite file that does not exist: a mistyped path would otherwise read as an
+    empty ledger and report zero usage."""
     from billing.ledger import PostgresLedger, SqliteLedger
 
-    url, path = _resolve(database_url, sqlite)
-    where = ledger_location(database_url, sqlite)
-    if url:
-        return _opened(where, lambda: PostgresLedger(url))
-    assert path is not None
-    if not create and not path.is_file():
-        typer.echo(
-            f"error: no ledger at {path}: nothing was billed there (--sqlite FILE or "
-            "--database-url URL names another)",
-            err=True,
-        )
-        raise typer.Exit(LEDGER_EXIT)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return _opened(where, lambda: SqliteLedger(path))
+    location = _location(database_url, sqlite)
+    if isinstance(location, Path):
+        if not create and not location.is_file():
+            typer.echo(
+                f"error: no ledger at {location}: nothing was billed there (--sqlite FILE or "
+                "--database-url URL names another)",
+                err=True,
+            )
+            raise typer.Exit(LEDGER_EXIT)
+        location.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return PostgresLedger(location) if isinstance(location, str) else SqliteLedger(location)
+    except ledger_errors() as exc:
+        raise ledger_failed(_redacted(str(location)), exc) from None
 
 
 def ledger_errors() -> tuple[type[BaseException], ...]:
@@ -95,13 +93,6 @@ def ledger_failed(where: str, exc: BaseException) -> typer.Exit:
     message = " ".join(str(exc).split())  # a driver's message can run over several lines
     typer.echo(f"error: the ledger at {where} cannot be read: {message}", err=True)
     return typer.Exit(LEDGER_EXIT)
-
-
-def _opened(where: str, open_it: Callable[[], Ledger]) -> Ledger:
-    try:
-        return open_it()
-    except ledger_errors() as exc:
-        raise ledger_failed(where, exc) from None
 
 
 def _redacted(url: str) -> str:

@@ -11,10 +11,10 @@ import typer
 
 from edgeserve.settings import redis_client
 from edgeserve.stores import (
+    command_ledger,
     ledger_errors,
     ledger_failed,
     ledger_location,
-    open_ledger,
     run_on_redis,
 )
 
@@ -84,7 +84,7 @@ def register(app: typer.Typer) -> None:
             retain_s=retain_days * 86_400,
             dead_letter_max=dead_letter_max,
         )
-        ledger = open_ledger(database_url, sqlite, create=True)
+        ledger = command_ledger(database_url, sqlite, create=True)
 
         async def main() -> None:
             client = redis_client(redis_url)
@@ -150,7 +150,7 @@ def register(app: typer.Typer) -> None:
         try:
             table = PriceTable.load(prices) if prices else PriceTable.default()
             keys = parse_group_by(group_by)
-            ledger = open_ledger(database_url, sqlite, create=False)
+            ledger = command_ledger(database_url, sqlite, create=False)
             try:
                 result = build_report(ledger, table, start, end, account_id=account, group_by=keys)
             finally:
@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
 
         from billing.reconcile import reconcile
 
-        ledger = open_ledger(database_url, sqlite, create=False)
+        ledger = command_ledger(database_url, sqlite, create=False)
 
         async def checked(client: Any) -> Any:
             # The gateways and the worker create the stream: none means a mistyped --stream
