@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -50,6 +50,7 @@ from gateway.errors import (
     UnavailableError,
     UpstreamError,
 )
+from gateway.liveness import NodeWatch
 from gateway.tracing import GenAISpan, GenAITracer
 from gateway.upstream import LEFT_BEFORE_ANSWER, Upstream, left_first, unless_client_leaves
 from scheduler.placement import Placement, Placer
@@ -122,15 +123,13 @@ class Dispatcher:
         node_probe_timeout_s: float = 5.0,
     ) -> None:
         self._client = client
-        self.node_silence_s = node_silence_s
-        self._node_probe_timeout_s = node_probe_timeout_s
-        self._probes: dict[str, asyncio.Future[bool]] = {}  # node id -> the probe in flight
         # Without a tracer of the caller's, GenAI metrics go to a registry nobody scrapes.
         self._tracer = tracer or GenAITracer(
             setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
         )
         self._placer = placer
         self._auth = {"authorization": f"Bearer {internal_token}"}
+        self.watch = NodeWatch(client, self._auth, placer, node_silence_s, node_probe_timeout_s)
         self._limiter = limiter
         self._usage_sink = usage_sink
         # Without a queue a request that finds every node full is refused at once.
@@ -406,66 +405,20 @@ class Dispatcher:
             raise
         return Upstream(self, job, placement, response, lines, first, started_at, headers, trace)
 
-    async def node_answers(self, placement: Placement) -> bool:
-        """Whether the node answers its health endpoint at all (200, or 503 while it loads
-        or drains) within node_probe_timeout_s; a frozen node does not, and is marked down.
-        The quiet streams of one node share one probe in flight."""
-        probe = self._probes.get(placement.node_id)
-        if probe is None:
-            probe = asyncio.ensure_future(self._probe(placement))
-            self._probes[placement.node_id] = probe
-            probe.add_done_callback(lambda _: self._probes.pop(placement.node_id, None))
-        return await asyncio.shield(probe)
-
-    async def _probe(self, placement: Placement) -> bool:
-        try:
-            await self._client.get(
-                f"{placement.address}/internal/v1/health",
-                headers=self._auth,
-                timeout=self._node_probe_timeout_s,
-            )
-        except httpx.PoolTimeout:
-            return True  # our own connections are all in use: nothing learnt of the node
-        except httpx.HTTPError:
-            await self._placer.mark_down(placement.node_id)
-            return False
-        return True
-
-    @property
-    def silence(self) -> str:
-        """How a node that the probe gave up on failed, for the log."""
-        return f"stopped answering: nothing for {self.node_silence_s:g}s, no answer to a probe"
-
-    async def until_unresponsive(
-        self, placement: Placement, last_heard: Callable[[], float]
-    ) -> None:
-        """Returns once the node has sent nothing for node_silence_s since `last_heard()` (a
-        monotonic time) and then does not answer a health probe; a node that answers is
-        given another node_silence_s. A frozen node's kernel still accepts connections and
-        keeps them open, so only this tells it from a slow one before the read timeout."""
-        answered_at = float("-inf")
-        while True:
-            quiet_until = max(last_heard(), answered_at) + self.node_silence_s
-            if (wait := quiet_until - time.monotonic()) > 0:
-                await asyncio.sleep(wait)
-                continue
-            if not await self.node_answers(placement):
-                return
-            answered_at = time.monotonic()
-
     async def _start_watched(
         self, request: httpx.Request, placement: Placement
     ) -> tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]:
         """`_start`, failed with UpstreamError (so retried elsewhere) when the node goes
-        unresponsive before its first event (`until_unresponsive`)."""
+        unresponsive before its first event (NodeWatch.until_unresponsive)."""
         sent_at = time.monotonic()
         start = asyncio.ensure_future(self._start(request, placement))
-        watch = asyncio.ensure_future(self.until_unresponsive(placement, lambda: sent_at))
+        watch = asyncio.ensure_future(self.watch.until_unresponsive(placement, lambda: sent_at))
         try:
             await asyncio.wait({start, watch}, return_when=asyncio.FIRST_COMPLETED)
             if start.done():
                 return start.result()
-            raise UpstreamError(NODE_FAILED, detail=f"node {placement.node_id} {self.silence}")
+            detail = f"node {placement.node_id} {self.watch.silence}"
+            raise UpstreamError(NODE_FAILED, detail=detail)
         finally:
             for task in (start, watch):
                 if not task.done():

@@ -100,9 +100,9 @@ class Upstream:
 
     async def _watch(self) -> None:
         """Closes the node's stream once the node goes unresponsive mid-answer
-        (`Dispatcher.until_unresponsive`): the pending read then fails at once, where a
-        frozen node would have held the client to the read timeout."""
-        await self._dispatcher.until_unresponsive(self.placement, lambda: self._last_heard)
+        (NodeWatch.until_unresponsive): the pending read then fails at once, where a frozen
+        node would have held the client to the read timeout."""
+        await self._dispatcher.watch.until_unresponsive(self.placement, lambda: self._last_heard)
         self._is_unresponsive = True
         await self._response.aclose()
 
@@ -128,7 +128,7 @@ class Upstream:
                 except httpx.HTTPError as exc:
                     self._failed = True
                     if self._is_unresponsive:
-                        raise self._failure(self._dispatcher.silence) from None
+                        raise self._failure(self._dispatcher.watch.silence) from None
                     raise self._failure(f"failed mid-stream: {exc!r}") from None
                 self._last_heard = time.monotonic()
                 if not line:
