@@ -52,7 +52,13 @@ from gateway.errors import (
 )
 from gateway.liveness import NodeWatch
 from gateway.tracing import GenAISpan, GenAITracer
-from gateway.upstream import LEFT_BEFORE_ANSWER, Upstream, left_first, unless_client_leaves
+from gateway.upstream import (
+    LEFT_BEFORE_ANSWER,
+    Upstream,
+    left_first,
+    node_lines,
+    unless_client_leaves,
+)
 from scheduler.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
@@ -442,7 +448,7 @@ class Dispatcher:
                     NODE_FAILED,
                     detail=f"node {placement.node_id} answered {response.status_code}: {message}",
                 )
-            lines = response.aiter_lines()
+            lines = node_lines(response)
             first_line = ""
             while not first_line:
                 first_line = await anext(lines)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from gateway.errors import (
     error_headers,
     error_status,
 )
-from gateway.json_body import BodyTooLargeError, load_json, read_body
+from gateway.json_body import BodyTooLargeError, json_bytes, load_json, read_body
 from gateway.keys import KeyStore
 from gateway.settings import GatewaySettings
 
@@ -64,7 +63,7 @@ class JSONBytes(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()
+        return json_bytes(content)
 
 
 def error_response(error: GatewayError, dialect: Dialect) -> Response:

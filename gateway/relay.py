@@ -10,17 +10,17 @@ Each dialect supplies a `StreamRenderer` that turns events into SSE bytes.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamError
+from gateway.json_body import json_bytes
 from gateway.upstream import Finished, TextChunk, Upstream, until_client_leaves
 
 
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

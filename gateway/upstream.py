@@ -38,6 +38,26 @@ LEFT_BEFORE_ANSWER = "the client closed the connection before the answer began"
 MID_ANSWER = "the node serving this request failed mid-answer"
 
 
+def node_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The node's NDJSON events as text lines, split on the byte `\\n` alone.
+
+    httpx's `aiter_lines` also ends a line at U+2028, U+2029, U+0085 and the other
+    characters `str.splitlines` knows, any of which a model may generate inside a JSON
+    string: JSON escapes the control characters (`\\n` among them) but not those, so the
+    `\\n` byte is the one line end of our wire."""
+    return _split_lines(response.aiter_bytes())
+
+
+async def _split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    pending = b""
+    async for chunk in chunks:
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if pending:
+        yield pending.decode()
+
+
 @dataclass(frozen=True)
 class TextChunk:
     text: str
@@ -133,7 +153,11 @@ class Upstream:
                 self._last_heard = time.monotonic()
                 if not line:
                     continue
-                event = json.loads(line)
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    self._failed = True  # the service's fault: it costs the client nothing
+                    raise self._failure("sent a line that is not JSON") from None
             if "error" in event:
                 self._failed = True
                 raise self._failure(f"failed mid-stream: {event['error'].get('message')}")
