@@ -44,7 +44,7 @@ def _chunked(data: bytes, cuts: list[int]) -> AsyncIterator[bytes]:
 
     async def pieces() -> AsyncIterator[bytes]:
         start = 0
-        for cut in sorted({c % (len(data) + 1) for c in cuts}) + [len(data)]:
+        for cut in [*sorted({c % (len(data) + 1) for c in cuts}), len(data)]:
             yield data[start:cut]
             start = cut
 

@@ -367,8 +367,7 @@ def test_bad_requests_are_4xx_with_a_message_and_the_server_keeps_serving(
         (b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "nested too deeply"),
         (
             b'{"model": "smollm2", "max_tokens": 1' + b"0" * 5000 + b"}",
-            "Exceeds the limit (4300 digits) for integer string conversion: value has 5001 "
-            "digits; use sys.set_int_max_str_digits() to increase the limit",
+            "an integer has more than 4300 digits",
         ),
         (  # JSON is UTF-8: the decoder would have guessed UTF-16 from the bytes
             json.dumps({"model": "smollm2", "messages": []}).encode("utf-16"),
