@@ -13,16 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
-from redis.exceptions import (
-    ClusterDownError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -54,6 +45,7 @@ from gateway.openapi import build_openapi
 from gateway.settings import GatewaySettings
 from gateway.tracing import GenAITracer, TracingMiddleware
 from scheduler.placement import Placement, Placer
+from scheduler.store_watch import is_store_unavailable as is_store_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -84,28 +76,6 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 # Seconds a client is told to wait when the fleet's shared store does not answer.
 STORE_RETRY_AFTER_S = 2.0
 STORE_PING_TIMEOUT_S = 0.5  # how long /healthz waits for the store's PING
-
-
-# Redis errors that say the store cannot serve for now, not that we asked it wrongly: it is
-# away, a replica after a failover (READONLY), full (OOM), loading a restart, refusing writes
-# (MISCONF: a failed snapshot; NOREPLICAS: min-replicas-to-write), or busy with a script.
-_UNAVAILABLE = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ReadOnlyError,
-    OutOfMemoryError,
-    ClusterDownError,
-    TryAgainError,
-)
-_UNAVAILABLE_CODES = frozenset({"MISCONF", "NOREPLICAS", "BUSY"})
-
-
-def is_store_unavailable(exc: BaseException) -> bool:
-    """Whether a Redis error means "retry shortly" (503) rather than a fault of ours (500)."""
-    if isinstance(exc, _UNAVAILABLE):
-        return True
-    # redis-py keeps a code it has no class for as the message's first word
-    return isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in _UNAVAILABLE_CODES
 
 
 async def _store_error(request: Request, exc: Exception) -> Response:
@@ -229,7 +199,8 @@ def create_app(
 
     async def healthz(request: Request) -> Response:
         """200 when requests can be served: the model loaded, and the shared store (Redis, in a
-        fleet) answering, which every request needs for its key, limits and placement."""
+        fleet) answering. Without it only keys this gateway has seen recently are served
+        (degraded, `scheduler/store_watch.py`), so the balancer should prefer another."""
         if not gateway.is_ready():
             return JSONBytes({"status": "loading"}, status_code=503)
         if store_ping is not None:
@@ -247,11 +218,13 @@ def create_app(
         if on_startup is not None:
             await on_startup()
         await _start_limiter(limiter)
+        await placer.start()
         try:
             yield
         finally:
             await queue.aclose()
             await client.aclose()
+            await placer.aclose()
             await _close_limiter(limiter)
             if on_shutdown is not None:
                 await on_shutdown()

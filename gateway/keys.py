@@ -5,6 +5,11 @@ The plaintext is returned once by `create`. A key's public handle is its
 `lookup` caches answers for at most `cache_s` (1 s) so a revocation reaches
 every gateway within a second while the hot path rarely touches Redis.
 
+While Redis is away (`scheduler.store_watch`), a key this gateway confirmed within the
+last `known_for_s` (10 minutes) keeps working; any other key is a 503, never admitted
+unchecked. So a key revoked just before or during an outage works on until Redis
+returns, and never longer than `known_for_s` after this gateway last confirmed it.
+
     KeyStore (protocol)
     ├── RedisKeyStore    fleets
     └── MemoryKeyStore   `edgeserve up`, tests
@@ -16,11 +21,14 @@ import hashlib
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
+
+from scheduler.store_watch import StoreAway, StoreWatch
 
 ACCOUNT_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 KEY_PREFIX = "es-"
@@ -105,6 +113,37 @@ class _LookupCache:
         self._entries[digest] = (account_id, self._monotonic() + self._ttl_s)
 
 
+class _KnownKeys:
+    """Keys Redis confirmed, with when: what stands in for Redis while it is away. The
+    `max_entries` most recently confirmed are kept."""
+
+    def __init__(
+        self, known_for_s: float, max_entries: int, monotonic: Callable[[], float]
+    ) -> None:
+        self._known_for_s = known_for_s
+        self._max_entries = max_entries
+        self._monotonic = monotonic
+        self._entries: OrderedDict[str, tuple[str, float]] = (
+            OrderedDict()
+        )  # digest -> (account, confirmed at)
+
+    def confirm(self, digest: str, account_id: str) -> None:
+        self._entries[digest] = (account_id, self._monotonic())
+        self._entries.move_to_end(digest)
+        if len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+
+    def forget(self, digest: str) -> None:
+        self._entries.pop(digest, None)
+
+    def get(self, digest: str) -> str | None:
+        """The account of a key confirmed within `known_for_s`; None for any other."""
+        entry = self._entries.get(digest)
+        if entry is None or self._monotonic() - entry[1] > self._known_for_s:
+            return None
+        return entry[0]
+
+
 class MemoryKeyStore:
     def __init__(self) -> None:
         self._by_digest: dict[str, ApiKeyInfo] = {}
@@ -146,11 +185,17 @@ class RedisKeyStore:
         client: aioredis.Redis,
         prefix: str = "edgeserve:",
         cache_s: float = 1.0,
-        monotonic: Callable[[], float] = time.monotonic,  # the cache's clock; tests pass a fake
+        monotonic: Callable[[], float] = time.monotonic,  # the caches' clock; tests pass a fake
+        *,
+        watch: StoreWatch | None = None,
+        known_for_s: float = 600.0,
+        max_known: int = 100_000,
     ) -> None:
         self._redis = client
         self._prefix = prefix
         self._cache = _LookupCache(cache_s, monotonic=monotonic)
+        self._watch = watch or StoreWatch(monotonic=monotonic)
+        self._known = _KnownKeys(known_for_s, max_known, monotonic)
 
     async def create(self, account_id: str) -> str:
         key = new_key()
@@ -181,11 +226,21 @@ class RedisKeyStore:
         cached = self._cache.get(digest)
         if cached is not None:
             return cached
-        raw = await self._redis.hget(f"{self._prefix}apikey:{digest}", "account_id")
+        try:
+            raw = await self._watch.call(
+                lambda: self._redis.hget(f"{self._prefix}apikey:{digest}", "account_id")
+            )
+        except StoreAway:
+            known = self._known.get(digest)
+            if known is None:
+                raise  # a key we cannot check now is never let in: 503
+            return known
         if raw is None:
+            self._known.forget(digest)
             return None
         account_id = _text(raw)
         self._cache.put(digest, account_id)
+        self._known.confirm(digest, account_id)
         return account_id
 
     async def revoke(self, key_id: str) -> bool:

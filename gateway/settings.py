@@ -28,6 +28,14 @@ class GatewaySettings:
     # Bearer token of the admin API (/admin/v1) and of usage reports across accounts;
     # None leaves the admin API unmounted.
     admin_token: str | None = None
+    # While the fleet's Redis is away (gateway/stores.py): keys this gateway confirmed
+    # within known_key_s keep working (any other key is a 503), and the last-known capacity
+    # records are trusted for store_outage_grace_s from the outage's start.
+    known_key_s: float = 600.0
+    store_outage_grace_s: float = 60.0
+    # A node reservation lapses this long after its gateway last renewed it (every third of
+    # it while the request runs): the most a crashed gateway's reservations outlive it.
+    reservation_ttl_s: float = 6.0
 
     def __post_init__(self) -> None:
         if not self.internal_token:
@@ -40,6 +48,9 @@ class GatewaySettings:
             "node_probe_timeout_s",
             "max_queued",
             "max_queued_per_account",
+            "known_key_s",
+            "store_outage_grace_s",
+            "reservation_ttl_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
+from scheduler.store_watch import StoreAway, StoreWatch
+
 # Names that become parts of the fleet's Redis keys (inside `{...}` cluster hash tags) and
 # of usage events: node ids here, account ids and model names in gateway admission. So
 # braces, whitespace and control characters are refused, and 256 characters is the most
@@ -182,11 +184,22 @@ class RedisCapacityRegistry:
 
 @dataclass
 class CapacityView:
-    """A gateway's read cache over a registry: refreshed after `max_age_s`, expired records dropped on every read."""
+    """A gateway's read cache over a registry: refreshed after `max_age_s`, expired records
+    dropped on every read.
+
+    While the store is away (`watch`), the records of the last refresh that answered stand
+    in for fresh ones, each as if it were still live, for `outage_grace_s` from the start
+    of the outage (nodes cannot publish meanwhile); past that, a StoreAway. When the store
+    returns, a last-known record its node has not published again is kept for one record
+    TTL more: the time the node takes to publish again. A node that fails a connection
+    meanwhile is marked down by the placer as at any time.
+    """
 
     registry: CapacityRegistry
     max_age_s: float
     clock: Callable[[], float] = time.time
+    watch: StoreWatch = field(default_factory=StoreWatch)
+    outage_grace_s: float = 60.0
     _records: list[CapacityRecord] = field(default_factory=list)
     _fetched_at: float = float("-inf")
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -197,11 +210,30 @@ class CapacityView:
             # One refresh at a time: the requests that arrive meanwhile reuse its answer.
             async with self._lock:
                 if self.clock() - self._fetched_at >= self.max_age_s:
-                    fetched_at = self.clock()
-                    self._records = await self.registry.list_live()
-                    self._fetched_at = fetched_at
+                    await self._refresh()
         now = self.clock()
-        return [r for r in self._records if r.is_live(now) and (model is None or model in r.models)]
+        records = [r for r in self._records if r.is_live(now) or self._stands_in(r)]
+        return [r for r in records if model is None or model in r.models]
+
+    async def _refresh(self) -> None:
+        fetched_at = self.clock()
+        try:
+            fresh = await self.watch.call(self.registry.list_live)
+        except StoreAway:
+            age = self.watch.outage_age_s()
+            if age is None or age > self.outage_grace_s or self._fetched_at == float("-inf"):
+                raise  # nothing last-known to stand in
+            return  # the last-known records stand; the next read asks again
+        known = {r.node_id for r in fresh}
+        kept = [r for r in self._records if r.node_id not in known and self._stands_in(r)]
+        self._records = sorted(fresh + kept, key=lambda r: r.node_id)
+        self._fetched_at = fetched_at
+
+    def _stands_in(self, record: CapacityRecord) -> bool:
+        """Whether a last-known record counts as live although its TTL has passed: the store
+        is away, or back for less than the record's TTL, within `outage_grace_s`."""
+        age = self.watch.outage_age_s(settle_s=record.ttl_s)
+        return age is not None and age <= self.outage_grace_s
 
     def invalidate(self) -> None:
         self._fetched_at = float("-inf")

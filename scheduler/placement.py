@@ -4,8 +4,8 @@ Each gateway sees the same capacity records, refreshed once per heartbeat; if
 every gateway picked "the node with the most free KV" from them, a burst would
 land on one node. So the pick and a reservation of the request's estimated
 tokens happen in one atomic step against a shared reservation table (a Lua
-script in Redis for fleets, a dict for one process), and the reservation is
-released when the request ends.
+script in Redis for fleets, a dict for one process; `scheduler/reservations.py`),
+and the reservation is released when the request ends.
 
 Score of a candidate node (higher wins, ties go to the lower node id):
 
@@ -16,8 +16,8 @@ Score of a candidate node (higher wins, ties go to the lower node id):
 
 A node is a candidate only while `reserved + this request <= total KV tokens *
 overcommit`: the node may queue some work, but past that the fleet is out of
-capacity and the caller answers 429 / 3040. Reservations carry an expiry so a
-gateway that dies holding one cannot leak it.
+capacity and the caller answers 429 / 3040. Reservations carry a short expiry that
+the gateway renews while the request runs, so one that dies holding them cannot leak them.
 
 A node the gateway could not connect to is marked down (`mark_down`): this gateway
 places nothing more there until the node publishes a new capacity record, rather than
@@ -26,29 +26,33 @@ sending request after request at a dead address until its record's TTL lapses.
 
 from __future__ import annotations
 
-import logging
-import time
+import contextlib
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from scheduler.capacity import CapacityRecord, CapacityView
+from scheduler.reservations import (
+    Candidate,
+    LocalReservations,
+    RedisReservations,
+    Reservations,
+)
+from scheduler.store_watch import StoreAway, StoreWatch
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One live node as the reservation step sees it."""
-
-    node_id: str
-    num_free_tokens: int
-    limit_tokens: int  # most tokens the gateways may hold reserved on it at once
-    queue_cost_tokens: int  # penalty for the requests already waiting there
+__all__ = [
+    "Affinities",
+    "Candidate",
+    "LocalAffinities",
+    "LocalReservations",
+    "Placement",
+    "Placer",
+    "RedisAffinities",
+    "RedisReservations",
+    "Reservations",
+]
 
 
 @dataclass(frozen=True)
@@ -70,150 +74,6 @@ class Placement:
         return frozenset(n for n in (self.node_id, self.prefill_node_id) if n is not None)
 
 
-class Reservations(Protocol):
-    async def reserve_best(
-        self, request_id: str, num_tokens: int, candidates: Sequence[Candidate]
-    ) -> int | None:
-        """Atomically pick the best candidate that can hold `num_tokens` and reserve them; its index, or None."""
-        ...
-
-    async def release(self, node_id: str, request_id: str) -> None: ...
-
-    async def reserved_tokens(self, node_id: str) -> int: ...
-
-
-_RESERVE_BEST = """
--- KEYS[i]: the reservation hash of candidate i (field request_id -> "tokens:expires_ms")
--- ARGV: request_id, num_tokens, ttl_ms, then per candidate: free_tokens, limit_tokens, queue_cost
-local need = tonumber(ARGV[2])
-local ttl = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local best, best_score = -1, 0
-for i, key in ipairs(KEYS) do
-  local reserved = 0
-  local entries = redis.call('HGETALL', key)
-  for j = 1, #entries, 2 do
-    local tokens, until_ms = string.match(entries[j + 1], '(%d+):(%d+)')
-    if tonumber(until_ms) <= now then
-      redis.call('HDEL', key, entries[j])
-    else
-      reserved = reserved + tonumber(tokens)
-    end
-  end
-  local base = 3 + (i - 1) * 3
-  local free = tonumber(ARGV[base + 1])
-  local limit = tonumber(ARGV[base + 2])
-  local queue_cost = tonumber(ARGV[base + 3])
-  if reserved + need <= limit then
-    local score = free - reserved - queue_cost
-    if best < 0 or score > best_score then
-      best, best_score = i, score
-    end
-  end
-end
-if best < 0 then
-  return -1
-end
-redis.call('HSET', KEYS[best], ARGV[1], need .. ':' .. (now + ttl))
-redis.call('PEXPIRE', KEYS[best], ttl)
-return best - 1
-"""
-
-_RESERVED_TOKENS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local reserved = 0
-local entries = redis.call('HGETALL', KEYS[1])
-for j = 1, #entries, 2 do
-  local tokens, until_ms = string.match(entries[j + 1], '(%d+):(%d+)')
-  if tonumber(until_ms) > now then reserved = reserved + tonumber(tokens) end
-end
-return reserved
-"""
-
-
-class RedisReservations:
-    """Reservation table in Redis: one hash per node, `{prefix}resv:{node_id}`.
-
-    For Redis Cluster put a hash tag in the prefix (e.g. "{edgeserve}:") so the
-    script's keys share a slot.
-    """
-
-    def __init__(self, client: aioredis.Redis, prefix: str = "edgeserve:", ttl_s: float = 600.0):
-        self._redis = client
-        self._prefix = prefix
-        self._ttl_ms = int(ttl_s * 1000)
-        self._reserve_best = client.register_script(_RESERVE_BEST)
-        self._reserved_tokens = client.register_script(_RESERVED_TOKENS)
-
-    def _key(self, node_id: str) -> str:
-        return f"{self._prefix}resv:{node_id}"
-
-    async def reserve_best(
-        self, request_id: str, num_tokens: int, candidates: Sequence[Candidate]
-    ) -> int | None:
-        if not candidates:
-            return None
-        args: list[str | int] = [request_id, num_tokens, self._ttl_ms]
-        for c in candidates:
-            args += [c.num_free_tokens, c.limit_tokens, c.queue_cost_tokens]
-        index = int(
-            await self._reserve_best(keys=[self._key(c.node_id) for c in candidates], args=args)
-        )
-        return None if index < 0 else index
-
-    async def release(self, node_id: str, request_id: str) -> None:
-        try:
-            await self._redis.hdel(self._key(node_id), request_id)
-        except (RedisError, OSError):
-            # A finishing request must not fail on this: the entry lapses at its expiry,
-            # and until then it only makes the node look fuller than it is.
-            log.warning("could not release the reservation of %s on %s; it will lapse",
-                        request_id, node_id)  # fmt: skip
-
-    async def reserved_tokens(self, node_id: str) -> int:
-        return int(await self._reserved_tokens(keys=[self._key(node_id)]))
-
-
-class LocalReservations:
-    """The same table in one process; no await between read and write keeps it atomic."""
-
-    def __init__(self, ttl_s: float = 600.0) -> None:
-        self._ttl_s = ttl_s
-        self._table: dict[
-            str, dict[str, tuple[int, float]]
-        ] = {}  # node -> request -> (tokens, expires)
-
-    def _live(self, node_id: str, now: float) -> dict[str, tuple[int, float]]:
-        entries = self._table.setdefault(node_id, {})
-        for request_id in [r for r, (_, until) in entries.items() if until <= now]:
-            del entries[request_id]
-        return entries
-
-    async def reserve_best(
-        self, request_id: str, num_tokens: int, candidates: Sequence[Candidate]
-    ) -> int | None:
-        now = time.monotonic()
-        best, best_score = None, 0
-        for i, c in enumerate(candidates):
-            reserved = sum(tokens for tokens, _ in self._live(c.node_id, now).values())
-            if reserved + num_tokens > c.limit_tokens:
-                continue
-            score = c.num_free_tokens - reserved - c.queue_cost_tokens
-            if best is None or score > best_score:
-                best, best_score = i, score
-        if best is not None:
-            self._table[candidates[best].node_id][request_id] = (num_tokens, now + self._ttl_s)
-        return best
-
-    async def release(self, node_id: str, request_id: str) -> None:
-        self._table.get(node_id, {}).pop(request_id, None)
-
-    async def reserved_tokens(self, node_id: str) -> int:
-        return sum(tokens for tokens, _ in self._live(node_id, time.monotonic()).values())
-
-
 class Affinities(Protocol):
     """Which node last ran an account's prompts for a model."""
 
@@ -226,20 +86,35 @@ class RedisAffinities:
     """Affinities shared by the fleet's gateways: `{prefix}affinity:{model}:{account}` ->
     node id, kept `ttl_s` after the last prompt (a prefix cache forgets old prompts too)."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "edgeserve:", ttl_s: float = 600.0):
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "edgeserve:",
+        ttl_s: float = 600.0,
+        *,
+        watch: StoreWatch | None = None,
+    ) -> None:
         self._redis = client
         self._prefix = prefix
         self._ttl_ms = int(ttl_s * 1000)
+        self._watch = watch or StoreWatch()
 
     def _key(self, account_id: str, model: str) -> str:
         return f"{self._prefix}affinity:{model}:{account_id}"
 
     async def get(self, account_id: str, model: str) -> str | None:
-        value = await self._redis.get(self._key(account_id, model))
+        """The node, or None: also while Redis is away (a hint, not worth a failed request)."""
+        key = self._key(account_id, model)
+        try:
+            value = await self._watch.call(lambda: self._redis.get(key))
+        except StoreAway:
+            return None
         return None if value is None else value.decode() if isinstance(value, bytes) else str(value)
 
     async def remember(self, account_id: str, model: str, node_id: str) -> None:
-        await self._redis.set(self._key(account_id, model), node_id, px=self._ttl_ms)
+        key = self._key(account_id, model)
+        with contextlib.suppress(StoreAway):
+            await self._watch.call(lambda: self._redis.set(key, node_id, px=self._ttl_ms))
 
 
 class LocalAffinities:
@@ -291,6 +166,17 @@ class Placer:
         self._affinities: Affinities = affinities if affinities is not None else LocalAffinities()
         # node id -> published_at of the record it had when a connection to it failed
         self._down: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Starts what the reservations run in the background (RedisReservations' renewals)."""
+        start = getattr(self._reservations, "start", None)
+        if start is not None:
+            await start()
+
+    async def aclose(self) -> None:
+        close = getattr(self._reservations, "aclose", None)
+        if close is not None:
+            await close()
 
     async def mark_down(self, node_id: str) -> None:
         """Places nothing more on `node_id` until it publishes a newer record (it is alive

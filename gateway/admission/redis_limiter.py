@@ -9,12 +9,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from types import TracebackType
 from typing import TypeVar
 
 import redis.asyncio as redis
-from redis.exceptions import RedisError
 
 from gateway.admission.errors import AdmissionUnavailable, DuplicateRequestId
 from gateway.admission.limiter import check_request
@@ -31,6 +31,7 @@ from gateway.admission.result import (
 from gateway.admission.settings import AdmissionSettings
 from gateway.admission.store import LimitStore, RedisLimitStore
 from gateway.admission.window import LocalWindows
+from scheduler.store_watch import StoreAway, StoreWatch
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ Bucket = tuple[str, str]  # (account id, model)
 _DUPLICATE = 4  # acquire.lua's reason code for a request id already admitted
 # Accounts whose overrides are cached (also the limits fail-open falls back to).
 MAX_CACHED_ACCOUNTS = 100_000
-
-
-class _StoreDown(Exception):
-    """Redis failed or timed out; the caller degrades as configured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +75,7 @@ class RedisLimiter:
         gateway_id: str | None = None,
         clock: Callable[[], float] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        watch: StoreWatch | None = None,
     ) -> None:
         self._redis = client
         self._settings = settings or AdmissionSettings()
@@ -86,6 +84,10 @@ class RedisLimiter:
         # None: Redis's own clock, so every gateway reads one time; tests pass a fake one.
         self._clock = clock
         self._monotonic = monotonic
+        # Shared with the gateway's other Redis users, so one failure degrades them all.
+        self._watch = watch or StoreWatch(
+            self._settings.redis_timeout_s, self._settings.redis_retry_s, monotonic
+        )
         self._acquire = _script(client, "acquire.lua")
         self._release = _script(client, "release.lua")
         self._renew = _script(client, "renew.lua")
@@ -97,7 +99,6 @@ class RedisLimiter:
         self._unanswered: dict[str, Bucket] = {}
         self._overrides: dict[str, tuple[float, AccountLimits]] = {}
         self._num_gateways = 1
-        self._down_until = 0.0
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -107,8 +108,8 @@ class RedisLimiter:
 
     @property
     def is_degraded(self) -> bool:
-        """True while requests skip Redis after a failure."""
-        return self._monotonic() < self._down_until
+        """True while Redis is away: requests count against this gateway's local share."""
+        return self._watch.is_away
 
     async def acquire(
         self, account_id: str, model: str, request_id: str, estimated_tokens: int
@@ -117,18 +118,15 @@ class RedisLimiter:
         if request_id in self._held:
             raise DuplicateRequestId(f"request id {request_id!r} is already admitted")
         bucket = (account_id, model)
-        if not self.is_degraded:
-            try:
-                limits = self._settings.policy.resolve(await self._load(account_id), model)
-                check_size(estimated_tokens, limits)
-                state = await self._take_shared(bucket, limits, request_id, estimated_tokens)
-            except _StoreDown:
-                pass
-            else:
-                if state.reason is None:
-                    self._held[request_id] = _Held(bucket, is_local=False)
-                return build_admission(limits, state)
-        return self._take_local(bucket, request_id, estimated_tokens)
+        try:
+            limits = self._settings.policy.resolve(await self._load(account_id), model)
+            check_size(estimated_tokens, limits)
+            state = await self._take_shared(bucket, limits, request_id, estimated_tokens)
+        except StoreAway:
+            return self._take_local(bucket, request_id, estimated_tokens)
+        if state.reason is None:
+            self._held[request_id] = _Held(bucket, is_local=False)
+        return build_admission(limits, state)
 
     async def release(
         self, account_id: str, model: str, request_id: str, actual_tokens: int
@@ -146,9 +144,11 @@ class RedisLimiter:
             return
         try:
             await self._call(
-                self._release(keys=self._keys(held.bucket), args=[request_id, actual_tokens])
+                lambda: self._release(
+                    keys=self._keys(held.bucket), args=[request_id, actual_tokens]
+                )
             )
-        except _StoreDown:
+        except StoreAway:
             # The lease runs out by itself; the reservation stays as reserved (the
             # conservative side) until it leaves the window.
             log.warning("release of %s did not reach Redis; its lease will lapse", request_id)
@@ -159,14 +159,15 @@ class RedisLimiter:
         try:
             self._num_gateways = int(
                 await self._call(
-                    self._heartbeat(
+                    lambda: self._heartbeat(
                         keys=[f"{settings.key_prefix}:gateways"],
                         args=[
                             self._now_arg(),
                             round(settings.gateway_ttl_s * 1000),
                             self.gateway_id,
                         ],
-                    )
+                    ),
+                    force=True,  # the heartbeat is the background probe: always try
                 )
             )
             await self._forget_unanswered()
@@ -176,15 +177,14 @@ class RedisLimiter:
                     by_bucket.setdefault(held.bucket, []).append(request_id)
             for bucket, request_ids in by_bucket.items():
                 await self._call(
-                    self._renew(
+                    partial(
+                        self._renew,
                         keys=[self._keys(bucket)[3]],
                         args=[self._now_arg(), self._lease_ms(), *request_ids],
                     )
                 )
-        except _StoreDown:
-            self._mark_down()
-        else:
-            self._down_until = 0.0
+        except StoreAway:
+            pass  # the watch knows; the last count stands
         return self._num_gateways
 
     async def _forget_unanswered(self) -> None:
@@ -192,7 +192,7 @@ class RedisLimiter:
         for request_id, bucket in self._unanswered.items():
             by_bucket.setdefault(bucket, []).append(request_id)
         for bucket, request_ids in by_bucket.items():
-            await self._call(self._forget(keys=self._keys(bucket), args=request_ids))
+            await self._call(partial(self._forget, keys=self._keys(bucket), args=request_ids))
             for request_id in request_ids:
                 del self._unanswered[request_id]
 
@@ -208,9 +208,10 @@ class RedisLimiter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        with contextlib.suppress(_StoreDown):
+        with contextlib.suppress(StoreAway):
             await self._call(
-                self._redis.zrem(f"{self._settings.key_prefix}:gateways", self.gateway_id)
+                lambda: self._redis.zrem(f"{self._settings.key_prefix}:gateways", self.gateway_id),
+                force=True,
             )
 
     async def __aenter__(self) -> RedisLimiter:
@@ -235,10 +236,11 @@ class RedisLimiter:
     ) -> WindowState:
         try:
             reply = await self._call(
-                self._acquire_script(bucket, limits, request_id, estimated_tokens)
+                lambda: self._acquire_script(bucket, limits, request_id, estimated_tokens)
             )
-        except _StoreDown:
-            self._unanswered[request_id] = bucket
+        except StoreAway as exc:
+            if exc.was_sent:  # Redis may have run it: taken back at the next heartbeat
+                self._unanswered[request_id] = bucket
             raise
         reason, retry, num_requests, num_tokens, reset, num_running = (int(v) for v in reply)
         if reason == _DUPLICATE:
@@ -285,7 +287,7 @@ class RedisLimiter:
         now = self._monotonic()
         if cached is not None and now - cached[0] < self._settings.limits_cache_s:
             return cached[1]
-        overrides = await self._call(self._store.load(account_id))
+        overrides = await self._call(lambda: self._store.load(account_id))
         if len(self._overrides) >= MAX_CACHED_ACCOUNTS and account_id not in self._overrides:
             # Oldest-inserted first; an evicted account is simply loaded again.
             del self._overrides[next(iter(self._overrides))]
@@ -293,17 +295,13 @@ class RedisLimiter:
         self._overrides[account_id] = (now, overrides)
         return overrides
 
-    async def _call(self, call: Awaitable[T]) -> T:
+    async def _call(self, make: Callable[[], Awaitable[T]], *, force: bool = False) -> T:
         try:
-            async with asyncio.timeout(self._settings.redis_timeout_s):
-                return await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._mark_down()
-            log.warning("redis call failed (%r); admission degrades to %s", exc, self._mode())
-            raise _StoreDown from exc
-
-    def _mark_down(self) -> None:
-        self._down_until = self._monotonic() + self._settings.redis_retry_s
+            return await self._watch.call(make, force=force)
+        except StoreAway as exc:
+            if exc.was_sent:
+                log.warning("redis call failed (%s); admission degrades to %s", exc, self._mode())
+            raise
 
     def _mode(self) -> str:
         return "local shares" if self._settings.on_redis_error == "open" else "503s"
