@@ -87,3 +87,44 @@ def test_keys_commands_create_list_and_revoke(redis_prefix) -> None:
     assert again.exit_code == 1
     bad = runner.invoke(app, ["keys", "create", "--account", "no spaces", *common])
     assert bad.exit_code == 2
+
+
+async def test_while_redis_is_away_only_keys_confirmed_recently_work() -> None:
+    import redis.asyncio as aioredis
+
+    from scheduler.store_watch import StoreAway, StoreWatch
+    from tests.gateway.admission.test_outage import RedisServer
+
+    now = [100.0]
+    server = RedisServer()
+    server.start()
+    client = aioredis.Redis.from_url(server.url)
+    watch = StoreWatch(timeout_s=0.5, retry_s=1.0, monotonic=lambda: now[0])
+    store = RedisKeyStore(
+        client, "t:", cache_s=1.0, monotonic=lambda: now[0], watch=watch, known_for_s=600.0
+    )
+    try:
+        seen, stale, revoked = [await store.create("acct-1") for _ in range(3)]
+        unseen = await store.create("acct-2")
+        assert await store.lookup(stale) == "acct-1"  # confirmed at 100
+        now[0] = 400.0
+        assert await store.lookup(seen) == "acct-1"  # confirmed at 400
+        assert await store.lookup(revoked) == "acct-1"
+        assert await store.revoke(key_id_of(revoked))
+        now[0] = 402.0  # past the 1 s cache: Redis says it is gone, and it is forgotten
+        assert await store.lookup(revoked) is None
+
+        server.stop()
+        now[0] = 701.0  # 601 s after `stale`'s confirmation, 301 s after `seen`'s
+        assert await store.lookup(seen) == "acct-1"
+        for key in (stale, revoked, unseen, "es-never-issued"):
+            with pytest.raises(StoreAway):
+                await store.lookup(key)
+        now[0] = 1000.0
+        assert await store.lookup(seen) == "acct-1"  # 600 s: the bound itself
+        now[0] = 1000.5
+        with pytest.raises(StoreAway):
+            await store.lookup(seen)
+    finally:
+        await client.aclose()
+        server.stop()

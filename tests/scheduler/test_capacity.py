@@ -158,3 +158,80 @@ def test_record_is_frozen() -> None:
     with pytest.raises(AttributeError):
         r.models = ()  # type: ignore[misc]
     assert replace(r, models=("x",)).models == ("x",)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def redis_server():
+    from tests.gateway.admission.test_outage import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_while_redis_is_away_last_known_records_stand_in_for_the_grace(redis_server) -> None:
+    import redis.asyncio as aioredis
+
+    from scheduler.store_watch import StoreAway, StoreWatch
+
+    monotonic = _Clock()  # the outage's time; the records' TTLs run on the wall clock
+    watch = StoreWatch(timeout_s=0.5, retry_s=1.0, monotonic=monotonic)
+    client = aioredis.Redis.from_url(redis_server.url)
+    registry = RedisCapacityRegistry(client, "t:")
+    view = CapacityView(registry, max_age_s=0.0, watch=watch, outage_grace_s=30.0)
+    await registry.publish(record("node-1", ttl_s=1.0))
+    assert [r.node_id for r in await view.live()] == ["node-1"]
+
+    redis_server.stop()
+    await asyncio.sleep(1.2)  # node-1's own TTL has passed
+    assert [r.node_id for r in await view.live("smollm2")] == ["node-1"]
+    assert await view.live("other") == []
+    assert watch.is_away
+    monotonic.now += 30.0  # the whole grace: still trusted at its end
+    assert [r.node_id for r in await view.live()] == ["node-1"]
+    monotonic.now += 0.5
+    with pytest.raises(StoreAway):
+        await view.live()
+
+    # A fresh view that never read the registry has nothing to stand in: StoreAway.
+    with pytest.raises(StoreAway):
+        await CapacityView(registry, max_age_s=0.0, watch=watch).live()
+    await client.aclose()
+
+
+async def test_when_redis_returns_a_record_not_published_again_stays_one_ttl(
+    redis_server,
+) -> None:
+    import redis.asyncio as aioredis
+
+    from scheduler.store_watch import StoreWatch
+
+    monotonic = _Clock()
+    watch = StoreWatch(timeout_s=0.5, retry_s=1.0, monotonic=monotonic)
+    client = aioredis.Redis.from_url(redis_server.url)
+    registry = RedisCapacityRegistry(client, "t:")
+    view = CapacityView(registry, max_age_s=0.0, watch=watch, outage_grace_s=30.0)
+    await registry.publish(record("node-1", ttl_s=2.0))
+    await registry.publish(record("node-2", ttl_s=2.0))
+    assert [r.node_id for r in await view.live()] == ["node-1", "node-2"]
+
+    redis_server.stop()
+    assert [r.node_id for r in await view.live()] == ["node-1", "node-2"]
+    redis_server.start()  # back empty, as after the records' expiry: nodes publish again
+    await asyncio.sleep(2.1)  # the last-known records' own TTLs have passed
+    monotonic.now += 5.0  # a probe is due; Redis came back just now on this clock
+    await registry.publish(record("node-2", ttl_s=2.0))
+    assert [r.node_id for r in await view.live()] == ["node-1", "node-2"]  # node-1 settling
+    assert not watch.is_away
+    monotonic.now += 2.1  # one record TTL since the return: node-1 never came back
+    assert [r.node_id for r in await view.live()] == ["node-2"]
+    await client.aclose()
