@@ -1,7 +1,16 @@
-"""The usage event: one per request, appended by the gateway when the request ends.
+"""The usage event: what crosses from the request path into billing.
 
-It is the only thing that crosses from the request path into billing. Money is
-never in it: billing prices events; the gateway only counts tokens.
+Money is never in it: billing prices events; the request path only counts tokens.
+Three kinds, all keyed by the request id:
+
+    kind    says                                          written by
+    end     the request's usage as its client got it      the gateway, when the request ends
+    start   its first byte is about to reach the client   the gateway, before a stream's first byte
+    node    what the node computed and sent toward it     the node, when the request ends there
+
+An `end` is what the ledger bills. A `start` whose `end` never comes (its gateway died
+mid-answer) is completed from the node's record: the prompt, and the tokens the node sent
+(`billing.ledger`, `complete_orphans`).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from billing.errors import InvalidUsageEvent
 
 Status = Literal["ok", "cancelled", "error"]
 STATUSES: frozenset[str] = frozenset({"ok", "cancelled", "error"})
+Kind = Literal["end", "start", "node"]
+KINDS: frozenset[str] = frozenset({"end", "start", "node"})
 
 _TEXT_FIELDS = ("request_id", "account_id", "model", "node_id")
 _TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_tokens")
@@ -46,6 +57,8 @@ class UsageEvent:
     exceeds `input_tokens`. `output_tokens` counts tokens actually delivered to
     the client, which is what a cancelled stream is billed for. Times are float
     epoch seconds; the UTC day of `ended_at` is the day the request is billed on.
+    A `start` carries the prompt's counts and `status` "cancelled" (what a request cut
+    off there is); a `node` carries the node's counts and how the request ended there.
     """
 
     request_id: str
@@ -58,6 +71,7 @@ class UsageEvent:
     started_at: float
     ended_at: float
     status: Status
+    kind: Kind = "end"
 
     def __post_init__(self) -> None:
         for name in _TEXT_FIELDS:
@@ -103,12 +117,16 @@ class UsageEvent:
             raise InvalidUsageEvent(
                 f"status must be one of {sorted(STATUSES)}, got {self.status!r}"
             )
+        if self.kind not in KINDS:
+            raise InvalidUsageEvent(f"kind must be one of {sorted(KINDS)}, got {self.kind!r}")
 
     def to_fields(self) -> dict[str, str]:
         """Flat string fields for XADD (and for one journal line)."""
         out: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "kind" and value == "end":
+                continue  # an entry without a kind is an end, as every reader takes it
             # repr of a float round-trips exactly; str of an int is the int.
             out[f.name] = repr(float(value)) if f.name in _TIME_FIELDS else str(value)
         return out
@@ -123,7 +141,8 @@ class UsageEvent:
                 data[k] = value.decode() if isinstance(value, bytes) else value
         except UnicodeDecodeError as exc:
             raise InvalidUsageEvent(f"usage event has a field that is not UTF-8: {exc}") from None
-        missing = [f.name for f in fields(cls) if f.name not in data]
+        # An event without a kind is an end (what every gateway wrote before starts existed).
+        missing = [f.name for f in fields(cls) if f.name not in data and f.name != "kind"]
         if missing:
             raise InvalidUsageEvent(f"usage event lacks fields: {', '.join(missing)}")
         try:
@@ -138,6 +157,7 @@ class UsageEvent:
                 started_at=float(data["started_at"]),
                 ended_at=float(data["ended_at"]),
                 status=cast(Status, data["status"]),
+                kind=cast(Kind, data.get("kind", "end")),
             )
         except ValueError as exc:
             raise InvalidUsageEvent(f"usage event has a non-numeric field: {exc}") from None

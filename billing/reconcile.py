@@ -11,6 +11,11 @@ An acknowledged event absent from the ledger is a gap (something lost a row).
 Unread and pending events without a row are in flight, and journaled events
 without a row are waiting for Redis; both are reported, neither is a gap.
 
+A stream's `start` without a ledger row is open: its end is on its way, or its gateway
+died and the worker bills it from its node's record after the grace. One open for longer
+than `open_limit_s` is a gap too (its node's record never came: the node died as well).
+Nodes' records are read by the worker alone.
+
 The other way round: a ledger row whose request ended after the oldest entry the
 stream still holds (less `CLOCK_MARGIN_S`, for the gateways' clocks against
 Redis's) must have its event in the stream or a journal, since the worker writes
@@ -22,6 +27,7 @@ status, account...) differs. Both make the ledger inconsistent, as a gap does.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +40,9 @@ from billing.ledger import Ledger
 
 _PAGE = 1000
 CLOCK_MARGIN_S = 60.0
+# A start still open past this lost its end and its node's record alike: the worker's
+# grace (300 s) and a long stream's own length are well within it.
+OPEN_LIMIT_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +61,17 @@ class ReconcileReport:
     rows_checked_since: float | None = None
     unbacked_rows: tuple[str, ...] = ()  # ledger rows no stream entry nor journal holds
     differing_rows: tuple[str, ...] = ()  # ledger rows that differ from their event
+    open_starts: tuple[str, ...] = ()  # streams started, not yet billed
+    unbilled_starts: tuple[str, ...] = ()  # open past the limit: the gaps among starts
 
     @property
     def is_consistent(self) -> bool:
-        return not (self.missing_from_ledger or self.unbacked_rows or self.differing_rows)
+        return not (
+            self.missing_from_ledger
+            or self.unbacked_rows
+            or self.differing_rows
+            or self.unbilled_starts
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +88,8 @@ class ReconcileReport:
             "rows_checked_since": self.rows_checked_since,
             "unbacked_rows": list(self.unbacked_rows),
             "differing_rows": list(self.differing_rows),
+            "open_starts": list(self.open_starts),
+            "unbilled_starts": list(self.unbilled_starts),
         }
 
 
@@ -82,11 +100,14 @@ async def reconcile(
     group: str,
     journal_paths: Sequence[str | Path] = (),
     clock_margin_s: float = CLOCK_MARGIN_S,
+    open_limit_s: float = OPEN_LIMIT_S,
+    now: float | None = None,
 ) -> ReconcileReport:
     last_delivered = await _last_delivered_id(redis_client, stream_key, group)
     pending = await _pending_ids(redis_client, stream_key, group)
     acked: dict[str, UsageEvent] = {}
     waiting: dict[str, None] = {}
+    starts: dict[str, float] = {}  # request id -> its stream's start
     num_entries = 0
     num_unread = 0
     num_malformed = 0
@@ -101,6 +122,10 @@ async def reconcile(
         except InvalidUsageEvent:
             num_malformed += 1
             continue
+        if event.kind != "end":
+            if event.kind == "start":
+                starts.setdefault(event.request_id, event.started_at)
+            continue
         if is_delivered and entry_id not in pending:
             acked.setdefault(event.request_id, event)  # a replay: the first one was billed
         else:
@@ -108,17 +133,20 @@ async def reconcile(
     journal_ids: dict[str, None] = {}
     for path in journal_paths:
         contents = await asyncio.to_thread(Journal(path).read)
-        journal_ids.update((e.request_id, None) for e in contents.events)
+        journal_ids.update((e.request_id, None) for e in contents.events if e.kind == "end")
+        starts.update((e.request_id, e.started_at) for e in contents.events if e.kind == "start")
 
-    all_ids = list(acked) + list(waiting) + list(journal_ids)
+    all_ids = list(acked) + list(waiting) + list(journal_ids) + list(starts)
     absent = await asyncio.to_thread(ledger.missing, all_ids)
     rows = await asyncio.to_thread(ledger.rows, [i for i in acked if i not in absent])
     since = None if oldest is None else _id_key(oldest)[0] / 1000 + clock_margin_s
     recent = [] if since is None else await asyncio.to_thread(ledger.ended_since, since)
-    known = acked.keys() | waiting.keys() | journal_ids.keys()
+    known = acked.keys() | waiting.keys() | journal_ids.keys() | starts.keys()
+    unended = {i: at for i, at in starts.items() if i in absent and i not in journal_ids}
+    limit = (time.time() if now is None else now) - open_limit_s
     return ReconcileReport(
         num_stream_entries=num_entries,
-        num_stream_requests=len(acked.keys() | waiting.keys()),
+        num_stream_requests=len(acked.keys() | waiting.keys() | starts.keys()),
         num_pending_entries=len(pending),
         num_unread_entries=num_unread,
         num_journal_events=len(journal_ids),
@@ -129,6 +157,8 @@ async def reconcile(
         rows_checked_since=since,
         unbacked_rows=tuple(sorted(i for i in recent if i not in known)),
         differing_rows=tuple(sorted(i for i, row in rows.items() if row != acked[i])),
+        open_starts=tuple(sorted(i for i, at in unended.items() if at >= limit)),
+        unbilled_starts=tuple(sorted(i for i, at in unended.items() if at < limit)),
     )
 
 

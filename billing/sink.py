@@ -222,6 +222,10 @@ class LocalUsageSink:
             self._task = asyncio.create_task(self._drain_forever())
 
     async def record(self, event: UsageEvent) -> None:
+        if event.kind != "end":
+            # In one process a gateway that dies takes the node with it: no start could be
+            # completed from a node's record, and the queue dies with both.
+            return
         self.start()
         self._queue.put_nowait(event)
 

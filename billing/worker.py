@@ -81,6 +81,11 @@ class WorkerConfig:
     retry_s: float = 1.0  # pause after Redis or the ledger failed
     # The dead-letter stream keeps this many of its newest entries (0: all of them).
     dead_letter_max: int = 100_000
+    # A stream whose start has no end once its node's record is this old lost its gateway
+    # mid-answer: it is billed from the two (each claim round). An end comes within
+    # moments of the node's record, or, from a gateway journaling while Redis is away,
+    # when the journal replays: the grace covers such an outage.
+    orphan_grace_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.stream_key:
@@ -96,6 +101,8 @@ class WorkerConfig:
             raise ValueError("retain_s must be >= 0")
         if self.dead_letter_max < 0:
             raise ValueError("dead_letter_max must be >= 0")
+        if self.orphan_grace_s < 0:
+            raise ValueError("orphan_grace_s must be >= 0")
 
     @property
     def dead_letter_key(self) -> str:
@@ -135,6 +142,7 @@ class BillingWorker:
         self.num_duplicate = 0
         self.num_dead = 0
         self.num_claimed = 0
+        self.num_orphans = 0
 
     def stop(self) -> None:
         """Ask `run` to return after the batch in hand is committed and acknowledged."""
@@ -163,6 +171,7 @@ class BillingWorker:
                     is_recovering = False
                 if time.monotonic() >= next_claim:
                     await self.claim_idle()
+                    await self.complete_orphans()
                     await self.trim()
                     next_claim = time.monotonic() + self.config.claim_interval_s
                 await self.read_once()
@@ -218,6 +227,19 @@ class BillingWorker:
         self.num_claimed += total
         return total
 
+    async def complete_orphans(self, now: float | None = None) -> int:
+        """Bill the streams whose gateway died mid-answer (WorkerConfig.orphan_grace_s);
+        returns how many."""
+        before = (now if now is not None else time.time()) - self.config.orphan_grace_s
+        completed = await asyncio.to_thread(self._ledger.complete_orphans, before)
+        for event in completed:
+            log.warning(
+                "request %s: its gateway never ended it; billed from its node's record (%s, "
+                "%d output tokens)", event.request_id, event.status, event.output_tokens,
+            )  # fmt: skip
+        self.num_orphans += len(completed)
+        return len(completed)
+
     async def trim(self, now: float | None = None) -> int:
         """Drop entries older than retain_s, but never one that is pending or not yet read:
         the cut stops at the oldest pending entry and at the group's last-delivered id."""
@@ -271,7 +293,9 @@ class BillingWorker:
             num_dead += await self._write_dead_letter(entry_id, fields)
         if ids:
             await self._redis.xack(self.config.stream_key, self.config.group, *ids)
-        result = BatchResult(sum(is_new), len(is_new) - sum(is_new), num_dead)
+        # Starts and nodes' records are news of a request, not billed rows.
+        ends = [new for event, new in zip(events, is_new, strict=True) if event.kind == "end"]
+        result = BatchResult(sum(ends), len(ends) - sum(ends), num_dead)
         self.num_new += result.num_new
         self.num_duplicate += result.num_duplicate
         self.num_dead += result.num_dead

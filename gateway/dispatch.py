@@ -189,6 +189,15 @@ class Dispatcher:
         if upstream.client_left:
             await upstream.close()  # billed as cancelled, its admission given back
             raise ClientClosedError(LEFT_BEFORE_ANSWER)
+        if job.stream and self._usage_sink is not None:
+            # Durable before the stream's first byte: should this gateway die mid-answer,
+            # billing completes the request from it and the node's own record. A whole
+            # answer needs none: its end is recorded before its first byte goes out.
+            try:
+                await self._usage_sink.record(upstream.start_event())
+            except BaseException:
+                await asyncio.shield(upstream.close())
+                raise
         return upstream
 
     async def context_window(self, model: CatalogModel) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from starlette.types import Receive
 
-from billing.events import Status
+from billing.events import Status, UsageEvent
 from gateway.errors import ClientClosedError, UpstreamError
 from gateway.tracing import GenAISpan
 from scheduler.placement import Placement
@@ -187,6 +187,22 @@ class Upstream:
         self._closed = True
         await self._response.aclose()
         await self._dispatcher.finish(self)
+
+    def start_event(self) -> UsageEvent:
+        """The start record of this stream: written before its first byte reaches the client."""
+        return UsageEvent(
+            request_id=self.job.request_id,
+            account_id=self.job.account_id,
+            model=self.job.model.name,
+            node_id=self.node_id,
+            input_tokens=self.prompt_tokens,
+            output_tokens=0,
+            cached_tokens=min(self.cached_tokens, self.prompt_tokens),
+            started_at=self._started_at,
+            ended_at=self._started_at,
+            status="cancelled",
+            kind="start",
+        )
 
     def usage_status(self) -> tuple[Status, int, int, int]:
         """(status, input, output, cached) as billing counts them."""

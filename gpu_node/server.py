@@ -42,6 +42,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from billing.errors import InvalidUsageEvent
+from billing.events import Status, UsageEvent
 from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gpu_node.errors import EngineStoppedError, InvalidRequestError, RequestCancelledError
 from gpu_node.node_app.schemas import GenerateRequest
@@ -255,24 +257,28 @@ async def generate(request: Request) -> Response:
         engine.abort(body.request_id)
         raise
     return StreamingResponse(
-        _stream(service, body.request_id, first, outputs, span),
+        _stream(service, body, first, outputs, span, started_ns / 1e9),
         media_type="application/x-ndjson",
     )
 
 
 async def _stream(
     service: NodeService,
-    request_id: str,
+    body: GenerateRequest,
     first: Any,
     outputs: AsyncIterator[Any],
     span: NodeSpan,
+    started_at: float,
 ) -> AsyncIterator[bytes]:
     assert service.engine is not None
     engine = service.engine
+    request_id = body.request_id
     finished = False
     is_first = True
+    status: Status = "cancelled"
+    num_sent = 0  # tokens written toward the gateway
+    out = first
     try:
-        out = first
         while True:
             if out.token_ids or out.text or is_first:
                 chunk: dict[str, Any] = {"text": out.text, "token_ids": list(out.token_ids)}
@@ -283,8 +289,10 @@ async def _stream(
                     chunk["prefilled_tokens"] = out.num_prefilled_tokens
                     is_first = False
                 yield _line(chunk)
+                num_sent += len(out.token_ids)
             if out.finished:
                 finished = True
+                status = "error" if out.finish_reason == "error" else "ok"
                 span.finish(out)
                 if out.finish_reason == "error":
                     yield _line(
@@ -300,20 +308,54 @@ async def _stream(
                 return
             out = await anext(outputs)
     except StopAsyncIteration:
+        status = "error"
         span.fail("engine_error", "the engine ended the request early")
         yield _line(
             {"error": {"code": "internal", "message": "the engine ended the request early"}}
         )
     except Exception as exc:
+        status = "error"
         log.exception("generation %s failed", request_id)
         span.fail(type(exc).__qualname__, str(exc))
         yield _line({"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}})
     finally:
+        if service.usage_sink is not None:
+            _record_node_usage(service, body, out, num_sent, status, started_at)
         service.num_in_flight -= 1
         span.fail("cancelled")  # a no-op once the span ended
         if not finished:
             # The client went away (or the stream broke): free the pages now, not at GC time.
             engine.abort(request_id)
+
+
+def _record_node_usage(
+    service: NodeService,
+    body: GenerateRequest,
+    last: Any,
+    num_sent: int,
+    status: Status,
+    started_at: float,
+) -> None:
+    """The node's record of a request it served: its prompt as computed, the tokens it
+    sent toward the gateway, and how it ended here."""
+    try:
+        event = UsageEvent(
+            request_id=body.request_id,
+            account_id=body.account_id,
+            model=body.model,
+            node_id=service.settings.node_id,
+            input_tokens=last.num_prefilled_tokens,
+            output_tokens=num_sent,
+            cached_tokens=min(last.num_cached_tokens, last.num_prefilled_tokens),
+            started_at=started_at,
+            ended_at=max(time.time(), started_at),
+            status=status,
+            kind="node",
+        )
+    except InvalidUsageEvent as exc:  # a caller that named no account: nothing to bill
+        log.warning("no usage record for %s: %s", body.request_id, exc)
+        return
+    service.record_usage(event)
 
 
 async def cancel(request: Request) -> Response:

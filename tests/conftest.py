@@ -256,10 +256,11 @@ class ListSink:
     """A usage sink that keeps events in a list (the billing sinks are tested in tests/billing)."""
 
     def __init__(self) -> None:
-        self.events: list[Any] = []
+        self.events: list[Any] = []  # the ends: what is billed
+        self.starts: list[Any] = []  # the streams' start records
 
     async def record(self, event: Any) -> None:
-        self.events.append(event)
+        (self.events if event.kind == "end" else self.starts).append(event)
 
     def event_of(self, request_id: str, timeout_s: float = 30.0) -> Any:
         """The one event of `request_id`, once recorded (a stream's after its last byte went

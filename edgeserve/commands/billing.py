@@ -67,6 +67,12 @@ def register(app: typer.Typer) -> None:
         dead_letter_max: int = typer.Option(
             100_000, min=0, help="dead letters kept, the newest (0: keep all)"
         ),
+        orphan_grace_s: float = typer.Option(
+            300.0,
+            min=0,
+            help="a stream whose gateway died mid-answer is billed from its node's record "
+            "this long after the node ended it",
+        ),
     ) -> None:
         """Move usage events from the Redis stream into the ledger, exactly once, until SIGTERM."""
         import asyncio
@@ -83,6 +89,7 @@ def register(app: typer.Typer) -> None:
             claim_interval_s=claim_interval_s,
             retain_s=retain_days * 86_400,
             dead_letter_max=dead_letter_max,
+            orphan_grace_s=orphan_grace_s,
         )
         ledger = command_ledger(database_url, sqlite, create=True)
 
@@ -216,6 +223,7 @@ def register(app: typer.Typer) -> None:
                 f"journal: {result.num_journal_events} events, "
                 f"{len(result.journal_unbilled)} not yet billed\n"
                 f"in flight (no row yet): {len(result.in_flight)}\n"
+                f"streams started, not yet billed: {len(result.open_starts)}\n"
                 f"GAPS (acknowledged, no ledger row): {len(result.missing_from_ledger)}"
             )
             for request_id in result.missing_from_ledger:
@@ -223,6 +231,7 @@ def register(app: typer.Typer) -> None:
             for label, ids in (
                 ("UNBACKED (recent row, no event)", result.unbacked_rows),
                 ("DIFFERING (row unlike its event)", result.differing_rows),
+                ("UNBILLED STARTS (no end, no node record)", result.unbilled_starts),
             ):
                 typer.echo(f"{label}: {len(ids)}")
                 for request_id in ids:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from billing.events import UsageEvent
+from billing.sink import UsageSink
 from gpu_node.handoff import KVHandoff
 from gpu_node.node_app.schemas import GenerateRequest
 from scheduler.capacity import CapacityRecord, CapacityRegistry, check_node_id, load_estimate
@@ -52,8 +54,13 @@ class NodeService:
         registry: CapacityRegistry | None,
         engine: AsyncEngine | None = None,
         engine_factory: Callable[[], AsyncEngine] | None = None,
+        usage_sink: UsageSink | None = None,
     ) -> None:
         self.settings = settings
+        # Where the node records what each request consumed here (a fleet's usage stream):
+        # the record billing completes a stream from when its gateway died mid-answer.
+        self.usage_sink = usage_sink
+        self._recording: set[asyncio.Task[None]] = set()
         self.registry = registry
         self.engine = engine
         self._engine_factory = engine_factory
@@ -118,6 +125,14 @@ class NodeService:
             max_request_tokens=self.engine.max_request_tokens,
         )
 
+    def record_usage(self, event: UsageEvent) -> None:
+        """Hands `event` to the usage sink in the background (a request's end never waits)."""
+        if self.usage_sink is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.usage_sink.record(event))
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
+
     async def publish(self) -> None:
         record = self.capacity_record()
         async with self._registry_lock:
@@ -152,6 +167,8 @@ class NodeService:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self._recording:  # what the drained requests consumed, recorded before leaving
+            await asyncio.wait(set(self._recording), timeout=self.settings.drain_timeout_s)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

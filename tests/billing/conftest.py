@@ -89,6 +89,7 @@ def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
         url = request.getfixturevalue("postgres_url")
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("DROP TABLE IF EXISTS usage_ledger")
+            conn.execute("DROP TABLE IF EXISTS usage_open")
         store = PostgresLedger(url)
     yield store
     store.close()

@@ -188,12 +188,17 @@ def test_1000_requests_are_billed_exactly_as_their_clients_received_them(
 
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute("DELETE FROM usage_ledger")
+        conn.execute("DELETE FROM usage_open")
     ledger = PostgresLedger(postgres_url)
     num_billed = 9 * tenth
-    worker = asyncio.run(bill(stream, ledger, num_billed))
-    assert (sink.num_streamed, sink.num_journaled, sink.num_lost) == (num_billed, 0, 0)
+    num_starts = len(by_kind["streamed"]) + len(by_kind["cancelled"])  # one a stream
+    worker = asyncio.run(bill(stream, ledger, num_billed + num_starts))
+    assert (sink.num_streamed, sink.num_journaled, sink.num_lost) == (
+        num_billed + num_starts, 0, 0,
+    )  # fmt: skip
     assert (worker.num_new, worker.num_duplicate) == (num_billed, 0)
     assert ledger.count() == num_billed
+    assert ledger.open_requests() == {}  # every start closed by its end
 
     # Refused requests delivered nothing and are billed nothing.
     refused = by_kind["invalid"] + by_kind["unknown_model"]

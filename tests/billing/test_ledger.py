@@ -180,3 +180,63 @@ def test_a_new_sqlite_ledger_is_readable_by_its_owner_alone(tmp_path) -> None:  
     for name in ("ledger.sqlite3", "ledger.sqlite3-wal"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
     ledger.close()
+
+
+def _start(request_id: str, **overrides: object) -> object:
+    """A gateway's start: the prompt's counts, no output yet."""
+    values: dict[str, object] = {"output_tokens": 0, "ended_at": DAY1, "status": "cancelled"}
+    return make_event(request_id, kind="start", **(values | overrides))
+
+
+def _node(request_id: str, **overrides: object) -> object:
+    """A node's record: what it computed and sent, and how the request ended there."""
+    values: dict[str, object] = {"model": "smollm2", "account_id": "acct-a", "ended_at": DAY1 + 9}
+    return make_event(request_id, kind="node", **(values | overrides))
+
+
+def test_an_end_closes_its_start_and_later_news_of_it_is_dropped(ledger: Ledger) -> None:
+    assert ledger.insert_many([_start("req-1"), _start("req-2")]) == [True, True]  # type: ignore[list-item]
+    assert ledger.open_requests() == {"req-1": (DAY1, None), "req-2": (DAY1, None)}
+    end = make_event("req-1", output_tokens=7, status="cancelled")
+    assert ledger.insert_many([_node("req-2"), end]) == [True, True]  # type: ignore[list-item]
+    assert ledger.open_requests() == {"req-2": (DAY1, DAY1 + 9)}
+    # The node's record and a replayed start after the end: nothing opens again.
+    assert ledger.insert_many([_node("req-1"), _start("req-1")]) == [False, False]  # type: ignore[list-item]
+    assert ledger.open_requests() == {"req-2": (DAY1, DAY1 + 9)}
+    assert ledger.get("req-1") == end
+    assert ledger.count() == 1
+
+
+def test_a_start_without_its_end_is_billed_from_the_nodes_record_after_the_grace(
+    ledger: Ledger,
+) -> None:
+    ledger.insert_many(
+        [
+            _start("req-1", input_tokens=40, cached_tokens=16),
+            _node("req-1", input_tokens=40, output_tokens=12, status="cancelled"),
+            _start("req-2", input_tokens=30),
+            _node("req-3", output_tokens=5),  # no start: nothing reached a client
+            _node("req-4", ended_at=DAY1 + 100, output_tokens=3),
+            _start("req-4", input_tokens=8),
+        ]  # type: ignore[list-item]
+    )
+    assert ledger.complete_orphans(DAY1 + 9) == []  # the node's record is not older yet
+    completed = ledger.complete_orphans(DAY1 + 10)
+    expected = make_event(
+        "req-1", input_tokens=40, cached_tokens=16, output_tokens=12, ended_at=DAY1 + 9,
+        status="cancelled",
+    )  # fmt: skip
+    assert completed == [expected]
+    assert ledger.get("req-1") == expected
+    # req-2 waits for its node's record, req-3 for its start, req-4 for the grace.
+    assert ledger.open_requests() == {
+        "req-2": (DAY1, None),
+        "req-3": (None, DAY1 + 9),
+        "req-4": (DAY1, DAY1 + 100),
+    }
+    # An end that comes after all is a replay of what was billed.
+    assert ledger.insert(make_event("req-1", output_tokens=11)) is False
+    assert ledger.complete_orphans(DAY1 + 101) == [
+        make_event("req-4", input_tokens=8, output_tokens=3, ended_at=DAY1 + 100)
+    ]
+    assert ledger.count() == 2

@@ -98,6 +98,12 @@ def test_a_cancelled_stream_bills_exactly_the_tokens_its_client_received(
     assert event.output_tokens == prefixes[text]
     assert prefixes[text] < MAX_TOKENS  # it really was cut short
     assert event.input_tokens == len(engine.tokenizer.encode(PROMPT))
+    # Its start, recorded before the first byte: what billing would complete had the
+    # gateway died instead.
+    (start,) = [e for e in stack.sink.starts if e.request_id == request_id]
+    assert (start.kind, start.status, start.node_id) == ("start", "cancelled", "node-1")
+    assert (start.input_tokens, start.output_tokens) == (event.input_tokens, 0)
+    assert start.started_at == event.started_at
 
 
 def send_and_leave(url: str, api_key: str, path: str, body: dict[str, Any], engine: Any) -> bytes:
