@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -30,6 +31,7 @@ from edgeserve.settings import journal_path, redis_client
 if TYPE_CHECKING:
     import uvicorn
 
+    from edgeserve.connections import ConnectionLimits
     from gateway.settings import GatewaySettings
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -39,6 +41,27 @@ ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
 _QUEUE_DEADLINE = typer.Option(
     10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
 )
+# Connection limits (edgeserve/connections.py), the same flags on up, node and gateway.
+_HEADER_TIMEOUT = typer.Option(
+    10.0,
+    help="seconds from a connection's opening, or its previous response, to the end of a "
+    "request's headers; past them 408 and close",
+)
+_MAX_HEADER_BYTES = typer.Option(
+    64 * 1024, help="bytes of a request's line and headers; past them 431 and close"
+)
+_BODY_TIMEOUT = typer.Option(
+    10.0, help="seconds without a byte of a request body being read; past them 408 and close"
+)
+_MAX_CONNECTIONS = typer.Option(
+    None,
+    help="open connections per server; past them 503 and close at once "
+    "(default: a third of the open-file limit, at most 10000)",
+)
+_MAX_REQUESTS_PER_CONNECTION = typer.Option(
+    1000, help="requests per connection; the last one's answer says Connection: close"
+)
+_KEEP_ALIVE_HELP = "seconds an idle keep-alive connection stays open (at most --header-timeout-s)"
 
 
 def _telemetry(service_name: str) -> Any:
@@ -96,9 +119,30 @@ def _port(sockets: list[socket.socket]) -> int:
     return int(sockets[0].getsockname()[1])
 
 
-def _server(app: Any, sockets: list[socket.socket]) -> uvicorn.Server:
-    """A uvicorn server on the bound `sockets`."""
+def _connection_limits(max_connections: int | None, **fields: Any) -> ConnectionLimits:
+    """ConnectionLimits from the flags, or the reason they are refused as a command-line
+    error. The open-file limit is raised first: the default cap is a share of it."""
+    from edgeserve.connections import (
+        ConnectionLimits,
+        default_max_connections,
+        raise_open_file_limit,
+    )
+
+    if max_connections is None:
+        max_connections = default_max_connections(raise_open_file_limit())
+    else:
+        raise_open_file_limit()
+    try:
+        return ConnectionLimits(max_connections=max_connections, **fields)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _server(app: Any, sockets: list[socket.socket], limits: ConnectionLimits) -> uvicorn.Server:
+    """A uvicorn server on the bound `sockets`, its connections bounded by `limits`."""
     import uvicorn
+
+    from edgeserve.connections import protocol_class
 
     class Server(uvicorn.Server):
         # Signals are handled once for every server in the process (see _run_servers).
@@ -112,8 +156,10 @@ def _server(app: Any, sockets: list[socket.socket]) -> uvicorn.Server:
     bound = sockets
     host, port = sockets[0].getsockname()[:2]
     config = uvicorn.Config(
-        app, host=host, port=port, loop="uvloop", http="httptools", log_level="warning",
+        app, host=host, port=port, loop="uvloop", http=protocol_class(limits), ws="none",
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=30, access_log=False,
+        log_level="warning",
         log_config=None,  # uvicorn's own lines go through the root logger: JSON, like ours
     )  # fmt: skip
     return Server(config)
@@ -223,6 +269,12 @@ def up(
         help="ledger: a SQLite file or a postgres:// URL (default: the per-user data dir's "
         "SQLite file, which every `up` of this user shares)",
     ),
+    header_timeout_s: float = _HEADER_TIMEOUT,
+    max_header_bytes: int = _MAX_HEADER_BYTES,
+    body_timeout_s: float = _BODY_TIMEOUT,
+    keep_alive_timeout_s: float = typer.Option(5.0, help=_KEEP_ALIVE_HELP),
+    max_connections: int | None = _MAX_CONNECTIONS,
+    max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
 
@@ -237,6 +289,14 @@ def up(
     api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     internal_token = os.environ.get("EDGESERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
+    limits = _connection_limits(
+        max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
+        body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        max_requests_per_connection=max_requests_per_connection,
+    )  # fmt: skip
+    # The gateway is the node's one client: its pooled connections must expire before the
+    # node closes them (a node that resets a connection is distrusted).
+    node_limits = dataclasses.replace(limits, keep_alive_timeout_s=limits.header_timeout_s)
     gateway_sock = _listen(host, port)
     port = _port(gateway_sock)  # the one bound, where --port 0 asked for any
     node_sock = _listen("127.0.0.1", 0)
@@ -272,8 +332,8 @@ def up(
             is_ready=lambda: service.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         servers = [
-            _server(create_node_app(service, node_telemetry), node_sock),
-            _server(gateway_app, gateway_sock),
+            _server(create_node_app(service, node_telemetry), node_sock, node_limits),
+            _server(gateway_app, gateway_sock, limits),
         ]
         url = f"http://{host}:{port}"
         typer.echo(
@@ -324,6 +384,14 @@ def node(
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
+    header_timeout_s: float = _HEADER_TIMEOUT,
+    max_header_bytes: int = _MAX_HEADER_BYTES,
+    body_timeout_s: float = _BODY_TIMEOUT,
+    # Longer than a gateway's pooled connections live (5 s), so that a gateway never sends
+    # on a connection the node is closing (a node that resets a connection is distrusted).
+    keep_alive_timeout_s: float = typer.Option(10.0, help=_KEEP_ALIVE_HELP),
+    max_connections: int | None = _MAX_CONNECTIONS,
+    max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
     """One GPU node: the engine behind the internal API, publishing its capacity to Redis."""
     from scheduler.capacity import ROLES, check_node_id
@@ -339,6 +407,11 @@ def node(
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     token = _internal_token(internal_token)
+    limits = _connection_limits(
+        max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
+        body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        max_requests_per_connection=max_requests_per_connection,
+    )  # fmt: skip
     sock = _listen(host, port)
     port = _port(sock)  # the one bound, where --port 0 asked for any
 
@@ -362,7 +435,7 @@ def node(
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
         try:
             await _run_servers(
-                [_server(create_node_app(service, telemetry), sock)],
+                [_server(create_node_app(service, telemetry), sock, limits)],
                 on_signal=service.begin_drain,
             )
         finally:
@@ -391,6 +464,12 @@ def gateway(
         0.25, help="bound on each admission call to Redis; past it, --on-redis-error applies"
     ),
     queue_deadline_s: float = _QUEUE_DEADLINE,
+    header_timeout_s: float = _HEADER_TIMEOUT,
+    max_header_bytes: int = _MAX_HEADER_BYTES,
+    body_timeout_s: float = _BODY_TIMEOUT,
+    keep_alive_timeout_s: float = typer.Option(5.0, help=_KEEP_ALIVE_HELP),
+    max_connections: int | None = _MAX_CONNECTIONS,
+    max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
     """One stateless gateway reading keys, capacity and limits from Redis."""
     token = _internal_token(internal_token)
@@ -404,6 +483,11 @@ def gateway(
     settings = _gateway_settings(
         internal_token=token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
+    limits = _connection_limits(
+        max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
+        body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        max_requests_per_connection=max_requests_per_connection,
+    )  # fmt: skip
     sock = _listen(host, port)
     port = _port(sock)
 
@@ -423,7 +507,7 @@ def gateway(
         if admin_token is None:
             typer.echo(f"no admin token ({ADMIN_TOKEN_ENV}): /admin/v1 is not mounted", err=True)
         try:
-            await _run_servers([_server(app, sock)])
+            await _run_servers([_server(app, sock, limits)])
         finally:
             telemetry.shutdown()
 

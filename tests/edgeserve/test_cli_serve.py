@@ -1,0 +1,144 @@
+"""`edgeserve up | node | gateway` as processes: the connection flags of a real gateway."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edgeserve.cli import build_app
+from tests.conftest import INTERNAL_TOKEN, REDIS_URL, free_port
+from tests.edgeserve.test_connections import read_response, refusal
+
+EDGESERVE = [sys.executable, "-c", "from edgeserve.cli import main; main()"]
+
+
+def _stderr(result) -> str:
+    return " ".join(result.stderr.replace("│", " ").split())  # rich boxes and wraps it
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--header-timeout-s", "0"], "header_timeout_s must be a positive number of seconds, got 0.0"),
+        (["--max-header-bytes", "100"], "max_header_bytes must be at least 1024, got 100"),
+        (["--keep-alive-timeout-s", "20"], "keep_alive_timeout_s must be at most header_timeout_s (10.0), got 20.0"),
+        (["--max-connections", "0"], "max_connections must be at least 1, got 0"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", [["gateway"], ["node", "--device", "cpu"]])
+def test_connection_limits_are_refused_before_anything_starts(command, args, message) -> None:
+    result = CliRunner().invoke(build_app(), [*command, "--internal-token", INTERNAL_TOKEN, *args])
+    assert result.exit_code == 2
+    assert message in _stderr(result)
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    """The process's peak resident memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def _get(port: int, path: str = "/openapi.json") -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n" % path.encode())
+        return read_response(sock)[0]
+
+
+def _fill(port: int, cap: int) -> list[socket.socket]:
+    """`cap` idle connections, all accepted: the server is at its cap. (A refused client's
+    close reaches the server a moment after its answer: until then it still counts.)"""
+    deadline = time.monotonic() + 10
+    while True:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(cap)]
+        if not select.select(idle, [], [], 0.3)[0]:  # nothing to read: none refused
+            return idle
+        for sock in idle:
+            sock.close()
+        assert time.monotonic() < deadline, "the server kept refusing below its cap"
+
+
+@pytest.fixture
+def gateway(redis_prefix: str, tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*EDGESERVE, "gateway", "--port", str(port), "--redis-url", REDIS_URL,
+         "--prefix", redis_prefix, "--internal-token", INTERNAL_TOKEN,
+         "--header-timeout-s", "2", "--keep-alive-timeout-s", "2", "--max-connections", "4"],
+        env=os.environ | {"EDGESERVE_HOME": str(tmp_path)},
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "gateway.log").open("wb"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                assert _get(port) == "HTTP/1.1 200 OK"
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the gateway never listened"
+                time.sleep(0.1)
+        yield port, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_gateway_refuses_huge_heads_without_growing_and_connections_past_its_cap(
+    gateway,
+) -> None:
+    port, proc = gateway
+    peak_before = _vm_hwm_kib(proc.pid)
+    answers: list[tuple[str, str, bytes]] = []
+
+    def unfinished_64_mib_head() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+
+            def send() -> None:
+                sock.sendall(b"GET /openapi.json HTTP/1.1\r\nX-Big: ")
+                try:
+                    for _ in range(64):
+                        sock.sendall(b"a" * (1 << 20))
+                except OSError:
+                    pass  # cut off
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            answers.append(refusal(sock))
+            sender.join(timeout=10)
+
+    clients = [threading.Thread(target=unfinished_64_mib_head) for _ in range(3)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(timeout=30)
+    assert answers == 3 * [(
+        "HTTP/1.1 431 Request Header Fields Too Large", "close",
+        b"request line and headers exceed 65536 bytes",
+    )]  # fmt: skip
+    assert _vm_hwm_kib(proc.pid) - peak_before < 16 * 1024  # not 3 x 64 MiB
+
+    idle = _fill(port, 4)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as excess:
+        started = time.monotonic()
+        assert refusal(excess) == (
+            "HTTP/1.1 503 Service Unavailable",
+            "close",
+            b"too many connections",
+        )
+        assert time.monotonic() - started < 1.0
+    for sock in idle:
+        sock.close()
+    time.sleep(0.2)
+    assert _get(port) == "HTTP/1.1 200 OK"

@@ -1,0 +1,285 @@
+"""Connection limits: the servers `edgeserve` builds (`_server`), on loopback, against raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from edgeserve.connections import ConnectionLimits, default_max_connections
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """/echo answers its body; /stream is an SSE stream of 12 events over 3 s; else 'hello'."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        for i in range(12):
+            await asyncio.sleep(0.25)
+            await send(
+                {"type": "http.response.body", "body": b"data: %d\n\n" % i, "more_body": True}
+            )
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        return
+    body = b"hello"
+    if scope["path"] == "/echo":
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message["body"]
+            more = message["more_body"]
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+class Served:
+    """`app` behind edgeserve's own server (serve._server) in a thread of its own."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        from edgeserve.commands.serve import _listen, _server
+
+        sockets = _listen("127.0.0.1", 0)
+        self.port = int(sockets[0].getsockname()[1])
+        self.server = _server(app, sockets, limits)
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def served(**limits: Any) -> Iterator[Served]:
+    server = Served(ConnectionLimits(**limits))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def read_response(sock: socket.socket) -> tuple[str, dict[str, str], bytes]:
+    """One response of known length: (status line, headers, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a whole head: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    status, *lines = head.decode().split("\r\n")
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "closed before the whole body"
+        body += chunk
+    return status, headers, body
+
+
+def is_closed(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock` (EOF or reset), with nothing more to read."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def refusal(sock: socket.socket) -> tuple[str, str, bytes]:
+    """A refusal as the client reads it: (status line, Connection header, body), then EOF."""
+    status, headers, body = read_response(sock)
+    assert headers["content-type"] == "text/plain; charset=utf-8"
+    assert is_closed(sock)
+    return status, headers["connection"], body
+
+
+GET = b"GET /hello HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+def test_headers_sent_at_one_byte_a_second_are_cut_off_at_the_deadline() -> None:
+    with served(header_timeout_s=1.0, keep_alive_timeout_s=1.0) as server, server.connect() as sock:
+        started = time.monotonic()
+        for byte in GET:  # 1 byte a second, until the server answers
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.send(bytes([byte]))
+            if select.select([sock], [], [], 1.0)[0]:
+                break
+        answered_s = time.monotonic() - started
+        assert refusal(sock) == (
+            "HTTP/1.1 408 Request Timeout", "close", b"request headers not received within 1 s"
+        )  # fmt: skip
+    assert 0.9 <= answered_s < 3.0
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_deadline_without_an_answer() -> None:
+    with served(header_timeout_s=1.0, keep_alive_timeout_s=1.0) as server, server.connect() as sock:
+        started = time.monotonic()
+        assert is_closed(sock)
+        assert 0.9 <= time.monotonic() - started < 3.0
+
+
+def test_a_head_of_exactly_the_cap_is_served_and_one_byte_more_is_431() -> None:
+    cap = 4096
+    head = b"GET /hello HTTP/1.1\r\nHost: t\r\nX-Pad: \r\n\r\n"
+    exact = head.replace(b"X-Pad: ", b"X-Pad: " + b"a" * (cap - len(head)))
+    assert len(exact) == cap
+    with served(max_header_bytes=cap) as server:
+        with server.connect() as sock:
+            sock.sendall(exact)
+            assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", b"hello")
+        with server.connect() as sock:
+            sock.sendall(exact.replace(b"X-Pad: ", b"X-Pad: a"))
+            assert refusal(sock) == (
+                "HTTP/1.1 431 Request Header Fields Too Large", "close",
+                b"request line and headers exceed 4096 bytes",
+            )  # fmt: skip
+
+
+def test_a_64_mib_header_is_refused_after_the_cap_without_being_read() -> None:
+    with served() as server, server.connect() as sock:
+        sent = 0
+
+        def send_huge_header() -> None:
+            nonlocal sent
+            sock.sendall(b"GET /hello HTTP/1.1\r\nX-Big: ")
+            chunk = b"a" * (1 << 20)
+            with contextlib.suppress(OSError):  # the server closes in the middle of it
+                for _ in range(64):
+                    sock.sendall(chunk)
+                    sent += len(chunk)
+
+        sender = threading.Thread(target=send_huge_header)
+        sender.start()
+        try:
+            assert refusal(sock) == (
+                "HTTP/1.1 431 Request Header Fields Too Large", "close",
+                b"request line and headers exceed 65536 bytes",
+            )  # fmt: skip
+        finally:
+            sock.shutdown(socket.SHUT_RDWR)
+            sender.join(timeout=10)
+        assert sent < 64 << 20  # cut off, not read to its end
+
+
+def test_connections_past_the_cap_are_refused_at_once_and_the_others_served() -> None:
+    with served(max_connections=8, header_timeout_s=3.0, keep_alive_timeout_s=3.0) as server:
+        before = server.connect()  # opened before the flood
+        flood = [server.connect() for _ in range(7)]  # the cap is reached, all idle
+        time.sleep(0.2)  # every one accepted
+        refused = [server.connect() for _ in range(20)]
+        started = time.monotonic()
+        for sock in refused:
+            assert refusal(sock) == (
+                "HTTP/1.1 503 Service Unavailable", "close", b"too many connections"
+            )  # fmt: skip
+            sock.close()
+        assert time.monotonic() - started < 1.0
+        before.sendall(GET)
+        assert read_response(before)[::2] == ("HTTP/1.1 200 OK", b"hello")
+        before.close()
+        for sock in flood:  # the header deadline cuts the idle ones
+            assert is_closed(sock)
+            sock.close()
+        with server.connect() as after:
+            after.sendall(GET)
+            assert read_response(after)[::2] == ("HTTP/1.1 200 OK", b"hello")
+
+
+def test_a_stalled_body_is_408_and_a_slow_one_is_served() -> None:
+    with served(body_timeout_s=1.5, keep_alive_timeout_s=1.0, header_timeout_s=5.0) as server:
+        with server.connect() as sock:
+            sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
+            assert refusal(sock) == (
+                "HTTP/1.1 408 Request Timeout", "close", b"no byte of the request body for 1.5 s"
+            )  # fmt: skip
+        with server.connect() as sock:  # 6 bytes over 1.8 s: never idle for 1.5 s
+            sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\n")
+            for byte in b"abcdef":
+                time.sleep(0.3)
+                sock.sendall(bytes([byte]))
+            assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", b"abcdef")
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
+    with served(keep_alive_timeout_s=1.0, header_timeout_s=4.0) as server, server.connect() as sock:
+        sock.sendall(GET)
+        assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", b"hello")
+        sock.sendall(GET)  # kept alive within the timeout
+        assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", b"hello")
+        idle_since = time.monotonic()
+        assert is_closed(sock)  # silently: no 408 for a request never begun
+        assert 0.9 <= time.monotonic() - idle_since < 3.0  # the keep-alive, not the head deadline
+
+
+def test_the_last_request_a_connection_may_carry_is_answered_with_connection_close() -> None:
+    with served(max_requests_per_connection=2) as server, server.connect() as sock:
+        sock.sendall(GET)
+        status, headers, _ = read_response(sock)
+        assert (status, "connection" in headers) == ("HTTP/1.1 200 OK", False)
+        sock.sendall(GET)
+        status, headers, body = read_response(sock)
+        assert (status, headers["connection"], body) == ("HTTP/1.1 200 OK", "close", b"hello")
+        assert is_closed(sock)
+
+
+def test_an_sse_stream_outlives_every_deadline() -> None:
+    limits = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "keep_alive_timeout_s": 1.0}
+    with served(**limits) as server, server.connect() as sock:
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):  # the chunked stream's end, 3 s on
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream was cut: {data!r}"
+            data += chunk
+        events = re.findall(rb"data: [^\n]*", data)
+        assert events == [b"data: %d" % i for i in range(12)] + [b"data: [DONE]"]
+        sock.sendall(GET)  # and the connection serves on
+        assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", b"hello")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"header_timeout_s": 0}, "header_timeout_s must be a positive number of seconds, got 0"),
+        ({"body_timeout_s": float("nan")}, "body_timeout_s must be a positive number of seconds, got nan"),
+        ({"keep_alive_timeout_s": -1}, "keep_alive_timeout_s must be a positive number of seconds, got -1"),
+        ({"max_header_bytes": 1023}, "max_header_bytes must be at least 1024, got 1023"),
+        ({"max_connections": 0}, "max_connections must be at least 1, got 0"),
+        ({"max_requests_per_connection": 0}, "max_requests_per_connection must be at least 1, got 0"),
+        ({"keep_alive_timeout_s": 11.0}, "keep_alive_timeout_s must be at most header_timeout_s (10.0), got 11.0"),
+    ],
+)  # fmt: skip
+def test_limits_are_validated_at_construction(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        ConnectionLimits(**fields)
+    assert str(raised.value) == message
+
+
+def test_the_default_cap_is_a_third_of_the_descriptors_left_at_most_10000() -> None:
+    assert default_max_connections(1024) == 256
+    assert default_max_connections(20_000) == 6581
+    assert default_max_connections(1 << 20) == 10_000
+    assert default_max_connections(100) == 1
