@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
 ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
+INTERNAL_TOKEN_ENV = "EDGESERVE_INTERNAL_TOKEN"
+# The internal token opens every node's API: as long as the admin token's floor.
+MIN_INTERNAL_TOKEN_CHARS = 16
 
 _QUEUE_DEADLINE = typer.Option(
     10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
@@ -222,10 +225,20 @@ def _engine_factory(
 
 
 def _internal_token(given: str | None) -> str:
-    token = given or os.environ.get("EDGESERVE_INTERNAL_TOKEN")
+    token = given or os.environ.get(INTERNAL_TOKEN_ENV)
     if not token:
         raise typer.BadParameter(
-            "set --internal-token or EDGESERVE_INTERNAL_TOKEN (shared by gateways and nodes)"
+            f"set --internal-token or {INTERNAL_TOKEN_ENV} (shared by gateways and nodes)"
+        )
+    return _check_internal_token(token, "--internal-token" if given else INTERNAL_TOKEN_ENV)
+
+
+def _check_internal_token(token: str, source: str) -> str:
+    if len(token) < MIN_INTERNAL_TOKEN_CHARS:
+        raise typer.BadParameter(
+            f"the internal token must be at least {MIN_INTERNAL_TOKEN_CHARS} characters, got "
+            f"{len(token)} (`openssl rand -hex 24` makes one)",
+            param_hint=source,
         )
     return token
 
@@ -280,15 +293,14 @@ def up(
 
     With --redis-url the stores are shared through Redis and a billing worker runs in
     this process, moving the usage stream into the ledger."""
-    from gateway.keys import new_key
-
     engine_device = resolve_device(device)
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
-    api_key = os.environ.get("EDGESERVE_API_KEY") or new_key()
+    chosen_api_key = os.environ.get("EDGESERVE_API_KEY")
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
-    internal_token = os.environ.get("EDGESERVE_INTERNAL_TOKEN") or secrets.token_urlsafe(24)
+    internal_token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(24)
+    _check_internal_token(internal_token, INTERNAL_TOKEN_ENV)
     limits = _connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
         body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
@@ -313,7 +325,9 @@ def up(
             redis_url, prefix, port, local=redis_url is None, database_url=ledger,
             run_billing_worker=True,
         )  # fmt: skip
-        await stores.keys.add(api_key, account_id)
+        api_key = await stores.add_up_key(
+            account_id, chosen_api_key, owner=f"{socket.gethostname()}-{port}"
+        )
         gateway_telemetry, node_telemetry = (
             _telemetry("edgeserve-gateway"),
             _telemetry("edgeserve-node"),
@@ -520,13 +534,39 @@ class _Stores:
     def __init__(
         self, keys: Any, registry: Any, placer: Any, limiter: Any, limit_store: Any,
         policy: Any, sink: Any, ledger: Any, ledger_location: str, client: Any = None,
-        worker: Any = None,
+        worker: Any = None, prefix: str = "",
     ) -> None:  # fmt: skip
         self.keys, self.registry, self.placer = keys, registry, placer
         self.limiter, self.limit_store, self.policy = limiter, limit_store, policy
         self.sink, self.ledger, self.ledger_location = sink, ledger, ledger_location
-        self._client, self._worker = client, worker
+        self._client, self._worker, self._prefix = client, worker, prefix
         self._worker_task: asyncio.Task[None] | None = None
+        self._up_key: tuple[str, str] | None = None  # (key id, marker) of a generated key
+
+    async def add_up_key(self, account_id: str, chosen: str | None, owner: str) -> str:
+        """The API key an `up` prints: `chosen` (EDGESERVE_API_KEY) as given, else a new one.
+
+        A generated key lives as long as its `up`. In Redis it is revoked when `up` stops,
+        and its id is kept under `{prefix}up_key:{owner}` (host and port, as the usage
+        journal is named) so that the next start there revokes it after a crash: restarts
+        never pile up keys. A chosen key is never revoked."""
+        from gateway.keys import key_id_of, new_key
+
+        key = chosen or new_key()
+        if self._client is None:  # in-process keys end with the process
+            await self.keys.add(key, account_id)
+            return key
+        marker = f"{self._prefix}up_key:{owner}"
+        previous = await self._client.get(marker)
+        if previous is not None and previous.decode() != key_id_of(key):
+            await self.keys.revoke(previous.decode())
+        await self.keys.add(key, account_id)
+        if chosen is None:
+            await self._client.set(marker, key_id_of(key))
+            self._up_key = (key_id_of(key), marker)
+        else:
+            await self._client.delete(marker)
+        return key
 
     def app_kwargs(self) -> dict[str, Any]:
         """create_app's store arguments (the app starts and stops the limiter itself)."""
@@ -553,9 +593,20 @@ class _Stores:
             self._worker.stop()  # returns after its batch in hand is committed and acked
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker_task
+        if self._up_key is not None:
+            await self._revoke_up_key(*self._up_key)
         if self._client is not None:
             await self._client.aclose()
         self.ledger.close()
+
+    async def _revoke_up_key(self, key_id: str, marker: str) -> None:
+        from redis.exceptions import RedisError
+
+        try:
+            await self.keys.revoke(key_id)
+            await self._client.delete(marker)
+        except (RedisError, OSError) as exc:
+            typer.echo(f"the API key stays in Redis until the next start here: {exc}", err=True)
 
 
 async def _stores(
@@ -624,5 +675,5 @@ async def _stores(
         RedisKeyStore(client, prefix), shared_registry, shared_placer,
         RedisLimiter(client, admission, limit_store), limit_store, policy,
         RedisUsageSink(client, stream_key, journal_path(port)), ledger, shown_location,
-        client, worker,
+        client, worker, prefix,
     )  # fmt: skip

@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edgeserve.cli import build_app
+from tests.conftest import INTERNAL_TOKEN
 
 
 @pytest.mark.parametrize(
@@ -18,7 +19,7 @@ from edgeserve.cli import build_app
     ],
 )
 def test_gateway_refuses_bad_admission_settings(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(build_app(), ["gateway", "--internal-token", "t", *args])
+    result = CliRunner().invoke(build_app(), ["gateway", "--internal-token", INTERNAL_TOKEN, *args])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())  # rich boxes and wraps it
 
@@ -33,7 +34,9 @@ def test_up_refuses_a_short_admin_token_before_it_loads_anything(monkeypatch) ->
 
 
 def test_node_refuses_a_role_it_does_not_know() -> None:
-    result = CliRunner().invoke(build_app(), ["node", "--internal-token", "t", "--role", "both"])
+    result = CliRunner().invoke(
+        build_app(), ["node", "--internal-token", INTERNAL_TOKEN, "--role", "both"]
+    )
     assert result.exit_code == 2
     assert "must be one of mixed, prefill, decode" in " ".join(
         result.stderr.replace("│", " ").split()
@@ -44,7 +47,7 @@ def test_node_refuses_a_role_it_does_not_know() -> None:
 def test_node_refuses_an_id_billing_could_not_store(node_id: str) -> None:
     # Every usage event names its node; billing dead-letters an id past 256 characters.
     result = CliRunner().invoke(
-        build_app(), ["node", "--internal-token", "t", "--node-id", node_id]
+        build_app(), ["node", "--internal-token", INTERNAL_TOKEN, "--node-id", node_id]
     )
     assert result.exit_code == 2
     assert "must be 1-256 characters of letters, digits and @/_.:+=-" in " ".join(
@@ -68,7 +71,9 @@ def test_node_up_and_run_refuse_a_device_they_cannot_use(command, device, messag
 
     if torch.cuda.is_available() and "visible" in message:
         pytest.skip("this machine has a CUDA GPU: the device is usable")  # never on CI
-    extra = {"node": ["--internal-token", "t"], "run": ["smollm2", "Hello"]}.get(command, [])
+    extra = {"node": ["--internal-token", INTERNAL_TOKEN], "run": ["smollm2", "Hello"]}.get(
+        command, []
+    )
     result = CliRunner().invoke(build_app(), [command, *extra, "--device", device])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())
@@ -76,7 +81,9 @@ def test_node_up_and_run_refuse_a_device_they_cannot_use(command, device, messag
 
 @pytest.mark.parametrize("command", ["node", "up", "run"])
 def test_a_kv_dtype_the_engine_does_not_have_is_refused(command) -> None:
-    extra = {"node": ["--internal-token", "t"], "run": ["smollm2", "Hello"]}.get(command, [])
+    extra = {"node": ["--internal-token", INTERNAL_TOKEN], "run": ["smollm2", "Hello"]}.get(
+        command, []
+    )
     result = CliRunner().invoke(
         build_app(), [command, *extra, "--device", "cpu", "--kv-dtype", "int8"]
     )
@@ -114,7 +121,9 @@ def test_auto_kv_dtype_is_fp32_on_the_cpu_and_bf16_on_a_gpu() -> None:
 def test_activations_the_node_cannot_compute_in_are_refused_before_it_starts(
     command, args, message
 ) -> None:
-    extra = {"node": ["--internal-token", "t"], "run": ["smollm2", "Hello"]}.get(command, [])
+    extra = {"node": ["--internal-token", INTERNAL_TOKEN], "run": ["smollm2", "Hello"]}.get(
+        command, []
+    )
     result = CliRunner().invoke(build_app(), [command, *extra, "--device", "cpu", *args])
     assert result.exit_code == 2
     assert message in " ".join(result.stderr.replace("│", " ").split())
@@ -133,8 +142,8 @@ def test_auto_kv_dtype_follows_fp16_activations_on_a_gpu() -> None:
     "command",
     [
         ["up", "--device", "cpu"],
-        ["node", "--internal-token", "t", "--device", "cpu"],
-        ["gateway", "--internal-token", "t"],
+        ["node", "--internal-token", INTERNAL_TOKEN, "--device", "cpu"],
+        ["gateway", "--internal-token", INTERNAL_TOKEN],
     ],
 )
 def test_a_port_in_use_is_one_line_before_any_banner(command: list[str]) -> None:
@@ -152,7 +161,8 @@ def test_a_port_in_use_is_one_line_before_any_banner(command: list[str]) -> None
 def test_a_host_that_does_not_resolve_is_one_readable_line() -> None:
     """getaddrinfo's errors carry negative codes: they had read "Unknown error -2"."""
     result = CliRunner().invoke(
-        build_app(), ["gateway", "--internal-token", "t", "--host", "no-such-host.invalid"]
+        build_app(),
+        ["gateway", "--internal-token", INTERNAL_TOKEN, "--host", "no-such-host.invalid"],
     )
     assert (result.exit_code, result.stdout) == (1, "")
     [line] = result.stderr.splitlines()

@@ -1,9 +1,12 @@
-"""`edgeserve up | node | gateway` as processes: the connection flags of a real gateway."""
+"""`edgeserve up | node | gateway` as processes: the internal token's floor, the connection
+flags of a real gateway, and the API keys a restarted `up --redis-url` leaves in Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from typer.testing import CliRunner
 
 from edgeserve.cli import build_app
@@ -24,6 +28,22 @@ EDGESERVE = [sys.executable, "-c", "from edgeserve.cli import main; main()"]
 
 def _stderr(result) -> str:
     return " ".join(result.stderr.replace("│", " ").split())  # rich boxes and wraps it
+
+
+@pytest.mark.parametrize("command", [["node", "--device", "cpu"], ["gateway"]])
+def test_an_internal_token_shorter_than_16_characters_is_refused(command: list[str]) -> None:
+    result = CliRunner().invoke(build_app(), [*command, "--internal-token", "a"])
+    assert result.exit_code == 2
+    assert "Invalid value for --internal-token: the internal token must be at least 16 " \
+        "characters, got 1 (`openssl rand -hex 24` makes one)" in _stderr(result)  # fmt: skip
+
+
+def test_up_refuses_a_short_internal_token_from_its_environment(monkeypatch) -> None:
+    monkeypatch.setenv("EDGESERVE_INTERNAL_TOKEN", "fifteen-chars-x")
+    result = CliRunner().invoke(build_app(), ["up", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "Invalid value for EDGESERVE_INTERNAL_TOKEN: the internal token must be at least " \
+        "16 characters, got 15" in _stderr(result)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -142,3 +162,77 @@ def test_a_gateway_refuses_huge_heads_without_growing_and_connections_past_its_c
         sock.close()
     time.sleep(0.2)
     assert _get(port) == "HTTP/1.1 200 OK"
+
+
+# -- the API key of `up --redis-url` -------------------------------------------------------
+
+
+class Up:
+    """`edgeserve up --redis-url` as a process, stopped once it has printed its API key."""
+
+    def __init__(self, port: int, prefix: str, tmp_path: Path, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [*EDGESERVE, "up", "--port", str(port), "--device", "cpu", "--redis-url", REDIS_URL,
+             "--prefix", prefix, "--ledger", str(tmp_path / "ledger.sqlite3")],
+            env=os.environ | {"EDGESERVE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"} | env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        lines = []
+        while not lines or not lines[-1].startswith("  API key:"):
+            line = self.proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        self.api_key = lines[-1].split()[-1]
+        deadline = time.monotonic() + 60
+        while True:  # serving (503 while the model loads): its signal handlers are set
+            try:
+                _get(port)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "up never listened"
+                time.sleep(0.05)
+
+    def stop(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=60)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def _account_keys(prefix: str, *keys: str) -> tuple[list[str], list[str | None]]:
+    """The ids of account `local`'s keys, and the account each of `keys` resolves to."""
+    from gateway.keys import RedisKeyStore
+
+    async def read() -> tuple[list[str], list[str | None]]:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            store = RedisKeyStore(client, prefix)
+            listed = [info.key_id for info in await store.list("local")]
+            return listed, [await store.lookup(key) for key in keys]
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def test_a_restarted_up_leaves_one_generated_key_in_redis(
+    smollm2_path, redis_prefix: str, tmp_path: Path
+) -> None:
+    from gateway.keys import key_id_of
+
+    port = free_port()
+    crashed = Up(port, redis_prefix, tmp_path)
+    crashed.stop(signal.SIGKILL)  # no chance to revoke its key
+    assert _account_keys(redis_prefix, crashed.api_key) == ([key_id_of(crashed.api_key)], ["local"])
+    restarted = Up(port, redis_prefix, tmp_path)
+    assert _account_keys(redis_prefix, crashed.api_key, restarted.api_key) == (
+        [key_id_of(restarted.api_key)], [None, "local"],
+    )  # fmt: skip
+    restarted.stop(signal.SIGTERM)
+    assert _account_keys(redis_prefix, restarted.api_key) == ([], [None])
+    chosen = Up(port, redis_prefix, tmp_path, EDGESERVE_API_KEY="es-chosen-by-the-operator")
+    chosen.stop(signal.SIGTERM)
+    assert _account_keys(redis_prefix, "es-chosen-by-the-operator") == (
+        [key_id_of("es-chosen-by-the-operator")], ["local"],
+    )  # fmt: skip
