@@ -50,7 +50,7 @@ from gateway.errors import (
     UnavailableError,
     UpstreamError,
 )
-from gateway.liveness import NodeWatch
+from gateway.liveness import NODE_GONE, NodeWatch
 from gateway.tracing import GenAISpan, GenAITracer
 from gateway.upstream import (
     LEFT_BEFORE_ANSWER,
@@ -260,11 +260,7 @@ class Dispatcher:
         trace: GenAISpan,
         receive: Receive | None = None,
     ) -> Upstream:
-        body = {
-            "request_id": job.request_id,
-            "account_id": job.account_id,
-            "model": job.model.node_model,
-        } | job.payload
+        body = _node_body(job)
         with trace.step("placement"):
             try:
                 placement = await self._first_placement(job, receive)
@@ -363,6 +359,32 @@ class Dispatcher:
             retry_after_s=NO_CAPACITY_RETRY_S,
         )
 
+    async def reconnect(self, upstream: Upstream) -> Upstream | None:
+        """`upstream`'s request started again on another node, its placement given back:
+        for a whole answer whose node failed before anything reached the client. None when
+        no other node can take it now or the new one fails too before its first event."""
+        job, failed = upstream.job, upstream.placement
+        await self.release_placement(failed)
+        with upstream.trace.step("placement"):
+            placement = await self._placer.place(
+                job.model.node_model,
+                job.request_id,
+                job.estimated_tokens,
+                exclude=frozenset(failed.node_ids),
+                account_id=job.account_id,
+            )
+        if placement is None:
+            return None
+        upstream.trace.placed(placement)
+        try:
+            return await self._connect(
+                job, placement, _node_body(job), upstream.started_at, upstream.headers,
+                upstream.trace,
+            )  # fmt: skip
+        except UpstreamError as exc:
+            log.warning("request %s: %s, on its second node", job.request_id, exc.detail)
+            return None
+
     async def release_placement(self, placement: Placement) -> None:
         """Gives a node reservation back and lets the capacity queue try its waiters."""
         await self._placer.release(placement)
@@ -402,8 +424,7 @@ class Dispatcher:
             response, lines, first = await starting
         except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError) as exc:
             await self.release_placement(placement)
-            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-                # Nothing listens there: the node is dead, whatever its record says.
+            if isinstance(exc, NODE_GONE):
                 await self._placer.mark_down(placement.node_id)
             raise UpstreamError(
                 NODE_UNREACHABLE, detail=f"node {placement.node_id} unreachable: {exc!r}"
@@ -502,9 +523,10 @@ class Dispatcher:
     async def finish(self, upstream: Upstream) -> None:
         job, placement = upstream.job, upstream.placement
         try:
-            if not upstream.is_finished and not upstream.client_left:  # else cancelled already
-                await self._cancel_on_node(placement, job.request_id)
-            await self.release_placement(placement)
+            if not upstream.is_released:
+                if not upstream.is_finished and not upstream.client_left:  # else cancelled
+                    await self._cancel_on_node(placement, job.request_id)
+                await self.release_placement(placement)
         finally:
             # Whatever failed above, the request is metered and its admission given back.
             await self._meter(upstream)
@@ -546,6 +568,15 @@ class Dispatcher:
         except httpx.HTTPError:
             # The node is gone or busy; closing the stream also aborts the request there.
             log.warning("could not cancel %s on node %s", request_id, placement.node_id)
+
+
+def _node_body(job: GenerationJob) -> dict[str, Any]:
+    """The node's generate call for `job`."""
+    return {
+        "request_id": job.request_id,
+        "account_id": job.account_id,
+        "model": job.model.node_model,
+    } | job.payload
 
 
 def _node_error(response: httpx.Response) -> tuple[str, str]:

@@ -17,6 +17,17 @@ import httpx
 
 from scheduler.placement import Placement, Placer
 
+# A node that refuses a connection, or resets one, is dead or dying whatever its record
+# says: it is distrusted until it publishes again. (Its keep-alive outlives the gateway's
+# pooled connections, so a live node never closes one the gateway is sending on.)
+NODE_GONE = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
 
 class NodeWatch:
     def __init__(
@@ -57,6 +68,10 @@ class NodeWatch:
             await self._placer.mark_down(placement.node_id)
             return False
         return True
+
+    async def mark_down(self, placement: Placement) -> None:
+        """Distrusts `placement`'s node until it publishes again (it refused or reset us)."""
+        await self._placer.mark_down(placement.node_id)
 
     @property
     def silence(self) -> str:

@@ -23,6 +23,7 @@ from starlette.types import Receive
 
 from billing.events import Status, UsageEvent
 from gateway.errors import ClientClosedError, UpstreamError
+from gateway.liveness import NODE_GONE
 from gateway.tracing import GenAISpan
 from scheduler.placement import Placement
 
@@ -101,6 +102,8 @@ class Upstream:
         self._last_heard = time.monotonic()  # when the node last sent a line
         self._is_unresponsive = False  # the watchdog closed the stream of a silent node
         self._closed = False
+        self._has_restarted = False
+        self._is_released = False
         self.num_delivered_tokens = 0
         self.client_left = False  # before the answer began: cancelled on the node already
         self.prompt_tokens = int(first.get("prompt_tokens", 0))
@@ -149,6 +152,8 @@ class Upstream:
                     self._failed = True
                     if self._is_unresponsive:
                         raise self._failure(self._dispatcher.watch.silence) from None
+                    if isinstance(exc, NODE_GONE):
+                        await self._dispatcher.watch.mark_down(self.placement)
                     raise self._failure(f"failed mid-stream: {exc!r}") from None
                 self._last_heard = time.monotonic()
                 if not line:
@@ -179,6 +184,29 @@ class Upstream:
             text = event.get("text", "")
             self.trace.output(text, num_tokens)
             yield TextChunk(text, num_tokens)
+
+    async def restart(self) -> bool:
+        """Starts this request again on another node, once, after its node failed before
+        anything of it reached the client (a whole answer): this upstream then reads the
+        new node's events from the start. False when it cannot (delivered already, retried
+        already, no other node); the failure then stands."""
+        if self._has_restarted or self.num_delivered_tokens or self._finished is not None:
+            return False
+        self._has_restarted = True
+        await self._response.aclose()
+        fresh = await self._dispatcher.reconnect(self)
+        if fresh is None:
+            # The failed node's placement is given back; what closes this upstream bills it
+            # as the error it is.
+            self._is_released = True
+            return False
+        self.placement, self._response, self._lines = fresh.placement, fresh._response, fresh._lines
+        self._first = fresh._first
+        self._failed = False
+        self._last_heard = time.monotonic()
+        self.prompt_tokens, self.cached_tokens = fresh.prompt_tokens, fresh.cached_tokens
+        self.prefilled_tokens = fresh.prefilled_tokens
+        return True
 
     async def close(self) -> None:
         """Cancel on the node if unfinished, release reservations, record usage. Idempotent."""
@@ -216,6 +244,11 @@ class Upstream:
     def mark_delivered(self, num_tokens: int) -> None:
         """Counts tokens whose text reached the client (billed if the request is cancelled)."""
         self.num_delivered_tokens += num_tokens
+
+    @property
+    def is_released(self) -> bool:
+        """Its placement given back already: a restart found no second node."""
+        return self._is_released
 
     @property
     def is_finished(self) -> bool:
@@ -292,22 +325,30 @@ async def until_client_leaves(
 
 
 async def collect(upstream: Upstream, receive: Receive) -> tuple[str, Finished]:
-    """Read a whole generation (non-streaming answers); always closes the upstream.
+    """Read a whole generation (non-streaming answers); always closes the upstream. A node
+    that fails midway is replaced once by another (`Upstream.restart`).
 
     `receive` is the client's ASGI channel, its body already read. A client that leaves
     before the answer is whole ends the generation there: it is billed as cancelled, with
     none of its output delivered, and ClientClosedError is raised."""
 
     async def read() -> tuple[str, Finished]:
-        parts: list[str] = []
-        finished: Finished | None = None
-        async for event in upstream.events():
-            if isinstance(event, TextChunk):
-                parts.append(event.text)
-            else:
-                finished = event
-        assert finished is not None  # events() ends with Finished or raises
-        return "".join(parts), finished
+        while True:
+            parts: list[str] = []
+            finished: Finished | None = None
+            try:
+                async for event in upstream.events():
+                    if isinstance(event, TextChunk):
+                        parts.append(event.text)
+                    else:
+                        finished = event
+            except UpstreamError:
+                # Nothing of it reached the client: a second node answers it whole.
+                if await upstream.restart():
+                    continue
+                raise
+            assert finished is not None  # events() ends with Finished or raises
+            return "".join(parts), finished
 
     reading = await until_client_leaves(upstream, read(), receive)
     if reading.cancelled():

@@ -8,6 +8,7 @@ server has its own Redis client; all share one key prefix of this test's own.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -392,3 +393,51 @@ def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(
     assert first == "node-0-dead"
     assert retry in ("node-a", "node-b")
     assert [e.node_id for e in fleet.events() if e.started_at >= after_wall] == [retry]
+
+
+def test_a_whole_answer_whose_node_dies_midway_is_answered_by_the_other_node(
+    fleet, node_a_back_after
+) -> None:
+    """Nothing of a whole (non-streamed) answer reaches its client before its end, so a
+    node SIGKILLed midway costs the client nothing: the other node answers it whole, and
+    the usage event is the one of that answer. The reset marks node-a down at once."""
+    reference = asyncio.run(counting_answer(fleet))  # greedy: the same text on either node
+    assert reference.status_code == 200
+    (record_b,) = [r for r in fleet.records() if r.node_id == "node-b"]
+    hold_on(fleet, "node-b", record_b.num_total_tokens)  # node-a scores higher
+    try:
+        after, after_wall = time.monotonic(), time.time()
+        deadline = after + 30
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answering = pool.submit(lambda: asyncio.run(counting_answer(fleet)))
+            while not fleet.placements(since=after):
+                assert time.monotonic() < deadline, "the request was never placed"
+                time.sleep(0.01)
+            if fleet.placements(since=after)[0] != "node-a":
+                pytest.skip("a lapsed heartbeat hid node-a from the gateway")
+            hold_on(fleet, "node-b", None)
+            time.sleep(1.0)  # its first tokens are out: 120 of them take far longer
+            fleet.node_a.send_signal(signal.SIGKILL)
+            response = answering.result(timeout=120)
+    finally:
+        hold_on(fleet, "node-b", None)
+    fleet.node_a.wait(timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"] == reference.json()["choices"]
+    assert fleet.placements(since=after) == ["node-a", "node-b"]
+    (event,) = [e for e in fleet.events() if e.started_at >= after_wall]
+    assert (event.node_id, event.status) == ("node-b", "ok")
+    assert event.output_tokens == response.json()["usage"]["completion_tokens"]
+    # Distrusted before its TTL: the next requests go to node-b without a failed try.
+    since = time.monotonic()
+    assert [r.status_code for r in asyncio.run(burst(fleet, 2))] == [200, 200]
+    assert fleet.placements(since=since) == ["node-b", "node-b"]
+
+
+async def counting_answer(fleet: Fleet) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(
+            f"{fleet.gateways[0].url}/v1/completions",
+            json={"model": SMOLLM2, "prompt": COUNTING, "max_tokens": 120, "temperature": 0},
+            headers={"authorization": f"Bearer {fleet.api_key}"},
+        )
