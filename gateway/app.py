@@ -198,9 +198,11 @@ def create_app(
         return Response(body, headers={"content-type": content_type})
 
     async def healthz(request: Request) -> Response:
-        """200 when requests can be served: the model loaded, and the shared store (Redis, in a
-        fleet) answering. Without it only keys this gateway has seen recently are served
-        (degraded, `scheduler/store_watch.py`), so the balancer should prefer another."""
+        """200 when requests can be served: the model loaded. While the shared store (Redis,
+        in a fleet) is away the status is `degraded`, still 200: only keys this gateway has
+        seen recently are served (`scheduler/store_watch.py`), and Redis being away is every
+        gateway's state at once, so a readiness probe that took them all out of service
+        would turn a degraded fleet into a dead one."""
         if not gateway.is_ready():
             return JSONBytes({"status": "loading"}, status_code=503)
         if store_ping is not None:
@@ -210,7 +212,7 @@ def create_app(
             except (RedisError, OSError, TimeoutError) as exc:
                 if isinstance(exc, RedisError) and not is_store_unavailable(exc):
                     raise
-                return JSONBytes({"status": "store_unavailable"}, status_code=503)
+                return JSONBytes({"status": "degraded", "store": "unavailable"})
         return JSONBytes({"status": "ok"}, status_code=200)
 
     @contextlib.asynccontextmanager

@@ -322,7 +322,7 @@ def up(
         from gpu_node.server import NodeService, NodeSettings, create_node_app
 
         stores = await _stores(
-            redis_url, prefix, port, local=redis_url is None, database_url=ledger,
+            redis_url, prefix, port, settings, local=redis_url is None, database_url=ledger,
             run_billing_worker=True,
         )  # fmt: skip
         api_key = await stores.add_up_key(
@@ -430,11 +430,15 @@ def node(
     port = _port(sock)  # the one bound, where --port 0 asked for any
 
     async def main() -> None:
+        from billing.sink import RedisUsageSink
         from gpu_node.server import NodeService, NodeSettings, create_node_app
         from scheduler.capacity import RedisCapacityRegistry
 
         client = redis_client(redis_url)
         telemetry = _telemetry("edgeserve-node")
+        # The node's record of each request, on the fleet's usage stream (journaled while
+        # Redis is away): what billing completes a stream from when its gateway died.
+        usage_sink = RedisUsageSink(client, f"{prefix}usage", journal_path(port))
         service = NodeService(
             NodeSettings(
                 node_id=node_id, address=advertise or f"http://{host}:{port}",
@@ -445,14 +449,17 @@ def node(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
                 engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
             ),
+            usage_sink=usage_sink,
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
+        await usage_sink.start()
         try:
             await _run_servers(
                 [_server(create_node_app(service, telemetry), sock, limits)],
                 on_signal=service.begin_drain,
             )
         finally:
+            await usage_sink.aclose()
             await client.aclose()
             telemetry.shutdown()
 
@@ -509,7 +516,7 @@ def gateway(
         from gateway.app import create_app
 
         stores = await _stores(
-            redis_url, prefix, port, local=False, database_url=database_url,
+            redis_url, prefix, port, settings, local=False, database_url=database_url,
             on_redis_error=on_redis_error, redis_timeout_s=redis_timeout_s,
         )  # fmt: skip
         telemetry = _telemetry("edgeserve-gateway")
@@ -613,6 +620,7 @@ async def _stores(
     redis_url: str | None,
     prefix: str,
     port: int,
+    settings: GatewaySettings,
     *,
     local: bool,
     database_url: str | None = None,
@@ -623,21 +631,11 @@ async def _stores(
     from billing.ledger import default_sqlite_path, is_database_url, open_ledger
     from billing.sink import LocalUsageSink, RedisUsageSink
     from billing.worker import BillingWorker, WorkerConfig
-    from gateway.admission import (
-        AdmissionSettings,
-        LimitPolicy,
-        LocalLimiter,
-        RedisLimiter,
-        RedisLimitStore,
-    )
-    from gateway.keys import MemoryKeyStore, RedisKeyStore
-    from scheduler.capacity import CapacityView, LocalCapacityRegistry, RedisCapacityRegistry
-    from scheduler.placement import (
-        LocalReservations,
-        Placer,
-        RedisAffinities,
-        RedisReservations,
-    )
+    from gateway.admission import AdmissionSettings, LimitPolicy, LocalLimiter
+    from gateway.keys import MemoryKeyStore
+    from gateway.stores import redis_stores
+    from scheduler.capacity import CapacityView, LocalCapacityRegistry
+    from scheduler.placement import LocalReservations, Placer
 
     location: str = database_url or str(default_sqlite_path())
     if not is_database_url(location):
@@ -655,11 +653,6 @@ async def _stores(
         )  # fmt: skip
 
     client = redis_client(redis_url or DEFAULT_REDIS_URL)
-    shared_registry = RedisCapacityRegistry(client, prefix)
-    shared_placer = Placer(
-        CapacityView(shared_registry, max_age_s=1.0), RedisReservations(client, prefix),
-        affinities=RedisAffinities(client, prefix),
-    )  # fmt: skip
     stream_key = f"{prefix}usage"
     admission = AdmissionSettings(
         policy=policy,
@@ -667,13 +660,14 @@ async def _stores(
         on_redis_error="closed" if on_redis_error == "closed" else "open",
         redis_timeout_s=redis_timeout_s,
     )
-    limit_store = RedisLimitStore(client, admission.key_prefix)
+    # One watch over Redis for keys, limits, capacity and reservations: while Redis is
+    # away they serve known keys from what they last knew (gateway/stores.py).
+    fleet = redis_stores(client, settings, admission, prefix)
     worker = None
     if run_billing_worker:
         worker = BillingWorker(client, ledger, WorkerConfig(stream_key=stream_key))
     return _Stores(
-        RedisKeyStore(client, prefix), shared_registry, shared_placer,
-        RedisLimiter(client, admission, limit_store), limit_store, policy,
+        fleet.keys, fleet.registry, fleet.placer, fleet.limiter, fleet.limit_store, policy,
         RedisUsageSink(client, stream_key, journal_path(port)), ledger, shown_location,
         client, worker, prefix,
     )  # fmt: skip
