@@ -163,27 +163,24 @@ class Upstream:
                 except ValueError:
                     self._failed = True  # the service's fault: it costs the client nothing
                     raise self._failure("sent a line that is not JSON") from None
-            if "error" in event:
+            try:
+                parsed = _node_event(event)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 self._failed = True
-                raise self._failure(f"failed mid-stream: {event['error'].get('message')}")
-            if "finish_reason" in event:
-                usage = event["usage"]
-                self._finished = Finished(
-                    event["finish_reason"],
-                    usage["prompt_tokens"],
-                    usage["completion_tokens"],
-                    usage["cached_tokens"],
-                )
+                raise self._failure(f"sent an event we cannot read: {exc!r}") from None
+            if isinstance(parsed, str):
+                self._failed = True
+                raise self._failure(f"failed mid-stream: {parsed}")
+            if isinstance(parsed, Finished):
+                self._finished = parsed
                 # Read to the end of the body so the connection goes back to the pool.
                 with contextlib.suppress(httpx.HTTPError):
                     async for _ in self._lines:
                         pass
-                yield self._finished
+                yield parsed
                 return
-            num_tokens = len(event.get("token_ids", ()))
-            text = event.get("text", "")
-            self.trace.output(text, num_tokens)
-            yield TextChunk(text, num_tokens)
+            self.trace.output(parsed.text, parsed.num_tokens)
+            yield parsed
 
     async def restart(self) -> bool:
         """Starts this request again on another node, once, after its node failed before
@@ -261,6 +258,21 @@ class Upstream:
     @property
     def started_at(self) -> float:
         return self._started_at
+
+
+def _node_event(event: Any) -> TextChunk | Finished | str:
+    """A node event as a chunk, the end, or the node's error message (a str); KeyError,
+    TypeError or ValueError for one that is none of them."""
+    if "error" in event:
+        return str(event["error"].get("message"))
+    if "finish_reason" in event:
+        usage = event["usage"]
+        counts = [int(usage[name]) for name in ("prompt_tokens", "completion_tokens")]
+        return Finished(str(event["finish_reason"]), *counts, int(usage["cached_tokens"]))
+    text = event.get("text", "")
+    if not isinstance(text, str):
+        raise TypeError(f"text is a {type(text).__name__}")
+    return TextChunk(text, len(event.get("token_ids", ())))
 
 
 async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event | None) -> None:

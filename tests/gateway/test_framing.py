@@ -171,3 +171,73 @@ def test_generated_line_separators_reach_the_client_intact_and_billed_ok(
             assert row.output_tokens == 8
     finally:
         gateway.stop()
+
+
+# ---- a node that breaks its own wire ----------------------------------------------------
+
+BROKEN_EVENTS = {
+    "not-json": b'{"text": "1", "token_ids": [16]',
+    "no-usage": b'{"finish_reason": "stop"}',
+    "text-not-str": b'{"text": 7, "token_ids": [16]}',
+    "not-an-object": b"[1, 2]",
+}
+
+
+def _broken_node(line: bytes) -> Any:
+    """A stand-in for a node whose stream breaks after its first token (no real node writes
+    such lines, which is why it stands in): the first event, then `line`."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def generate(request: Any) -> StreamingResponse:
+        async def lines() -> AsyncIterator[bytes]:
+            yield b'{"text":"1","token_ids":[16],"prompt_tokens":5,"cached_tokens":0}\n'
+            yield line + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return Starlette(routes=[Route("/internal/v1/generate", generate, methods=["POST"])])
+
+
+@pytest.mark.parametrize("line", BROKEN_EVENTS.values(), ids=BROKEN_EVENTS.keys())
+def test_a_node_event_that_cannot_be_read_is_the_nodes_failure_billed_as_an_error(
+    line: bytes,
+) -> None:
+    from scheduler.capacity import CapacityRecord, LocalCapacityRegistry
+    from tests.conftest import ListSink, ServerThread
+
+    broken = ServerThread(_broken_node(line)).start()
+    registry = LocalCapacityRegistry()
+    record = CapacityRecord(
+        "node-broken", broken.url, "mixed", ("smollm2",), 1000, 1000, 16, "fp32", 0, 0, 0.0,
+        time.time(), 300.0, "fp32",
+    )  # fmt: skip
+    asyncio.run(registry.publish(record))
+    sink = ListSink()
+    gateway = start_gateway(Node(broken, registry), usage_sink=sink)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    body = {"model": SMOLLM2, "prompt": "Hi", "max_tokens": 8, "temperature": 0}
+    try:
+        whole = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert whole.status_code == 502
+        assert whole.json()["error"] == {
+            "message": "the node serving this request failed mid-answer",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+        with httpx.stream(
+            "POST", f"{gateway.url}/v1/completions", json=body | {"stream": True},
+            headers=headers, timeout=30,
+        ) as response:  # fmt: skip
+            assert response.status_code == 200
+            data = _sse_data(response.read())
+        assert json.loads(data[0])["choices"][0]["text"] == "1"
+        assert json.loads(data[-1])["error"]["code"] == "upstream_error"  # no [DONE]
+        for response_id in (whole.headers["x-request-id"], response.headers["x-request-id"]):
+            event = sink.event_of(response_id)
+            assert (event.status, event.node_id) == ("error", "node-broken")
+    finally:
+        gateway.stop()
+        broken.stop()
