@@ -78,9 +78,9 @@ def test_k8s_gateways_keep_their_journal_across_restarts() -> None:
     assert services[gateway["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
 
 
-def test_compose_gateways_keep_their_journal_across_recreation() -> None:
+def test_compose_gateways_and_node_keep_their_journal_across_recreation() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
-    for name in ("gateway-1", "gateway-2"):
+    for name in ("gateway-1", "gateway-2", "node-1"):
         service = compose["services"][name]
         assert service["hostname"] == name
         assert service["volumes"] == [f"{name}:{image_home()}"]
@@ -113,3 +113,10 @@ def test_every_fleet_command_is_one_the_cli_takes(command: list[str]) -> None:
     ]
     result = CliRunner().invoke(build_app(), [*args, "--help"])
     assert result.exit_code == 0, result.output
+
+
+def test_compose_redis_fsyncs_every_write_before_acknowledging_it() -> None:
+    """Usage a gateway handed to Redis must survive a host crash: everysec can drop a second."""
+    command = yaml.safe_load(COMPOSE.read_text())["services"]["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
