@@ -267,8 +267,12 @@ def _node_event(event: Any) -> TextChunk | Finished | str:
         return str(event["error"].get("message"))
     if "finish_reason" in event:
         usage = event["usage"]
-        counts = [int(usage[name]) for name in ("prompt_tokens", "completion_tokens")]
-        return Finished(str(event["finish_reason"]), *counts, int(usage["cached_tokens"]))
+        return Finished(
+            str(event["finish_reason"]),
+            int(usage["prompt_tokens"]),
+            int(usage["completion_tokens"]),
+            int(usage["cached_tokens"]),
+        )
     text = event.get("text", "")
     if not isinstance(text, str):
         raise TypeError(f"text is a {type(text).__name__}")
