@@ -381,9 +381,16 @@ class Dispatcher:
                 job, placement, _node_body(job), upstream.started_at, upstream.headers,
                 upstream.trace,
             )  # fmt: skip
-        except UpstreamError as exc:
+        except UpstreamError as exc:  # _connect gave the placement back
             log.warning("request %s: %s, on its second node", job.request_id, exc.detail)
             return None
+        except GatewayError:  # the node refused it as the client's fault, and it went back
+            raise
+        except BaseException:
+            # Cancelled (the client left, the gateway stops) or refused as the client's
+            # fault: the second node's reservation goes back with it.
+            await asyncio.shield(self.release_placement(placement))
+            raise
 
     async def release_placement(self, placement: Placement) -> None:
         """Gives a node reservation back and lets the capacity queue try its waiters."""

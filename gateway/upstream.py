@@ -191,12 +191,13 @@ class Upstream:
             return False
         self._has_restarted = True
         await self._response.aclose()
+        # reconnect gives the failed node's placement back first; until a second node takes
+        # over, closing this upstream releases nothing more and bills the error it is.
+        self._is_released = True
         fresh = await self._dispatcher.reconnect(self)
         if fresh is None:
-            # The failed node's placement is given back; what closes this upstream bills it
-            # as the error it is.
-            self._is_released = True
             return False
+        self._is_released = False
         self.placement, self._response, self._lines = fresh.placement, fresh._response, fresh._lines
         self._first = fresh._first
         self._failed = False
