@@ -128,7 +128,9 @@ class UsageEvent:
             if f.name == "kind" and value == "end":
                 continue  # an entry without a kind is an end, as every reader takes it
             # repr of a float round-trips exactly; str of an int is the int.
-            out[f.name] = repr(float(value)) if f.name in _TIME_FIELDS else str(value)
+            out[_field_name(f.name, self.kind)] = (
+                repr(float(value)) if f.name in _TIME_FIELDS else str(value)
+            )
         return out
 
     @classmethod
@@ -141,8 +143,12 @@ class UsageEvent:
                 data[k] = value.decode() if isinstance(value, bytes) else value
         except UnicodeDecodeError as exc:
             raise InvalidUsageEvent(f"usage event has a field that is not UTF-8: {exc}") from None
-        # An event without a kind is an end (what every gateway wrote before starts existed).
-        missing = [f.name for f in fields(cls) if f.name not in data and f.name != "kind"]
+        kind = data.get("kind", "end")  # an entry without a kind is an end
+        missing = [
+            name
+            for f in fields(cls)
+            if f.name != "kind" and (name := _field_name(f.name, kind)) not in data
+        ]
         if missing:
             raise InvalidUsageEvent(f"usage event lacks fields: {', '.join(missing)}")
         try:
@@ -156,11 +162,19 @@ class UsageEvent:
                 cached_tokens=int(data["cached_tokens"]),
                 started_at=float(data["started_at"]),
                 ended_at=float(data["ended_at"]),
-                status=cast(Status, data["status"]),
-                kind=cast(Kind, data.get("kind", "end")),
+                status=cast(Status, data[_field_name("status", kind)]),
+                kind=cast(Kind, kind),
             )
         except ValueError as exc:
             raise InvalidUsageEvent(f"usage event has a non-numeric field: {exc}") from None
+
+
+def _field_name(name: str, kind: str) -> str:
+    """The stream field that holds `name` in an event of `kind`. A start or node record
+    holds its status as `outcome`: a reader that knows ends alone finds no `status` in
+    it and dead-letters it, rather than billing it as the request's end (and the real end
+    after it as a replay)."""
+    return "outcome" if name == "status" and kind != "end" else name
 
 
 def _has_surrogate(text: str) -> bool:

@@ -1,10 +1,8 @@
 """The ledger: one row per billed request, keyed by request id, so billing is exactly once.
 
 Beside it, `usage_open` holds the requests a stream's `start` (or a node's record) has
-announced and no `end` has closed yet: an `end` removes its request from there. A start
-whose gateway died mid-answer never gets its end; once its node's record is
-`orphan_grace_s` old, `complete_orphans` bills the request from the two (the prompt, and
-the tokens the node sent toward the client) and closes it.
+announced and no `end` has closed yet (`billing/open_requests.py`): a stream whose
+gateway died is billed from its start and its node's record (`complete_orphans`).
 
 Two stores behind one interface: `SqliteLedger` (embedded, a file path; what
 `edgeserve up` uses) and `PostgresLedger` (psycopg 3, a URL; for fleets). The
@@ -17,8 +15,6 @@ connection with a lock, which is all a single worker or report handler needs.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sqlite3
 import threading
@@ -32,6 +28,8 @@ from typing import Any, Protocol
 
 from billing.errors import InvalidUsageEvent
 from billing.events import Status, UsageEvent
+from billing.open_requests import SCHEMA as OPEN_SCHEMA
+from billing.open_requests import OpenSql, completed, merge_params
 
 # The UTC day is stored as 'YYYY-MM-DD' text in both stores: it compares in
 # date order, groups without time-zone functions, and reads the same in SQL.
@@ -55,19 +53,6 @@ CREATE TABLE IF NOT EXISTS usage_ledger (
 _INDEX = (
     "CREATE INDEX IF NOT EXISTS usage_ledger_day_account ON usage_ledger (usage_day, account_id)"
 )
-# A request announced (its start, or its node's record, as the event's fields in JSON) and
-# not yet closed by its end.
-_OPEN_SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage_open (
-    request_id    TEXT PRIMARY KEY,
-    start_event   TEXT,
-    node_event    TEXT,
-    started_at    DOUBLE PRECISION,
-    node_ended_at DOUBLE PRECISION,
-    recorded_at   DOUBLE PRECISION NOT NULL
-)
-"""
-
 _COLUMNS = (
     "request_id, account_id, model, node_id, input_tokens, output_tokens, cached_tokens, "
     "started_at, ended_at, status"
@@ -145,9 +130,16 @@ class Ledger(Protocol):
         built from the two, status as the node ended it. Returns the rows written."""
         ...
 
+    def forget_open(self, before: float) -> int:
+        """Forget the open requests nothing more can come of: those billed from a start and
+        a node record before `before` (a late end replaces their row until then), and node
+        records without a start that ended before it (nothing reached a client). Returns
+        how many."""
+        ...
+
     def open_requests(self) -> dict[str, tuple[float | None, float | None]]:
-        """Open requests: request id -> (started_at of its start, node_ended_at of its
-        node's record), None for the one not come yet."""
+        """Open requests not billed yet: request id -> (started_at of its start,
+        node_ended_at of its node's record), None for the one not come yet."""
         ...
 
     def close(self) -> None: ...
@@ -166,21 +158,7 @@ class _SqlLedger:
             f"INSERT INTO usage_ledger ({_COLUMNS}, usage_day, recorded_at) VALUES ({marks}) "
             "ON CONFLICT (request_id) DO NOTHING"
         )
-        # A start or a node's record opens its request, or fills in an open one, unless
-        # its end is billed already (then it is late news, and dropped).
-        real = "DOUBLE PRECISION"
-        self._open_sql = (
-            "INSERT INTO usage_open (request_id, start_event, node_event, started_at, "
-            f"node_ended_at, recorded_at) SELECT {p}, {p}, {p}, CAST({p} AS {real}), "
-            f"CAST({p} AS {real}), CAST({p} AS {real}) WHERE NOT EXISTS "
-            f"(SELECT 1 FROM usage_ledger WHERE request_id = {p}) "
-            "ON CONFLICT (request_id) DO UPDATE SET "
-            "start_event = COALESCE(usage_open.start_event, excluded.start_event), "
-            "node_event = COALESCE(usage_open.node_event, excluded.node_event), "
-            "started_at = COALESCE(usage_open.started_at, excluded.started_at), "
-            "node_ended_at = COALESCE(usage_open.node_ended_at, excluded.node_ended_at)"
-        )
-        self._close_sql = f"DELETE FROM usage_open WHERE request_id = {p}"
+        self._open_sql = OpenSql.for_placeholder(p)
 
     # -- what a store provides --------------------------------------------------------
     def _execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
@@ -206,37 +184,35 @@ class _SqlLedger:
         with self._lock, self._transaction():
             # Announcements first: an end in the same batch then closes what they opened.
             is_open = [
-                self._execute(self._open_sql, _open_row(e, now)).rowcount == 1 for e in opens
+                self._execute(self._open_sql.merge, merge_params(e, now)).rowcount == 1 for e in opens
             ]
+            for e in ends:
+                self._execute(self._open_sql.replace_completed, (e.request_id, e.request_id))
             is_new = self._insert_rows([_row(e, now) for e in ends]) if ends else []
             for e in ends:
-                self._execute(self._close_sql, (e.request_id,))
+                self._execute(self._open_sql.close, (e.request_id,))
         results = {id(e): new for e, new in zip(ends, is_new, strict=True)}
         results |= {id(e): kept for e, kept in zip(opens, is_open, strict=True)}
         return [results[id(e)] for e in events]
 
     def complete_orphans(self, node_ended_before: float) -> list[UsageEvent]:
-        p = self._placeholder
         now = time.time()
         with self._lock, self._transaction():
-            due = self._execute(
-                "SELECT request_id, start_event, node_event FROM usage_open WHERE "
-                f"start_event IS NOT NULL AND node_event IS NOT NULL AND node_ended_at < {p} "
-                "ORDER BY request_id",
-                (node_ended_before,),
-            ).fetchall()
-            completed = [_completed(start, node) for _, start, node in due]
-            if completed:
-                self._insert_rows([_row(e, now) for e in completed])
+            due = self._execute(self._open_sql.due, (node_ended_before,)).fetchall()
+            orphans = [completed(start, node) for _, start, node in due]
+            if orphans:
+                self._insert_rows([_row(e, now) for e in orphans])
             for request_id, _, _ in due:
-                self._execute(self._close_sql, (request_id,))
-        return completed
+                self._execute(self._open_sql.complete, (now, request_id))
+        return orphans
+
+    def forget_open(self, before: float) -> int:
+        with self._lock, self._transaction():
+            return int(self._execute(self._open_sql.forget, (before, before)).rowcount)
 
     def open_requests(self) -> dict[str, tuple[float | None, float | None]]:
         with self._lock:
-            rows = self._execute(
-                "SELECT request_id, started_at, node_ended_at FROM usage_open"
-            ).fetchall()
+            rows = self._execute(self._open_sql.listing).fetchall()
         return {rid: (started, ended) for rid, started, ended in rows}
 
     def _insert_rows(self, rows: list[tuple[Any, ...]]) -> list[bool]:
@@ -331,7 +307,7 @@ class SqliteLedger(_SqlLedger):
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.execute(_SCHEMA)
         self._conn.execute(_INDEX)
-        self._conn.execute(_OPEN_SCHEMA)
+        self._conn.execute(OPEN_SCHEMA)
 
     def _execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
         return self._conn.execute(sql, params)
@@ -381,7 +357,7 @@ class PostgresLedger(_SqlLedger):
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             conn.execute(_SCHEMA)
             conn.execute(_INDEX)
-            conn.execute(_OPEN_SCHEMA)
+            conn.execute(OPEN_SCHEMA)
         return conn
 
     def _live(self) -> Any:
@@ -470,33 +446,4 @@ def _row(e: UsageEvent, recorded_at: float) -> tuple[Any, ...]:
         e.status,
         usage_day(e).isoformat(),
         recorded_at,
-    )
-
-
-def _open_row(e: UsageEvent, recorded_at: float) -> tuple[Any, ...]:
-    """A start or node record as the parameters of the usage_open merge."""
-    fields = json.dumps(e.to_fields(), sort_keys=True)
-    is_start = e.kind == "start"
-    return (
-        e.request_id,
-        fields if is_start else None,
-        None if is_start else fields,
-        e.started_at if is_start else None,
-        None if is_start else e.ended_at,
-        recorded_at,
-        e.request_id,
-    )
-
-
-def _completed(start_fields: str, node_fields: str) -> UsageEvent:
-    """The end of a request whose gateway died: the client, account, model and prompt as
-    its start has them; the output and how it ended as its node's record has them."""
-    start = UsageEvent.from_fields(json.loads(start_fields))
-    node = UsageEvent.from_fields(json.loads(node_fields))
-    return dataclasses.replace(
-        start,
-        output_tokens=node.output_tokens,
-        ended_at=max(node.ended_at, start.started_at),
-        status=node.status,
-        kind="end",
     )

@@ -143,6 +143,10 @@ async def reconcile(
     recent = [] if since is None else await asyncio.to_thread(ledger.ended_since, since)
     known = acked.keys() | waiting.keys() | journal_ids.keys() | starts.keys()
     unended = {i: at for i, at in starts.items() if i in absent and i not in journal_ids}
+    # Starts the stream no longer holds (trimmed) stay open in the ledger until billed.
+    for request_id, (started_at, _) in (await asyncio.to_thread(ledger.open_requests)).items():
+        if started_at is not None and request_id not in journal_ids:
+            unended.setdefault(request_id, started_at)
     limit = (time.time() if now is None else now) - open_limit_s
     return ReconcileReport(
         num_stream_entries=num_entries,

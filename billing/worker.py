@@ -86,6 +86,9 @@ class WorkerConfig:
     # moments of the node's record, or, from a gateway journaling while Redis is away,
     # when the journal replays: the grace covers such an outage.
     orphan_grace_s: float = 300.0
+    # How long the ledger remembers a stream billed from its start and node record (a late
+    # end replaces that row until then), and a node's record that no start joined.
+    open_retain_s: float = 86_400.0
 
     def __post_init__(self) -> None:
         if not self.stream_key:
@@ -101,8 +104,8 @@ class WorkerConfig:
             raise ValueError("retain_s must be >= 0")
         if self.dead_letter_max < 0:
             raise ValueError("dead_letter_max must be >= 0")
-        if self.orphan_grace_s < 0:
-            raise ValueError("orphan_grace_s must be >= 0")
+        if self.orphan_grace_s < 0 or self.open_retain_s < 0:
+            raise ValueError("orphan_grace_s and open_retain_s must be >= 0")
 
     @property
     def dead_letter_key(self) -> str:
@@ -228,10 +231,13 @@ class BillingWorker:
         return total
 
     async def complete_orphans(self, now: float | None = None) -> int:
-        """Bill the streams whose gateway died mid-answer (WorkerConfig.orphan_grace_s);
-        returns how many."""
-        before = (now if now is not None else time.time()) - self.config.orphan_grace_s
-        completed = await asyncio.to_thread(self._ledger.complete_orphans, before)
+        """Bill the streams whose gateway died mid-answer (WorkerConfig.orphan_grace_s), and
+        forget open requests past WorkerConfig.open_retain_s; returns how many it billed."""
+        now = now if now is not None else time.time()
+        completed = await asyncio.to_thread(
+            self._ledger.complete_orphans, now - self.config.orphan_grace_s
+        )
+        await asyncio.to_thread(self._ledger.forget_open, now - self.config.open_retain_s)
         for event in completed:
             log.warning(
                 "request %s: its gateway never ended it; billed from its node's record (%s, "

@@ -255,6 +255,8 @@ class RedisKeyStore:
             if account_id is not None:
                 pipe.srem(f"{p}account_keys:{_text(account_id)}", key_id)
             await pipe.execute()
+        # Not served from what this gateway knew, should Redis go away after all.
+        self._known.forget(digest)
         return True
 
     async def list(self, account_id: str) -> list[ApiKeyInfo]:

@@ -27,6 +27,20 @@ def test_fields_round_trip_exactly() -> None:
     assert UsageEvent.from_fields(as_bytes) == event
 
 
+def test_starts_and_node_records_hold_their_status_where_an_ends_reader_finds_none() -> None:
+    """A reader that knows ends alone (a worker not yet upgraded) must not bill a start as
+    the request's end: it finds no `status`, and dead-letters the entry."""
+    for kind in ("start", "node"):
+        event = make_event("req-1", kind=kind, status="cancelled")
+        fields = event.to_fields()
+        assert "status" not in fields
+        assert (fields["kind"], fields["outcome"]) == (kind, "cancelled")
+        assert UsageEvent.from_fields(fields) == event
+        ends_only = {k: v for k, v in fields.items() if k != "kind"}  # as such a reader sees it
+        with pytest.raises(InvalidUsageEvent, match="usage event lacks fields: status"):
+            UsageEvent.from_fields(ends_only)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

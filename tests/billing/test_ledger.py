@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import date
 
 import pytest
@@ -234,9 +235,33 @@ def test_a_start_without_its_end_is_billed_from_the_nodes_record_after_the_grace
         "req-3": (None, DAY1 + 9),
         "req-4": (DAY1, DAY1 + 100),
     }
-    # An end that comes after all is a replay of what was billed.
-    assert ledger.insert(make_event("req-1", output_tokens=11)) is False
     assert ledger.complete_orphans(DAY1 + 101) == [
         make_event("req-4", input_tokens=8, output_tokens=3, ended_at=DAY1 + 100)
     ]
     assert ledger.count() == 2
+    # The gateway's own end, late (journaled while Redis was away), says what reached the
+    # client: it replaces the row billed without it, once, and a replay of it changes nothing.
+    late = make_event("req-1", input_tokens=40, cached_tokens=16, output_tokens=11)
+    assert ledger.insert(late) is True
+    assert ledger.get("req-1") == late
+    assert ledger.insert(make_event("req-1", output_tokens=99)) is False
+    assert ledger.get("req-1") == late
+    assert ledger.count() == 2
+
+
+def test_open_requests_nothing_more_can_come_of_are_forgotten(ledger: Ledger) -> None:
+    ledger.insert_many(
+        [
+            _start("req-1"), _node("req-1"),  # billed from the two at the grace
+            _node("req-2"),  # no start: nothing reached a client
+            _start("req-3"),  # its node died too: kept for reconcile to name
+        ]  # type: ignore[list-item]
+    )  # fmt: skip
+    assert [e.request_id for e in ledger.complete_orphans(DAY1 + 10)] == ["req-1"]
+    assert ledger.forget_open(DAY1 + 9) == 0  # req-2's record is not older than that
+    assert ledger.forget_open(DAY1 + 10) == 1  # req-2; req-1 was completed just now
+    assert ledger.open_requests() == {"req-3": (DAY1, None)}
+    assert ledger.forget_open(time.time() + 1) == 1  # req-1's completion
+    assert ledger.open_requests() == {"req-3": (DAY1, None)}
+    # Forgotten: an end of req-1 now is a replay of what was billed.
+    assert ledger.insert(make_event("req-1", output_tokens=11)) is False

@@ -124,3 +124,41 @@ async def test_recent_rows_the_stream_does_not_back_or_that_differ_are_inconsist
     # With the clocks' margin the rows are too recent to judge: consistent.
     assert (await reconcile(redis_client, ledger, stream, "billing", [journal])).unbacked_rows == ()
     ledger.close()
+
+
+async def test_a_started_stream_is_open_until_billed_and_a_gap_past_the_open_limit(
+    redis_client: redis.asyncio.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    stream = key_prefix + "usage"
+    ledger = SqliteLedger(tmp_path / "ledger.sqlite3")
+    worker = BillingWorker(redis_client, ledger, WorkerConfig(stream_key=stream, consumer="w1"))
+    await worker.ensure_group()
+    now = time.time()
+    starts = {
+        rid: make_event(rid, kind="start", status="cancelled", started_at=now, ended_at=now)
+        for rid in ("s-ended", "s-orphan", "s-lost")
+    }
+    for event in starts.values():
+        await redis_client.xadd(stream, event.to_fields())
+    await redis_client.xadd(
+        stream, make_event("s-ended", started_at=now, ended_at=now + 1).to_fields()
+    )
+    node = make_event("s-orphan", kind="node", started_at=now, ended_at=now + 2, output_tokens=7)
+    await redis_client.xadd(stream, node.to_fields())
+    assert (await worker.read_once()).num_new == 1  # the one end
+
+    report = await reconcile(redis_client, ledger, stream, "billing")
+    assert (report.open_starts, report.unbilled_starts) == (("s-lost", "s-orphan"), ())
+    assert report.is_consistent is True
+    # The orphan is billed from its start and node record; the lost one (its node's record
+    # never came) is a gap once open past the limit.
+    assert await worker.complete_orphans(now=now + 2 + 301) == 1
+    later = await reconcile(redis_client, ledger, stream, "billing", now=now + 3601)
+    assert (later.open_starts, later.unbilled_starts) == ((), ("s-lost",))
+    assert later.is_consistent is False
+    # Trimmed from the stream, the lost start is still named: the ledger keeps it open.
+    await redis_client.delete(stream)
+    await worker.ensure_group()
+    trimmed = await reconcile(redis_client, ledger, stream, "billing", now=now + 3601)
+    assert trimmed.unbilled_starts == ("s-lost",)
+    ledger.close()

@@ -104,20 +104,23 @@ async def test_while_redis_is_away_only_keys_confirmed_recently_work() -> None:
         client, "t:", cache_s=1.0, monotonic=lambda: now[0], watch=watch, known_for_s=600.0
     )
     try:
-        seen, stale, revoked = [await store.create("acct-1") for _ in range(3)]
+        seen, stale, revoked, revoked_here = [await store.create("acct-1") for _ in range(4)]
         unseen = await store.create("acct-2")
         assert await store.lookup(stale) == "acct-1"  # confirmed at 100
         now[0] = 400.0
         assert await store.lookup(seen) == "acct-1"  # confirmed at 400
         assert await store.lookup(revoked) == "acct-1"
+        assert await store.lookup(revoked_here) == "acct-1"
         assert await store.revoke(key_id_of(revoked))
         now[0] = 402.0  # past the 1 s cache: Redis says it is gone, and it is forgotten
         assert await store.lookup(revoked) is None
+        # Revoked through this gateway: forgotten at once, never looked up again here.
+        assert await store.revoke(key_id_of(revoked_here))
 
         server.stop()
         now[0] = 701.0  # 601 s after `stale`'s confirmation, 301 s after `seen`'s
         assert await store.lookup(seen) == "acct-1"
-        for key in (stale, revoked, unseen, "es-never-issued"):
+        for key in (stale, revoked, revoked_here, unseen, "es-never-issued"):
             with pytest.raises(StoreAway):
                 await store.lookup(key)
         now[0] = 1000.0
