@@ -1,14 +1,22 @@
 """Connection limits of the gateway and node servers: what a client may hold open, and for how long.
 
-    a connection:  open ─ head ≤ header_timeout_s, ≤ max_header_bytes ─ body (idle ≤ body_timeout_s)
+    a connection:  open ─ head ≤ header_timeout_s, ≤ max_header_bytes
+                   ─ body (idle ≤ body_timeout_s, in all ≤ body_deadline_s from the head's end)
                    ─ response (unbounded: SSE) ─ keep-alive idle ≤ keep_alive_timeout_s ─ next head ...
 
-    past a limit      the client reads                                     and then
-    head too slow     408 Request Timeout (silence if no byte had come)    close
-    head too large    431 Request Header Fields Too Large, at once        close
-    body stalled      408 Request Timeout (if no response had started)    close
-    connections full  503 Service Unavailable, at accept                  close
-    max requests      its last response carries Connection: close         close
+    past a limit        the client reads                                  and then
+    head too slow       408 Request Timeout (nothing if no byte came)     linger, close
+    head too large      431 Request Header Fields Too Large, at once      linger, close
+    body stalled        408 Request Timeout (a response begun is cut)     linger, close
+    body past deadline  408 Request Timeout (a response begun is cut)     linger, close
+    answer before body  the app's response; the rest of the body unread   linger, close
+    connections full    503 Service Unavailable, at accept                linger, close
+    max requests        its last response carries Connection: close       close
+
+To linger is to end the answer (FIN) and read and drop input for LINGER_S before closing:
+closing with unread input sends a TCP reset, which can destroy the answer before the client
+reads it. Silence and a cut response close at once. A refusal at the connection cap lingers
+outside the cap, at most MAX_LINGERING_REFUSALS at once a server; past them it closes at once.
 
 The servers stay uvicorn's with httptools (the gateway's SSE streaming, the shared event
 loop of `up`'s two servers, and the tests' in-process servers all keep working), with
@@ -32,10 +40,13 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-# A refused client may still be sending (the rest of a huge head): its bytes are read and
-# dropped for this long after the answer, so that closing with unread input (a TCP reset)
+# A refused client may still be sending (the rest of a huge head, a body): its bytes are read
+# and dropped for this long after the answer, so that closing with unread input (a TCP reset)
 # does not destroy the answer before the client reads it.
 LINGER_S = 2.0
+# Refusals at the connection cap that linger at once, per server: each holds a descriptor for
+# LINGER_S outside the cap, so a flood of them is bounded here, not by the cap.
+MAX_LINGERING_REFUSALS = 32
 # Descriptors kept out of the connection cap's share: logs, Redis, the ledger, listening sockets.
 RESERVED_FDS = 256
 DEFAULT_MAX_CONNECTIONS = 10_000
@@ -51,13 +62,21 @@ class ConnectionLimits:
     max_header_bytes: int = 64 * 1024
     # Longest wait for the next byte of a request body while the app reads it.
     body_timeout_s: float = 10.0
+    # From the end of the head to the end of the body, while the server reads: a body sent a
+    # byte at a time, never idle for body_timeout_s, still ends here.
+    body_deadline_s: float = 60.0
     # Idle time between a response and the next request's first byte.
     keep_alive_timeout_s: float = 5.0
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_requests_per_connection: int = 1000
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        for name in (
+            "header_timeout_s",
+            "body_timeout_s",
+            "body_deadline_s",
+            "keep_alive_timeout_s",
+        ):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -73,6 +92,11 @@ class ConnectionLimits:
             raise ValueError(
                 f"keep_alive_timeout_s must be at most header_timeout_s ({self.header_timeout_s}), "
                 f"got {self.keep_alive_timeout_s}"
+            )
+        if self.body_deadline_s < self.body_timeout_s:
+            raise ValueError(
+                f"body_deadline_s must be at least body_timeout_s ({self.body_timeout_s}), "
+                f"got {self.body_deadline_s}"
             )
 
 
@@ -96,8 +120,13 @@ def default_max_connections(open_file_limit: int) -> int:
 
 
 def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
-    """The protocol class to pass as uvicorn.Config(http=...) for a server bounded by `limits`."""
-    return type("BoundedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+    """The protocol class to pass as uvicorn.Config(http=...) for a server bounded by `limits`.
+    One class a server: its lingering refusals are counted per server."""
+    return type(
+        "BoundedHttpToolsProtocol",
+        (LimitedHttpToolsProtocol,),
+        {"limits": limits, "lingering_refusals": set()},
+    )
 
 
 def _response(status: int, reason: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -121,15 +150,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     and every byte read counts against max_header_bytes before any is kept."""
 
     limits: ClassVar[ConnectionLimits]
+    # Refused at the cap and lingering: uvicorn's `connections` leaves them out.
+    lingering_refusals: ClassVar[set[LimitedHttpToolsProtocol]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head = bytearray()  # the partial last line of a head, held back from the parser
         self._num_head_bytes = 0  # of the head in progress, fed to the parser
         self._is_reading_head = True
-        self._is_refused = False  # answered by a limit: input is dropped until the close
+        self._is_lingering = False  # input is read and dropped until the close
         self._num_requests = 0
         self._last_body_at = 0.0
+        self._body_checked_at = 0.0
+        self._body_due_at = 0.0  # the head's end + body_deadline_s + time the server did not read
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
@@ -140,11 +173,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if len(self.connections) >= self.limits.max_connections:
             # Answered before any byte is read: the excess costs neither a parse nor a wait.
             self.transport = transport
-            self._is_refused = True
+            self._is_lingering = True
             transport.write(
                 _response(503, "too many connections", self.server_state.default_headers)
             )
-            transport.close()
+            if len(self.lingering_refusals) < MAX_LINGERING_REFUSALS:
+                self.lingering_refusals.add(self)
+                self._linger_and_close()
+            else:
+                transport.close()
             return
         super().connection_made(transport)
         self._arm_head_timer()
@@ -155,10 +192,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 timer.cancel()  # a pending timer would hold this protocol until it fired
         self._head_timer = self._body_timer = self._linger_timer = None
         self._head.clear()
+        self.lingering_refusals.discard(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._is_refused or self.transport.is_closing():
+        if self._is_lingering or self.transport.is_closing():
             return
         if not self._is_reading_head:
             super().data_received(data)
@@ -193,7 +231,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._num_requests += 1
         if self._num_requests >= self.limits.max_requests_per_connection and self.cycle:
             self.cycle.keep_alive = False  # its response says Connection: close
-        self._last_body_at = self.loop.time()
+        self._last_body_at = self._body_checked_at = self.loop.time()
+        self._body_due_at = self._last_body_at + self.limits.body_deadline_s
         if self._body_timer is not None:
             self._body_timer.cancel()
         self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
@@ -215,8 +254,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._is_reading_head and self.cycle.response_complete:
+        if self.transport.is_closing() or not self.cycle.response_complete:
+            return  # closed, or a pipelined request is next
+        if self._is_reading_head:
             self._arm_head_timer()
+        else:
+            # Answered before its body was read (a 401 for a body on its way): reading the rest
+            # for keep-alive would let a client hold the connection with a byte now and then.
+            self._linger_and_close()
 
     # -- deadlines -----------------------------------------------------------------------
 
@@ -247,35 +292,47 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if self.transport.is_closing() or cycle is None:
             return
-        idle_s = self.loop.time() - self._last_body_at
+        now = self.loop.time()
         if self.flow.read_paused or cycle.waiting_for_100_continue:
-            idle_s = 0.0  # the server is not reading, or the client awaits its 100 Continue
-        if idle_s < self.limits.body_timeout_s:
-            self._body_timer = self.loop.call_later(
-                self.limits.body_timeout_s - idle_s, self._on_body_timeout
-            )
+            # The server is not reading, or the client awaits its 100 Continue: the time since
+            # the last check is the server's, and counts against neither bound.
+            self._body_due_at += now - self._body_checked_at
+            self._last_body_at = now
+        self._body_checked_at = now
+        if now >= self._body_due_at:
+            reason = f"request body not received within {self.limits.body_deadline_s:g} s"
+        elif now - self._last_body_at >= self.limits.body_timeout_s:
+            reason = f"no byte of the request body for {self.limits.body_timeout_s:g} s"
+        else:
+            due_at = min(self._last_body_at + self.limits.body_timeout_s, self._body_due_at)
+            self._body_timer = self.loop.call_later(due_at - now, self._on_body_timeout)
             return
         if cycle.response_started:
             self.transport.close()  # the app reads a disconnect; its answer has gone out
             return
-        self._refuse(408, f"no byte of the request body for {self.limits.body_timeout_s:g} s")
+        self._refuse(408, reason)
 
     def _refuse(self, status: int, reason: str) -> None:
         """Answer `status` and close: the app, if running, reads a disconnect and writes nothing."""
-        self._is_refused = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.write(_response(status, reason, self.server_state.default_headers))
+        self._linger_and_close()
+
+    def _linger_and_close(self) -> None:
+        """End the answer written, read and drop input for LINGER_S, and close."""
+        self._is_lingering = True
         self._head.clear()
         self._cancel_head_timer()
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
         self._unset_keepalive_if_required()
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-        self.transport.write(_response(status, reason, self.server_state.default_headers))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.flow.resume_reading()  # read and drop what the client still sends
-            self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
-        else:
+        if not self.transport.can_write_eof():
             self.transport.close()
+            return
+        self.transport.write_eof()
+        if self.flow is not None:  # none for a refusal at the cap, which never paused
+            self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)

@@ -56,9 +56,14 @@ _MAX_HEADER_BYTES = typer.Option(
 _BODY_TIMEOUT = typer.Option(
     10.0, help="seconds without a byte of a request body being read; past them 408 and close"
 )
+_BODY_DEADLINE = typer.Option(
+    60.0,
+    help="seconds from the end of a request's headers to the end of its body; past them 408 "
+    "and close (at least --body-timeout-s)",
+)
 _MAX_CONNECTIONS = typer.Option(
     None,
-    help="open connections per server; past them 503 and close at once "
+    help="open connections per server; past them 503 at once and close "
     "(default: a third of the open-file limit, at most 10000)",
 )
 _MAX_REQUESTS_PER_CONNECTION = typer.Option(
@@ -285,6 +290,7 @@ def up(
     header_timeout_s: float = _HEADER_TIMEOUT,
     max_header_bytes: int = _MAX_HEADER_BYTES,
     body_timeout_s: float = _BODY_TIMEOUT,
+    body_deadline_s: float = _BODY_DEADLINE,
     keep_alive_timeout_s: float = typer.Option(5.0, help=_KEEP_ALIVE_HELP),
     max_connections: int | None = _MAX_CONNECTIONS,
     max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
@@ -303,7 +309,8 @@ def up(
     _check_internal_token(internal_token, INTERNAL_TOKEN_ENV)
     limits = _connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
-        body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
+        keep_alive_timeout_s=keep_alive_timeout_s,
         max_requests_per_connection=max_requests_per_connection,
     )  # fmt: skip
     # The gateway is the node's one client: its pooled connections must expire before the
@@ -401,6 +408,7 @@ def node(
     header_timeout_s: float = _HEADER_TIMEOUT,
     max_header_bytes: int = _MAX_HEADER_BYTES,
     body_timeout_s: float = _BODY_TIMEOUT,
+    body_deadline_s: float = _BODY_DEADLINE,
     # Longer than a gateway's pooled connections live (5 s), so that a gateway never sends
     # on a connection the node is closing (a node that resets a connection is distrusted).
     keep_alive_timeout_s: float = typer.Option(10.0, help=_KEEP_ALIVE_HELP),
@@ -423,7 +431,8 @@ def node(
     token = _internal_token(internal_token)
     limits = _connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
-        body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
+        keep_alive_timeout_s=keep_alive_timeout_s,
         max_requests_per_connection=max_requests_per_connection,
     )  # fmt: skip
     sock = _listen(host, port)
@@ -488,6 +497,7 @@ def gateway(
     header_timeout_s: float = _HEADER_TIMEOUT,
     max_header_bytes: int = _MAX_HEADER_BYTES,
     body_timeout_s: float = _BODY_TIMEOUT,
+    body_deadline_s: float = _BODY_DEADLINE,
     keep_alive_timeout_s: float = typer.Option(5.0, help=_KEEP_ALIVE_HELP),
     max_connections: int | None = _MAX_CONNECTIONS,
     max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
@@ -506,7 +516,8 @@ def gateway(
     )
     limits = _connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
-        body_timeout_s=body_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+        body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
+        keep_alive_timeout_s=keep_alive_timeout_s,
         max_requests_per_connection=max_requests_per_connection,
     )  # fmt: skip
     sock = _listen(host, port)

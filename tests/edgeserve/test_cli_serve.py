@@ -21,7 +21,12 @@ from typer.testing import CliRunner
 
 from edgeserve.cli import build_app
 from tests.conftest import INTERNAL_TOKEN, REDIS_URL, free_port
-from tests.edgeserve.test_connections import read_response, refusal
+from tests.edgeserve.test_connections import (
+    LINGER_S,
+    read_response,
+    refusal,
+    seconds_until_gone,
+)
 
 EDGESERVE = [sys.executable, "-c", "from edgeserve.cli import main; main()"]
 
@@ -53,6 +58,7 @@ def test_up_refuses_a_short_internal_token_from_its_environment(monkeypatch) -> 
         (["--max-header-bytes", "100"], "max_header_bytes must be at least 1024, got 100"),
         (["--keep-alive-timeout-s", "20"], "keep_alive_timeout_s must be at most header_timeout_s (10.0), got 20.0"),
         (["--max-connections", "0"], "max_connections must be at least 1, got 0"),
+        (["--body-deadline-s", "5"], "body_deadline_s must be at least body_timeout_s (10.0), got 5.0"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("command", [["gateway"], ["node", "--device", "cpu"]])
@@ -162,6 +168,18 @@ def test_a_gateway_refuses_huge_heads_without_growing_and_connections_past_its_c
         sock.close()
     time.sleep(0.2)
     assert _get(port) == "HTTP/1.1 200 OK"
+
+
+def test_a_keyless_body_sent_a_byte_at_a_time_reads_401_and_its_connection_closes(gateway) -> None:
+    port, _ = gateway
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{"
+        )
+        assert read_response(sock)[0] == "HTTP/1.1 401 Unauthorized"
+        # A byte every half second: never idle for --body-timeout-s, and never done.
+        assert seconds_until_gone(sock, limit_s=LINGER_S + 3.0, every_s=0.5) < LINGER_S + 1.5
 
 
 # -- the API key of `up --redis-url` -------------------------------------------------------

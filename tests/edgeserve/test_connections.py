@@ -14,19 +14,40 @@ from typing import Any
 
 import pytest
 
-from edgeserve.connections import ConnectionLimits, default_max_connections
+from edgeserve.connections import (
+    LINGER_S,
+    MAX_LINGERING_REFUSALS,
+    ConnectionLimits,
+    default_max_connections,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 
+async def read_body(receive: Any) -> bytes | None:
+    """The whole request body, or None when the client went away."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message["body"]
+        more = message["more_body"]
+    return body
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """/echo answers its body; /stream is an SSE stream of 12 events over 3 s; else 'hello'."""
+    """/echo answers its body; /stream reads its body, then streams 12 SSE events over 3 s;
+    /early answers 401 without reading its body; /ack begins its answer, then reads its body
+    and ends with the body's length; /block holds the event loop for 0.5 s; else 'hello'."""
     if scope["type"] == "lifespan":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
     if scope["path"] == "/stream":
+        if await read_body(receive) is None:
+            return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
         for i in range(12):
@@ -36,16 +57,23 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         return
-    body = b"hello"
-    if scope["path"] == "/echo":
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message["body"]
-            more = message["more_body"]
-    await send({"type": "http.response.start", "status": 200,
+    if scope["path"] == "/ack":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"reading\n", "more_body": True})
+        if (body := await read_body(receive)) is not None:
+            await send({"type": "http.response.body", "body": b"%d\n" % len(body)})
+        return
+    if scope["path"] == "/block":
+        time.sleep(0.5)  # a busy server: nothing is accepted meanwhile
+    status, body = 200, b"hello"
+    if scope["path"] == "/early":
+        status, body = 401, b"no key"
+    elif scope["path"] == "/echo":
+        echoed = await read_body(receive)
+        if echoed is None:
+            return
+        body = echoed
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-length", b"%d" % len(body))]})  # fmt: skip
     await send({"type": "http.response.body", "body": body})
 
@@ -106,6 +134,33 @@ def is_closed(sock: socket.socket) -> bool:
         return sock.recv(1) == b""
     except ConnectionResetError:
         return True
+
+
+def are_gone(socks: list[socket.socket]) -> list[bool]:
+    """Whether the server's end of each of `socks` is gone: a byte sent comes back as a reset.
+    (Reading cannot tell: a lingering server has sent its FIN already.)"""
+    for sock in socks:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.send(b"a")
+    time.sleep(0.1)  # the resets' way back
+    gone = []
+    for sock in socks:
+        try:
+            sock.send(b"a")
+            gone.append(False)
+        except (BrokenPipeError, ConnectionResetError):
+            gone.append(True)
+    return gone
+
+
+def seconds_until_gone(sock: socket.socket, limit_s: float, every_s: float = 0.3) -> float:
+    """Send a byte of body every `every_s` until the server's end of `sock` is gone."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        if are_gone([sock])[0]:
+            return time.monotonic() - started
+        time.sleep(every_s)
+    raise AssertionError(f"still open after {limit_s} s of a byte every {every_s} s")
 
 
 def refusal(sock: socket.socket) -> tuple[str, str, bytes]:
@@ -223,6 +278,106 @@ def test_a_stalled_body_is_408_and_a_slow_one_is_served() -> None:
             assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", b"abcdef")
 
 
+def test_a_body_trickled_past_its_deadline_is_408_or_cut_and_a_large_one_is_served() -> None:
+    limits = {"body_timeout_s": 1.0, "body_deadline_s": 2.0, "keep_alive_timeout_s": 1.0,
+              "header_timeout_s": 5.0}  # fmt: skip
+    head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n"
+    with served(**limits) as server:
+        with server.connect() as sock:  # a byte every 0.3 s: never idle for 1 s
+            sock.sendall(head % b"/echo")
+            started = time.monotonic()
+            while not select.select([sock], [], [], 0.3)[0]:
+                sock.send(b"a")
+            assert refusal(sock) == (
+                "HTTP/1.1 408 Request Timeout", "close", b"request body not received within 2 s"
+            )  # fmt: skip
+            assert 1.9 <= time.monotonic() - started < 3.5
+        with server.connect() as sock:  # an answer begun is cut, unfinished
+            sock.sendall(head % b"/ack")
+            started = time.monotonic()
+            data = b""
+            while b"reading\n" not in data:
+                data += sock.recv(65536)
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n")
+            seconds_until_gone(sock, limit_s=4.0)
+            assert 1.9 <= time.monotonic() - started < 3.5
+        with server.connect() as sock:  # 4 MiB in 64 KiB pieces over about a second
+            body = bytes(range(256)) * (1 << 14)
+            sock.sendall(
+                b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            for i in range(0, len(body), 1 << 16):
+                sock.sendall(body[i : i + (1 << 16)])
+                time.sleep(0.015)
+            assert read_response(sock)[::2] == ("HTTP/1.1 200 OK", body)
+
+
+@pytest.mark.parametrize(
+    ("framing", "first_bytes"),
+    [(b"Content-Length: 100000", b"a"), (b"Transfer-Encoding: chunked", b"186a0\r\na")],
+)
+def test_an_answer_given_before_the_body_is_read_closes_the_connection_after_the_linger(
+    framing: bytes, first_bytes: bytes
+) -> None:
+    limits = {"body_timeout_s": 1.0, "keep_alive_timeout_s": 1.0, "header_timeout_s": 5.0}
+    with served(**limits) as server:
+        with server.connect() as sock:  # a byte every 0.3 s, for ever: never idle, never done
+            sock.sendall(
+                b"POST /early HTTP/1.1\r\nHost: t\r\n%s\r\n\r\n%s" % (framing, first_bytes)
+            )
+            assert read_response(sock)[::2] == ("HTTP/1.1 401 Unauthorized", b"no key")
+            assert seconds_until_gone(sock, limit_s=LINGER_S + 2.0) >= LINGER_S - 0.5
+            assert sock.recv(1) == b""  # its FIN came first: the answer was whole
+        with server.connect() as sock:  # a client that sends its whole body first reads the answer
+            sock.sendall(b"POST /early HTTP/1.1\r\nHost: t\r\nContent-Length: 300000\r\n\r\n")
+            sock.sendall(b"a" * 300_000)
+            assert read_response(sock)[::2] == ("HTTP/1.1 401 Unauthorized", b"no key")
+            assert is_closed(sock)
+
+
+def test_a_client_past_the_cap_that_sent_a_300_kb_body_reads_the_503() -> None:
+    with served(max_connections=1) as server, server.connect() as held:  # the only slot
+        # A busy server: the request arrives before its connection is accepted, as at a full node.
+        held.sendall(b"GET /block HTTP/1.1\r\nHost: t\r\n\r\n")
+        time.sleep(0.1)
+        with server.connect() as sock:
+
+            def send() -> None:  # whole before reading, as HTTP clients do
+                with contextlib.suppress(OSError):
+                    sock.sendall(
+                        b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 300000\r\n\r\n"
+                    )
+                    sock.sendall(b"a" * 300_000)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            try:
+                status, _, body = read_response(sock)
+                assert (status, body) == (
+                    "HTTP/1.1 503 Service Unavailable",
+                    b"too many connections",
+                )
+                assert (
+                    sock.recv(1) == b""
+                )  # an orderly close: a reset may destroy the answer unread
+            finally:
+                sender.join(timeout=10)
+        assert read_response(held)[::2] == ("HTTP/1.1 200 OK", b"hello")
+
+
+def test_at_most_MAX_LINGERING_REFUSALS_refused_connections_linger_at_once() -> None:
+    with served(max_connections=1) as server, server.connect():  # it holds the only slot
+        time.sleep(0.2)  # accepted
+        refused = [server.connect() for _ in range(MAX_LINGERING_REFUSALS + 8)]
+        try:
+            for sock in refused:
+                assert refusal(sock)[0] == "HTTP/1.1 503 Service Unavailable"
+            assert are_gone(refused).count(False) == MAX_LINGERING_REFUSALS
+        finally:
+            for sock in refused:
+                sock.close()
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
     with served(keep_alive_timeout_s=1.0, header_timeout_s=4.0) as server, server.connect() as sock:
         sock.sendall(GET)
@@ -246,9 +401,10 @@ def test_the_last_request_a_connection_may_carry_is_answered_with_connection_clo
 
 
 def test_an_sse_stream_outlives_every_deadline() -> None:
-    limits = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "keep_alive_timeout_s": 1.0}
+    limits = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "body_deadline_s": 1.0,
+              "keep_alive_timeout_s": 1.0}  # fmt: skip
     with served(**limits) as server, server.connect() as sock:
-        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        sock.sendall(b"POST /stream HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}")
         data = b""
         while not data.endswith(b"0\r\n\r\n"):  # the chunked stream's end, 3 s on
             chunk = sock.recv(65536)
@@ -270,6 +426,8 @@ def test_an_sse_stream_outlives_every_deadline() -> None:
         ({"max_connections": 0}, "max_connections must be at least 1, got 0"),
         ({"max_requests_per_connection": 0}, "max_requests_per_connection must be at least 1, got 0"),
         ({"keep_alive_timeout_s": 11.0}, "keep_alive_timeout_s must be at most header_timeout_s (10.0), got 11.0"),
+        ({"body_deadline_s": float("inf")}, "body_deadline_s must be a positive number of seconds, got inf"),
+        ({"body_deadline_s": 5.0}, "body_deadline_s must be at least body_timeout_s (10.0), got 5.0"),
     ],
 )  # fmt: skip
 def test_limits_are_validated_at_construction(fields: dict[str, Any], message: str) -> None:
