@@ -41,7 +41,7 @@ MODES = {"off": None, "sampled": 0.1, "on": 1.0}  # mode -> sampling ratio (None
 
 
 def serve_gateway(port: int, upstream_port: int, mode: str, otlp_port: int) -> None:
-    from edgeserve.telemetry import TelemetrySettings, setup_telemetry
+    from common.telemetry import TelemetrySettings, setup_telemetry
 
     ratio = MODES[mode]
     settings = TelemetrySettings(

@@ -184,7 +184,8 @@ class _SqlLedger:
         with self._lock, self._transaction():
             # Announcements first: an end in the same batch then closes what they opened.
             is_open = [
-                self._execute(self._open_sql.merge, merge_params(e, now)).rowcount == 1 for e in opens
+                self._execute(self._open_sql.merge, merge_params(e, now)).rowcount == 1
+                for e in opens
             ]
             for e in ends:
                 self._execute(self._open_sql.replace_completed, (e.request_id, e.request_id))

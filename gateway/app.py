@@ -24,7 +24,7 @@ from starlette.types import ASGIApp
 from billing.http import ADMIN, Principal, usage_endpoint
 from billing.ledger import Ledger
 from billing.prices import PriceTable
-from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
+from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gateway import openai_api, workers_ai
 from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
 from gateway.admission.admin import LimitsAdmin

@@ -24,7 +24,7 @@ import httpx
 from starlette.types import Receive
 
 from billing.events import UsageEvent
-from edgeserve.telemetry import TelemetrySettings, setup_telemetry
+from common.telemetry import TelemetrySettings, setup_telemetry
 from gateway.admission import (
     AdmissionError,
     AdmissionUnavailable,

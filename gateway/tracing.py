@@ -32,7 +32,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgeserve.telemetry import (
+from common.telemetry import (
     PROPAGATOR,
     PROVIDER_NAME,
     AdmissionMetrics,

@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from billing.errors import InvalidUsageEvent
 from billing.events import Status, UsageEvent
-from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
+from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gpu_node.errors import EngineStoppedError, InvalidRequestError, RequestCancelledError
 from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.node_app.service import NodeService, NodeSettings

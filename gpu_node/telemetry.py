@@ -18,8 +18,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from edgeserve.telemetry import PROPAGATOR, PROVIDER_NAME, GenAILabels, Telemetry
-from edgeserve.telemetry.logs import current_log_span, current_request_id
+from common.telemetry import PROPAGATOR, PROVIDER_NAME, GenAILabels, Telemetry
+from common.telemetry.logs import current_log_span, current_request_id
 from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.outputs import EngineStats, RequestOutput
 

@@ -75,7 +75,7 @@ _KEEP_ALIVE_HELP = "seconds an idle keep-alive connection stays open (at most --
 def _telemetry(service_name: str) -> Any:
     """Telemetry from the OTel environment (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER_ARG,
     EDGESERVE_RECORD_CONTENT, ...); logs become JSON lines on stderr."""
-    from edgeserve.telemetry import (
+    from common.telemetry import (
         TelemetrySettings,
         TelemetrySettingsError,
         configure_logging,

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpu_node.kernels.moe_reference import moe_experts_ref
 from gpu_node.kernels.w4a16 import int4_group_step, is_interpreted
-from gpu_node.models.moe import moe_experts_ref
 from gpu_node.models.moe_routing import ExpertBlocks, Routing, group_by_expert
 from gpu_node.quant.int4 import Int4Weight
 

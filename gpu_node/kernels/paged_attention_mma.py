@@ -67,8 +67,8 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from gpu_node.kernels import paged_attention_mma_asm as asm
 from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kernels.launch import launches_early
-from gpu_node.kernels.paged_attention import merge_splits, split_partials
 from gpu_node.kernels.paged_attention_ref import validate_decode_inputs
+from gpu_node.kernels.split_merge import merge_splits, split_partials
 from gpu_node.kv_quant import FP8_DTYPE, pool_strides
 
 STEP = 32  # tokens per loop step: two 16-token halves

@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from edgeserve.telemetry import Telemetry, TelemetrySettings, setup_telemetry
+from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from tests.conftest import (
     ACCOUNT_ID,
     INTERNAL_TOKEN,

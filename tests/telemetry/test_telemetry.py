@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from edgeserve.telemetry import (
+from common.telemetry import (
     PROPAGATOR,
     REQUEST_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,
@@ -531,7 +531,7 @@ def test_a_nodes_log_lines_carry_its_trace_and_span_ids() -> None:
     carried the request id but no trace or span id, unlike the gateway's."""
     import contextvars
 
-    from edgeserve.telemetry.logs import JsonLogFormatter
+    from common.telemetry.logs import JsonLogFormatter
 
     node = NodeTelemetry(
         setup_telemetry(

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from edgeserve.telemetry import (
+from common.telemetry import (
     REQUEST_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.moe_dense as dense_module
-from gpu_node.models.moe import moe_experts_ref
+from gpu_node.kernels.moe_reference import moe_experts_ref
 from gpu_node.models.moe_routing import Routing, route
 from tests.gpu_node.kernels.moe_weights import float_experts, routing_weight_cases
 

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from gpu_node.models.moe import Int4MoeExperts, moe_experts_ref
+from gpu_node.kernels.moe_reference import moe_experts_ref
+from gpu_node.models.moe import Int4MoeExperts
 from gpu_node.models.moe_routing import Routing, route
 from gpu_node.quant.int4 import (
     Int4ExpertsMMA,

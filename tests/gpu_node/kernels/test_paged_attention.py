@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gpu_node.kernels.paged_attention as paged_attention_module
+import gpu_node.kernels.split_merge as split_merge
 from gpu_node.kernels.kv_write import kv_write_ref
 from gpu_node.kernels.paged_attention_ref import (
     check_page_ownership,
@@ -30,6 +31,7 @@ from scheduler.block_manager import FREE, owner_tag
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
+split_merge = importlib.reload(split_merge)
 paged_attention_module = importlib.reload(paged_attention_module)
 paged_decode_attention = paged_attention_module.paged_decode_attention
 decode_tile_config = paged_attention_module.decode_tile_config
@@ -738,7 +740,7 @@ def test_merge_writes_every_flag_and_output():
     part_bad[2, 4] = 1
     out = torch.full((batch, heads, dim), float("nan"))
     violations = torch.ones(batch, dtype=torch.bool)
-    paged_attention_module.merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
+    split_merge.merge_splits(part_max, part_sum, part_acc, part_bad, out, violations)
     assert violations.tolist() == [False, False, True]
     weights = torch.exp2(part_max - part_max.amax(dim=2, keepdim=True))
     want = (part_acc * weights[..., None]).sum(2) / (part_sum * weights).sum(2)[..., None]

@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from edgeserve.telemetry.metrics import GenAIMetrics
-from edgeserve.telemetry.settings import TelemetrySettings
+from common.telemetry.metrics import GenAIMetrics
+from common.telemetry.settings import TelemetrySettings
 
 INSTRUMENTATION_NAME = "edgeserve"
 PROVIDER_NAME = "edgeserve"  # gen_ai.provider.name of every GenAI span and metric we emit

@@ -6,13 +6,13 @@ metrics    the GenAI conventions' histograms and bucket boundaries; admission co
 logs       one JSON line per event with trace id and request id
 """
 
-from edgeserve.telemetry.logs import (
+from common.telemetry.logs import (
     JsonLogFormatter,
     JsonLogHandler,
     configure_logging,
     current_request_id,
 )
-from edgeserve.telemetry.metrics import (
+from common.telemetry.metrics import (
     REQUEST_DURATION_BUCKETS,
     TIME_PER_OUTPUT_TOKEN_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS,
@@ -21,13 +21,13 @@ from edgeserve.telemetry.metrics import (
     GenAILabels,
     GenAIMetrics,
 )
-from edgeserve.telemetry.provider import (
+from common.telemetry.provider import (
     PROPAGATOR,
     PROVIDER_NAME,
     Telemetry,
     setup_telemetry,
 )
-from edgeserve.telemetry.settings import TelemetrySettings, TelemetrySettingsError
+from common.telemetry.settings import TelemetrySettings, TelemetrySettingsError
 
 __all__ = [
     "PROPAGATOR",

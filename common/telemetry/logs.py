@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from opentelemetry import trace
 
-from edgeserve.telemetry.settings import TelemetrySettings
+from common.telemetry.settings import TelemetrySettings
 
 current_request_id: ContextVar[str | None] = ContextVar("edgeserve_request_id", default=None)
 # The span a task's log lines name when none is current: the node's, which serves a request

@@ -1,0 +1,1 @@
+"""The small shared floor of the rooms: telemetry. It imports no other room."""
