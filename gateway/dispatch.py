@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 from starlette.types import Receive
 
 from billing.events import UsageEvent
+from common.node_api import (
+    ErrorEvent,
+    GenerateParams,
+    GenerateRequest,
+    TokenChunk,
+    read_event,
+)
 from common.telemetry import TelemetrySettings, setup_telemetry
 from gateway.admission import (
     AdmissionError,
@@ -86,19 +92,19 @@ class GenerationJob:
     request_id: str
     account_id: str
     model: CatalogModel
-    payload: dict[str, Any]  # prompt/messages + sampling, in the node's generate schema
+    payload: GenerateParams  # what the node is asked to generate
     estimated_tokens: int  # prompt estimate + max_tokens: what admission and placement reserve
     reject_if_busy: bool = False  # Workers AI options.rejectIfBusy: never wait for a node
     stream: bool = False  # the client reads the answer as it comes (gen_ai.request.stream)
     max_tokens_name: str = "max_tokens"  # the field the client named it in, for its errors
 
 
-def estimate_tokens(payload: dict[str, Any]) -> int:
+def estimate_tokens(payload: GenerateParams) -> int:
     """Prompt tokens guessed from characters (about 3.5 per token in English, rounded up) + max_tokens."""
-    chars = len(payload.get("prompt") or "")
-    for message in payload.get("messages") or ():
-        chars += len(message["content"]) + 16  # the template's role markers
-    return chars // 3 + 8 + int(payload["max_tokens"])
+    chars = len(payload.prompt or "")
+    for message in payload.messages or ():
+        chars += len(message.content) + 16  # the template's role markers
+    return chars // 3 + 8 + payload.max_tokens
 
 
 class UsageSinkLike(Protocol):
@@ -149,9 +155,9 @@ class Dispatcher:
         it, it is cancelled there at once and billed as cancelled: the prompt tokens the node
         had processed, no output."""
         started_at = time.time()
-        max_tokens, window = int(job.payload["max_tokens"]), await self.context_window(job.model)
+        max_tokens, window = job.payload.max_tokens, await self.context_window(job.model)
         if max_tokens >= window:
-            if not job.payload.get("max_tokens_is_default"):
+            if not job.payload.max_tokens_is_default:
                 # Never servable, whatever the prompt: say so, not that it passes a rate limit.
                 raise RequestTooLargeError(
                     f"{job.max_tokens_name} ({max_tokens}) leaves no room for a prompt in the "
@@ -160,7 +166,7 @@ class Dispatcher:
                 )
             # The client named none: the default runs to what the window leaves (the node
             # shortens it further to what the prompt leaves), and admission reserves that.
-            payload = job.payload | {"max_tokens": window - 1}
+            payload = job.payload.model_copy(update={"max_tokens": window - 1})
             job = replace(job, payload=payload, estimated_tokens=estimate_tokens(payload))
         trace = self._tracer.start(job)
         # No limiter, no admission step: a span that decided nothing would only mislead.
@@ -260,7 +266,6 @@ class Dispatcher:
         trace: GenAISpan,
         receive: Receive | None = None,
     ) -> Upstream:
-        body = _node_body(job)
         with trace.step("placement"):
             try:
                 placement = await self._first_placement(job, receive)
@@ -275,9 +280,7 @@ class Dispatcher:
         retried = False
         while True:  # the first node, then one retry elsewhere
             try:
-                return await self._connect(
-                    job, placement, body, started_at, headers, trace, receive
-                )
+                return await self._connect(job, placement, started_at, headers, trace, receive)
             except UpstreamError as exc:
                 log.warning("request %s: %s, before the first token", job.request_id, exc.detail)
                 retry = None
@@ -378,9 +381,8 @@ class Dispatcher:
         upstream.trace.placed(placement)
         try:
             return await self._connect(
-                job, placement, _node_body(job), upstream.started_at, upstream.headers,
-                upstream.trace,
-            )  # fmt: skip
+                job, placement, upstream.started_at, upstream.headers, upstream.trace
+            )
         except UpstreamError as exc:  # _connect gave the placement back
             log.warning("request %s: %s, on its second node", job.request_id, exc.detail)
             return None
@@ -402,7 +404,6 @@ class Dispatcher:
         self,
         job: GenerationJob,
         placement: Placement,
-        body: dict[str, Any],
         started_at: float,
         headers: dict[str, str],
         trace: GenAISpan,
@@ -414,12 +415,11 @@ class Dispatcher:
         With the client's `receive`, a client that leaves meanwhile has the request cancelled
         on the node at once (rather than after its whole prompt has run): the Upstream then
         comes back marked `client_left`, or ClientClosedError when the node never started it."""
-        if placement.prefill_address is not None:
-            body = body | {"prefill_from": placement.prefill_address}
+        body = _node_body(job, placement.prefill_address)
         request = self._client.build_request(
             "POST",
             f"{placement.address}/internal/v1/generate",
-            content=json.dumps(body, separators=(",", ":")).encode(),
+            content=body.model_dump_json(exclude_defaults=True).encode(),
             headers=self._auth | {"content-type": "application/json"} | trace.traceparent(),
         )
         starting = asyncio.ensure_future(self._start_watched(request, placement))
@@ -429,7 +429,7 @@ class Dispatcher:
                     job, placement, starting, started_at, headers, trace
                 )
             response, lines, first = await starting
-        except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError) as exc:
+        except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
             await self.release_placement(placement)
             if isinstance(exc, NODE_GONE):
                 await self._placer.mark_down(placement.node_id)
@@ -450,7 +450,7 @@ class Dispatcher:
 
     async def _start_watched(
         self, request: httpx.Request, placement: Placement
-    ) -> tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]:
+    ) -> tuple[httpx.Response, AsyncIterator[str], TokenChunk]:
         """`_start`, failed with UpstreamError (so retried elsewhere) when the node goes
         unresponsive before its first event (NodeWatch.until_unresponsive)."""
         sent_at = time.monotonic()
@@ -470,7 +470,7 @@ class Dispatcher:
 
     async def _start(
         self, request: httpx.Request, placement: Placement
-    ) -> tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]:
+    ) -> tuple[httpx.Response, AsyncIterator[str], TokenChunk]:
         """The node's response, its lines and its first event; the response is closed when
         anything goes wrong (a refusal the client caused gives the placement back too)."""
         response = await self._client.send(request, stream=True)
@@ -489,12 +489,10 @@ class Dispatcher:
             first_line = ""
             while not first_line:
                 first_line = await anext(lines)
-            first = json.loads(first_line)
-            if "error" in first:
-                raise UpstreamError(
-                    NODE_FAILED,
-                    detail=f"node {placement.node_id} failed: {first['error'].get('message')}",
-                )
+            first = read_event(first_line)
+            if not isinstance(first, TokenChunk):
+                what = first.error.message if isinstance(first, ErrorEvent) else "no first token"
+                raise UpstreamError(NODE_FAILED, detail=f"node {placement.node_id} failed: {what}")
             return response, lines, first
         except BaseException:
             await response.aclose()
@@ -504,7 +502,7 @@ class Dispatcher:
         self,
         job: GenerationJob,
         placement: Placement,
-        starting: asyncio.Future[tuple[httpx.Response, AsyncIterator[str], dict[str, Any]]],
+        starting: asyncio.Future[tuple[httpx.Response, AsyncIterator[str], TokenChunk]],
         started_at: float,
         headers: dict[str, str],
         trace: GenAISpan,
@@ -577,18 +575,20 @@ class Dispatcher:
             log.warning("could not cancel %s on node %s", request_id, placement.node_id)
 
 
-def _node_body(job: GenerationJob) -> dict[str, Any]:
+def _node_body(job: GenerationJob, prefill_from: str | None = None) -> GenerateRequest:
     """The node's generate call for `job`."""
-    return {
-        "request_id": job.request_id,
-        "account_id": job.account_id,
-        "model": job.model.node_model,
-    } | job.payload
+    return GenerateRequest(
+        request_id=job.request_id,
+        account_id=job.account_id,
+        model=job.model.node_model,
+        prefill_from=prefill_from,
+        **dict(job.payload),
+    )
 
 
 def _node_error(response: httpx.Response) -> tuple[str, str]:
     try:
-        error = response.json()["error"]
-        return str(error["code"]), str(error["message"])
-    except (ValueError, KeyError, TypeError):
+        error = ErrorEvent.model_validate_json(response.content).error
+    except ValueError:
         return "internal", response.text[:200]
+    return error.code, error.message

@@ -1,7 +1,7 @@
 """Request bodies of the public API (pydantic): validated once here, `/openapi.json` is built from them.
 
 Each request turns into `GenerationJob` fields the same way: `node_payload()`
-gives the body of the node's `POST /internal/v1/generate` (minus the ids).
+gives what the node is asked to generate (`common.node_api.GenerateParams`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from common.node_api import GenerateParams
 from gateway.errors import InvalidRequestError, UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
@@ -123,7 +124,7 @@ class WorkersAITextRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
 
-    def node_payload(self) -> dict[str, Any]:
+    def node_payload(self) -> GenerateParams:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
         if "max_tokens" not in self.model_fields_set:  # the node may shorten the default
             payload["max_tokens_is_default"] = True
@@ -132,16 +133,19 @@ class WorkersAITextRequest(BaseModel):
         else:
             payload["prompt"] = self.prompt
             payload["raw"] = self.raw
-        return payload | _optional(
-            self,
-            (
-                "top_p",
-                "top_k",
-                "seed",
-                "repetition_penalty",
-                "frequency_penalty",
-                "presence_penalty",
-            ),
+        return GenerateParams.model_validate(
+            payload
+            | _optional(
+                self,
+                (
+                    "top_p",
+                    "top_k",
+                    "seed",
+                    "repetition_penalty",
+                    "frequency_penalty",
+                    "presence_penalty",
+                ),
+            )
         )
 
 
@@ -274,13 +278,13 @@ class ChatCompletionRequest(_OpenAIBase):
                 "only the 'text' response_format is supported", param="response_format"
             )
 
-    def node_payload(self, default_max_tokens: int) -> dict[str, Any]:
+    def node_payload(self, default_max_tokens: int) -> GenerateParams:
         payload = self._sampling(default_max_tokens)
         if self.max_completion_tokens is not None:
             payload["max_tokens"] = self.max_completion_tokens
             payload.pop("max_tokens_is_default", None)
         payload["messages"] = [m.node_message() for m in self.messages]
-        return payload
+        return GenerateParams.model_validate(payload)
 
 
 class CompletionRequest(_OpenAIBase):
@@ -312,11 +316,11 @@ class CompletionRequest(_OpenAIBase):
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def node_payload(self, default_max_tokens: int) -> dict[str, Any]:
+    def node_payload(self, default_max_tokens: int) -> GenerateParams:
         payload = self._sampling(default_max_tokens)
         payload["prompt"] = self.prompt_text()
         payload["raw"] = True
-        return payload
+        return GenerateParams.model_validate(payload)
 
 
 def _optional(model: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:

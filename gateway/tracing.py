@@ -32,6 +32,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.node_api import ChatMessage, GenerateParams
 from common.telemetry import (
     PROPAGATOR,
     PROVIDER_NAME,
@@ -156,9 +157,9 @@ class TracingMiddleware:
         return None
 
 
-def operation_name(payload: dict[str, Any]) -> str:
+def operation_name(payload: GenerateParams) -> str:
     """`chat` for a conversation, `text_completion` for a bare prompt (templated or raw)."""
-    return "chat" if "messages" in payload else "text_completion"
+    return "chat" if payload.messages is not None else "text_completion"
 
 
 class GenAITracer:
@@ -306,7 +307,7 @@ def _request_attributes(job: GenerationJob, operation: str) -> dict[str, Any]:
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": PROVIDER_NAME,
         "gen_ai.request.model": job.model.name,
-        "gen_ai.request.max_tokens": int(payload["max_tokens"]),
+        "gen_ai.request.max_tokens": payload.max_tokens,
         "gen_ai.request.stream": job.stream,
         "gen_ai.response.id": job.request_id,
         "edgeserve.account_id": job.account_id,
@@ -314,19 +315,16 @@ def _request_attributes(job: GenerationJob, operation: str) -> dict[str, Any]:
         "edgeserve.node_model": job.model.node_model,
     }
     for key in ("temperature", "top_p", "top_k", "seed"):
-        if payload.get(key) is not None:
-            attributes[f"gen_ai.request.{key}"] = payload[key]
+        if key in payload.model_fields_set and (value := getattr(payload, key)) is not None:
+            attributes[f"gen_ai.request.{key}"] = value
     return attributes
 
 
-def _input_messages(payload: dict[str, Any]) -> str:
+def _input_messages(payload: GenerateParams) -> str:
     """The convention's gen_ai.input.messages JSON (only when content recording is on)."""
-    messages = payload.get("messages") or [{"role": "user", "content": payload.get("prompt") or ""}]
+    messages = payload.messages or [ChatMessage(role="user", content=payload.prompt or "")]
     return json.dumps(
-        [
-            {"role": m["role"], "parts": [{"type": "text", "content": m["content"]}]}
-            for m in messages
-        ],
+        [{"role": m.role, "parts": [{"type": "text", "content": m.content}]} for m in messages],
         ensure_ascii=False,
     )
 

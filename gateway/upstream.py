@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -22,6 +21,7 @@ import httpx
 from starlette.types import Receive
 
 from billing.events import Status, UsageEvent
+from common.node_api import ErrorEvent, Finish, NodeEvent, TokenChunk, read_event
 from gateway.errors import ClientClosedError, UpstreamError
 from gateway.liveness import NODE_GONE
 from gateway.tracing import GenAISpan
@@ -83,7 +83,7 @@ class Upstream:
         placement: Placement,
         response: httpx.Response,
         lines: AsyncIterator[str],
-        first: dict[str, Any],
+        first: TokenChunk,
         started_at: float,
         headers: dict[str, str],
         trace: GenAISpan,
@@ -95,7 +95,7 @@ class Upstream:
         self.headers = headers  # admission's rate-limit headers for the client
         self._response = response
         self._lines = lines
-        self._first: dict[str, Any] | None = first
+        self._first: NodeEvent | None = first
         self._started_at = started_at
         self._finished: Finished | None = None
         self._failed = False
@@ -106,11 +106,13 @@ class Upstream:
         self._is_released = False
         self.num_delivered_tokens = 0
         self.client_left = False  # before the answer began: cancelled on the node already
-        self.prompt_tokens = int(first.get("prompt_tokens", 0))
-        self.cached_tokens = int(first.get("cached_tokens", 0))
+        self.prompt_tokens = first.prompt_tokens or 0
+        self.cached_tokens = first.cached_tokens or 0
         # The prompt tokens the node had processed by its first event: all of them once it
         # has a token, fewer when it answers a cancel while the prompt still ran.
-        self.prefilled_tokens = int(first.get("prefilled_tokens", self.prompt_tokens))
+        self.prefilled_tokens = (
+            self.prompt_tokens if first.prefilled_tokens is None else first.prefilled_tokens
+        )
 
     @property
     def node_id(self) -> str:
@@ -159,28 +161,29 @@ class Upstream:
                 if not line:
                     continue
                 try:
-                    event = json.loads(line)
-                except ValueError:
+                    event = read_event(line)
+                except ValueError as exc:
                     self._failed = True  # the service's fault: it costs the client nothing
-                    raise self._failure("sent a line that is not JSON") from None
-            try:
-                parsed = _node_event(event)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    raise self._failure(f"sent a line that is no event: {exc!r}") from None
+            if isinstance(event, ErrorEvent):
                 self._failed = True
-                raise self._failure(f"sent an event we cannot read: {exc!r}") from None
-            if isinstance(parsed, str):
-                self._failed = True
-                raise self._failure(f"failed mid-stream: {parsed}")
-            if isinstance(parsed, Finished):
-                self._finished = parsed
+                raise self._failure(f"failed mid-stream: {event.error.message}")
+            if isinstance(event, Finish):
+                usage = event.usage
+                self._finished = Finished(
+                    event.finish_reason,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    usage.cached_tokens,
+                )
                 # Read to the end of the body so the connection goes back to the pool.
                 with contextlib.suppress(httpx.HTTPError):
                     async for _ in self._lines:
                         pass
-                yield parsed
+                yield self._finished
                 return
-            self.trace.output(parsed.text, parsed.num_tokens)
-            yield parsed
+            self.trace.output(event.text, len(event.token_ids))
+            yield TextChunk(event.text, len(event.token_ids))
 
     async def restart(self) -> bool:
         """Starts this request again on another node, once, after its node failed before
@@ -259,25 +262,6 @@ class Upstream:
     @property
     def started_at(self) -> float:
         return self._started_at
-
-
-def _node_event(event: Any) -> TextChunk | Finished | str:
-    """A node event as a chunk, the end, or the node's error message (a str); KeyError,
-    TypeError or ValueError for one that is none of them."""
-    if "error" in event:
-        return str(event["error"].get("message"))
-    if "finish_reason" in event:
-        usage = event["usage"]
-        return Finished(
-            str(event["finish_reason"]),
-            int(usage["prompt_tokens"]),
-            int(usage["completion_tokens"]),
-            int(usage["cached_tokens"]),
-        )
-    text = event.get("text", "")
-    if not isinstance(text, str):
-        raise TypeError(f"text is a {type(text).__name__}")
-    return TextChunk(text, len(event.get("token_ids", ())))
 
 
 async def _wait_for_disconnect(receive: Receive, gone: asyncio.Event | None) -> None:

@@ -19,7 +19,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     kv_dtype: str = "fp32"
-    weights: str = "int4"  # the GGUF's own 4-bit blocks; see README "Choices"
+    weights: str = "int4"  # the GGUF's own 4-bit blocks; see docs/choices.md
     # What the model computes in: auto is weights.activation_dtype's rule (bf16 on a GPU,
     # fp32 on the CPU); fp16 (INT4 weights on a GPU only) runs the tensor-core W4A16
     # kernels' cheaper fp16 dequantization, at fp16's narrower range.

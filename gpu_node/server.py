@@ -18,7 +18,7 @@
 
 Every call needs `Authorization: Bearer <internal token>`. Errors before the
 stream are JSON `{"error": {"code", "message"}}` with one of the codes in
-`NodeErrorCode`, so the gateway can map them to its own dialects.
+`common.node_api.NodeErrorCode`, so the gateway can map them to its own dialects.
 
 The node publishes its capacity record to the registry on a heartbeat; a
 drain (SIGTERM) deregisters it first, refuses new work, and lets what runs finish.
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -44,10 +43,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from billing.errors import InvalidUsageEvent
 from billing.events import Status, UsageEvent
+from common.node_api import (
+    ErrorEvent,
+    Finish,
+    GenerateRequest,
+    NodeError,
+    NodeErrorCode,
+    TokenChunk,
+    Usage,
+    event_line,
+)
 from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gpu_node.errors import EngineStoppedError, InvalidRequestError, RequestCancelledError
-from gpu_node.node_app.schemas import GenerateRequest
-from gpu_node.node_app.service import NodeService, NodeSettings
+from gpu_node.node_app.service import NodeService, NodeSettings, sampling_params
 from gpu_node.telemetry import NodeSpan, NodeTelemetry
 from scheduler.sequence import SamplingParams
 
@@ -55,15 +63,6 @@ __all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
 log = logging.getLogger(__name__)
 
-NodeErrorCode = Literal[
-    "unauthorized",
-    "invalid_request",
-    "request_too_large",
-    "model_not_found",
-    "over_capacity",
-    "cancelled",
-    "internal",
-]
 _STATUS: dict[str, int] = {
     "unauthorized": 401,
     "invalid_request": 400,
@@ -83,8 +82,9 @@ def _known_code(code: str) -> NodeErrorCode:
     return "internal"
 
 
-def error_response(code: NodeErrorCode, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=_STATUS[code])
+def error_response(code: NodeErrorCode, message: str) -> Response:
+    body = ErrorEvent(error=NodeError(code=code, message=message))
+    return Response(body.model_dump_json(), _STATUS[code], media_type="application/json")
 
 
 class InternalTokenAuth:
@@ -102,10 +102,6 @@ class InternalTokenAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
 @dataclass(frozen=True)
@@ -137,7 +133,7 @@ async def _checked(request: Request) -> _Call | Response:
         return error_response(
             "invalid_request", "give exactly one of prompt_token_ids, prompt, messages"
         )
-    params = body.sampling_params()
+    params = sampling_params(body)
     if problems := params.problems():
         return error_response("invalid_request", "; ".join(problems))
     engine = service.engine
@@ -281,43 +277,43 @@ async def _stream(
     try:
         while True:
             if out.token_ids or out.text or is_first:
-                chunk: dict[str, Any] = {"text": out.text, "token_ids": list(out.token_ids)}
+                chunk = TokenChunk(text=out.text, token_ids=list(out.token_ids))
                 if is_first:
                     # What the gateway bills if the stream ends early, before the final usage.
-                    chunk["prompt_tokens"] = out.num_prompt_tokens
-                    chunk["cached_tokens"] = out.num_cached_tokens
-                    chunk["prefilled_tokens"] = out.num_prefilled_tokens
+                    chunk = chunk.model_copy(
+                        update={
+                            "prompt_tokens": out.num_prompt_tokens,
+                            "cached_tokens": out.num_cached_tokens,
+                            "prefilled_tokens": out.num_prefilled_tokens,
+                        }
+                    )
                     is_first = False
-                yield _line(chunk)
+                yield event_line(chunk)
                 num_sent += len(out.token_ids)
             if out.finished:
                 finished = True
                 status = "error" if out.finish_reason == "error" else "ok"
                 span.finish(out)
                 if out.finish_reason == "error":
-                    yield _line(
-                        {"error": {"code": "internal", "message": out.error or "engine error"}}
-                    )
+                    yield _error_line(out.error or "engine error")
                     return
-                usage = {
-                    "prompt_tokens": out.num_prompt_tokens,
-                    "completion_tokens": out.num_completion_tokens,
-                    "cached_tokens": out.num_cached_tokens,
-                }
-                yield _line({"finish_reason": out.finish_reason, "usage": usage})
+                usage = Usage(
+                    prompt_tokens=out.num_prompt_tokens,
+                    completion_tokens=out.num_completion_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
+                yield event_line(Finish(finish_reason=out.finish_reason, usage=usage))
                 return
             out = await anext(outputs)
     except StopAsyncIteration:
         status = "error"
         span.fail("engine_error", "the engine ended the request early")
-        yield _line(
-            {"error": {"code": "internal", "message": "the engine ended the request early"}}
-        )
+        yield _error_line("the engine ended the request early")
     except Exception as exc:
         status = "error"
         log.exception("generation %s failed", request_id)
         span.fail(type(exc).__qualname__, str(exc))
-        yield _line({"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}})
+        yield _error_line(f"{type(exc).__name__}: {exc}")
     finally:
         if service.usage_sink is not None:
             _record_node_usage(service, body, out, num_sent, status, started_at)
@@ -326,6 +322,10 @@ async def _stream(
         if not finished:
             # The client went away (or the stream broke): free the pages now, not at GC time.
             engine.abort(request_id)
+
+
+def _error_line(message: str) -> bytes:
+    return event_line(ErrorEvent(error=NodeError(code="internal", message=message)))
 
 
 def _record_node_usage(

@@ -18,9 +18,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.node_api import GenerateRequest
 from common.telemetry import PROPAGATOR, PROVIDER_NAME, GenAILabels, Telemetry
 from common.telemetry.logs import current_log_span, current_request_id
-from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.outputs import EngineStats, RequestOutput
 
 ENGINE_LABELS = ("node_id", "model", "kv_dtype")

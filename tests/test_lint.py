@@ -20,5 +20,7 @@ def test_ruff_check_and_format() -> None:
 
 
 def test_mypy_on_the_packages() -> None:
-    result = run(str(BIN / "mypy"), "common", "gateway", "gpu_node", "scheduler", "billing", "edgeserve")
+    result = run(
+        str(BIN / "mypy"), "common", "gateway", "gpu_node", "scheduler", "billing", "edgeserve"
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -14,9 +14,10 @@ import httpx
 
 from billing.events import UsageEvent
 from billing.sink import UsageSink
+from common.node_api import ErrorEvent, GenerateParams, GenerateRequest
 from gpu_node.handoff import KVHandoff
-from gpu_node.node_app.schemas import GenerateRequest
 from scheduler.capacity import CapacityRecord, CapacityRegistry, check_node_id, load_estimate
+from scheduler.sequence import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_node.async_engine import AsyncEngine
@@ -198,9 +199,9 @@ class NodeService:
             return "over_capacity", f"prefill node {url} unreachable: {type(exc).__name__}"
         if response.status_code != 200:
             try:
-                error = response.json()["error"]
-                code, message = str(error["code"]), str(error["message"])
-            except (ValueError, KeyError, TypeError):
+                error = ErrorEvent.model_validate_json(response.content).error
+                code, message = error.code, error.message
+            except ValueError:
                 code, message = "internal", f"status {response.status_code}"
             return code, f"prefill node {url}: {message}"
         try:
@@ -218,3 +219,18 @@ class NodeService:
         if body.raw:  # the client's own text, control tokens and all
             return tokenizer.encode(body.prompt or "")
         return tokenizer.encode_chat([{"role": "user", "content": body.prompt or ""}])
+
+
+def sampling_params(params: GenerateParams) -> SamplingParams:
+    """How the engine samples what `params` asks for."""
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=tuple(params.stop),
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+    )

@@ -120,3 +120,14 @@ def test_compose_redis_fsyncs_every_write_before_acknowledging_it() -> None:
     command = yaml.safe_load(COMPOSE.read_text())["services"]["redis"]["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
     assert command[command.index("--appendfsync") + 1] == "always"
+
+
+def test_the_image_copies_every_package_the_project_installs() -> None:
+    """A package left out of the image installs nothing and fails at import."""
+    import tomllib
+
+    dockerfile = (Path(__file__).resolve().parents[2] / "infra" / "Dockerfile").read_text()
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {name.rstrip("*") for name in packages} <= copied

@@ -24,11 +24,11 @@ from openai._streaming import SSEDecoder
 
 from billing.ledger import SqliteLedger
 from billing.sink import LocalUsageSink
+from common.node_api import TokenChunk, event_line, read_event
 from gateway.json_body import json_bytes
 from gateway.openai_api import ChatStream
 from gateway.upstream import Finished, _split_lines
 from gateway.workers_ai import WorkersAIStream
-from gpu_node.server import _line
 from tests.conftest import ACCOUNT_ID, SMOLLM2
 from tests.gateway.loopback import API_KEY, Node, running_node, start_gateway
 
@@ -66,9 +66,9 @@ def _sse_data(stream: bytes) -> list[str]:
 def test_node_events_split_back_into_the_events_the_node_wrote(
     texts: list[str], cuts: list[int]
 ) -> None:
-    events = [{"text": t, "token_ids": [i]} for i, t in enumerate(texts)]
-    wire = b"".join(_line(e) for e in events)
-    assert [json.loads(line) for line in asyncio.run(_lines(wire, cuts))] == events
+    events = [TokenChunk(text=t, token_ids=[i]) for i, t in enumerate(texts)]
+    wire = b"".join(event_line(e) for e in events)
+    assert [read_event(line) for line in asyncio.run(_lines(wire, cuts))] == events
 
 
 @settings(max_examples=300, deadline=None)

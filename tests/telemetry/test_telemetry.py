@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from common.node_api import GenerateRequest
 from common.telemetry import (
     PROPAGATOR,
     REQUEST_DURATION_BUCKETS,
@@ -33,7 +34,6 @@ from common.telemetry import (
 )
 from gateway.middleware import RequestIdMiddleware
 from gateway.tracing import TracingMiddleware
-from gpu_node.node_app.schemas import GenerateRequest
 from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
 from gpu_node.telemetry import NodeTelemetry
 
@@ -434,10 +434,12 @@ def test_a_node_follows_the_gateways_sampling_decision() -> None:
 
 
 def job(payload: dict[str, object], stream: bool = True) -> object:
+    from common.node_api import GenerateParams
     from gateway.catalog import DEFAULT_MODELS
     from gateway.dispatch import GenerationJob
 
-    return GenerationJob("req-9", "acct-9", DEFAULT_MODELS[0], payload, 64, stream=stream)
+    params = GenerateParams.model_validate(payload)
+    return GenerationJob("req-9", "acct-9", DEFAULT_MODELS[0], params, 64, stream=stream)
 
 
 def test_genai_span_records_content_only_when_asked_and_errors_by_type() -> None:

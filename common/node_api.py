@@ -1,0 +1,118 @@
+"""The node's internal API as both sides read and write it: one set of models, no dicts.
+
+    POST /internal/v1/generate   GenerateRequest in; NDJSON out, one NodeEvent a line:
+                                 TokenChunk ... then Finish, or ErrorEvent on a failure
+                                 after the first line
+    any refusal before the stream  ErrorEvent as the body, with the code's status
+
+The gateway builds `GenerateParams` from a client's request, completes it into a
+`GenerateRequest` for the node it places on, and reads the node's answer with
+`read_event`; the node validates the request once, at its edge, and writes each event
+with `event_line`. Lines end at the `\\n` byte alone (`event_line` never writes one
+inside an event); any other character, U+2028 included, is text.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+NodeErrorCode = Literal[
+    "unauthorized",
+    "invalid_request",
+    "request_too_large",
+    "model_not_found",
+    "over_capacity",
+    "cancelled",
+    "internal",
+]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class GenerateParams(_Wire):
+    """What to generate: the prompt (exactly one of the three forms) and how to sample."""
+
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    raw: bool = False  # prompt as is; otherwise wrapped in the chat template as a user turn
+    max_tokens: int = 256
+    # max_tokens is the gateway's default, not the client's: shortened to what the context
+    # leaves after the prompt rather than refused (OpenAI's rule when max_tokens is left out)
+    max_tokens_is_default: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+
+class GenerateRequest(GenerateParams):
+    """One generation, as the gateway sends it to the node it placed it on."""
+
+    request_id: str = Field(min_length=1, max_length=200)
+    account_id: str = ""
+    model: str
+    # Disaggregation: the base URL of the prefill node that runs the prompt; the node
+    # fetches the prompt's KV from it and decodes (gpu_node/handoff.py).
+    prefill_from: str | None = Field(default=None, pattern=r"^https?://[^\s]+$", max_length=300)
+
+
+class TokenChunk(_Wire):
+    """Text and the tokens it decodes from. The first chunk also carries what billing
+    counts should the stream end early: the prompt's tokens, those served from the prefix
+    cache, and those computed by then (fewer than the prompt's only when a cancel stops
+    the prompt midway)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefilled_tokens: int | None = None
+
+
+class Usage(_Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Finish(_Wire):
+    finish_reason: str
+    usage: Usage
+
+
+class NodeError(_Wire):
+    code: str  # a NodeErrorCode from our nodes; read as "internal" when unknown
+    message: str
+
+
+class ErrorEvent(_Wire):
+    error: NodeError
+
+
+NodeEvent = TokenChunk | Finish | ErrorEvent
+_EVENT: TypeAdapter[NodeEvent] = TypeAdapter(NodeEvent)
+
+
+def event_line(event: NodeEvent) -> bytes:
+    """One NDJSON line of the node's stream (JSON escapes every `\\n` inside it)."""
+    return event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+def read_event(line: str | bytes) -> NodeEvent:
+    """The event on one line of the node's stream; pydantic's ValidationError (a
+    ValueError) for a line that is none."""
+    return _EVENT.validate_json(line)
