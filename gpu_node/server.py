@@ -166,6 +166,24 @@ async def _checked(request: Request) -> _Call | Response:
     return _Call(service, body, params, prompt_ids)
 
 
+# How each refusal of the engine reads on the wire: its code, and its words (None: the
+# exception's own).
+_REFUSAL_CODES: dict[type[Exception], tuple[NodeErrorCode, str | None]] = {
+    InvalidRequestError: ("invalid_request", None),
+    EngineStoppedError: ("over_capacity", "the engine is stopping"),
+    RequestCancelledError: ("cancelled", None),
+}
+REFUSALS = tuple(_REFUSAL_CODES)
+
+
+def _refused(exc: Exception, span: NodeSpan, code: NodeErrorCode | None = None) -> Response:
+    """The answer to a request the engine refused (`code` in place of the table's)."""
+    default_code, words = _REFUSAL_CODES[type(exc)]
+    code, message = code or default_code, words or str(exc)
+    span.fail(code, message)
+    return error_response(code, message)
+
+
 async def prefill(request: Request) -> Response:
     """Run a prompt and its first token for a decode node: the KV handoff's bytes."""
     started_ns = time.time_ns()
@@ -187,15 +205,8 @@ async def prefill(request: Request) -> Response:
             body.request_id, call.prompt_ids, call.params, body.account_id, prefill_only=True
         ):
             final = out
-    except InvalidRequestError as exc:
-        span.fail("invalid_request", str(exc))
-        return error_response("invalid_request", str(exc))
-    except EngineStoppedError:
-        span.fail("over_capacity", "the engine is stopping")
-        return error_response("over_capacity", "the engine is stopping")
-    except RequestCancelledError as exc:
-        span.fail("cancelled", str(exc))
-        return error_response("cancelled", str(exc))
+    except REFUSALS as exc:
+        return _refused(exc, span)
     finally:
         service.num_in_flight -= 1
     if final is None or final.handoff is None:
@@ -233,20 +244,11 @@ async def generate(request: Request) -> Response:
         # The engine validates before yielding anything: pull the first output here so its
         # errors become a status code, not a broken stream.
         first = await anext(outputs)
-    except InvalidRequestError as exc:
+    except REFUSALS as exc:
         service.num_in_flight -= 1
         # A handoff this node cannot take is the fleet's fault, not the client's.
-        refused: NodeErrorCode = "internal" if handoff is not None else "invalid_request"
-        span.fail(refused, str(exc))
-        return error_response(refused, str(exc))
-    except EngineStoppedError:
-        service.num_in_flight -= 1
-        span.fail("over_capacity", "the engine is stopping")
-        return error_response("over_capacity", "the engine is stopping")
-    except RequestCancelledError as exc:
-        service.num_in_flight -= 1
-        span.fail("cancelled", str(exc))
-        return error_response("cancelled", str(exc))
+        is_handoff = handoff is not None and isinstance(exc, InvalidRequestError)
+        return _refused(exc, span, "internal" if is_handoff else None)
     except BaseException as exc:
         service.num_in_flight -= 1
         span.fail(type(exc).__qualname__)
