@@ -1,6 +1,7 @@
 """Billing throughput, measured side by side (not collected by pytest: no test_ prefix).
 
     .venv/bin/python benchmarks/bench_billing.py [--events 5000]
+    .venv/bin/python benchmarks/bench_billing.py --smoke     # 100 events (CI)
 
 1. Ledger inserts per second: SQLite vs PostgreSQL, one event per transaction vs
    batches of 100 (what the worker commits per XREADGROUP).
@@ -93,9 +94,13 @@ async def time_worker(ledger: Ledger, evs: list[UsageEvent], stream: str) -> flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--events", type=int, default=5000)
-    n = parser.parse_args().events
+    parser.add_argument("--smoke", action="store_true", help="100 events (CI)")
+    args = parser.parse_args()
+    n = 100 if args.smoke else args.events
     tmp = Path(tempfile.mkdtemp())
     db = f"edgeserve_billing_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(DATABASE_URL, autocommit=True) as admin:

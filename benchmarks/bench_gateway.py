@@ -1,16 +1,22 @@
-"""Gateway overhead: latency it adds over calling a node directly, and requests/s it sustains.
+"""Gateway overhead and the cost of tracing, against a node API with no model.
 
-Side by side in one run, against `minimal_upstream.py` (a node API with no model):
+Side by side in one run, behind the same minimal upstream (answers
+`POST /internal/v1/generate` at once with `max_tokens` NDJSON chunks, so what is
+measured is the gateway):
 
-    direct     load generator -> upstream                 POST /internal/v1/generate (16 chunks)
-    gateway    load generator -> gateway -> upstream      Workers AI run, non-streaming and streaming
+    overhead   load generator -> upstream                 POST /internal/v1/generate (16 chunks)
+               load generator -> gateway -> upstream      Workers AI run, non-streaming and streaming
+    tracing    three gateways, tracing off / 10 % sampled / every request, spans exported
+               over OTLP/HTTP to a sink that drops them; interleaved rounds
 
 Latency: one request at a time (p50/p99, and the gateway's added p50/p99).
-Throughput: `--concurrency` connections for `--seconds` each. The gateway is
-one uvicorn process (uvloop + httptools) with in-process stores (keys,
-capacity, reservations) as in `edgeserve up`, no limiter or usage sink.
+Throughput: `--concurrency` connections for `--seconds` each. Each gateway is one uvicorn
+process (uvloop + httptools) with in-process stores as in `edgeserve up`, no limiter or
+usage sink.
 
-    .venv/bin/python benchmarks/bench_gateway.py [--seconds 5] [--concurrency 32]
+    .venv/bin/python benchmarks/bench_gateway.py [overhead] [--seconds 5] [--concurrency 32]
+    .venv/bin/python benchmarks/bench_gateway.py tracing [--seconds 4] [--rounds 3]
+    .venv/bin/python benchmarks/bench_gateway.py --smoke     # both, a few requests each (CI)
 """
 
 from __future__ import annotations
@@ -25,15 +31,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 KEY = "es-bench-key"
 ACCOUNT = "bench"
 INTERNAL_TOKEN = "bench-internal"
 NUM_CHUNKS = 16
 HERE = Path(__file__).resolve().parent
+# gateway telemetry -> sampling ratio; "plain" has no telemetry object, "off" has one
+# with tracing off (GenAI metrics only)
+TRACING = {"off": None, "sampled": 0.1, "on": 1.0}
 
 
 def free_port() -> int:
@@ -42,28 +49,164 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# -- the gateway process ----------------------------------------------------------------
+# -- the processes: upstream, OTLP sink, gateway ------------------------------------------
 
 
-def serve_gateway(port: int, upstream_port: int, telemetry: Any = None) -> None:
-    """One gateway process in front of the minimal upstream (in-process stores, as `up`)."""
+CAPACITY = {
+    "node_id": "upstream",
+    "address": "",
+    "role": "mixed",
+    "models": ["smollm2"],
+    "num_pages": 4096,
+    "num_free_pages": 4096,
+    "page_size": 16,
+    "kv_dtype": "fp32",
+    "num_running": 0,
+    "num_waiting": 0,
+    "load": 0.0,
+    "published_at": 0.0,
+    "ttl_s": 3.0,
+}
+
+
+def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    head = b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + content_type
+    return head + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+def _generate(body: bytes) -> bytes:
+    request = json.loads(body)
+    num_tokens = int(request.get("max_tokens", 16))
+    lines = [b'{"text":"tok ","token_ids":[1],"prompt_tokens":8,"cached_tokens":0}\n']
+    lines += [b'{"text":"tok ","token_ids":[1]}\n'] * (num_tokens - 1)
+    usage = {"prompt_tokens": 8, "completion_tokens": num_tokens, "cached_tokens": 0}
+    lines.append(json.dumps({"finish_reason": "length", "usage": usage}).encode() + b"\n")
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(line), line) for line in lines)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+    return head + chunks + b"0\r\n\r\n"
+
+
+class UpstreamProtocol(asyncio.Protocol):
+    """HTTP/1.1 keep-alive, Content-Length bodies only (what httpx sends)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while True:
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self._buffer[:end].decode("latin-1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self._buffer) < end + 4 + length:
+                return
+            body = self._buffer[end + 4 : end + 4 + length]
+            self._buffer = self._buffer[end + 4 + length :]
+            method, path, _ = head.split(" ", 2)
+            assert self._transport is not None
+            self._transport.write(self._answer(method, path, body))
+
+    def _answer(self, method: str, path: str, body: bytes) -> bytes:
+        if method == "POST" and path == "/internal/v1/generate":
+            return _generate(body)
+        if method == "DELETE":
+            return b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n"
+        if path == "/internal/v1/capacity":
+            return _response("200 OK", json.dumps(CAPACITY).encode())
+        if path == "/internal/v1/health":
+            return _response("200 OK", b'{"status":"ok"}')
+        return _response("404 Not Found", b'{"error":{"code":"not_found","message":"no route"}}')
+
+
+class OtlpSink(asyncio.Protocol):
+    """Answers every HTTP/1.1 request 200 with an empty body (an OTLP receiver that drops)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
+            length = 0
+            for line in self._buffer[:end].split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(self._buffer) < end + 4 + length:
+                return
+            self._buffer = self._buffer[end + 4 + length :]
+            assert self._transport is not None
+            self._transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n"
+            )
+
+
+def serve_otlp(port: int) -> None:
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(OtlpSink, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def serve_gateway(port: int, upstream_port: int, mode: str, otlp_port: int) -> None:
+    """One gateway process in front of the upstream (in-process stores, as `up`)."""
     import uvicorn
 
+    from common.telemetry import TelemetrySettings, setup_telemetry
     from gateway.app import create_app
     from gateway.keys import MemoryKeyStore
     from gateway.settings import GatewaySettings
     from scheduler.capacity import CapacityRecord, CapacityView, LocalCapacityRegistry
     from scheduler.placement import LocalReservations, Placer
 
+    telemetry = None
+    if mode != "plain":
+        ratio = TRACING[mode]
+        telemetry = setup_telemetry(
+            TelemetrySettings(
+                f"bench-gateway-{mode}",
+                is_tracing=ratio is not None,
+                sampling_ratio=ratio or 1.0,
+                otlp_traces_endpoint=f"http://127.0.0.1:{otlp_port}/v1/traces",
+            )
+        )
     registry = LocalCapacityRegistry()
     keys = MemoryKeyStore()
 
     async def on_startup() -> None:
         await keys.add(KEY, ACCOUNT)
         record = CapacityRecord(
-            "upstream", f"http://127.0.0.1:{upstream_port}", "mixed", ("smollm2",),
-            4096, 4096, 16, "fp32", 0, 0, 0.0, time.time(), 1e9,
-        )  # fmt: skip
+            node_id="upstream",
+            address=f"http://127.0.0.1:{upstream_port}",
+            role="mixed",
+            models=("smollm2",),
+            num_pages=4096,
+            num_free_pages=4096,
+            page_size=16,
+            kv_dtype="fp32",
+            num_running=0,
+            num_waiting=0,
+            load=0.0,
+            published_at=time.time(),
+            ttl_s=1e9,
+            activations="fp32",
+        )
         await registry.publish(record)
 
     app = create_app(
@@ -77,6 +220,19 @@ def serve_gateway(port: int, upstream_port: int, telemetry: Any = None) -> None:
         app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
         access_log=False, backlog=2048,
     )  # fmt: skip
+
+
+def serve_upstream(port: int) -> None:
+    import uvloop
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(
+            UpstreamProtocol, "127.0.0.1", port, backlog=1024
+        )
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
 
 
 # -- the load generator: a raw keep-alive HTTP/1.1 client -------------------------------
@@ -193,7 +349,7 @@ async def wait_port(port: int) -> None:
     raise SystemExit(f"nothing listens on {port}")
 
 
-async def run(args: argparse.Namespace, upstream_port: int, gateway_port: int) -> None:
+async def run_overhead(args: argparse.Namespace, upstream_port: int, gateway_port: int) -> None:
     await wait_port(upstream_port)
     await wait_port(gateway_port)
     cases: list[tuple[str, int, bytes, str]] = [
@@ -202,7 +358,7 @@ async def run(args: argparse.Namespace, upstream_port: int, gateway_port: int) -
         ("gateway streaming, 16 chunks", gateway_port, gateway_request(True), "stream"),
     ]
     for _, port, raw, kind in cases:  # warm up connections, caches, code paths
-        await latencies(port, raw, kind, 200)
+        await latencies(port, raw, kind, args.warmup)
     rows = []
     for name, port, raw, kind in cases:
         lat = await latencies(port, raw, kind, args.requests)
@@ -210,10 +366,7 @@ async def run(args: argparse.Namespace, upstream_port: int, gateway_port: int) -
         rows.append((name, pct(lat, 0.5), pct(lat, 0.99), statistics.fmean(lat) * 1000, rps))
     direct_p50, direct_p99 = rows[0][1], rows[0][2]
     print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    )
-    print(
-        f"latency: {args.requests} sequential requests; throughput: {args.concurrency} connections x {args.seconds:.0f} s"
+        f"latency: {args.requests} sequential requests; throughput: {args.concurrency} connections x {args.seconds:g} s"
     )
     print(
         f"{'case':32} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'req/s':>8} {'+p50 ms':>8} {'+p99 ms':>8}"
@@ -228,51 +381,105 @@ async def run(args: argparse.Namespace, upstream_port: int, gateway_port: int) -
     )
 
 
+async def run_tracing(args: argparse.Namespace, ports: dict[str, int], upstream_port: int) -> None:
+    await wait_port(upstream_port)
+    for port in ports.values():
+        await wait_port(port)
+    kinds = (
+        ("non-streaming", gateway_request(False), "json"),
+        ("streaming", gateway_request(True), "stream"),
+    )
+    for port in ports.values():  # warm up every gateway on both paths
+        for _, raw, kind in kinds:
+            await latencies(port, raw, kind, args.warmup)
+    rps: dict[tuple[str, str], list[float]] = {}
+    lat: dict[tuple[str, str], list[float]] = {}
+    for round_index in range(args.rounds):
+        order = list(ports) if round_index % 2 == 0 else list(reversed(ports))
+        for name, raw, kind in kinds:
+            for mode in order:
+                lat.setdefault((mode, name), []).extend(
+                    await latencies(ports[mode], raw, kind, args.requests)
+                )
+                rps.setdefault((mode, name), []).append(
+                    await throughput(ports[mode], raw, kind, args.concurrency, args.seconds)
+                )
+    print(
+        f"{args.rounds} interleaved rounds; per round and case: {args.requests} sequential requests"
+        f" (latency), {args.concurrency} connections x {args.seconds:g} s (throughput)"
+    )
+    print(
+        f"{'case':34} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'min':>7} {'max':>7} {'vs off':>7}"
+    )
+    for name, _, _ in kinds:
+        base = statistics.median(rps[("off", name)])
+        for mode in ports:
+            values = rps[(mode, name)]
+            median = statistics.median(values)
+            row = f"{name + ', tracing ' + mode:34} {pct(lat[(mode, name)], 0.5):8.2f}"
+            row += f" {pct(lat[(mode, name)], 0.99):8.2f} {median:8.0f} {min(values):7.0f}"
+            print(row + f" {max(values):7.0f} {median / base:7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("mode", nargs="?", choices=("overhead", "tracing"), default="overhead")
+    parser.add_argument("--seconds", type=float, default=None, help="throughput, per case")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument(
-        "--requests", type=int, default=2000, help="sequential requests for latency"
-    )
-    parser.add_argument(
-        "--serve-gateway",
-        nargs=2,
-        type=int,
-        metavar=("PORT", "UPSTREAM_PORT"),
-        help=argparse.SUPPRESS,
-    )
+    parser.add_argument("--requests", type=int, default=None, help="sequential, for latency")
+    parser.add_argument("--rounds", type=int, default=3, help="tracing: interleaved rounds")
+    parser.add_argument("--smoke", action="store_true", help="both modes, a few requests each")
+    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-otlp", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-gateway", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_upstream:
+        return serve_upstream(args.serve_upstream)
+    if args.serve_otlp:
+        return serve_otlp(args.serve_otlp)
     if args.serve_gateway:
-        serve_gateway(*args.serve_gateway)
-        return
-    upstream_port, gateway_port = free_port(), free_port()
+        port, upstream, mode, otlp = args.serve_gateway
+        return serve_gateway(int(port), int(upstream), mode, int(otlp))
+    if args.smoke:
+        args.seconds, args.concurrency, args.requests, args.rounds = 0.2, 4, 20, 1
+        args.warmup = 20
+        modes = ["overhead", "tracing"]
+    else:
+        args.warmup = 200
+        modes = [args.mode]
+        if args.seconds is None:
+            args.seconds = 5.0 if args.mode == "overhead" else 4.0
+        if args.requests is None:
+            args.requests = 2000 if args.mode == "overhead" else 500
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
+    upstream_port, otlp_port = free_port(), free_port()
+    gateways = {"plain": free_port()} if "overhead" in modes else {}
+    if "tracing" in modes:
+        gateways |= {mode: free_port() for mode in TRACING}
     root = HERE.parent
     env = os.environ | {"PYTHONPATH": str(root)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "minimal_upstream.py"), "--port", str(upstream_port)],
-            env=env,
-        ),
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "bench_gateway.py"),
-                "--serve-gateway",
-                str(gateway_port),
-                str(upstream_port),
-            ],
-            env=env,
-            cwd=root,
-        ),
+    me = [sys.executable, str(HERE / "bench_gateway.py")]
+    commands = [
+        [*me, "--serve-upstream", str(upstream_port)],
+        [*me, "--serve-otlp", str(otlp_port)],
     ]
+    commands += [
+        [*me, "--serve-gateway", str(port), str(upstream_port), mode, str(otlp_port)]
+        for mode, port in gateways.items()
+    ]
+    procs = [subprocess.Popen(command, env=env, cwd=root) for command in commands]
     try:
         import uvloop
 
-        runner: Callable[[Awaitable[None]], None] = uvloop.run  # type: ignore[assignment]
-        runner(run(args, upstream_port, gateway_port))
+        if "overhead" in modes:
+            uvloop.run(run_overhead(args, upstream_port, gateways["plain"]))
+        if "tracing" in modes:
+            ports = {mode: gateways[mode] for mode in TRACING}
+            uvloop.run(run_tracing(args, ports, upstream_port))
     finally:
         for proc in procs:
             proc.terminate()

@@ -1,7 +1,7 @@
 """What a prefill/decode KV handoff costs beside the prefill it saves the decode node.
 
-    TRITON_INTERPRET=0 python3 benchmarks/bench_handoff.py              # GPU: seeded 16-layer llama
-    .venv/bin/python benchmarks/bench_handoff.py --tiny                  # CPU smoke run
+    TRITON_INTERPRET=0 python3 benchmarks/bench_handoff.py      # GPU: seeded 16-layer llama
+    .venv/bin/python benchmarks/bench_handoff.py --smoke         # tiny model on the CPU (CI)
 
 For each prompt length, side by side in one run: a normal request's prefill (one
 step to its first token), the same prompt prefill-only (the step plus exporting its
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine_gpu import LLAMA_1B, TINY, make_engine, sync
+from bench_engine import LLAMA_1B, TINY, make_engine, sync
 
 from gpu_node.handoff import KVHandoff, import_rows
 from gpu_node.weights import seeded_llama
@@ -46,16 +46,20 @@ def run(engine, ids, **kwargs):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny model, short prompts, CPU")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--kv-dtype", default="fp8")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    shape = TINY if args.tiny else LLAMA_1B
+    if args.smoke:
+        args.lengths, args.repeats = "64,128", 1
+    device = "cpu" if args.smoke else "cuda"
+    shape = TINY if args.smoke else LLAMA_1B
     model = seeded_llama(shape, seed=0, device=device)
-    model = model.to(torch.float32 if args.tiny else torch.bfloat16)
+    model = model.to(torch.float32 if args.smoke else torch.bfloat16)
     lengths = [int(n) for n in args.lengths.split(",")]
     pages = max(lengths) // 16 + 8
     overrides = {

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_moe.py [--layers 26] [--json out.json]     # GPU
     python benchmarks/bench_moe.py --memory [SMOLLM2.gguf]             # CPU only
+    .venv/bin/python benchmarks/bench_moe.py --smoke     # CPU: memory table, INT4 layer (CI)
 
 GPU part, config `moe-medium` (hidden 2048, 64 experts, top-8, expert hidden
 1408, one shared expert; DeepSeek-V2-Lite's layer):
@@ -364,8 +365,29 @@ def memory_table(gguf_path: str | None) -> None:
     print(f"\nmoe-small INT4 g32 measured by model_bytes: {model_bytes(mlp)}")
 
 
+def smoke() -> None:
+    """What runs without a GPU: the memory table, and one moe-small layer in INT4 (the CPU
+    path of the same module) against its float self. The timings need a GPU: not run."""
+    memory_table(None)
+    torch.manual_seed(0)
+    config = MOE_CONFIGS["moe-small"]
+    mlp = MoeMLP.dummy(config, seed=0).float()
+    x = torch.randn(3, config.hidden_size)
+    with torch.inference_mode():
+        want = mlp(x)
+        quantize_model(mlp, group_size=32)
+        got = mlp(x)
+    err = float((got - want).norm() / want.norm())
+    assert err < 0.5, err
+    print(f"smoke: moe-small INT4 g32 layer on the CPU, relative error {err:.3f} against "
+          "float weights; kernel timings need a GPU: not run")  # fmt: skip
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU: memory table, INT4 layer")
     parser.add_argument(
         "--memory", nargs="?", const="", default=None, help="print the memory table (CPU)"
     )
@@ -373,6 +395,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=GROUP)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.smoke:
+        return smoke()
     if args.memory is not None:
         memory_table(args.memory or None)
         return

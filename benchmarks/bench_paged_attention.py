@@ -1,24 +1,25 @@
-"""FP8 paged KV: scale-granularity error, GPU correctness, decode attention speed.
+"""Paged attention and the KV cache it reads: fp8 scale granularity, accuracy, kernels, speed.
 
-Run from the repository root (needs only torch, triton and numpy):
+Run from the repository root:
 
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py scales   # any machine
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py check    # GPU: kernels vs refs
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py decode   # GPU: timing tables
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py prefetch # GPU: fp8 page-id prefetch
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py check-cost  # GPU: paired on/off
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py layout --rounds 3  # GPU: pool order
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py early-merge --rounds 3  # GPU: PDL
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py sweep --rounds 3  # GPU: launch options
-    PYTHONPATH=. ncu --clock-control none -k regex:split_kernel -c 2 --section WarpStateStats \
-        python benchmarks/bench_paged_attention.py profile            # GPU: one call each, for ncu
-    PYTHONPATH=. python benchmarks/bench_paged_attention.py all --out DIR
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py scales       # any machine
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py accuracy     # SmolLM2, CPU is fine
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py integrity-host   # any machine
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py check        # GPU: kernels vs refs
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py mma --rounds 3   # GPU: decode table
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py step-cost --rounds 5  # GPU
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py prefill      # GPU: prefill chunks
+    PYTHONPATH=. python benchmarks/bench_paged_attention.py --smoke      # CPU, seconds (CI)
 
-`decode` times one layer's decode attention (both kernels) per call with CUDA-graph
-replay, rotating over enough independent KV pools that no point is served from L2,
-and reports bytes moved (K, V, scales, q, out) per second against a device-to-device
-copy measured in the same run (bytes read + written), fp8 vs bf16 pages, and the
-ownership check on vs off.
+scales: the error of each fp8 scale granularity on SmolLM2-shaped K/V with outliers.
+accuracy: SmolLM2's perplexity, KL and greedy answers with fp32, bf16 and fp8 KV.
+integrity-host: the host side of the ownership check, ms per engine step.
+mma: one layer's decode attention per call under CUDA-graph replay, rotating over enough
+independent KV pools that no point is served from L2: the default fp8 kernel beside bf16
+pages, against a device-to-device copy measured in the same run, ownership check on vs off.
+step-cost: the check's share of one decoder layer's decode work.
+prefill: time to the first token of a long prompt with each chunk's attention through SDPA's
+fused kernels (what the engine runs on a GPU) against the materialised-mask reference.
 """
 
 from __future__ import annotations
@@ -26,21 +27,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
 import torch
 import triton
 
+from gpu_node import model_store
+from gpu_node.attention import PagedAttention, StepMetadata
+from gpu_node.gguf_loader import GGUFModel
 from gpu_node.kernels.kv_write import kv_write, kv_write_ref
 from gpu_node.kernels.paged_attention import paged_decode_attention
 from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma
 from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
-from gpu_node.kv_cache import HEAD_MAJOR
+from gpu_node.kv_cache import HEAD_MAJOR, KVCache
 from gpu_node.kv_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -51,6 +57,9 @@ from gpu_node.kv_quant import (
     quantize_fp8,
     scale_shape,
 )
+from gpu_node.model_runner import find_violations_host
+from gpu_node.tokenizer import ChatTokenizer
+from gpu_node.weights import load_llama
 from scheduler.block_manager import FREE, owner_tag
 
 SHAPES = {  # name -> (query heads, kv heads, head dim)
@@ -414,38 +423,6 @@ def copy_us(moved: float) -> float:
     return ms * 1e3 / count
 
 
-SWEEP_CONFIGS = [  # max registers, waves, full steps
-    (regs, waves, full) for regs in (128, 144) for waves in (1, 1.5, 2, 3) for full in (False, True)
-]
-
-
-def part_sweep(results: dict, rounds: int, points=None) -> None:
-    """The mma kernel's launch options (register cap, waves, unguarded full steps) at a few
-    points, interleaved over `rounds` rounds, check on (median µs per call)."""
-    record = results.setdefault("sweep", [])
-    log("\n| shape | B | L | regs | waves | full steps | µs |")
-    log("|---|---|---|---|---|---|---|")
-    default_points = [("smollm2", 8, 32768), ("smollm2", 64, 8192), ("smollm2", 1, 32768)]
-    for shape_name, batch, length in points or default_points:
-        calls, _ = timing_pool(batch, length, SHAPES[shape_name], FP8_DTYPE)
-        times: dict = {config: [] for config in SWEEP_CONFIGS}
-        for _ in range(rounds):
-            for regs, waves, full in SWEEP_CONFIGS:
-                times[(regs, waves, full)].append(
-                    time_calls(calls, paged_decode_attention_mma, max_registers=regs,
-                               waves=waves, full_steps=full)
-                )  # fmt: skip
-        del calls
-        torch.cuda.empty_cache()
-        for (regs, waves, full), values in sorted(
-            times.items(), key=lambda kv: statistics.median(kv[1])
-        ):
-            log(f"| {shape_name} | {batch} | {length} | {regs} | {waves} | {full} | "
-                f"{statistics.median(values):.1f} |")  # fmt: skip
-            record.append({"shape": shape_name, "batch": batch, "length": length, "regs": regs,
-                           "waves": waves, "full_steps": full, "us": values})  # fmt: skip
-
-
 def timing_pool(batch: int, length: int, shape, cache_dtype, head_major: bool = HEAD_MAJOR):
     """Enough independent copies of one decode batch that their KV exceeds ROTATE_BYTES, in
     the engine's pool memory order (kv_cache.HEAD_MAJOR) unless `head_major` says."""
@@ -519,221 +496,6 @@ def bf16_pages_us(batch: int, length: int, shape) -> float:
     return us
 
 
-FP8_CONFIGS = [  # block_n, num_warps, num_stages, programs per SM, q_fp8, tokens_m, max regs
-    (128, 4, 2, 8, False, True, 0),  # fp16 q, tokens as the MMA's M side
-    (128, 4, 2, 8, False, False, 0),  # fp16 q, query heads as M (the second session's)
-    (128, 4, 3, 8, False, True, 0),
-    (64, 4, 2, 8, False, True, 0),
-    (64, 4, 2, 8, False, True, 128),  # 128 registers: 4 programs per SM instead of 3
-    (64, 4, 2, 8, False, False, 128),
-    (64, 4, 2, 16, False, True, 128),
-    (128, 4, 2, 8, True, True, 0),  # q as three e4m3 parts, K read as it is (fp8 wgmma)
-    (64, 4, 2, 8, True, True, 128),
-    (64, 4, 2, 8, True, True, 96),
-]
-# q_fp8 costs accuracy (3-7x the relative error of fp16 q on the GPU, see `check`): it is
-# picked only when it beats the best exact-q config by this factor.
-Q_FP8_MIN_GAIN = 1.05
-
-
-def tune(shape, cache_dtype) -> dict:
-    """Pick the fp8 tile config with the least total time at 32K context, batch 1 and 64.
-
-    16-bit pages keep their defaults (tuned in the first two sessions, unchanged since).
-    """
-    if cache_dtype != FP8_DTYPE:
-        return {}
-    best, best_total = None, float("inf")
-    points = [timing_pool(b, 32768, shape, cache_dtype) for b in (1, 64)]
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    candidates: list[dict[str, Any]] = [
-        {
-            "block_n": n,
-            "num_warps": w,
-            "num_stages": st,
-            "target_programs": p * num_sms,
-            "q_fp8": q_fp8,
-            "tokens_m": tokens_m,
-            "max_registers": max_registers,
-        }
-        for n, w, st, p, q_fp8, tokens_m, max_registers in FP8_CONFIGS
-    ]
-    for options in candidates:
-        try:
-            times = [time_calls(calls, **options) for calls, _ in points]
-        except Exception as error:  # a config the compiler rejects (registers, smem)
-            log(f"  config {options} failed: {type(error).__name__}: {error}")
-            continue
-        total = sum(times)
-        log(
-            f"  {cache_dtype} {options}: B=1 {times[0]:.1f} µs + B=64 {times[1]:.1f} µs "
-            f"= {total:.1f} µs (32K)"
-        )
-        if options["q_fp8"]:
-            total *= Q_FP8_MIN_GAIN
-        if total < best_total:
-            best, best_total = options, total
-    del points
-    torch.cuda.empty_cache()
-    assert best is not None
-    return best
-
-
-def part_decode(results: dict, shapes: list[str], quick: bool, save) -> None:
-    copy_bw = copy_bandwidth()
-    torch.cuda.empty_cache()
-    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s")
-    results["copy_bandwidth_Bps"] = copy_bw
-    batches = (1, 8, 64)
-    lengths = (1024, 8192, 32768)
-    for shape_name in shapes:
-        shape = SHAPES[shape_name]
-        tuned = {}
-        for cache_dtype in (torch.bfloat16, FP8_DTYPE):
-            tuned[cache_dtype] = tune(shape, cache_dtype) if not quick else {}
-            log(f"{shape_name} {cache_dtype}: tuned {tuned[cache_dtype]}")
-        rows = []
-        log(f"\n## decode attention, {shape_name} (Q, H, D = {shape}), page {PAGE_SIZE}\n")
-        log(
-            "| B | L | pages | µs check on | µs check off | check cost | TB/s | % of copy | fp8 speedup |"
-        )
-        log("|---|---|---|---|---|---|---|---|---|")
-        for batch in batches:
-            for length in lengths:
-                times = {}
-                for cache_dtype in (torch.bfloat16, FP8_DTYPE):
-                    calls, moved = timing_pool(batch, length, shape, cache_dtype)
-                    on, off = [], []
-                    try:
-                        for _ in range(3):  # interleaved, medians: the difference is small
-                            on.append(time_calls(calls, check_owner=True, **tuned[cache_dtype]))
-                            off.append(time_calls(calls, check_owner=False, **tuned[cache_dtype]))
-                    except Exception as error:
-                        log(
-                            f"| {batch} | {length} | {cache_dtype} | {type(error).__name__}: {error}"
-                        )
-                        times[cache_dtype] = float("nan")
-                        continue
-                    t_on, t_off = statistics.median(on), statistics.median(off)
-                    times[cache_dtype] = t_on
-                    bw = moved / (t_on * 1e-6)
-                    name = "fp8" if cache_dtype == FP8_DTYPE else "bf16"
-                    speedup = times[torch.bfloat16] / t_on if cache_dtype == FP8_DTYPE else 1.0
-                    row = {
-                        "shape": shape_name,
-                        "batch": batch,
-                        "length": length,
-                        "kv": name,
-                        "us_check_on": t_on,
-                        "us_check_off": t_off,
-                        "check_cost": t_on / t_off - 1,
-                        "bytes": moved,
-                        "Bps": bw,
-                        "frac_copy": bw / copy_bw,
-                        "fp8_speedup": speedup,
-                        "on_runs": on,
-                        "off_runs": off,
-                    }
-                    rows.append(row)
-                    save()
-                    log(
-                        f"| {batch} | {length} | {name} | {t_on:.1f} | {t_off:.1f} | "
-                        f"{100 * (t_on / t_off - 1):+.2f}% | {bw / 1e12:.2f} | "
-                        f"{100 * bw / copy_bw:.0f}% | {speedup:.2f}x |"
-                    )
-                    del calls
-                    torch.cuda.empty_cache()
-        results.setdefault("decode", {})[shape_name] = {
-            "tuned": {str(k): v for k, v in tuned.items()},
-            "rows": rows,
-        }
-
-
-PREFETCH_POINTS = [  # shape, batch, context
-    ("llama8b", 64, 32768),
-    ("smollm2", 64, 32768),
-    ("llama8b", 8, 32768),
-    ("smollm2", 8, 32768),
-    ("llama8b", 64, 8192),
-    ("llama8b", 1, 32768),
-    ("smollm2", 1, 32768),
-]
-PREFETCH_VARIANTS = {  # name -> options over the fp8 tile defaults
-    "defaults": {},
-    "no prefetch, 2 stages": {"prefetch_pages": False, "num_stages": 2},
-    "prefetch, 2 stages": {"prefetch_pages": True, "num_stages": 2},
-    "prefetch, 3 stages": {"prefetch_pages": True, "num_stages": 3},
-    "scales ahead, 2 stages": {"prefetch_scales": True, "num_stages": 2},
-    "scales ahead, 3 stages": {"prefetch_scales": True, "num_stages": 3},
-    "scales ahead, 3 stages, block 64, 16/SM": {
-        "prefetch_scales": True, "num_stages": 3, "block_n": 64, "programs": 16,
-    },
-    "scales ahead, 2 stages, block 128, 8/SM": {
-        "prefetch_scales": True, "num_stages": 2, "block_n": 128, "programs": 8,
-    },
-}  # fmt: skip
-
-
-def part_prefetch(results: dict) -> None:
-    """fp8 pages: each full block's page ids loaded a block ahead (`prefetch_pages`), or
-    two ahead with the scales one ahead (`prefetch_scales`), and deeper pipelines, side by side with bf16 pages, ownership check on; the check's cost
-    for the fastest variant (check off)."""
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
-    torch.cuda.empty_cache()
-    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s")
-    rows: list[dict[str, Any]] = []
-    results["prefetch"] = {"copy_bandwidth_Bps": copy_bw, "rows": rows}
-
-    def timed(calls, name, **options) -> float:
-        try:
-            return time_calls(calls, **options)
-        except Exception as error:  # a config the compiler rejects (shared memory)
-            log(f"  {name}: {type(error).__name__}: {str(error)[:160]}")
-            return math.nan
-
-    def options_of(name: str) -> dict[str, Any]:
-        options = dict(PREFETCH_VARIANTS[name])
-        if "programs" in options:
-            options["target_programs"] = options.pop("programs") * num_sms
-        return options
-
-    for shape_name, batch, length in PREFETCH_POINTS:
-        shape = SHAPES[shape_name]
-        calls, bf16_moved = timing_pool(batch, length, shape, torch.bfloat16)
-        bf16_us = timed(calls, "bf16")
-        del calls
-        torch.cuda.empty_cache()
-        calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
-        timings = {}
-        for name in PREFETCH_VARIANTS:
-            timings[name] = timed(calls, name, **options_of(name))
-        best = min(
-            timings, key=lambda name: math.inf if math.isnan(timings[name]) else timings[name]
-        )
-        check_off_us = timed(calls, "check off", check_owner=False, **options_of(best))
-        del calls
-        torch.cuda.empty_cache()
-        log(
-            f"\n{shape_name} B={batch} L={length}: bf16 {bf16_us:.1f} µs "
-            f"({100 * bf16_moved / (bf16_us * 1e-6) / copy_bw:.0f}% of copy); fp8:"
-        )
-        for name, us in timings.items():
-            log(
-                f"  {us:8.1f} µs  {100 * moved / (us * 1e-6) / copy_bw:3.0f}% of copy  "
-                f"{bf16_us / us:.2f}x bf16  {name}"
-            )
-        log(
-            f"  best: {best}; check off {check_off_us:.1f} µs, check cost "
-            f"{100 * (timings[best] / check_off_us - 1):+.1f}%"
-        )
-        rows.append(
-            {"shape": shape_name, "batch": batch, "length": length, "bf16_us": bf16_us,
-             "bf16_bytes": bf16_moved, "fp8_bytes": moved, "fp8_us": timings, "best": best,
-             "best_check_off_us": check_off_us}
-        )  # fmt: skip
-
-
 CHECK_COST_POINTS = [  # shape, batch, context
     (shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)
 ]
@@ -756,33 +518,6 @@ def paired_check_timings(calls, rounds: int, attention=None, **options):
     ratios = sorted(a / b - 1 for a, b in zip(on, off, strict=True))
     low, high = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
     return on, off, statistics.median(ratios), low, high
-
-
-def part_check_cost(results: dict, rounds: int) -> None:
-    """The ownership check's cost, measured harder than `decode` does: per point,
-    `rounds` pairs of timings (check on, check off; the order alternates by round), and
-    the median and spread of the per-pair ratios, so that drift between the two halves
-    of a pair mostly cancels."""
-    log(f"\n## ownership check cost, {rounds} paired rounds per point (tile defaults)\n")
-    log("| shape | B | L | pages | µs check on | µs check off | cost (median) | cost (25%-75%) |")
-    log("|---|---|---|---|---|---|---|---|")
-    rows = results.setdefault("check_cost", [])
-    for shape_name, batch, length in CHECK_COST_POINTS:
-        for cache_dtype in (torch.bfloat16, FP8_DTYPE):
-            calls, _ = timing_pool(batch, length, SHAPES[shape_name], cache_dtype)
-            on, off, median, low, high = paired_check_timings(calls, rounds)
-            name = "fp8" if cache_dtype == FP8_DTYPE else "bf16"
-            log(
-                f"| {shape_name} | {batch} | {length} | {name} | {statistics.median(on):.1f} | "
-                f"{statistics.median(off):.1f} | {100 * median:+.2f}% | "
-                f"{100 * low:+.2f}% .. {100 * high:+.2f}% |"
-            )
-            rows.append(
-                {"shape": shape_name, "batch": batch, "length": length, "kv": name,
-                 "on_us": on, "off_us": off, "median_cost": median}
-            )  # fmt: skip
-            del calls
-            torch.cuda.empty_cache()
 
 
 MMA_POINTS = [  # shape, batch, context
@@ -885,74 +620,6 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         )  # fmt: skip
 
 
-MMA_VARIANT_POINTS = [
-    (shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)
-]
-
-
-def mma_variant(linear: bool, full: bool, regs: int, deferred: bool = False):
-    """(table name, kernel options) of an mma kernel variant."""
-    name = f"{'full' if full else 'guarded'} {'linear' if linear else 'log2'} r{regs}"
-    options = {"linear_v": linear, "full_steps": full, "max_registers": regs,
-               "defer_owners": deferred}  # fmt: skip
-    return name + (" deferred" if deferred else ""), options
-
-
-MMA_VARIANTS = {  # head dim -> [(name, kernel options)]
-    64: [
-        mma_variant(linear=False, full=False, regs=128),
-        mma_variant(linear=False, full=True, regs=128),
-        mma_variant(linear=False, full=True, regs=144),
-        mma_variant(linear=True, full=True, regs=128),
-        mma_variant(linear=True, full=True, regs=144),
-        mma_variant(linear=True, full=True, regs=144, deferred=True),
-        mma_variant(linear=True, full=False, regs=128),
-        mma_variant(linear=True, full=False, regs=128, deferred=True),
-        mma_variant(linear=True, full=True, regs=128, deferred=True),
-    ],
-    128: [
-        mma_variant(linear=False, full=False, regs=216),
-        mma_variant(linear=False, full=True, regs=216),
-        mma_variant(linear=True, full=True, regs=216),
-        mma_variant(linear=True, full=True, regs=232, deferred=True),
-    ],
-}
-
-
-def part_mma_variants(results: dict, rounds: int, points=None) -> None:
-    """The mma kernel's variants side by side (MMA_VARIANTS: softmax form of the V scale,
-    unguarded full steps, register cap, owners compared after the loop), each with the
-    check on and off in `rounds` alternating pairs, beside bf16 pages."""
-    copy_bw = copy_bandwidth()
-    torch.cuda.empty_cache()
-    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
-    log("| shape | B | L | variant | µs check on | vs bf16 | % of copy | check cost (IQR) |")
-    log("|---|---|---|---|---|---|---|---|")
-    rows = results.setdefault("mma_variants", {"copy_bandwidth_Bps": copy_bw, "rows": []})
-    for shape_name, batch, length in points or MMA_VARIANT_POINTS:
-        shape = SHAPES[shape_name]
-        bf16_us = bf16_pages_us(batch, length, shape)
-        log(f"| {shape_name} | {batch} | {length} | bf16 pages | {bf16_us:.1f} | 1.00x | | |")
-        calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
-        for name, options in MMA_VARIANTS[shape[2]]:
-            on, off, cost, low, high = paired_check_timings(
-                calls, rounds, paged_decode_attention_mma, **options
-            )
-            us = statistics.median(on)
-            log(
-                f"| {shape_name} | {batch} | {length} | {name} | {us:.1f} | "
-                f"{bf16_us / us:.2f}x | {100 * moved / (us * 1e-6) / copy_bw:.0f}% | "
-                f"{cost_text(cost, low, high)} |"
-            )
-            rows["rows"].append(
-                {"shape": shape_name, "batch": batch, "length": length, "variant": name,
-                 "options": options, "bf16_us": bf16_us, "on_us": on, "off_us": off,
-                 "fp8_bytes": moved}
-            )  # fmt: skip
-        del calls
-        torch.cuda.empty_cache()
-
-
 def decoder_layer(x: torch.Tensor, num_heads: int, head_dim: int):
     """A decoder layer's decode work around paged attention, called as the attention
     function is (q from the call is replaced by x's projection)."""
@@ -967,41 +634,6 @@ def decoder_layer(x: torch.Tensor, num_heads: int, head_dim: int):
         return h + (torch.nn.functional.silu(gate) * up) @ w_down
 
     return layer
-
-
-SPLIT_SWEEP_POINTS = [("smollm2", 1, 32768), ("smollm2", 8, 32768), ("llama8b", 1, 32768)]
-SPLIT_SWEEP = {  # head dim -> [(max registers, max splits)]
-    64: [(r, n) for r in (128, 144) for n in (128, 256, 512)],
-    128: [(216, n) for n in (64, 128, 256)],
-}
-
-
-def part_split_sweep(results: dict, rounds: int) -> None:
-    """Small batches: the mma kernel's time and check cost by register cap and split cap
-    (SPLIT_SWEEP), `rounds` alternating on/off pairs each, beside bf16 pages."""
-    log("\n| shape | B | L | regs | max splits | µs check on | vs bf16 | check cost (IQR) |")
-    log("|---|---|---|---|---|---|---|---|")
-    rows = results.setdefault("split_sweep", [])
-    for shape_name, batch, length in SPLIT_SWEEP_POINTS:
-        shape = SHAPES[shape_name]
-        bf16_us = bf16_pages_us(batch, length, shape)
-        calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
-        for regs, max_splits in SPLIT_SWEEP[shape[2]]:
-            on, off, cost, low, high = paired_check_timings(
-                calls, rounds, paged_decode_attention_mma, max_registers=regs,
-                max_splits=max_splits,
-            )  # fmt: skip
-            us = statistics.median(on)
-            log(
-                f"| {shape_name} | {batch} | {length} | {regs} | {max_splits} | {us:.1f} | "
-                f"{bf16_us / us:.2f}x | {cost_text(cost, low, high)} |"
-            )
-            rows.append(
-                {"shape": shape_name, "batch": batch, "regs": regs, "max_splits": max_splits,
-                 "bf16_us": bf16_us, "on_us": on, "off_us": off}
-            )  # fmt: skip
-        del calls
-        torch.cuda.empty_cache()
 
 
 STEP_POINTS = [(shape, batch, 32768) for shape in ("smollm2", "llama8b") for batch in (1, 8, 64)]
@@ -1053,79 +685,6 @@ def part_step_cost(results: dict, rounds: int) -> None:
         torch.cuda.empty_cache()
 
 
-def head_major_calls(calls: list[dict]) -> list[dict]:
-    """The same calls over head-major copies of their pools (kv_pool(head_major=True))."""
-    pools = {}
-    for name in ("k_cache", "v_cache"):
-        cache = calls[0][name]
-        pools[name] = kv_pool(*cache.shape, cache.dtype, cache.device, head_major=True)
-        pools[name].copy_(cache)
-    return [{**call, **pools} for call in calls]
-
-
-def part_layout(results: dict, rounds: int, points=None) -> None:
-    """Token-major against head-major pools (kv_quant.kv_pool), side by side: bf16 pages
-    through the default kernel and fp8 pages through the mma kernel, check on, in
-    `rounds` interleaved rounds (median µs per call)."""
-    copy_bw = copy_bandwidth()
-    torch.cuda.empty_cache()
-    log(f"\ncopy bandwidth (device-to-device, read + write): {copy_bw / 1e12:.3f} TB/s\n")
-    record = results.setdefault("layout", {"copy_bandwidth_Bps": copy_bw, "rows": []})
-    log("| shape | B | L | bf16 token-major µs | bf16 head-major µs | fp8 token-major µs "
-        "| fp8 head-major µs | fp8 % of copy (tm / hm) | fp8 vs bf16 (tm / hm) |")  # fmt: skip
-    log("|---|---|---|---|---|---|---|---|---|")
-    for shape_name, batch, length in points or MMA_POINTS:
-        shape = SHAPES[shape_name]
-        times: dict[str, list[float]] = {}
-        moved = 0
-        for cache_dtype, name in ((torch.bfloat16, "bf16"), (FP8_DTYPE, "fp8")):
-            calls, moved_here = timing_pool(batch, length, shape, cache_dtype, head_major=False)
-            moved = moved_here if cache_dtype == FP8_DTYPE else moved
-            layouts = {"tm": calls, "hm": head_major_calls(calls)}
-            attention = paged_decode_attention_mma if cache_dtype == FP8_DTYPE else None
-            for _ in range(rounds):
-                for layout, layout_calls in layouts.items():
-                    times.setdefault(f"{name}_{layout}", []).append(
-                        time_calls(layout_calls, attention)
-                    )
-            del calls, layouts
-            torch.cuda.empty_cache()
-        us = {key: statistics.median(values) for key, values in times.items()}
-        share = [100 * moved / (us[f"fp8_{x}"] * 1e-6) / copy_bw for x in ("tm", "hm")]
-        log(
-            f"| {shape_name} | {batch} | {length} | {us['bf16_tm']:.1f} | {us['bf16_hm']:.1f} | "
-            f"{us['fp8_tm']:.1f} | {us['fp8_hm']:.1f} | {share[0]:.0f}% / {share[1]:.0f}% | "
-            f"{us['bf16_tm'] / us['fp8_tm']:.2f}x / {us['bf16_hm'] / us['fp8_hm']:.2f}x |"
-        )
-        record["rows"].append(
-            {"shape": shape_name, "batch": batch, "length": length, "fp8_bytes": moved,
-             "times_us": times}
-        )  # fmt: skip
-
-
-def part_early_merge(results: dict, rounds: int, points=None) -> None:
-    """The mma kernel with its merge kernel launched early (programmatic dependent launch,
-    merge_splits) and after it, in `rounds` interleaved rounds (median µs per call)."""
-    record = results.setdefault("early_merge", [])
-    log("\n| shape | B | L | merge after µs | merge early µs | gain |")
-    log("|---|---|---|---|---|---|")
-    for shape_name, batch, length in points or MMA_POINTS:
-        calls, _ = timing_pool(batch, length, SHAPES[shape_name], FP8_DTYPE)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(rounds):
-            for early in (False, True):
-                times[early].append(
-                    time_calls(calls, paged_decode_attention_mma, early_merge=early)
-                )
-        del calls
-        torch.cuda.empty_cache()
-        after, early = statistics.median(times[False]), statistics.median(times[True])
-        log(f"| {shape_name} | {batch} | {length} | {after:.1f} | {early:.1f} | "
-            f"{100 * (after / early - 1):+.1f}% |")  # fmt: skip
-        record.append({"shape": shape_name, "batch": batch, "length": length,
-                       "after_us": times[False], "early_us": times[True]})  # fmt: skip
-
-
 def part_mma_check(results: dict) -> bool:
     """The mma kernel against the fp32 reference on random_batch sequences (both shapes)."""
     ok = True
@@ -1147,55 +706,6 @@ def part_mma_check(results: dict) -> bool:
     return ok
 
 
-def part_profile(shape_name: str, batch: int, length: int) -> None:
-    """One decode call on bf16 pages, then one on fp8 pages (tile defaults, check on), for a
-    profiler such as Nsight Compute to capture; prints their times from a second call."""
-    for cache_dtype in (torch.bfloat16, FP8_DTYPE):
-        calls, _ = timing_pool(batch, length, SHAPES[shape_name], cache_dtype)
-        paged_decode_attention(**calls[0])
-        torch.cuda.synchronize()
-        log(f"{shape_name} B={batch} L={length} {cache_dtype}: one call made")
-        del calls
-        torch.cuda.empty_cache()
-
-
-def part_kv_write(results: dict) -> None:
-    """KV write throughput: a decode step (64 tokens) and a prefill chunk (8192 tokens)."""
-    log("\n## KV write (SmolLM2 kv shape), fp8 vs bf16\n")
-    log("| tokens | cache | µs | GB/s (in + out) |")
-    log("|---|---|---|---|")
-    rows = []
-    heads, dim = 3, 64
-    for tokens in (64, 8192):
-        for cache_dtype in (torch.bfloat16, FP8_DTYPE):
-            num_pages = 4 * math.ceil(tokens / PAGE_SIZE)
-            shape = (num_pages, PAGE_SIZE, heads, dim)
-            kc = kv_pool(*shape, cache_dtype, "cuda", head_major=HEAD_MAJOR)  # the engine's
-            vc = kv_pool(*shape, cache_dtype, "cuda", head_major=HEAD_MAJOR)
-            ks = vs = None
-            if cache_dtype == FP8_DTYPE:
-                ks = torch.zeros(
-                    scale_shape(num_pages, PAGE_SIZE, heads), dtype=SCALE_DTYPE, device="cuda"
-                )
-                vs = ks.clone()
-            x = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
-            slots = torch.randperm(num_pages * PAGE_SIZE, device="cuda")[:tokens]
-            owner = torch.zeros(num_pages, dtype=torch.int64, device="cuda")
-            tags = torch.zeros(tokens, dtype=torch.int64, device="cuda")
-            args = (x, x, kc, vc, slots, owner, tags, ks, vs)
-            kv_write(*args)
-            us = 1e3 * triton.testing.do_bench_cudagraph(
-                lambda args=args: kv_write(*args), rep=50, return_mode="median"
-            )
-            out_bytes = (
-                2 * tokens * heads * (dim * kc.element_size() + (1 if ks is not None else 0))
-            )
-            moved = 2 * x.numel() * 2 + out_bytes
-            rows.append({"tokens": tokens, "cache": str(cache_dtype), "us": us})
-            log(f"| {tokens} | {cache_dtype} | {us:.1f} | {moved / us / 1e3:.0f} |")
-    results["kv_write"] = rows
-
-
 def parse_points(text: str | None) -> list[tuple[str, int, int]] | None:
     """`shape:batch:length,...` -> points (None: the part's own)."""
     if not text:
@@ -1206,42 +716,285 @@ def parse_points(text: str | None) -> list[tuple[str, int, int]] | None:
     ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "part",
-        choices=[
-            "scales",
-            "check",
-            "decode",
-            "prefetch",
-            "check-cost",
-            "profile",
-            "mma",
-            "mma-variants",
-            "step-cost",
-            "split-sweep",
-            "layout",
-            "early-merge",
-            "sweep",
-            "all",
-        ],
-    )
-    parser.add_argument("--rounds", type=int, default=11, help="check-cost: paired rounds")
-    parser.add_argument("--out", type=Path, default=None, help="write results.json here")
-    parser.add_argument("--shapes", default="smollm2,llama8b")
-    parser.add_argument(
-        "--points", default=None, help="mma-variants, layout: shape:batch:length,... (default: all)"
-    )
-    parser.add_argument("--quick", action="store_true", help="skip tuning (default config)")
-    parser.add_argument("--tune", action="store_true", help="mma: tune the config per shape")
-    parser.add_argument(
-        "--device", default="cuda", help="for `check`: cpu needs TRITON_INTERPRET=1"
-    )
-    parser.add_argument("--trials", type=int, default=100, help="randomized fault trials")
-    args = parser.parse_args()
+# --------------------------------------------------------------------------- accuracy
 
-    def save() -> None:  # after every row: a run cut short still leaves its figures
+ACCURACY_KV_DTYPES = ("fp32", "bf16", "fp8")
+
+
+class OneSequence:
+    """One sequence on its own KV pool: feed tokens, get logits for every one of them."""
+
+    def __init__(self, model, kv_dtype: str, max_tokens: int, device: str):
+        config = model.config
+        self.model = model
+        self.device = device
+        num_pages = math.ceil(max_tokens / PAGE_SIZE)
+        self.kv = KVCache(
+            config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim,
+            kv_dtype, device,
+        )  # fmt: skip
+        tag = owner_tag(1, 0)
+        self.tags = torch.tensor([tag], device=device)
+        self.page_owner = torch.full((num_pages,), tag, device=device)
+        self.block_table = torch.arange(num_pages, dtype=torch.int32, device=device)[None, :]
+        self.scale = config.head_dim**-0.5
+        self.length = 0
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        """Appends tokens [T]; returns their next-token logits [T, V] (fp32)."""
+        count = len(token_ids)
+        positions = torch.arange(self.length, self.length + count, device=self.device)
+        metadata = StepMetadata(
+            query_lens=[count],
+            context_lens=[self.length + count],
+            block_tables=self.block_table,
+            slot_mapping=positions,  # the block table is the identity: slot == position
+            seq_tags=self.tags,
+            token_seq=torch.zeros(count, dtype=torch.long, device=self.device),
+            page_owner=self.page_owner,
+        )
+        attention = PagedAttention(self.kv, metadata, self.scale)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        logits = self.model(ids, positions, attention)
+        if bool((attention.violations > 0).any()):
+            raise RuntimeError("ownership violation on a sequence that owns every page")
+        self.length += count
+        return logits
+
+
+def text_windows(tokenizer: ChatTokenizer, num_windows: int, window: int) -> list[list[int]]:
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    # a prefix of the text twice the length the windows need (about 4 characters a token):
+    # the same first tokens as the whole text, without tokenizing a megabyte
+    ids = tokenizer.encode(text[: 8 * num_windows * window], add_special_tokens=False)
+    if len(ids) < num_windows * window:
+        raise ValueError(f"pydoc_data.topics has {len(ids)} tokens, fewer than asked for")
+    return [ids[i * window : (i + 1) * window] for i in range(num_windows)]
+
+
+def window_log_probs(model, kv_dtype, ids, chunk, device) -> torch.Tensor:
+    """log-softmax of the next-token logits at every position but the last: [L - 1, V]."""
+    sequence = OneSequence(model, kv_dtype, len(ids), device)
+    logits = torch.cat([sequence.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)])
+    return torch.log_softmax(logits[:-1].double(), dim=-1)
+
+
+def greedy(model, tokenizer, kv_dtype, prompt, max_new_tokens, device) -> list[int]:
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+    sequence = OneSequence(model, kv_dtype, len(ids) + max_new_tokens, device)
+    logits = sequence.feed(ids)[-1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax())
+        out.append(token)
+        if token == tokenizer.eos_token_id:
+            break
+        logits = sequence.feed([token])[-1]
+    return out
+
+
+def part_accuracy(
+    results: dict, windows_n: int, window: int, chunk: int, max_new_tokens: int,
+    num_prompts: int, device: str,
+) -> None:  # fmt: skip
+    """SmolLM2 (fp32 compute) with its KV stored in fp32, bf16 and fp8: perplexity over
+    `pydoc_data.topics` windows (each one sequence, prefilled through the paged cache in
+    chunks, so every position attends to K/V as the cache stores them), mean KL against fp32
+    KV, and greedy agreement with fp32 KV over chat prompts."""
+    from bench_engine import PROMPTS
+
+    torch.manual_seed(0)
+    prompts = PROMPTS[:num_prompts]
+    started = time.time()
+    gguf = GGUFModel(model_store.pull("smollm2", quiet=True))
+    model = load_llama(gguf, torch.float32, device=device).eval()
+    tokenizer = ChatTokenizer(gguf)
+
+    windows = text_windows(tokenizer, windows_n, window)
+    accuracy: dict = {"windows": windows_n, "window": window, "chunk": chunk}
+    reference = None
+    for kv_dtype in ACCURACY_KV_DTYPES:
+        nll, kl, count = 0.0, 0.0, 0
+        for index, ids in enumerate(windows):
+            log_probs = window_log_probs(model, kv_dtype, ids, chunk, device)
+            targets = torch.tensor(ids[1:], device=log_probs.device)
+            nll -= float(log_probs.gather(1, targets[:, None]).sum())
+            count += len(targets)
+            if kv_dtype == "fp32":
+                reference = reference or []
+                reference.append(log_probs)
+            else:
+                assert reference is not None
+                ref = reference[index]
+                kl += float((ref.exp() * (ref - log_probs)).sum())
+        accuracy[kv_dtype] = {"perplexity": math.exp(nll / count), "mean_kl": kl / count}
+
+    answers = {
+        kv: [greedy(model, tokenizer, kv, p, max_new_tokens, device) for p in prompts]
+        for kv in ACCURACY_KV_DTYPES
+    }
+    for kv_dtype in ACCURACY_KV_DTYPES:
+        same = [a == b for a, b in zip(answers[kv_dtype], answers["fp32"], strict=True)]
+        accuracy[kv_dtype]["greedy_identical"] = f"{sum(same)}/{len(prompts)}"
+        accuracy[kv_dtype]["answers"] = [tokenizer.decode(a) for a in answers[kv_dtype]]
+    accuracy["seconds"] = round(time.time() - started, 1)
+
+    log(
+        f"SmolLM2-135M-Instruct, fp32 compute, {windows_n} windows x {window} tokens of "
+        f"pydoc_data.topics, chunk {chunk}, device {device}\n"
+    )
+    log("| KV | perplexity | mean KL vs fp32 KV (nats) | greedy identical to fp32 KV |")
+    log("|---|---|---|---|")
+    for kv_dtype in ACCURACY_KV_DTYPES:
+        row = accuracy[kv_dtype]
+        log(
+            f"| {kv_dtype} | {row['perplexity']:.4f} | {row['mean_kl']:.2e} | "
+            f"{row['greedy_identical']} |"
+        )
+    log(f"\nfp8 answer to {prompts[0]!r}: {accuracy['fp8']['answers'][0]!r}")
+    results["accuracy"] = accuracy
+
+
+# --------------------------------------------------------------------------- integrity-host
+
+INTEGRITY_POINTS = [(1, 32768), (8, 32768), (64, 8192), (64, 32768), (256, 4096)]
+
+
+def median_host_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def part_integrity_host(results: dict, points: list[tuple[int, int]], repeats: int) -> None:
+    """The host side of the ownership check (`find_violations_host`), which runs before every
+    step's launch: ms per step over full block tables of random page ids."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = []
+    log("\n| batch | context | table entries | check ms |")
+    log("|---|---|---|---|")
+    for batch, context in points:
+        width = context // PAGE_SIZE
+        num_pages = batch * width + 100
+        tables = rng.permutation(num_pages)[: batch * width].reshape(batch, width)
+        tags = (np.arange(batch, dtype=np.int64) + 1) << 16
+        owner = np.zeros(num_pages, dtype=np.int64)
+        owner[tables] = np.repeat(tags, width).reshape(batch, width)
+        column = np.zeros(num_pages, dtype=np.int64)
+        column[tables] = np.arange(width)
+        lens = np.full(batch, context, dtype=np.int64)
+        table_lens = np.full(batch, width, dtype=np.int64)
+        args = (tables, table_lens, lens, PAGE_SIZE, owner, column, tags)
+        assert not find_violations_host(*args).any()
+        ms = median_host_ms(lambda a=args: find_violations_host(*a), repeats)
+        rows.append({"batch": batch, "context": context, "ms": ms})
+        log(f"| {batch} | {context} | {batch * width} | {ms:.3f} |")
+    results["integrity_host"] = rows
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def part_prefill(
+    results: dict, model_name: str, prompt_tokens: int, budgets: list[int], rounds: int,
+    device: str,
+) -> None:  # fmt: skip
+    """Time to the first token of one prompt prefilled in chunks of each step budget, each
+    chunk's attention through `attend_fused` (what PagedAttention calls on a GPU) or through
+    the reference, alternated in one engine; whether the 8 greedy tokens agree."""
+    from bench_engine import MODEL_SHAPES, TINY, first_token_s, make_engine, seeded_model
+
+    import gpu_node.attention as attention
+    from gpu_node.quant.linear import quantize_model
+
+    variants = {"fused": attention.attend_fused, "reference": attention.attend_ref}
+    shape = TINY if device == "cpu" else MODEL_SHAPES[model_name]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = seeded_model(shape, device, dtype)
+    quantize_model(model, group_size=32 if device == "cpu" else 128,
+                   skip=("lm_head", "embed_tokens"))  # fmt: skip
+    prompt = [(13 * j) % 5000 + 100 for j in range(prompt_tokens)]
+    pages = -(-(prompt_tokens + 64) // 16)
+    kv = "fp32" if device == "cpu" else "bf16"
+    log(f"{model_name} (seeded, INT4, {kv} KV) on {device}, prompt {prompt_tokens} tokens")
+    rows = []
+    for budget in budgets:
+        engine = make_engine(
+            model, device, kv_dtype=kv, num_pages=pages, max_num_batched_tokens=budget
+        )
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        answers: dict[str, list[int]] = {}
+        try:
+            for r in range(rounds + 1):  # the first round warms up
+                for name, attend in variants.items():
+                    attention.attend_fused = attend
+                    seconds, tokens = first_token_s(engine, prompt, f"{name}-{budget}-{r}")
+                    if r:
+                        times[name].append(seconds)
+                    answers[name] = tokens
+        finally:
+            attention.attend_fused = variants["fused"]
+        fused, ref = (statistics.median(times[v]) for v in ("fused", "reference"))
+        agree = answers["fused"] == answers["reference"]
+        rows.append({"budget": budget, "fused_s": fused, "reference_s": ref, "agree": agree})
+        log(
+            f"  budget {budget:5d}: first token fused {fused * 1e3:7.1f} ms, reference "
+            f"{ref * 1e3:7.1f} ms, {ref / fused:.2f}x; 8 greedy tokens agree: {agree}"
+        )
+    results["prefill"] = rows
+
+
+# --------------------------------------------------------------------------- main
+
+PARTS = ("scales", "accuracy", "integrity-host", "check", "mma", "step-cost", "prefill")
+
+
+def smoke(results: dict) -> bool:
+    """Every part's code on the CPU at tiny sizes; the GPU-only timing parts (check, mma,
+    step-cost: CUDA graphs and device copies) are imported and their tables built, not run."""
+    part_scales(results)
+    part_accuracy(results, windows_n=1, window=48, chunk=16, max_new_tokens=4, num_prompts=1,
+                  device="cpu")  # fmt: skip
+    part_integrity_host(results, [(2, 1024), (8, 256)], repeats=3)
+    part_prefill(results, "llama-1b", prompt_tokens=48, budgets=[32], rounds=1, device="cpu")
+    assert callable(part_check) and callable(part_mma) and callable(part_step_cost)
+    assert len(MMA_POINTS) == 12 and len(STEP_POINTS) == 6 and set(SHAPES) == set(LAYER_DIMS)
+    log("smoke: scales, accuracy, integrity-host and prefill ran on the CPU; check, mma and "
+        "step-cost need a GPU (imported, tables checked)")  # fmt: skip
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("part", nargs="?", choices=PARTS)
+    parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes, CPU")
+    parser.add_argument("--rounds", type=int, default=11, help="mma, step-cost, prefill")
+    parser.add_argument("--out", type=Path, default=None, help="write results.json here")
+    parser.add_argument("--points", default=None, help="mma: shape:batch:length,...")
+    parser.add_argument("--tune", action="store_true", help="mma: tune the config per shape")
+    parser.add_argument("--device", default=None, help="check, accuracy, prefill (cpu, cuda)")
+    parser.add_argument("--trials", type=int, default=100, help="check: fault trials")
+    parser.add_argument("--windows", type=int, default=4, help="accuracy")
+    parser.add_argument("--window", type=int, default=512, help="accuracy: tokens")
+    parser.add_argument("--chunk", type=int, default=128, help="accuracy: prefill chunk")
+    parser.add_argument("--model", default="llama-1b", help="prefill: a bench_engine shape")
+    parser.add_argument("--prompt-tokens", type=int, default=8192, help="prefill")
+    parser.add_argument("--budgets", default="2048,512", help="prefill: step budgets")
+    args = parser.parse_args()
+    if not (args.part or args.smoke):
+        parser.error("name a part or give --smoke")
+    gpu = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def save() -> None:  # after every part: a run cut short still leaves its figures
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -1256,45 +1009,32 @@ def main() -> int:
         log(f"device: {results['device']}, torch {torch.__version__}, triton {triton.__version__}")
     ok = True
     try:
-        if args.part in ("scales", "all"):
+        if args.smoke:
+            ok = smoke(results)
+        elif args.part == "scales":
             part_scales(results)
-        save()
-        if args.part in ("check", "all"):
-            ok = part_check(results, args.device, args.trials)
-            save()
-        if args.part in ("decode", "all"):
-            part_kv_write(results)
-            save()
-            part_decode(results, args.shapes.split(","), args.quick, save)
-        if args.part == "prefetch":
-            part_prefetch(results)
-        if args.part == "mma":
+        elif args.part == "accuracy":
+            part_accuracy(results, args.windows, args.window, args.chunk, max_new_tokens=24,
+                          num_prompts=8, device=args.device or "cpu")  # fmt: skip
+        elif args.part == "integrity-host":
+            part_integrity_host(results, INTEGRITY_POINTS, repeats=30)
+        elif args.part == "check":
+            ok = part_check(results, args.device or "cuda", args.trials)
+        elif args.part == "mma":
             ok = part_mma_check(results)
             save()
-            part_mma(results, args.rounds, args.tune)
-        if args.part == "mma-variants":
-            ok = part_mma_check(results)
-            save()
-            part_mma_variants(results, args.rounds, parse_points(args.points))
-        if args.part == "sweep":
-            part_sweep(results, args.rounds, parse_points(args.points))
-        if args.part == "early-merge":
-            part_early_merge(results, args.rounds, parse_points(args.points))
-        if args.part == "layout":
-            part_layout(results, args.rounds, parse_points(args.points))
-        if args.part == "split-sweep":
-            part_split_sweep(results, args.rounds)
-        if args.part == "step-cost":
+            part_mma(results, args.rounds, args.tune, parse_points(args.points))
+        elif args.part == "step-cost":
             part_step_cost(results, args.rounds)
-        if args.part == "check-cost":
-            part_check_cost(results, args.rounds)
-        if args.part == "profile":
-            for shape_name in args.shapes.split(","):
-                part_profile(shape_name, batch=64, length=32768)
+        elif args.part == "prefill":
+            budgets = [int(b) for b in args.budgets.split(",")]
+            part_prefill(results, args.model, args.prompt_tokens, budgets, args.rounds,
+                         args.device or gpu)  # fmt: skip
     finally:
         save()
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

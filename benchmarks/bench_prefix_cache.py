@@ -1,6 +1,7 @@
 """Time to first token with a prompt's shared prefix cached vs cold (prefix caching).
 
     .venv/bin/python benchmarks/bench_prefix_cache.py [--prefix-tokens 480] [--rounds 5]
+    .venv/bin/python benchmarks/bench_prefix_cache.py --smoke    # 32-token preamble (CI)
 
 One engine with the prefix cache on. Each round asks two prompts that share
 `--prefix-tokens` tokens (a long system-style preamble) and differ after it. The
@@ -38,11 +39,16 @@ def first_token_ms(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prefix-tokens", type=int, default=480)
     parser.add_argument("--tail-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="a 32-token preamble, one round")
     args = parser.parse_args()
+    if args.smoke:
+        args.prefix_tokens, args.tail_tokens, args.rounds = 32, 8, 1
     config = EngineConfig(
         model="smollm2", num_pages=512, max_num_batched_tokens=2048, prefix_cache_blocks=256
     )

@@ -1,31 +1,44 @@
-"""W4A16 GEMM on the GPU: our Triton kernel vs torch bf16 matmul vs torch's int4 kernel.
+"""W4A16 (INT4 weights, 16-bit activations) on a GPU: what Int4Linear serves against bf16
+cuBLAS and torch's own int4 kernel, and past the decode GEMV, the GEMMs against the dense copy.
 
-    python benchmarks/bench_w4a16.py [--json out.json] [--gemv-only] [--no-sweep]
-                                     [--shapes 8192x8192,8192x28672 | 70b]
+    TRITON_INTERPRET=0 python3 benchmarks/bench_w4a16.py [summary] [--shapes 8b,70b,dsv3 | KxN,...]
+        [--batches 1,4,16,64] [--rounds 3] [--json out.json]
+    TRITON_INTERPRET=0 python3 benchmarks/bench_w4a16.py gemm [--shapes 1b,8b]
+        [--batches 16,32,64,128,256] [--symmetric] [--dtype bf16|fp16]
+    .venv/bin/python benchmarks/bench_w4a16.py --smoke     # CPU: shapes, quantization, imports
 
-For each real layer shape (K in -> N out) and M = 1, 4, 16, 64 it times:
-  bf16        F.linear(x, W) with W bf16 [N, K]            (cuBLAS)
-  torch-int4  torch._weight_int4pack_mm (tinygemm), group 128
-  ours-mma    the tensor-core kernel of gpu_node.kernels.w4a16 over Int4Weight's
-              layout (the MoE kernel's step), split-K at its heuristic's value
-  ours-kn     what Int4Linear runs on CUDA: w4a16_kn_matmul over Int4WeightKN,
-              i.e. the split-K GEMV for M <= 8 and its tensor-core kernel above
-and prints the speedups and each kernel's achieved bandwidth as a fraction of a
-device-to-device copy measured in the same run. --gemv-only skips M > 8 and the
-tensor-core sweeps; --no-sweep skips all config sweeps. Needs only torch, triton,
-numpy.
+Every time comes from CUDA-graph replays of one call over R weight copies that together span
+4x the L2 (replay time / R), so no weight is served from L2.
 
-Timing: each variant is captured in a CUDA graph that calls it once on each of R
-copies of the weights (R copies together span >= 4x the 60 MB L2, so every call
-reads its weights from HBM), and the graph replay time is divided by R: what a
-decode step run as a CUDA graph pays, without Python launch overhead (which on
-the benchmark host exceeded the kernels' own time).
+summary, for each layer shape (K in -> N out) and batch M, in rounds that alternate the
+variants (each figure the median of its rounds):
+  bf16      F.linear(x, W), W bf16 [N, K] (cuBLAS)
+  tinygemm  torch._weight_int4pack_mm, torch's int4 kernel, same codes, group 128
+  served    w4a16_mma_matmul over Int4WeightMMA: what Int4Linear runs on a GPU (the
+            tensor-core GEMV to 8 rows, the GEMMs to 64, with the tuned table's entries)
+  ceiling   (M = 1) cuBLAS over a dense bf16 matrix of N rows holding as many bytes as the
+            INT4 weight: bf16 / ceiling bounds what a kernel streaming INT4's bytes as well
+            as cuBLAS streams its own can reach
+with the served kernel's bandwidth as a fraction of a device-to-device copy measured in the
+same run, and the ideal ratio (bf16's bytes over INT4's). Group 128, asymmetric, bf16.
+
+gemm, for batches past the GEMV:
+  dense     F.linear(x, W) in the activations' dtype
+  copy      torch.matmul(x, dequantize_mma(W)): a dense W written, then read by cuBLAS
+  tc, dot   w4a16_mma_gemm's two kernels with their heuristic configs
+  served    w4a16_mma_matmul (GEMV, tc, dot or the copy, by rows)
+with each kernel's error against the fp32 reference.
+
+bench_graph, copies_for, copy_bandwidth and read_floor_us are shared with tune_w4a16_mma.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,22 +52,47 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_node.config import ACTIVATIONS
-from gpu_node.kernels.w4a16 import w4a16_config, w4a16_matmul, w4a16_matmul_ref
-from gpu_node.kernels.w4a16_gemv import MAX_M, gemv_config, w4a16_gemv, w4a16_kn_matmul
+from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
+from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
+from gpu_node.kernels.w4a16_mma_gemm import MAX_M, TC_MAX_M, gemm_config, w4a16_mma_gemm
 from gpu_node.kv_quant import KV_DTYPES
-from gpu_node.quant.int4 import Int4Weight, Int4WeightKN, quantize_int4, to_kn, unpack_int4
+from gpu_node.quant.int4 import (
+    Int4Weight,
+    Int4WeightMMA,
+    dequantize_int4,
+    from_mma,
+    quantize_int4,
+    to_mma,
+    unpack_int4,
+)
 
-SHAPES = [  # (K, N): llama-3-8B q/o, up/gate, down; DeepSeek-V3 hidden -> expert
-    (4096, 4096),
-    (4096, 14336),
-    (14336, 4096),
-    (7168, 2048),
-]
-LARGE_SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # llama-3-70B q/o, up/gate, down
-BATCHES = [1, 4, 16, 64]
+# (K, N) of the products of a decoder layer: qkv, o, gate_up, down
+SHAPES = {
+    "1b": [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)],
+    "8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
+    "70b": [(8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)],
+    "dsv3": [(7168, 18432), (18432, 7168)],  # DeepSeek-V3's dense MLP
+}
 GROUP = 128
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The activation dtypes an INT4 model computes in on a GPU (--activations), by name
 ACTIVATION_DTYPES = {name: KV_DTYPES[name] for name in ACTIVATIONS if name != "auto"}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'8b,4096x4096' -> the named sets' and the given (K, N) shapes."""
+    shapes: list[tuple[int, int]] = []
+    try:
+        for part in text.split(","):
+            if part in SHAPES:
+                shapes += SHAPES[part]
+            else:
+                k, n = part.lower().split("x")
+                shapes.append((int(k), int(n)))
+    except ValueError:
+        message = f"shapes are KxN or one of {', '.join(SHAPES)}, comma-separated; got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    return shapes
 
 
 L2_BYTES = 60 * 2**20
@@ -117,21 +155,6 @@ def to_tinygemm(q: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros.to(torch.bfloat16)
 
 
-def sweep_configs(k: int, n: int, qs: list[Int4Weight]) -> None:
-    """Tile/split sweep on one shape, to check the heuristic against the best found."""
-    for m in (1, 16, 64):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        results = []
-        for block_n in (32, 64, 128):
-            for split in (1, 2, 4, 8, 16):
-                cfg = {"BLOCK_N": block_n, "SPLIT_K": split}
-                calls = [lambda x=x, q=q, c=cfg: w4a16_matmul(x, q, config=c) for q in qs]
-                results.append((bench_graph(calls, replays=10) * 1e3, block_n, split))
-        results.sort()
-        best = ", ".join(f"{us:.1f} (BN {bn}, S {sp})" for us, bn, sp in results[:4])
-        print(f"  sweep {k}x{n} M={m}: best {best}; worst {results[-1][0]:.1f}", flush=True)
-
-
 @triton.jit
 def _stream_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
     """Reads BLOCK int32 and writes their sum: the bytes of a weight, and nothing else."""
@@ -158,183 +181,217 @@ def read_floor_us(nbytes: int) -> float:
     return best
 
 
-def sweep_gemv(k: int, n: int, kns: list[Int4WeightKN], num_sms: int) -> None:
-    """GEMV sweep at M = 1 (rows per lane x warps x unroll x groups per split) vs the heuristic."""
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    chosen = gemv_config(1, n, k, GROUP, num_sms)
-    results = []
-    for rows in (4,):
-        for warps in (1, 2, 4, 8):
-            for unroll in (8, 16):
-                for per_split in (1, 2):
-                    cfg = {"BLOCK_N": rows * 32 * warps, "num_warps": warps}
-                    cfg |= {"UNROLL": unroll, "GROUPS_PER_SPLIT": per_split}
-                    calls = [lambda x=x, q=q, c=cfg: w4a16_gemv(x, q, config=c) for q in kns]
-                    key = (cfg["BLOCK_N"], warps, unroll, per_split)
-                    results.append((bench_graph(calls, replays=10) * 1e3, key))
-    heur_key = (
-        chosen["BLOCK_N"],
-        chosen["num_warps"],
-        chosen["UNROLL"],
-        chosen["GROUPS_PER_SPLIT"],
-    )
-    heur = [us for us, key in results if key == heur_key]
-    # The heuristic's structure without the arithmetic: what the loads, the split-K
-    # reduction and the launch cost alone.
-    loads_only = {key: value for key, value in chosen.items() if key != "BLOCK_M"}
-    loads_only["DEQUANT"] = False
-    t_loads = bench_graph([lambda q=q: w4a16_gemv(x, q, config=loads_only) for q in kns])
-    results.sort()
-    best = ", ".join(f"{us:.1f} (BN/W/U/GPS {key})" for us, key in results[:4])
-    print(
-        f"  gemv sweep {k}x{n} M=1: best {best}; worst {results[-1][0]:.1f}; heuristic "
-        f"{heur_key} {heur[0] if heur else float('nan'):.1f}; its loads alone (no math) "
-        f"{t_loads * 1e3:.1f}",
-        flush=True,
-    )
+def median_rounds(variants: dict[str, list[Callable[[], object]]], rounds: int) -> dict[str, float]:
+    """Microseconds a call of each variant: the median over rounds that alternate them."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, calls in variants.items():
+            times[name].append(bench_graph(calls) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """'4096x4096,8192x28672' -> [(4096, 4096), (8192, 28672)] (K x N); '70b': LARGE_SHAPES."""
-    if text == "70b":
-        return LARGE_SHAPES
-    try:
-        return [(int(k), int(n)) for k, n in (item.split("x") for item in text.split(","))]
-    except ValueError:
-        message = f"shapes must look like 4096x4096,8192x28672 (or 70b), got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+def summary(args: argparse.Namespace) -> dict:
+    """The served kernel against bf16, tinygemm and the ceiling (see the module's docstring)."""
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cuda")
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16, INT4 "
+          f"group {GROUP} asymmetric; copy {bw / 1e12:.2f} TB/s; times in us, median of "
+          f"{args.rounds} rounds")  # fmt: skip
+    print(f"{'K x N':>12} {'M':>3} {'bf16':>7} {'tinygemm':>8} {'served':>7} {'/bf16':>6} "
+          f"{'/tiny':>6} {'bw':>5} {'ceiling':>8} {'ideal':>6} {'err':>8} {'tiny err':>8}")  # fmt: skip
+    rows = []
+    for k, n in parse_shapes(args.shapes):
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = quantize_int4(torch.randn(n, k, device=device, generator=gen), GROUP)
+        mma = to_mma(q)
+        w_ref = dequantize_int4(q)  # fp32 [N, K]: the function every variant computes
+        dense = w_ref.to(torch.bfloat16)
+        int4_bytes = mma.nbytes
+        mmas = [mma] + [
+            Int4WeightMMA(mma.tiles.clone(), mma.shape, mma.group_size, mma.symmetric)
+            for _ in range(copies_for(int4_bytes) - 1)
+        ]
+        denses = [dense] + [dense.clone() for _ in range(copies_for(2 * n * k) - 1)]
+        try:
+            packed, scales_zeros = to_tinygemm(q)
+            tinys = [(packed, scales_zeros)] + [
+                (packed.clone(), scales_zeros.clone()) for _ in range(copies_for(int4_bytes) - 1)
+            ]
+        except (RuntimeError, TypeError) as exc:
+            print(f"# {k}x{n}: torch's int4 kernel unavailable: {exc}")
+            tinys = []
+        for m in batches:
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            ref = x.float() @ w_ref.T
+            served_y = w4a16_mma_matmul(x, mma)
+            err = float((served_y.float() - ref).norm() / ref.norm())
+            variants: dict[str, list[Callable[[], object]]] = {
+                "bf16": [lambda x=x, w=w: F.linear(x, w) for w in denses],
+                "served": [lambda x=x, w=w: w4a16_mma_matmul(x, w) for w in mmas],
+            }
+            tiny_err = float("nan")
+            if tinys:
+                tiny_y = torch._weight_int4pack_mm(x, tinys[0][0], GROUP, tinys[0][1])
+                tiny_err = float((tiny_y.float() - ref).norm() / ref.norm())
+                variants["tinygemm"] = [
+                    lambda x=x, p=p, s=s: torch._weight_int4pack_mm(x, p, GROUP, s)
+                    for p, s in tinys
+                ]
+            k_eq = 0
+            if m == 1:  # as many bf16 bytes as the INT4 weight holds, in N rows
+                k_eq = max(64, round(int4_bytes / (2 * n) / 64) * 64)
+                eqs = [torch.randn(n, k_eq, device=device, dtype=torch.bfloat16)
+                       for _ in range(copies_for(2 * n * k_eq))]  # fmt: skip
+                x_eq = torch.randn(1, k_eq, device=device, dtype=torch.bfloat16)
+                variants["ceiling"] = [lambda x=x_eq, w=w: F.linear(x, w) for w in eqs]
+            t = median_rounds(variants, args.rounds)
+            io = 2 * m * (k + n)  # activations in and out, bf16
+            row = {
+                "k": k,
+                "n": n,
+                "m": m,
+                **{f"{name}_us": value for name, value in t.items()},
+                "served_vs_bf16": t["bf16"] / t["served"],
+                "served_vs_tinygemm": t.get("tinygemm", float("nan")) / t["served"],
+                "served_bw": (int4_bytes + io) / (t["served"] * 1e-6) / bw,
+                "bf16_bw": (2 * n * k + io) / (t["bf16"] * 1e-6) / bw,
+                "ideal_vs_bf16": (2 * n * k + io) / (int4_bytes + io),
+                "ceiling_vs_bf16": t["bf16"] / t["ceiling"] if "ceiling" in t else None,
+                "err": err,
+                "tinygemm_err": tiny_err,
+            }
+            rows.append(row)
+            ceiling = f"{row['ceiling_vs_bf16']:7.2f}x" if k_eq else f"{'':>8}"
+            print(f"{k:>5}x{n:<6} {m:>3} {t['bf16']:7.1f} {t.get('tinygemm', float('nan')):8.1f} "
+                  f"{t['served']:7.1f} {row['served_vs_bf16']:5.2f}x "
+                  f"{row['served_vs_tinygemm']:5.2f}x {row['served_bw']:5.0%} {ceiling} "
+                  f"{row['ideal_vs_bf16']:5.2f}x {err:8.1e} {tiny_err:8.1e}", flush=True)  # fmt: skip
+            if k_eq:
+                del variants["ceiling"], eqs
+        del mmas, denses, tinys, dense, w_ref
+        torch.cuda.empty_cache()
+    return {"copy_bandwidth": bw, "rows": rows}
+
+
+def timed(calls: list[Callable[[], object]]) -> float:
+    """Microseconds a call, from graph replays of the calls in a row."""
+    return bench_graph(calls) * 1e3
+
+
+def timed_int4(mmas: list[Int4WeightMMA], fn: Callable[[Int4WeightMMA], object]) -> float:
+    return timed([functools.partial(fn, q) for q in mmas])
+
+
+def error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+def gemm(args: argparse.Namespace) -> dict:
+    """The GEMMs and the served path against the dense copy and dense bf16."""
+    dtype = DTYPES[args.dtype]
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, {args.dtype}, "
+          f"group {args.group_size}{' symmetric' if args.symmetric else ''}; times in us")  # fmt: skip
+    print(f"{'K x N':>13} {'M':>4} {'dense':>7} {'copy':>7} {'tc':>7} {'dot':>7} {'served':>7} "
+          f"{'/dense':>7} {'/copy':>6} {'err tc':>8} {'err dot':>8}")  # fmt: skip
+    rows = []
+    for k, n in parse_shapes(args.shapes):
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(n, k, device=device, generator=gen, dtype=torch.float32)
+        mma = to_mma(quantize_int4(w, args.group_size, symmetric=args.symmetric), args.symmetric)
+        del w
+        w_ref = dequantize_int4(from_mma(mma))
+        dense = w_ref.to(dtype)
+        mmas = [mma] + [
+            Int4WeightMMA(mma.tiles.clone(), mma.shape, mma.group_size, mma.symmetric)
+            for _ in range(copies_for(mma.tiles.numel() * 4) - 1)
+        ]
+        denses = [dense] + [
+            dense.clone() for _ in range(copies_for(dense.numel() * dense.element_size()) - 1)
+        ]
+        for m in batches:
+            x = torch.randn(m, k, device=device, generator=gen, dtype=torch.float32).to(dtype)
+            ref = x.float() @ w_ref.T
+            row: dict[str, object] = {"k": k, "n": n, "m": m}
+            row["dense_us"] = timed([functools.partial(F.linear, x, d) for d in denses])
+            row["copy_us"] = timed_int4(
+                mmas, lambda q, x=x: torch.matmul(x, dequantize_mma(q, dtype))
+            )
+            for kernel in ("tc", "dot"):
+                if m > MAX_M or (kernel == "tc" and m > TC_MAX_M):
+                    row[f"{kernel}_us"] = row[f"err_{kernel}"] = float("nan")
+                    continue
+                config = gemm_config(kernel, m, n, k, args.group_size, sms)
+                row[f"{kernel}_us"] = timed_int4(
+                    mmas, lambda q, x=x, c=config: w4a16_mma_gemm(x, q, c)
+                )
+                row[f"err_{kernel}"] = error(w4a16_mma_gemm(x, mma, config), ref)
+                row[f"{kernel}_config"] = dataclasses.asdict(config)
+            row["served_us"] = timed_int4(mmas, lambda q, x=x: w4a16_mma_matmul(x, q))
+            rows.append(row)
+            served, dense_us, copy_us = row["served_us"], row["dense_us"], row["copy_us"]
+            assert isinstance(served, float) and isinstance(dense_us, float)
+            assert isinstance(copy_us, float)
+            print(f"{k:>6}x{n:<6} {m:>4} {dense_us:7.1f} {copy_us:7.1f} {row['tc_us']:7.1f} "
+                  f"{row['dot_us']:7.1f} {served:7.1f} {dense_us / served:6.2f}x "
+                  f"{copy_us / served:5.2f}x {row['err_tc']:8.1e} {row['err_dot']:8.1e}",
+                  flush=True)  # fmt: skip
+        del mmas, denses, dense, w_ref
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def smoke() -> None:
+    """What runs without a GPU: the shape tables, the arguments, the INT4 layouts every
+    variant is built from (quantize, tensor-core tiles, tinygemm's packing order) on a tiny
+    weight, and the imports. The timings need CUDA graphs and the kernels' PTX: not run."""
+    parser = build_parser()
+    for argv in (["summary", "--shapes", "8b,70b,dsv3"], ["gemm", "--shapes", "1b,4096x4096"]):
+        parser.parse_args(argv)
+    assert len(parse_shapes("8b,70b,dsv3")) == 10 and parse_shapes("64x128") == [(64, 128)]
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
+    q = quantize_int4(w, GROUP)
+    mma = to_mma(q)
+    back = dequantize_int4(from_mma(mma))
+    assert torch.equal(back, dequantize_int4(q)), "tensor-core tiles lost codes"
+    err = float((back - w).norm() / w.norm())
+    codes = unpack_int4(q.packed)
+    assert codes.shape == (128, 256) and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    assert callable(w4a16_mma_matmul) and callable(w4a16_mma_gemm) and MAX_M >= TC_MAX_M
+    print(f"smoke: {len(parse_shapes('1b,8b,70b,dsv3'))} layer shapes; INT4 g{GROUP} round trip "
+          f"through the tensor-core tiles exact, quantization error {err:.3f}; timings need a "
+          "GPU (CUDA graphs, mma.sync): not run")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("mode", nargs="?", choices=("summary", "gemm"), default="summary")
+    parser.add_argument("--smoke", action="store_true", help="CPU: shapes, layouts, imports")
+    parser.add_argument("--shapes", default=None, help="default: summary 8b,70b,dsv3; gemm 1b,8b")
+    parser.add_argument("--batches", default=None, help="default: summary 1,4,16,64; gemm 16-256")
+    parser.add_argument("--rounds", type=int, default=3, help="summary: alternating rounds")
+    parser.add_argument("--group-size", type=int, default=GROUP, help="gemm")
+    parser.add_argument("--symmetric", action="store_true", help="gemm: scales alone")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="gemm: activations")
+    parser.add_argument("--json", type=Path)
+    return parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--gemv-only", action="store_true", help="M <= 8, no tensor-core sweeps")
-    parser.add_argument("--no-sweep", action="store_true", help="skip every config sweep")
-    parser.add_argument(
-        "--shapes",
-        type=parse_shapes,
-        default=SHAPES,
-        help="comma-separated KxN layer shapes (default: the llama-3-8B and DeepSeek ones)",
-    )
-    args = parser.parse_args()
-    batches = [b for b in BATCHES if b <= MAX_M] if args.gemv_only else BATCHES
-    torch.manual_seed(0)
-    props = torch.cuda.get_device_properties(0)
-    bw = copy_bandwidth()
-    print(
-        f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {bw / 1e12:.2f} TB/s"
-    )
-    rows = []
-    for k, n in args.shapes:
-        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        q0 = quantize_int4(w0, GROUP)
-        ws = [w0] + [torch.randn_like(w0) / k**0.5 for _ in range(copies_for(2 * n * k) - 1)]
-        qs = [q0] + [quantize_int4(w, GROUP) for w in ws[1 : copies_for(q0.nbytes)]]
-        qs += [
-            quantize_int4(torch.randn_like(w0), GROUP)
-            for _ in range(copies_for(q0.nbytes) - len(qs))
-        ]
-        try:
-            tgs = [to_tinygemm(q) for q in qs]
-        except (RuntimeError, TypeError) as exc:
-            print(f"torch int4pack unavailable: {exc}")
-            tgs = []
-        kns = [to_kn(q) for q in qs]
-        q_bytes = q0.nbytes
-        floor_us = read_floor_us(q_bytes)
-        print(
-            f"{k}x{n}: reading the INT4 weight's {q_bytes / 1e6:.1f} MB takes {floor_us:.1f} us at best"
-        )
-        for m in batches:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = w4a16_matmul_ref(x, q0).float()
-            split = w4a16_config(m, n, k, GROUP, props.multi_processor_count)["SPLIT_K"]
-            ours = w4a16_matmul(x, q0, split_k=split).float()
-            err = float((ours - ref).norm() / ref.norm())
-            t_bf16 = bench_graph([lambda x=x, w=w: F.linear(x, w) for w in ws])
-            t_ours = bench_graph(
-                [lambda x=x, q=q, s=split: w4a16_matmul(x, q, split_k=s) for q in qs]
-            )
-            out_gemv = w4a16_kn_matmul(x, kns[0]).float()
-            gemv_err = float((out_gemv - ref).norm() / ref.norm())
-            t_gemv = bench_graph([lambda x=x, q=q: w4a16_kn_matmul(x, q) for q in kns])
-            t_tg = tg_err = None
-            if tgs:
-                out_tg = torch._weight_int4pack_mm(x, tgs[0][0], GROUP, tgs[0][1]).float()
-                tg_err = float((out_tg - ref).norm() / ref.norm())
-                t_tg = bench_graph(
-                    [
-                        lambda x=x, p=p, sz=sz: torch._weight_int4pack_mm(x, p, GROUP, sz)
-                        for p, sz in tgs
-                    ]
-                )
-            io = 2 * m * (k + n)
-            row = {
-                "K": k,
-                "N": n,
-                "M": m,
-                "split_k": split,
-                "bf16_us": t_bf16 * 1e3,
-                "torch_int4_us": None if t_tg is None else t_tg * 1e3,
-                "ours_us": t_ours * 1e3,
-                "speedup_vs_bf16": t_bf16 / t_ours,
-                "speedup_vs_torch_int4": None if t_tg is None else t_tg / t_ours,
-                "gemv_us": t_gemv * 1e3,
-                "gemv_speedup_vs_bf16": t_bf16 / t_gemv,
-                "gemv_speedup_vs_torch_int4": None if t_tg is None else t_tg / t_gemv,
-                "gemv_bw_frac": (q_bytes + io) / (t_gemv * 1e-3) / bw,
-                "rel_err_gemv": gemv_err,
-                "ours_bw_frac": (q_bytes + io) / (t_ours * 1e-3) / bw,
-                "bf16_bw_frac": (2 * n * k + io) / (t_bf16 * 1e-3) / bw,
-                "ideal_speedup": (2 * n * k + io) / (q_bytes + io),
-                "read_floor_us": floor_us,
-                "floor_speedup_vs_bf16": t_bf16 * 1e3 / floor_us,
-                "rel_err_ours": err,
-                "rel_err_torch_int4": tg_err,
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        if not args.no_sweep:
-            sweep_gemv(k, n, kns, props.multi_processor_count)
-        if not args.gemv_only and not args.no_sweep:
-            # Split-K sweep at M = 1: does the heuristic pick well?
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            sweep = {
-                s: bench_graph([lambda s=s, x=x, q=q: w4a16_matmul(x, q, split_k=s) for q in qs])
-                * 1e3
-                for s in (1, 2, 4, 8, 16)
-            }
-            print(
-                f"split-K sweep M=1 K={k} N={n} (us): "
-                + ", ".join(f"{s}: {t:.1f}" for s, t in sweep.items())
-            )
-            if (k, n) in SHAPES[:2]:
-                sweep_configs(k, n, qs)
-        del ws, qs, tgs, kns
-    print()
-    print(
-        "| K x N | M | bf16 us | torch int4 us | ours-mma us | ours-kn us | kn vs bf16 "
-        "| kn vs torch int4 | mma vs bf16 | kn BW frac | mma BW frac | bf16 BW frac "
-        "| ideal vs bf16 | read floor us | floor vs bf16 | split-K (mma) | rel err kn | rel err mma |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-
-    def fmt(value: float | None, spec: str, suffix: str = "") -> str:
-        return "-" if value is None else f"{value:{spec}}{suffix}"
-
-    for r in rows:
-        print(
-            f"| {r['K']}x{r['N']} | {r['M']} | {r['bf16_us']:.1f} | "
-            f"{fmt(r['torch_int4_us'], '.1f')} | {r['ours_us']:.1f} | {fmt(r['gemv_us'], '.1f')} | "
-            f"{fmt(r['gemv_speedup_vs_bf16'], '.2f', 'x')} | "
-            f"{fmt(r['gemv_speedup_vs_torch_int4'], '.2f', 'x')} | "
-            f"{r['speedup_vs_bf16']:.2f}x | {fmt(r['gemv_bw_frac'], '.2f')} | "
-            f"{r['ours_bw_frac']:.2f} | {r['bf16_bw_frac']:.2f} | {r['ideal_speedup']:.2f}x | "
-            f"{r['read_floor_us']:.1f} | {r['floor_speedup_vs_bf16']:.2f}x | "
-            f"{r['split_k']} | {fmt(r['rel_err_gemv'], '.1e')} | {r['rel_err_ours']:.1e} |"
-        )
+    args = build_parser().parse_args()
+    if args.smoke:
+        return smoke()
+    summary_mode = args.mode == "summary"
+    args.shapes = args.shapes or ("8b,70b,dsv3" if summary_mode else "1b,8b")
+    args.batches = args.batches or ("1,4,16,64" if summary_mode else "16,32,64,128,256")
+    result = summary(args) if summary_mode else gemm(args)
     if args.json:
-        args.json.write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

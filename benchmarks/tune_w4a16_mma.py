@@ -7,6 +7,7 @@ writes the winners into the tuning table the serving path reads
         [--dtype bf16] [--out gpu_node/kernels/w4a16_mma_tuned.json]
     TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py --check [--shapes ...] [--rounds 5]
         [--dtypes bf16,fp16]
+    .venv/bin/python benchmarks/tune_w4a16_mma.py --smoke      # CPU: table, candidates (CI)
 
 For each shape (K in -> N out) it times, by bench_w4a16.py's CUDA-graph harness (weight
 copies spanning 4x the L2), the heuristic's launch and a fixed set of others: one- and
@@ -183,8 +184,29 @@ def check(
         del weights, dense, same_bytes, calls
 
 
+def smoke(shapes: Sequence[tuple[int, int]]) -> None:
+    """What runs without a GPU: the serving table reads back and each entry's launch is one
+    the plan accepts, and the candidates at each shape are planned. Timing needs a GPU."""
+    cpu = torch.device("cpu")
+    table = json.loads(plan_module.TUNED_PATH.read_text())
+    entries = 0
+    for device in table["devices"].values():
+        for key, entry in device["configs"].items():
+            assert isinstance(entry["config"], dict) and entry["us"] > 0, key
+            entries += 1
+    for k, n in shapes:
+        for symmetric in (False, True):
+            configs = candidates(n, k, 128, symmetric, cpu)
+            assert "heuristic" in configs, (k, n, symmetric)
+    print(f"smoke: {entries} tuned entries over {len(table['devices'])} GPUs read back; "
+          f"{len(shapes)} shapes' candidates planned; timing needs a GPU: not run")  # fmt: skip
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU: the table and candidates")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("70b"))
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=128)
     parser.add_argument("--layouts", default="asym", help="asym, sym or asym,sym")
@@ -198,6 +220,8 @@ def main() -> None:
         "--dtype", choices=tuple(ACTIVATION_DTYPES), default="bf16", help="tuning's activations"
     )
     args = parser.parse_args()
+    if args.smoke:
+        return smoke(args.shapes)
     unknown = sorted(set(args.dtypes.split(",")) - set(ACTIVATION_DTYPES))
     if unknown:
         parser.error(f"--dtypes takes {', '.join(ACTIVATION_DTYPES)}, got {', '.join(unknown)}")
