@@ -37,7 +37,7 @@ class EngineConfig:
     reserve_pages: int = 0
     seed: int = 0
     # Page-ownership checks before each step and inside the kernels. Off only to
-    # measure what they cost (benchmarks/bench_engine_gpu.py).
+    # measure what they cost (benchmarks/bench_paged_attention.py).
     check_integrity: bool = True
     # Prefix caching (gpu_node/prefix_cache.py): full prompt pages kept beside the pool,
     # this many; 0 turns it off.

@@ -18,9 +18,9 @@ One layer's KV storage (the engine keeps one such set per layer)::
 The scales are per token but stored page-major and head-major: one head's S scales of
 one page are contiguous (32 bytes at S = 16), so the decode kernel reads them in one
 transaction per page where a `[P, S, H]` layout made it gather 2 bytes per token at an
-H * 2-byte stride (see docs/bench/fp8_kv.md, fifth session).
+H * 2-byte stride (see docs/benchmarks.md, fifth session).
 
-Why one bf16 scale per token and head (figures in docs/bench/fp8_kv.md):
+Why one bf16 scale per token and head (figures in docs/benchmarks.md):
 
 - A token's K/V are written once, when the token is computed, and never change. A scale
   per token is fixed at that moment, so decode appends need no re-quantization. A scale

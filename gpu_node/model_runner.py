@@ -34,7 +34,7 @@ def find_violations_host(
 
     Tags cannot see a page named twice (it is the sequence's own), yet two positions
     would then share one slot: the column rule catches that, with one more gather
-    instead of a per-row sort (docs/bench/fp8_kv.md, `bench_integrity_host.py`).
+    instead of a per-row sort (docs/benchmarks.md, `bench_paged_attention.py integrity-host`).
     """
     num_pages = len(page_owner)
     tables = np.asarray(tables, dtype=np.int64)

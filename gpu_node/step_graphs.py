@@ -2,7 +2,7 @@
 
 An eager step that prefills is bound by the host as a decode step is: on an H200, a
 512-token step of a 1B-parameter model took 49 ms, of which its kernels ran 6; the rest was
-Python launching them one by one (docs/bench/step_graphs.md). Attention cannot be recorded once
+Python launching them one by one (docs/benchmarks.md). Attention cannot be recorded once
 for every such step: a chunk's attention reads a context whose length, and so the shape of
 its work, changes every step. Everything else in a layer treats the step's tokens row by
 row, so:

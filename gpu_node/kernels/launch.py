@@ -50,8 +50,7 @@ def launches_early(device: torch.device) -> bool:
 # is launched early (the W4A16 GEMV, the MoE kernel), puts its first weight loads in flight
 # and waits (griddepcontrol.wait: the whole previous grid done, its writes visible) before
 # it reads what the small kernel wrote; a kernel launched normally waits as it always did.
-# So this moves when weights start streaming, never what anyone reads. Benchmarks turn it
-# off to measure it (bench_engine_gpu.py, section 6).
+# So this moves when weights start streaming, never what anyone reads.
 SMALL_KERNELS_RELEASE_NEXT = True
 
 

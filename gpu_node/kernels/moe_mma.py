@@ -58,7 +58,7 @@ from gpu_node.quant.int4 import MMA_GROUP_SIZES, MMA_ROWS, Int4ExpertsMMA, mma_s
 
 WARPS = 4
 CHAINS = 2  # one row block a warp, each mma chain split in two (as the dense kernel's)
-# Warps a launch should bring per multiprocessor. In the H200 sweep (docs/bench/int4_moe.md,
+# Warps a launch should bring per multiprocessor. In the H200 sweep (docs/benchmarks.md,
 # moe-medium, T = 1) the best splits launched 21-23 warps a multiprocessor; the dense
 # kernel's 24 chose splits half as long, 1.5 us slower in each GEMM.
 MOE_WAVE_WARPS = 20

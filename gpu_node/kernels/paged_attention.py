@@ -24,7 +24,7 @@ softmax over one slice of the context for the G query heads of one kv head, then
 second kernel merges the N partial results, so one long sequence still fills the GPU.
 fp8 tiles are multiplied in fp16 (converted in registers, exactly) with the per-row
 scales applied to scores and probabilities; `q_fp8=True` instead multiplies the K tile
-as stored, against q split into three e4m3 parts. Measurements: docs/bench/fp8_kv.md.
+as stored, against q split into three e4m3 parts. Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -368,7 +368,7 @@ def _paged_decode_split_kernel(
         # Full blocks first, with no masks: a page id out of range is clamped to page 0
         # for the load (and flagged), so every load is in bounds. Then the last, partial
         # block. (16-bit pages keep one masked loop: split, they measured up to 15%
-        # slower with the ownership check on, docs/bench/fp8_kv.md.)
+        # slower with the ownership check on, docs/benchmarks.md.)
         num_full = tl.maximum(tl.minimum(end, max_pages * PAGE_SIZE) - start, 0) // BLOCK_N
         tail_start = start + num_full * BLOCK_N
         # PREFETCH_PAGES: each block's page ids are loaded during the block before, so
@@ -475,7 +475,7 @@ class DecodeTile:
 
 
 def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
-    """The decode kernel's tile defaults, measured on an H200 (docs/bench/fp8_kv.md).
+    """The decode kernel's tile defaults, measured on an H200 (docs/benchmarks.md).
 
     16-bit pages: 64-token blocks, 4 programs per multiprocessor. fp8 pages move half
     the bytes per token: head dim 64, 128-token blocks, 8 programs per multiprocessor,
@@ -659,7 +659,7 @@ def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
     fp8 pages: fp16 on the GPU (e4m3 -> fp16 is one instruction per two values on
     sm_90, and fp16 holds every e4m3 value and q's bf16 values of ordinary range; it
-    measured 1.2x faster than bf16 operands on an H200, docs/bench/fp8_kv.md).
+    measured 1.2x faster than bf16 operands on an H200, docs/benchmarks.md).
     16-bit pages: q's dtype when the pages have it. Else, and always off the GPU
     (the Triton interpreter's 16-bit dot is wrong), fp32. Probabilities are rounded
     to it too, as flash attention does.

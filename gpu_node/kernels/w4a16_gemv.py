@@ -186,7 +186,7 @@ def _cached_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> tup
 def gemv_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[str, int]:
     """Tile, warps, unroll and split-K ways for one problem (a heuristic).
 
-    From the H200 sweeps (docs/bench/w4a16_gemv.md): 4 rows per lane; a whole group's
+    From the H200 sweeps (docs/benchmarks.md): 4 rows per lane; a whole group's
     words (16 for group 128) loaded before any is used, up to 4 rows of x (above, the
     accumulators need the registers: 8 words); K cut into splits of 128 values; 4 warps
     per program, but 1 past 4096 values of K, whose many splits already fill the GPU
@@ -321,7 +321,7 @@ def w4a16_kn_matmul(x: torch.Tensor, weight: Int4WeightKN) -> torch.Tensor:
     Up to MAX_M rows take the GEMV. More rows dequantize W^T into a transient
     dense buffer (x's dtype) and run the vendor matmul: at those sizes the product
     is what costs, and cuBLAS does it better than an INT4 tensor-core kernel of ours
-    over this layout did (docs/bench/w4a16_gemv.md). The buffer lives for the call.
+    over this layout did (docs/benchmarks.md). The buffer lives for the call.
     """
     n, k = weight.shape
     if x.shape[-1] != k:

@@ -40,9 +40,9 @@ group's scale multiplies both in the same fused multiply-adds.
 Two loops (PIPE): 0, one register buffer with the scales and mins as fp16, the default
 for asymmetric tiles; 2, two buffers with them as int32 words unpacked in PTX
 (w4a16_mma_asm.scales_asm), which symmetric tiles (scales alone) always take. Both give
-the same bits; docs/bench/w4a16_gemv.md has the H200 figures of each.
+the same bits; docs/benchmarks.md has the H200 figures of each.
 
-KWARPS (a config option the heuristic does not choose; docs/bench/w4a16_gemv.md has where
+KWARPS (a config option the heuristic does not choose; docs/benchmarks.md has where
 it was faster): a program's warps share its row blocks and each walks an equal share of its
 split's steps, the shares summed across warps through shared memory.
 

@@ -5,7 +5,7 @@ Letters: M tokens, N out features, K in features, S split-K ways.
 Past 8 rows the tensor-core GEMV (w4a16_mma.py) stops. Dequantizing the weights into a
 dense copy for cuBLAS (w4a16_mma_dequant.py) writes 2 bytes a weight and reads them
 again, where these kernels read the 0.5 of the INT4 tiles. Two kernels, each the faster
-over part of the range (H200, docs/bench/w4a16_gemm.md):
+over part of the range (H200, docs/benchmarks.md):
 
 - `tc` (w4a16_mma_gemm_tc.py, up to TC_MAX_M rows, GPU only): the GEMV's LOP3
   dequantization, each word multiplied by token tiles on mma.sync (inline PTX).
@@ -46,7 +46,7 @@ __all__ = [
     "w4a16_mma_gemm",
 ]
 
-# Where the GEMMs beat the dense copy + cuBLAS (H200, docs/bench/w4a16_gemm.md): up to
+# Where the GEMMs beat the dense copy + cuBLAS (H200, docs/benchmarks.md): up to
 # MAX_M rows (at 128 the copy was faster at five of eight layer shapes) and weights of
 # MIN_WEIGHTS or more (smaller ones' copy is cheap: 2048 x 3072 took 10.6 us against the
 # tc kernel's 10.9 at 16 rows). tc up to TC_MAX_M rows, dot above.

@@ -59,7 +59,7 @@ def dot_config(m: int, n: int, k: int, group_size: int, sms: int) -> DotConfig:
     """The heuristic launch for M rows of an [N, K] weight on `sms` multiprocessors: the
     smallest token block that holds M, four row blocks a program, K split (keeping 8 groups
     a split) while the programs do not fill the multiprocessors, four warps (at 64 tokens
-    1-6% faster than eight at five layer shapes, H200: docs/bench/w4a16_gemm.md)."""
+    1-6% faster than eight at five layer shapes, H200: docs/benchmarks.md)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     rb = 4
     row_blocks = -(-n // 16)

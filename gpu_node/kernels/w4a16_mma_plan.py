@@ -1,5 +1,5 @@
 """Launch plans of the tensor-core W4A16 GEMV (w4a16_mma.py): the heuristic config a shape
-takes (mma_gemv_config, from the H200 sweeps in docs/bench/w4a16_gemv.md), and the grid and
+takes (mma_gemv_config, from the H200 sweeps in docs/benchmarks.md), and the grid and
 constexprs a call launches with (plan_launch), cached per shape for the serving path
 (default_plan). Pure Python: no GPU is needed to plan, so CI checks the exact configs.
 
@@ -130,7 +130,7 @@ def mma_gemv_config(
     LEAST_WARPS; failing that (a small layer), 1 row block a warp and splits of 2
     groups. At groups of 128 (asymmetric tiles) a launch just past one wave of resident
     programs (PIPE0_REGISTERS; between 1 and 1 + SECOND_WAVE_LEAST waves) is passed over.
-    In the sweeps (docs/bench/w4a16_gemv.md) the best configurations launched 27-31 warps a
+    In the sweeps (docs/benchmarks.md) the best configurations launched 27-31 warps a
     multiprocessor; 2-row-block warps on splits shorter than 8 groups end
     before their loads one group ahead pay off, so they are never chosen. One-row-block
     warps split each mma chain in two (CHAINS = 2: 56 registers instead of 50 on the
@@ -230,7 +230,7 @@ def plan_launch(
         # Two row blocks of symmetric tiles from fp16 activations take 138 registers where
         # bf16 takes 128 (Triton 3.6, H200): three programs a multiprocessor instead of four,
         # 17-32% slower. Capped at 128 (no spills) they are 10-26% faster than uncapped
-        # (docs/bench/w4a16_gemv.md, nineteenth session). A config's MAXNREG 0 leaves it off.
+        # (docs/benchmarks.md, nineteenth session). A config's MAXNREG 0 leaves it off.
         maxnreg = SYMMETRIC_FP16_REGISTERS
     programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), (1 if kwarps else warps) * rows_per_warp)
     if programs > MAX_TILES:

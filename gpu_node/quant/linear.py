@@ -171,7 +171,7 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
         A symmetric weight (every min -8 * its scale: `quantize_int4(..., symmetric=True)`)
         gets symmetric tiles, the scales alone: 2 bytes a group and row fewer, and the
         kernel's symmetric launches (w4a16_mma_plan), faster at several shapes
-        (docs/bench/w4a16_gemv.md)."""
+        (docs/benchmarks.md)."""
         if self.layout != "mma":  # to_mma refuses group sizes the kernels cannot take
             weight = self.weight_int4
             mma = to_mma(weight, symmetric=is_symmetric(weight))
