@@ -12,8 +12,8 @@ Layout (one layer; the same for K and V):
                       │ head 0: token 0 .. S-1 (S * D contiguous) │ head 1: ... │ head H-1 │
                      so one kv head's share of a page is one run of S * D elements
                      (1 KiB for SmolLM2's fp8 pages), what a decode program reads
-                     (kv_quant.kv_pool; docs/benchmarks.md, tenth session: 76% -> 90%
-                     of the copy bandwidth at SmolLM2's shape, batch 64, 32K)
+                     (kv_quant.kv_pool; 90% of the copy bandwidth at SmolLM2's shape,
+                     batch 64, 32K, where a token-major page gave 76%)
     k_scale[layer] : [num_pages, num_kv_heads, page_size]   bf16, fp8 pools only:
                       one scale per (token, head) row, a head's scales of a page
                       contiguous (see gpu_node.kv_quant for why)

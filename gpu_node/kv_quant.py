@@ -18,7 +18,7 @@ One layer's KV storage (the engine keeps one such set per layer)::
 The scales are per token but stored page-major and head-major: one head's S scales of
 one page are contiguous (32 bytes at S = 16), so the decode kernel reads them in one
 transaction per page where a `[P, S, H]` layout made it gather 2 bytes per token at an
-H * 2-byte stride (see docs/benchmarks.md, fifth session).
+H * 2-byte stride.
 
 Why one bf16 scale per token and head (figures in docs/benchmarks.md):
 

@@ -120,7 +120,7 @@ def activation_dtype(
     `activations` "fp16" asks for fp16 instead, which only INT4 weights on such a GPU take:
     the kernels then dequantize a word in 5 instructions instead of bf16's 7
     (w4a16_mma_asm.py), 1-8% faster a GEMV at 11 of 12 layer shapes on the H200
-    (docs/benchmarks.md, nineteenth session), for
+    (docs/benchmarks.md), for
     fp16's range (65504 at most) in place of bf16's. "bf16" is auto's GPU choice, refused
     where auto would not give it; raises ValueError naming what is missing.
     """

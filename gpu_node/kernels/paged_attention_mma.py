@@ -6,8 +6,7 @@ as there: B sequences, Q query heads, H kv heads, G = Q / H, D head dim, S page 
 
 Why another kernel: the tl.dot kernel moves every fp8 tile global -> registers ->
 (convert) -> shared memory -> registers, with barriers, and its softmax reductions
-cross warps (docs/benchmarks.md, fifth session: ~39 instructions a token where the
-bandwidth needs ~19). Here a program is one warp that never touches shared memory:
+cross warps (~39 instructions a token where the bandwidth needs ~19). Here a program is one warp that never touches shared memory:
 each lane loads exactly the bytes its mma fragments hold, so the loads feed the
 tensor cores directly, and the softmax state of query head g lives in lanes 4g..4g+3.
 
@@ -89,7 +88,7 @@ class BatchClass(NamedTuple):
 
 # Per head dim: the batch classes in order. A wave is as
 # many programs as the multiprocessors hold at once at the cap (resident_warps). From
-# sweeps at 32K context on an H200 (docs/benchmarks.md, seventh and eighth sessions):
+# sweeps at 32K context on an H200:
 # head dim 64 at batch 1 (3 pairs) best at 144 registers and 256 splits (13.9-14.0 µs;
 # 512 splits 14.8, 128 registers 15.6); at B = 8 at 128 registers, one wave of 16 warps,
 # every step guarded (41.6 µs; with the unguarded full steps, which spill at that cap,

@@ -49,9 +49,9 @@ LONG_K_GROUPS = 128  # from this many groups on, one-row-block warps on 32-group
 # 32 move more with the split count (40-80), too much for a table, and skip the wave check.
 PIPE0_REGISTERS = {1: 58, 2: 72}
 # A launch past one wave of resident programs must fill more than this much of the second:
-# the few programs of a short second wave run at a fraction of the bandwidth (H200, the
-# sixteenth session: 1.09 waves at DeepSeek-V3's dense shapes took 31-33 us where 0.95 or
-# 1.9 waves of other launches took 25-27).
+# the few programs of a short second wave run at a fraction of the bandwidth (H200:
+# 1.09 waves at DeepSeek-V3's dense shapes took 31-33 us where 0.95 or 1.9 waves of other
+# launches took 25-27).
 SECOND_WAVE_LEAST = 0.25
 
 
@@ -135,15 +135,14 @@ def mma_gemv_config(
     before their loads one group ahead pay off, so they are never chosen. One-row-block
     warps split each mma chain in two (CHAINS = 2: 56 registers instead of 50 on the
     H200, still a full wave); two-row-block warps do not (both chain counts compile to
-    72 registers there now, 82 for two chains in the ninth session, and two chains
-    were 17% slower at 8192 x 28672 in the thirteenth session's sweep).
+    72 registers there, and two chains measured 17% slower at 8192 x 28672).
     Groups of 32 count as steps of two (one chunk) and always take CHAINS = 2; in the
-    H200 sweeps of the twelfth session their best configurations were two-row-block
+    H200 sweeps their best configurations were two-row-block
     warps too (4096 x 14336: 16.1 us against 19.6 for one row block, 8 steps a split).
 
     Symmetric tiles run the two-buffer loop, whose registers (about 126 for two row blocks
     a warp) leave 4 programs a multiprocessor: two-row-block warps on splits of 8 steps up
-    to 64 steps of K, else 16 (the fifteenth session's sweep: the best of its two-row-block
+    to 64 steps of K, else 16 (in an H200 sweep, the best of its two-row-block
     launches at the 70B and DeepSeek-V3 shapes, or within 5%), unless those launch fewer
     than LEAST_WARPS a multiprocessor, where the asymmetric choice stands.
     """
@@ -230,7 +229,7 @@ def plan_launch(
         # Two row blocks of symmetric tiles from fp16 activations take 138 registers where
         # bf16 takes 128 (Triton 3.6, H200): three programs a multiprocessor instead of four,
         # 17-32% slower. Capped at 128 (no spills) they are 10-26% faster than uncapped
-        # (docs/benchmarks.md, nineteenth session). A config's MAXNREG 0 leaves it off.
+        # (H200). A config's MAXNREG 0 leaves it off.
         maxnreg = SYMMETRIC_FP16_REGISTERS
     programs = triton.cdiv(triton.cdiv(n, MMA_ROWS), (1 if kwarps else warps) * rows_per_warp)
     if programs > MAX_TILES:

@@ -70,7 +70,7 @@ def test_fp16_activations_track_the_fp32_arithmetic_closer_than_bf16(group_size)
           f"fp16 {err[torch.float16]:.2e}; logits up to {exact.abs().max().item():.2f}; "
           f"{int(clear.sum())} of {len(ids)} positions with a clear top token")  # fmt: skip
     # fp16 carries 3 more mantissa bits than bf16 through every activation; measured on the
-    # H200 (docs/benchmarks.md, nineteenth session): 9.5e-3 and 1.1e-2 against bf16's
+    # H200: 9.5e-3 and 1.1e-2 against bf16's
     # 6.8e-2 and 7.3e-2 (groups of 32 and 128), 7x closer
     assert err[torch.float16] < err[torch.bfloat16] / 2
     assert err[torch.float16] < 2e-2
