@@ -48,15 +48,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu_node.cache.kv_cache import bytes_per_page
+from gpu_node.cache.kv_quant import DTYPE_NAMES
 from gpu_node.config import EngineConfig
-from gpu_node.kv_cache import bytes_per_page
-from gpu_node.kv_quant import DTYPE_NAMES
-from gpu_node.llm_engine import LLMEngine
-from gpu_node.model_store import resolve_model
+from gpu_node.engine.llm_engine import LLMEngine
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import fuse_projections
+from gpu_node.models.model_store import resolve_model
+from gpu_node.models.weights import moe_model, seeded_llama
 from gpu_node.quant.linear import quantize_model
-from gpu_node.weights import moe_model, seeded_llama
 from scheduler.sequence import SamplingParams
 
 # chat prompts of the real-model runs (here and bench_paged_attention.py accuracy)
@@ -244,7 +244,7 @@ def alternated_decode(variants, batch, steps, device):
 
 def check_kernels_match_references(model, device, kv_dtype):
     """Greedy tokens through the Triton paths equal those through the torch references."""
-    from gpu_node.kv_cache import KVCache
+    from gpu_node.cache.kv_cache import KVCache
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = {f"c{i}": [(i * 97 + j) % 30000 + 1 for j in range(20 + 37 * i)] for i in range(6)}
@@ -323,7 +323,7 @@ def graph_vs_eager(tiny, device, dtype, kv16, steps, names):
             if weights != "bf16":
                 group = 32 if tiny else int(weights[len("int4 g") :])
                 quantize_model(model, group_size=group, skip=("lm_head", "embed_tokens", "router"))
-            fuse_projections(model)  # as a GPU node serves it (gpu_node/weights.py)
+            fuse_projections(model)  # as a GPU node serves it (gpu_node/models/weights.py)
             for batch in batches:
                 times = {0: [], 32: []}
                 replays = []
@@ -667,7 +667,7 @@ def greedy_answers(engine: LLMEngine, run: RealRun) -> list[list[int]]:
 
 def last_logits(engine: LLMEngine, run: RealRun) -> np.ndarray:
     """fp32 [prompts, LOGIT_POSITIONS, vocab]: the model's logits at each prompt's end."""
-    from gpu_node.attention import PagedAttention
+    from gpu_node.engine.attention import PagedAttention
     from scheduler.scheduler import ScheduledChunk
     from scheduler.sequence import Sequence
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_engine import LLAMA_1B, TINY, make_engine, sync
 
-from gpu_node.handoff import KVHandoff, import_rows
-from gpu_node.weights import seeded_llama
+from gpu_node.engine.handoff import KVHandoff, import_rows
+from gpu_node.models.weights import seeded_llama
 from scheduler.sequence import SamplingParams
 
 

@@ -8,8 +8,8 @@ GPU part, config `moe-medium` (hidden 2048, 64 experts, top-8, expert hidden
 1408, one shared expert; DeepSeek-V2-Lite's layer):
   1. routed experts at decode batch sizes T: the fused INT4 kernels (group 128, or
      --group-size 32 / 64;
-     the tensor-core one over expert slots, moe_mma.py, and the CUDA-core one,
-     moe.py) vs the bf16 torch reference (loop over the experts that got tokens), and
+     the tensor-core one over expert slots, moe/mma.py, and the CUDA-core one,
+     moe/grouped.py) vs the bf16 torch reference (loop over the experts that got tokens), and
      vs the time a bf16 kernel would take at copy bandwidth (active experts'
      bytes / measured copy bandwidth);
   2. single-stream decode (T = 1) through a stack of `--layers` MoE blocks
@@ -93,8 +93,8 @@ def bench_experts(
     import triton.testing
 
     from benchmarks.bench_w4a16 import bench_graph
-    from gpu_node.kernels.moe import fused_moe_int4
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.grouped import fused_moe_int4
+    from gpu_node.kernels.moe.mma import fused_moe_mma
     from gpu_node.quant.int4 import experts_to_mma
 
     mlp = MoeMLP.dummy(config, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -165,8 +165,8 @@ def bench_parts(
     timed with one always-on expert appended (the folded shared expert); the GEMMs
     without it (routed experts only)."""
     from benchmarks.bench_w4a16 import bench_graph
-    from gpu_node.kernels.moe_mma import _grouped_gemv
-    from gpu_node.kernels.moe_slots import expert_slots
+    from gpu_node.kernels.moe.mma import _grouped_gemv
+    from gpu_node.kernels.moe.slots import expert_slots
     from gpu_node.quant.int4 import experts_to_mma
 
     layers, routers = [], []
@@ -232,7 +232,7 @@ def bench_parts(
 @contextlib.contextmanager
 def cuda_core_moe_kernel() -> Iterator[None]:
     """Int4MoeExperts runs the fused CUDA-core kernel (the tensor-core one declines)."""
-    from gpu_node.kernels import moe_mma
+    from gpu_node.kernels.moe import mma as moe_mma
 
     takes = moe_mma.takes
     moe_mma.takes = lambda x, group_size: False  # type: ignore[assignment]

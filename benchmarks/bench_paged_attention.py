@@ -39,15 +39,8 @@ from typing import Any
 import torch
 import triton
 
-from gpu_node import model_store
-from gpu_node.attention import PagedAttention, StepMetadata
-from gpu_node.gguf_loader import GGUFModel
-from gpu_node.kernels.kv_write import kv_write, kv_write_ref
-from gpu_node.kernels.paged_attention import paged_decode_attention
-from gpu_node.kernels.paged_attention_mma import paged_decode_attention_mma
-from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
-from gpu_node.kv_cache import HEAD_MAJOR, KVCache
-from gpu_node.kv_quant import (
+from gpu_node.cache.kv_cache import HEAD_MAJOR, KVCache
+from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
     FP8_MAX,
     SCALE_DTYPE,
@@ -57,9 +50,16 @@ from gpu_node.kv_quant import (
     quantize_fp8,
     scale_shape,
 )
-from gpu_node.model_runner import find_violations_host
-from gpu_node.tokenizer import ChatTokenizer
-from gpu_node.weights import load_llama
+from gpu_node.engine.attention import PagedAttention, StepMetadata
+from gpu_node.engine.model_runner import find_violations_host
+from gpu_node.kernels.kv_write.kernel import kv_write, kv_write_ref
+from gpu_node.kernels.paged_attention.dot import paged_decode_attention
+from gpu_node.kernels.paged_attention.mma import paged_decode_attention_mma
+from gpu_node.kernels.paged_attention.reference import paged_decode_attention_ref
+from gpu_node.models import model_store
+from gpu_node.models.gguf_loader import GGUFModel
+from gpu_node.models.tokenizer import ChatTokenizer
+from gpu_node.models.weights import load_llama
 from scheduler.block_manager import FREE, owner_tag
 
 SHAPES = {  # name -> (query heads, kv heads, head dim)
@@ -538,7 +538,7 @@ MMA_CONFIGS = {  # head dim -> [(max registers, waves, min split, max splits)]
 
 
 def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
-    """fp8 pages through the register-resident mma kernel (paged_attention_mma.py), with
+    """fp8 pages through the register-resident mma kernel (paged_attention/mma.py), with
     its defaults or (`tune`) the config of least total time over MMA_TUNE_POINTS per
     shape, timed beside the tl.dot kernel on fp8 and on bf16 pages, check on; its check
     cost in `rounds` alternating on/off pairs (median of the per-pair ratios); then the
@@ -911,7 +911,7 @@ def part_prefill(
     the reference, alternated in one engine; whether the 8 greedy tokens agree."""
     from bench_engine import MODEL_SHAPES, TINY, first_token_s, make_engine, seeded_model
 
-    import gpu_node.attention as attention
+    import gpu_node.engine.attention as attention
     from gpu_node.quant.linear import quantize_model
 
     variants = {"fused": attention.attend_fused, "reference": attention.attend_ref}

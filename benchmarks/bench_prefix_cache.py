@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_node.config import EngineConfig
-from gpu_node.llm_engine import LLMEngine
+from gpu_node.engine.llm_engine import LLMEngine
 from scheduler.sequence import SamplingParams
 
 

@@ -51,11 +51,11 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_node.cache.kv_quant import KV_DTYPES
 from gpu_node.config import ACTIVATIONS
-from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
-from gpu_node.kernels.w4a16_mma_dequant import dequantize_mma
-from gpu_node.kernels.w4a16_mma_gemm import MAX_M, TC_MAX_M, gemm_config, w4a16_mma_gemm
-from gpu_node.kv_quant import KV_DTYPES
+from gpu_node.kernels.w4a16.mma import w4a16_mma_matmul
+from gpu_node.kernels.w4a16.mma_dequant import dequantize_mma
+from gpu_node.kernels.w4a16.mma_gemm import MAX_M, TC_MAX_M, gemm_config, w4a16_mma_gemm
 from gpu_node.quant.int4 import (
     Int4Weight,
     Int4WeightMMA,

@@ -1,10 +1,10 @@
 """Tunes the tensor-core W4A16 GEMV's launch per layer shape on this GPU, at M = 1, and
 writes the winners into the tuning table the serving path reads
-(gpu_node/kernels/w4a16_mma_tuned.json, keyed by the GPU's name).
+(gpu_node/kernels/w4a16/mma_tuned.json, keyed by the GPU's name).
 
     TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py [--shapes 8192x8192,...]
         [--group-size 128] [--layouts asym] [--rounds 4] [--keep 3] [--min-gain 0.03]
-        [--dtype bf16] [--out gpu_node/kernels/w4a16_mma_tuned.json]
+        [--dtype bf16] [--out gpu_node/kernels/w4a16/mma_tuned.json]
     TRITON_INTERPRET=0 python3 benchmarks/tune_w4a16_mma.py --check [--shapes ...] [--rounds 5]
         [--dtypes bf16,fp16]
     .venv/bin/python benchmarks/tune_w4a16_mma.py --smoke      # CPU: table, candidates (CI)
@@ -48,8 +48,8 @@ from bench_w4a16 import (
     read_floor_us,
 )
 
-from gpu_node.kernels import w4a16_mma_plan as plan_module
-from gpu_node.kernels.w4a16_mma import w4a16_mma_gemv
+from gpu_node.kernels.w4a16 import mma_plan as plan_module
+from gpu_node.kernels.w4a16.mma import w4a16_mma_gemv
 from gpu_node.quant.int4 import mma_step, quantize_int4, to_mma
 
 

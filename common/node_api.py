@@ -66,7 +66,7 @@ class GenerateRequest(GenerateParams):
     account_id: str = ""
     model: str
     # Disaggregation: the base URL of the prefill node that runs the prompt; the node
-    # fetches the prompt's KV from it and decodes (gpu_node/handoff.py).
+    # fetches the prompt's KV from it and decodes (gpu_node/engine/handoff.py).
     prefill_from: str | None = Field(default=None, pattern=r"^https?://[^\s]+$", max_length=300)
 
 

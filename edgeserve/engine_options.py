@@ -58,7 +58,7 @@ def resolve_activations(name: str, weights: str | None, device: str) -> str:
     device (resolved) before anything starts, so a node that could not serve them fails at
     once with the reason rather than in its background load."""
     from gpu_node.config import ACTIVATIONS, EngineConfig
-    from gpu_node.weights import activation_dtype
+    from gpu_node.models.weights import activation_dtype
 
     if name not in ACTIVATIONS:
         raise typer.BadParameter(

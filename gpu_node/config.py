@@ -39,15 +39,15 @@ class EngineConfig:
     # Page-ownership checks before each step and inside the kernels. Off only to
     # measure what they cost (benchmarks/bench_paged_attention.py).
     check_integrity: bool = True
-    # Prefix caching (gpu_node/prefix_cache.py): full prompt pages kept beside the pool,
+    # Prefix caching (gpu_node/engine/prefix_cache.py): full prompt pages kept beside the pool,
     # this many; 0 turns it off.
     prefix_cache_blocks: int = 0
     # On a GPU, decode steps of up to this many sequences replay CUDA graphs
-    # (gpu_node/decode_graphs.py) instead of launching each kernel from Python; 0: never.
+    # (gpu_node/engine/decode_graphs.py) instead of launching each kernel from Python; 0: never.
     cuda_graph_batch: int = 32
     # On a GPU, the other steps (prefill, mixed, larger decode batches) of up to this many
     # tokens replay CUDA graphs piece by piece, attention run eagerly between the pieces
-    # (gpu_node/step_graphs.py); 0: never. Capped at max_num_batched_tokens.
+    # (gpu_node/engine/step_graphs.py); 0: never. Capped at max_num_batched_tokens.
     cuda_graph_tokens: int = 2048
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from gpu_node.llm_engine import LLMEngine
+from gpu_node.engine.llm_engine import LLMEngine
 from scheduler.block_manager import FREE, sequence_tag
 from scheduler.sequence import Sequence
 

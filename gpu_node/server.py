@@ -8,7 +8,7 @@
                                         cached_tokens}}; a failure after the first line is one
                                         {"error": {"code", "message"}} line. With "prefill_from"
                                         (a prefill node's base URL) the prompt runs there and
-                                        its KV comes here (gpu_node/handoff.py); this node decodes
+                                        its KV comes here (gpu_node/engine/handoff.py); this node decodes
     POST   /internal/v1/prefill         the same JSON in; out the prompt's KV handoff (octet-stream):
                                         the prompt and its first token, run for a decode node
     DELETE /internal/v1/requests/{id}   cancel a request (its pages are freed at once); one
@@ -55,7 +55,7 @@ from common.node_api import (
 )
 from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gpu_node.errors import EngineStoppedError, InvalidRequestError, RequestCancelledError
-from gpu_node.node_app.service import NodeService, NodeSettings, sampling_params
+from gpu_node.service import NodeService, NodeSettings, sampling_params
 from gpu_node.telemetry import NodeSpan, NodeTelemetry
 from scheduler.sequence import SamplingParams
 

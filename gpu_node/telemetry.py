@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from common.node_api import GenerateRequest
 from common.telemetry import PROPAGATOR, PROVIDER_NAME, GenAILabels, Telemetry
 from common.telemetry.logs import current_log_span, current_request_id
-from gpu_node.outputs import EngineStats, RequestOutput
+from gpu_node.engine.outputs import EngineStats, RequestOutput
 
 ENGINE_LABELS = ("node_id", "model", "kv_dtype")
 

@@ -69,7 +69,7 @@ class CapacityRecord:
 
     @property
     def kv_kind(self) -> tuple[str, str]:
-        """What a handoff between two nodes needs them to share (gpu_node/handoff.KVSpec's
+        """What a handoff between two nodes needs them to share (gpu_node/engine/handoff.KVSpec's
         dtypes; one model means one shape)."""
         return (self.kv_dtype, self.activations)
 

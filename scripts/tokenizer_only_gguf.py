@@ -16,7 +16,7 @@ from pathlib import Path
 
 import gguf
 
-from gpu_node.model_store import KNOWN_MODELS, model_path, pull
+from gpu_node.models.model_store import KNOWN_MODELS, model_path, pull
 
 
 def main() -> None:

@@ -161,7 +161,7 @@ def smollm2_path() -> Any:
 
     A machine that can neither find nor fetch it fails here, loudly: never a skip.
     """
-    from gpu_node.model_store import pull
+    from gpu_node.models.model_store import pull
 
     return pull("smollm2", quiet=True)
 
@@ -169,8 +169,8 @@ def smollm2_path() -> Any:
 @pytest.fixture(scope="session")
 def engine(smollm2_path: Any) -> Iterator[Any]:
     """The real SmolLM2 engine, loaded once per test session (a few seconds)."""
-    from gpu_node.async_engine import AsyncEngine
     from gpu_node.config import EngineConfig
+    from gpu_node.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(
         EngineConfig(model="smollm2", max_model_len=1024, kv_memory_bytes=48 * 1024 * 1024)

@@ -11,8 +11,8 @@ def register(app: typer.Typer) -> None:
     @model_app.command("pull")
     def pull(name: str = typer.Argument(..., help="model name, e.g. smollm2")) -> None:
         """Download a model's weights into the cache (idempotent)."""
-        from gpu_node import model_store
         from gpu_node.errors import ModelNotFoundError
+        from gpu_node.models import model_store
 
         try:
             path = model_store.pull(name, quiet=True)
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
     @model_app.command("list")
     def list_models() -> None:
         """Show known models and whether they are present locally."""
-        from gpu_node import model_store
+        from gpu_node.models import model_store
 
         for name, package in sorted(model_store.KNOWN_MODELS.items()):
             path = model_store.model_path(package)

@@ -40,8 +40,8 @@ def register(app: typer.Typer) -> None:
         from rich.progress import Progress
 
         from gpu_node.config import EngineConfig
+        from gpu_node.engine.llm_engine import LLMEngine
         from gpu_node.errors import EngineError
-        from gpu_node.llm_engine import LLMEngine
         from scheduler.sequence import SamplingParams
 
         err = Console(stderr=True)

@@ -207,8 +207,8 @@ def _engine_factory(
     cuda_graph_tokens: int | None = None,
 ) -> Any:
     def load() -> Any:
-        from gpu_node.async_engine import AsyncEngine
         from gpu_node.config import EngineConfig
+        from gpu_node.engine.async_engine import AsyncEngine
 
         options: dict[str, Any] = {
             "model": model, "kv_dtype": kv_dtype, "device": device, "activations": activations

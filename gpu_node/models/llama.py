@@ -3,7 +3,7 @@
 The model knows nothing of pages or quantization: attention goes through an
 `AttentionBackend` the runner passes in (which owns the KV cache), and quantized
 linears are swapped in after the model is built. On a GPU, RMSNorm, RoPE and
-SwiGLU's activation each run as one kernel (kernels/elementwise.py) with the
+SwiGLU's activation each run as one kernel (kernels/elementwise/kernel.py) with the
 arithmetic of the torch code here.
 
 Shape legend:
@@ -36,11 +36,11 @@ class AttentionBackend(Protocol):
 
 
 def _fused(x: torch.Tensor) -> bool:
-    """On a GPU the small operations below run as one kernel each (kernels/elementwise.py),
+    """On a GPU the small operations below run as one kernel each (kernels/elementwise/kernel.py),
     with the same arithmetic as the torch code here, which CPUs run."""
     if not x.is_cuda:
         return False
-    from gpu_node.kernels.elementwise import use_kernels
+    from gpu_node.kernels.elementwise.kernel import use_kernels
 
     return use_kernels(x)
 
@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fused(x) and x.dim() == 2:
-            from gpu_node.kernels.elementwise import rms_norm
+            from gpu_node.kernels.elementwise.kernel import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), the sum in x's dtype; one launch on a GPU."""
         if _fused(x) and x.dim() == 2 and residual.dtype == x.dtype:
-            from gpu_node.kernels.elementwise import add_rms_norm
+            from gpu_node.kernels.elementwise.kernel import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
@@ -109,7 +109,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's queries and keys rotated alike; one launch on a GPU."""
         if _fused(q) and q.stride(2) == 1 and k.stride(2) == 1 and k.dtype == q.dtype:
-            from gpu_node.kernels.elementwise import rope_qk
+            from gpu_node.kernels.elementwise.kernel import rope_qk
 
             cos, sin = self.angles(positions)
             return rope_qk(q, k, cos, sin, self.interleaved)
@@ -119,7 +119,7 @@ class RotaryEmbedding(nn.Module):
         # x [T, N, E], positions [T]
         cos, sin = self.angles(positions)
         if _fused(x) and x.stride(2) == 1:
-            from gpu_node.kernels.elementwise import rope
+            from gpu_node.kernels.elementwise.kernel import rope
 
             return rope(x, cos, sin, self.interleaved)
         x32 = x.float()
@@ -181,7 +181,7 @@ class LlamaMLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)  # [T, F]
         if _fused(gate) and gate.dtype == up.dtype:
-            from gpu_node.kernels.elementwise import silu_mul
+            from gpu_node.kernels.elementwise.kernel import silu_mul
 
             return self.down_proj(silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)  # [T, D]

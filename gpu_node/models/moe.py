@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_node.kernels.moe_reference import moe_experts_ref
+from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.models.moe_routing import (
     Routing,
     route,
@@ -120,11 +120,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, num_always_on: int = 0) -> Routing:  # [T, H]
         """Routing [T, K + num_always_on]: the top-k, then experts E .. E + num_always_on - 1
-        with weight 1 (folded shared experts). On CUDA in one launch (moe_router.py)."""
+        with weight 1 (folded shared experts). On CUDA in one launch (moe/router.py)."""
         c = self.config
         if x.is_cuda:
-            from gpu_node.kernels import moe_router
-            from gpu_node.kernels.w4a16 import is_interpreted
+            from gpu_node.kernels.moe import router as moe_router
+            from gpu_node.kernels.w4a16.dot import is_interpreted
 
             if not is_interpreted(x) and c.num_experts <= moe_router.MAX_EXPERTS:
                 return moe_router.route_fused(x, self.weight, c, num_always_on)
@@ -137,7 +137,7 @@ class Router(nn.Module):
 
 class MoeExperts(nn.Module):
     """The routed experts in full precision: w13 [E, 2I, H], w2 [E, H, I]. On CUDA a GEMV a
-    token and expert (kernels/moe_dense.py: nothing waits for the host, so decode steps can
+    token and expert (kernels/moe/dense.py: nothing waits for the host, so decode steps can
     be recorded in CUDA graphs); elsewhere the reference loop."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -153,7 +153,7 @@ class MoeExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if x.is_cuda:
-            from gpu_node.kernels.moe_dense import moe_experts_dense
+            from gpu_node.kernels.moe.dense import moe_experts_dense
 
             return moe_experts_dense(x, self.w13, self.w2, routing)
         return moe_experts_ref(x, self.w13, self.w2, routing)
@@ -232,7 +232,7 @@ class Int4MoeExperts(KeepsInt4Dtypes, nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         tensor_cores = False
         if x.is_cuda:
-            from gpu_node.kernels import moe_mma
+            from gpu_node.kernels.moe import mma as moe_mma
 
             tensor_cores = (
                 moe_mma.takes(x, self.group_size)
@@ -247,7 +247,7 @@ class Int4MoeExperts(KeepsInt4Dtypes, nn.Module):
             return moe_mma.fused_moe_mma(x, *self.weights_mma(), routing)
         self.use_int4_layout()
         if x.is_cuda:
-            from gpu_node.kernels.moe import fused_moe_int4
+            from gpu_node.kernels.moe.grouped import fused_moe_int4
 
             return fused_moe_int4(x, *self.weights(), routing)
         return moe_experts_ref(x, *self.weights(), routing)

@@ -3,7 +3,7 @@
 Letters: T tokens, E experts, K top-k, A = T * K assignments (assignment a = t * K + k),
 P padded assignments (a multiple of a kernel's block), S slots.
 
-Pure torch (the references of gpu_node/kernels/moe_router.py and moe_slots.py); the MoE
+Pure torch (the references of gpu_node/kernels/moe/router.py and moe/slots.py); the MoE
 model (moe.py) and the kernels both build on these types.
 """
 
@@ -125,7 +125,7 @@ class ExpertSlots:
 
 def expert_slots_ref(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
     """Groups [T, K] expert choices into slots of up to SLOT_TOKENS assignments of one expert
-    (torch; gpu_node/kernels/moe_slots.py builds the same in one or two launches)."""
+    (torch; gpu_node/kernels/moe/slots.py builds the same in one or two launches)."""
     flat = topk_ids.reshape(-1)  # [A = T*K]
     num_assignments = flat.numel()
     device = flat.device

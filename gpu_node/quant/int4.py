@@ -189,7 +189,7 @@ def int4_from_gguf_q4_1(raw_blocks: Any, shape: tuple[int, ...]) -> Int4Weight:
 
 @dataclass(frozen=True)
 class Int4WeightKN:
-    """The same INT4 weight laid out for the CUDA-core decode GEMV (gpu_node/kernels/w4a16_gemv.py).
+    """The same INT4 weight laid out for the CUDA-core decode GEMV (gpu_node/kernels/w4a16/gemv.py).
 
     W [N, K] is stored transposed, eight consecutive k of one row per int32 word:
 
@@ -273,7 +273,7 @@ def mma_fits(k: int, group_size: int) -> bool:
 
 @dataclass(frozen=True)
 class Int4WeightMMA:
-    """The same INT4 weight laid out as tensor-core fragments (gpu_node/kernels/w4a16_mma.py).
+    """The same INT4 weight laid out as tensor-core fragments (gpu_node/kernels/w4a16/mma.py).
 
     W [N, K] (N padded with zero rows to a multiple of 16) is cut into row blocks of
     16 rows and chunks of 64 k. Within a (row block rb, chunk c), lane L = 4g + t of
@@ -473,7 +473,7 @@ class Int4ExpertsMMA:
         tiles  int32 [E, N16 / 16, K / T, 2T + 16 T / G]   a view of storage [E, K / T, N16 / 16, ...]
 
     `tiles[e]` is expert e's Int4WeightMMA tiles exactly (group-major within the expert),
-    so the MoE decode kernel (gpu_node/kernels/moe_mma.py) walks an expert as the dense
+    so the MoE decode kernel (gpu_node/kernels/moe/mma.py) walks an expert as the dense
     tensor-core GEMV walks a weight. `gated`: the rows of each expert's [gate; up] weight
     are in `gated_row_order` (the kernel then applies silu(gate) * up in registers).
     """

@@ -9,9 +9,9 @@ The model code stays plain (`nn.Linear(in, out, bias=False)` everywhere);
 Int4Linear runs the Triton W4A16 kernels on CUDA. Its first CUDA call re-lays its
 buffers out, in place and losslessly, for the GPU kernels (`weight_int4` converts
 back on demand): bf16/fp16 activations on an sm_80+ GPU with a group size of 64 or
-128, or of 32 with K a multiple of 64, get Int4WeightMMA (the tensor-core decode GEMV of w4a16_mma.py; its tiles hold the
+128, or of 32 with K a multiple of 64, get Int4WeightMMA (the tensor-core decode GEMV of w4a16/mma.py; its tiles hold the
 scales and mins too, so `packed` holds them and `scales`/`mins` are left empty),
-anything else Int4WeightKN (the CUDA-core GEMV of w4a16_gemv.py, same bytes).
+anything else Int4WeightKN (the CUDA-core GEMV of w4a16/gemv.py, same bytes).
 The layout is chosen once, from the first CUDA call. On a CPU it uses torch's own
 int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations in, fp32 out)
 when torch has it: the weights stay 4-bit and a decode step reads a quarter of
@@ -182,8 +182,8 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.is_cuda:
             from gpu_node.kernels.launch import has_mma_sync
-            from gpu_node.kernels.w4a16_gemv import w4a16_kn_matmul
-            from gpu_node.kernels.w4a16_mma import w4a16_mma_matmul
+            from gpu_node.kernels.w4a16.gemv import w4a16_kn_matmul
+            from gpu_node.kernels.w4a16.mma import w4a16_mma_matmul
 
             if self.layout == "int4":
                 tensor_cores = x.dtype in (torch.bfloat16, torch.float16) and has_mma_sync(x.device)

@@ -165,8 +165,8 @@ def test_a_client_that_leaves_a_whole_answer_cancels_it_and_is_billed_no_output(
 @pytest.fixture(scope="module")
 def slow_prefill() -> Iterator[Any]:
     """A stack whose engine prefills 32 tokens a step, so a long prompt takes many steps."""
-    from gpu_node.async_engine import AsyncEngine
     from gpu_node.config import EngineConfig
+    from gpu_node.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(
         EngineConfig(

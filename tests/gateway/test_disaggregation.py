@@ -43,8 +43,8 @@ def traced(service: str, exporter: InMemorySpanExporter) -> Telemetry:
 @pytest.fixture(scope="module")
 def decode_engine(engine: Any) -> Iterator[Any]:
     """A second engine on the same weights, with a KV pool of its own."""
-    from gpu_node.async_engine import AsyncEngine
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.async_engine import AsyncEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     inner = engine.engine
     second = AsyncEngine(LLMEngine(inner.config, inner.model, inner.tokenizer))

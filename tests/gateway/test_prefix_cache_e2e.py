@@ -29,8 +29,8 @@ QUESTION = "Tell me about the sea, the moon and the stars, and how they move tog
 def cached_stack(engine: Any) -> Iterator[dict[str, Any]]:
     """A node whose engine keeps 32 prompt pages, on the shared weights, and a gateway."""
     from gateway.keys import MemoryKeyStore, new_key
-    from gpu_node.async_engine import AsyncEngine
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.async_engine import AsyncEngine
+    from gpu_node.engine.llm_engine import LLMEngine
     from scheduler.capacity import LocalCapacityRegistry
 
     inner = engine.engine

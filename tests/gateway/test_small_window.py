@@ -30,8 +30,8 @@ HI = [{"role": "user", "content": "Hi"}]
 def small(smollm2_path: Any) -> Iterator[tuple[Any, str, str]]:
     """(engine, gateway URL, API key) around a SmolLM2 node of a 64-token window."""
     from gateway.keys import MemoryKeyStore, new_key
-    from gpu_node.async_engine import AsyncEngine
     from gpu_node.config import EngineConfig
+    from gpu_node.engine.async_engine import AsyncEngine
     from scheduler.capacity import LocalCapacityRegistry
 
     engine = AsyncEngine.from_config(

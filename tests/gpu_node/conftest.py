@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gpu_node.config import EngineConfig
-from gpu_node.gguf_loader import GGUFModel
-from gpu_node.llm_engine import LLMEngine
-from gpu_node.tokenizer import ChatTokenizer
-from gpu_node.weights import load_llama
+from gpu_node.engine.llm_engine import LLMEngine
+from gpu_node.models.gguf_loader import GGUFModel
+from gpu_node.models.tokenizer import ChatTokenizer
+from gpu_node.models.weights import load_llama
 
 
 @pytest.fixture(scope="session")

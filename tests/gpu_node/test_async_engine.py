@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from gpu_node.async_engine import AsyncEngine
+from gpu_node.engine.async_engine import AsyncEngine
 from gpu_node.errors import InvalidRequestError, RequestCancelledError
 from scheduler.sequence import SamplingParams
 

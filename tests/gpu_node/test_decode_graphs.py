@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_node.config import EngineConfig
-from gpu_node.decode_graphs import (
+from gpu_node.engine.decode_graphs import (
     PAD_TAG,
     DecodeGraphs,
     DecodeInputs,
@@ -22,7 +22,7 @@ from gpu_node.decode_graphs import (
     context_bucket,
 )
 from gpu_node.models.moe import MoeExperts
-from gpu_node.weights import moe_model
+from gpu_node.models.weights import moe_model
 from scheduler.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -190,7 +190,7 @@ def test_graphs_are_only_made_on_a_gpu_and_can_be_turned_off(make_engine) -> Non
 
 def test_float_moe_experts_off_cuda_cannot_be_captured_and_int4_ones_can() -> None:
     """Off CUDA float experts run the reference loop, which asks the host which experts got
-    tokens (on CUDA they run kernels/moe_dense.py, which does not)."""
+    tokens (on CUDA they run kernels/moe/dense.py, which does not)."""
     from gpu_node.quant.linear import quantize_model
 
     model = moe_model("moe-small", device="cpu")

@@ -2,8 +2,8 @@
 
 import torch
 
-from gpu_node.kv_cache import KVCache, bytes_per_page
-from gpu_node.kv_quant import pool_strides
+from gpu_node.cache.kv_cache import KVCache, bytes_per_page
+from gpu_node.cache.kv_quant import pool_strides
 from scheduler.sequence import SamplingParams
 
 

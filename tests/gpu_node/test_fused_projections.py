@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_node.gguf_loader import GGUFModel
 from gpu_node.models.config import ModelConfig
+from gpu_node.models.gguf_loader import GGUFModel
 from gpu_node.models.llama import fuse_projections
+from gpu_node.models.weights import load_llama, seeded_llama
 from gpu_node.quant.linear import Int4Linear, model_bytes, quantize_model
-from gpu_node.weights import load_llama, seeded_llama
 
 from .test_parity import prompt_logits
 

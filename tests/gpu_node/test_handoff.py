@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
+from gpu_node.engine.handoff import KVHandoff
 from gpu_node.errors import InvalidRequestError
-from gpu_node.handoff import KVHandoff
 from scheduler.sequence import SamplingParams
 from tests.conftest import run_to_end
 
@@ -108,7 +108,7 @@ def test_a_handoff_computed_in_another_dtype_is_refused(make_engine, smollm2_par
     """Rows prefilled in fp32 would decode in bf16 to other tokens than one node's: the
     same pool layout is not enough."""
     from gpu_node.config import EngineConfig
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     model, tokenizer = smollm2_parts
     ids = chat_ids(QUESTION)

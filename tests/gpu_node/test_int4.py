@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gpu_node.errors import ModelNotFoundError
-from gpu_node.model_store import resolve_model
+from gpu_node.models.model_store import resolve_model
 from gpu_node.quant.int4 import (
     Int4Weight,
     dequantize_int4,

@@ -6,10 +6,10 @@ import random
 import pytest
 
 from gpu_node.config import EngineConfig
+from gpu_node.engine.llm_engine import LLMEngine
 from gpu_node.faults import FaultInjector
-from gpu_node.llm_engine import LLMEngine
 from gpu_node.models.config import ModelConfig
-from gpu_node.weights import seeded_llama
+from gpu_node.models.weights import seeded_llama
 from scheduler.sequence import SamplingParams
 
 TINY = ModelConfig(
@@ -138,7 +138,7 @@ def _violations_by_rule(tables, table_lens, context_lens, page_size, owner, colu
 def test_host_check_follows_its_rules_under_random_faults():
     import numpy as np
 
-    from gpu_node.model_runner import find_violations_host
+    from gpu_node.engine.model_runner import find_violations_host
 
     rng = np.random.default_rng(11)
     flagged = 0

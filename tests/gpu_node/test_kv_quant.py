@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gpu_node.kv_quant import (
+from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
     bytes_per_token,
     dequantize_fp8,

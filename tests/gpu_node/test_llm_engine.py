@@ -3,8 +3,8 @@
 import pytest
 
 from gpu_node.config import EngineConfig
+from gpu_node.engine.llm_engine import LLMEngine
 from gpu_node.errors import InvalidRequestError, ModelNotFoundError
-from gpu_node.llm_engine import LLMEngine
 from scheduler.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gpu_node.attention import PagedAttention
+from gpu_node.engine.attention import PagedAttention
 from scheduler.scheduler import ScheduledChunk
 from scheduler.sequence import SamplingParams, Sequence
 

@@ -111,8 +111,8 @@ def test_a_block_table_naming_another_requests_page_is_never_cached(make_engine,
 def test_storing_a_prompt_never_makes_room_with_its_own_blocks() -> None:
     """Stored last to first, a prompt's new second block had taken the slot of its own
     first block (the least recently used), which was then copied again into another."""
-    from gpu_node.kv_cache import KVCache
-    from gpu_node.prefix_cache import PrefixCache
+    from gpu_node.cache.kv_cache import KVCache
+    from gpu_node.engine.prefix_cache import PrefixCache
 
     class Recording(PrefixCache):
         def _copy(self, slots, pages, into_pool):

@@ -1,6 +1,6 @@
 import torch
 
-from gpu_node.sampler import apply_penalties, sample
+from gpu_node.engine.sampler import apply_penalties, sample
 from scheduler.sequence import SamplingParams
 
 

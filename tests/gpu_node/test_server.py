@@ -348,8 +348,8 @@ def test_a_default_max_tokens_is_shortened_to_what_the_context_leaves(node, engi
 @pytest.fixture(scope="module")
 def small_pool_node():
     """A node whose KV pool (8 pages of 16: 128 tokens) holds less than its context window."""
-    from gpu_node.async_engine import AsyncEngine
     from gpu_node.config import EngineConfig
+    from gpu_node.engine.async_engine import AsyncEngine
     from gpu_node.server import NodeService, NodeSettings, create_node_app
     from scheduler.capacity import LocalCapacityRegistry
 

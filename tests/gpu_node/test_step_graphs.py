@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_node.attention import ContextIndex, gathering_chunks
 from gpu_node.config import EngineConfig
-from gpu_node.step_graphs import StepGraphs, token_bucket
+from gpu_node.engine.attention import ContextIndex, gathering_chunks
+from gpu_node.engine.step_graphs import StepGraphs, token_bucket
 from scheduler.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

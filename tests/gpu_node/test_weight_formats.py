@@ -4,13 +4,13 @@ import pytest
 import torch
 
 import gpu_node.kernels.launch as launch
-import gpu_node.weights as weights_module
+import gpu_node.models.weights as weights_module
 from gpu_node.config import EngineConfig
-from gpu_node.gguf_loader import GGUFModel
-from gpu_node.llm_engine import LLMEngine
+from gpu_node.engine.llm_engine import LLMEngine
+from gpu_node.models.gguf_loader import GGUFModel
+from gpu_node.models.weights import activation_dtype, build_model, load_llama
 from gpu_node.quant.int4 import quantize_int4
 from gpu_node.quant.linear import Int4Linear, model_bytes
-from gpu_node.weights import activation_dtype, build_model, load_llama
 from scheduler.sequence import SamplingParams
 
 from .test_parity import prompt_logits

@@ -34,7 +34,7 @@ from common.telemetry import (
 )
 from gateway.middleware import RequestIdMiddleware
 from gateway.tracing import TracingMiddleware
-from gpu_node.outputs import EngineEvent, EngineStats, RequestOutput
+from gpu_node.engine.outputs import EngineEvent, EngineStats, RequestOutput
 from gpu_node.telemetry import NodeTelemetry
 
 

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs on a GPU (gpu_node/decode_graphs.py): the same
+"""Decode steps replayed from CUDA graphs on a GPU (gpu_node/engine/decode_graphs.py): the same
 tokens as eager steps, bit for bit the same logits as the same padded step launched
 eagerly, and the ownership check inside the captured kernels (seeded weights: the GGUF
 does not reach the GPU machine)."""
@@ -35,8 +35,8 @@ class _Tokens:
 def _model(weights):
     from gpu_node.models.config import ModelConfig
     from gpu_node.models.llama import fuse_projections
+    from gpu_node.models.weights import seeded_llama
     from gpu_node.quant.linear import quantize_model
-    from gpu_node.weights import seeded_llama
 
     shape = ModelConfig(
         architecture="llama", num_layers=4, hidden_size=256, intermediate_size=512,
@@ -53,7 +53,7 @@ def _model(weights):
 
 def _engine(model, kv_dtype, cuda_graph_batch):
     from gpu_node.config import EngineConfig
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model="seeded", device="cuda", kv_dtype=kv_dtype, num_pages=64,
@@ -102,7 +102,7 @@ def _record_logits(runner):
 @needs_cuda
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 def test_a_replay_equals_the_same_padded_step_launched_eagerly(kv_dtype):
-    from gpu_node.decode_graphs import DecodeGraphs
+    from gpu_node.engine.decode_graphs import DecodeGraphs
 
     model = _model("int4 g32")
     logits = []
@@ -186,7 +186,7 @@ def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
     """A 300-token context (bucket 512) decodes alone, then beside five more (the bucket of
     6, a cap that is no power of two), then alone again: the graph of one row replays
     after another graph was captured into the shared pool, with the eager logits."""
-    from gpu_node.decode_graphs import DecodeGraphs
+    from gpu_node.engine.decode_graphs import DecodeGraphs
 
     model = _model("int4 g32")
     long_ids = [(11 * j) % 4000 + 1 for j in range(300)]
@@ -211,10 +211,10 @@ def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
 
 @needs_cuda
 def test_float_moe_graph_steps_give_the_eager_tokens():
-    """bf16 MoE experts on CUDA run kernels/moe_dense.py, which waits for nothing on the
+    """bf16 MoE experts on CUDA run kernels/moe/dense.py, which waits for nothing on the
     host, so their decode steps are recorded too and give the eager steps' tokens."""
     from gpu_node.models.llama import fuse_projections
-    from gpu_node.weights import moe_model
+    from gpu_node.models.weights import moe_model
 
     model = fuse_projections(moe_model("moe-small", device="cuda").to(torch.bfloat16))
     eager = _generate(_engine(model, "fp8", 0))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gpu_node.kernels.elementwise as elementwise_module
+import gpu_node.kernels.elementwise.kernel as elementwise_module
 from gpu_node.models.llama import RMSNorm, RotaryEmbedding
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated: decorate them again.

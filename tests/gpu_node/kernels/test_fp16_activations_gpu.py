@@ -26,8 +26,8 @@ def _model(dtype, group_size=128):
     computing in `dtype` as a GPU node serves it."""
     from gpu_node.models.config import ModelConfig
     from gpu_node.models.llama import fuse_projections
+    from gpu_node.models.weights import seeded_llama
     from gpu_node.quant.linear import quantize_model
-    from gpu_node.weights import seeded_llama
 
     shape = ModelConfig(
         architecture="llama", num_layers=4, hidden_size=512, intermediate_size=1024,
@@ -41,7 +41,7 @@ def _model(dtype, group_size=128):
 
 def _engine(model, kv_dtype, activations, cuda_graph_batch=0):
     from gpu_node.config import EngineConfig
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model="seeded", device="cuda", kv_dtype=kv_dtype, activations=activations,
@@ -102,7 +102,7 @@ def test_fp16_graph_steps_give_the_eager_tokens(kv_dtype):
 @needs_cuda
 def test_moe_small_serves_int4_in_fp16_through_the_engine():
     from gpu_node.config import EngineConfig
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model="moe-small", weights="int4", activations="fp16", device="cuda", kv_dtype="fp16",

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from gpu_node.handoff import KVHandoff
+from gpu_node.engine.handoff import KVHandoff
 from scheduler.sequence import SamplingParams
 
 needs_cuda = pytest.mark.skipif(
@@ -29,7 +29,7 @@ class _Tokens:
 
 def _engine(model, kv_dtype, prefix_cache_blocks=0):
     from gpu_node.config import EngineConfig
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model="seeded", device="cuda", kv_dtype=kv_dtype, num_pages=64,
@@ -40,7 +40,7 @@ def _engine(model, kv_dtype, prefix_cache_blocks=0):
 
 def _model():
     from gpu_node.models.config import ModelConfig
-    from gpu_node.weights import seeded_llama
+    from gpu_node.models.weights import seeded_llama
 
     shape = ModelConfig(
         architecture="llama", num_layers=4, hidden_size=256, intermediate_size=512,

@@ -9,10 +9,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-import gpu_node.attention as attention_module
-import gpu_node.kv_cache as kv_cache_module
-from gpu_node.attention import PagedAttention, StepMetadata, attend_fused, attend_ref
-from gpu_node.kv_cache import KVCache
+import gpu_node.cache.kv_cache as kv_cache_module
+import gpu_node.engine.attention as attention_module
+from gpu_node.cache.kv_cache import KVCache
+from gpu_node.engine.attention import PagedAttention, StepMetadata, attend_fused, attend_ref
 from scheduler.block_manager import owner_tag
 from tests.gpu_node.kernels.test_kv_write import kv_write
 from tests.gpu_node.kernels.test_paged_attention import interpreted, paged_decode_attention

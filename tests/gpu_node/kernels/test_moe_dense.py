@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import gpu_node.kernels.moe_dense as dense_module
-from gpu_node.kernels.moe_reference import moe_experts_ref
+import gpu_node.kernels.moe.dense as dense_module
+from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.models.moe_routing import Routing, route
 from tests.gpu_node.kernels.moe_weights import float_experts, routing_weight_cases
 

@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import gpu_node.kernels.moe as moe_module
-import gpu_node.kernels.w4a16 as w4a16_module
+import gpu_node.kernels.moe.grouped as moe_module
+import gpu_node.kernels.w4a16.dot as w4a16_module
 from gpu_node.models.moe_routing import route
 from gpu_node.quant.int4 import Int4Weight
 from tests.gpu_node.kernels.moe_weights import random_experts, routing_weight_cases

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from gpu_node.kernels.moe_reference import moe_experts_ref
+from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.models.moe import Int4MoeExperts
 from gpu_node.models.moe_routing import Routing, route
 from gpu_node.quant.int4 import (
@@ -49,7 +49,7 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _counters_dirty(device: torch.device) -> bool:
     """Whether a split-K counter was left non-zero (the next call would read it)."""
-    from gpu_node.kernels.w4a16_gemv import split_counters
+    from gpu_node.kernels.w4a16.gemv import split_counters
 
     return bool(split_counters(device).any())
 
@@ -75,7 +75,7 @@ def test_kernel_equals_reference(
     inner: int,
     dtype: torch.dtype,
 ) -> None:
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.mma import fused_moe_mma
 
     w13, w2 = _experts(num_experts, hidden, inner, group_size, seed=tokens)
     gen = torch.Generator().manual_seed(100 + tokens)
@@ -88,7 +88,7 @@ def test_kernel_equals_reference(
 
 
 def test_routing_weight_is_applied_in_the_kernel() -> None:
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.mma import fused_moe_mma
 
     w13, w2 = _mma(*_experts(4, 128, 64, 64, seed=1))
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
@@ -123,7 +123,7 @@ def test_module_takes_the_mma_layout_on_cuda_and_keeps_its_output() -> None:
 
 
 def test_replays_in_a_cuda_graph_with_new_routing() -> None:
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.mma import fused_moe_mma
 
     w13, w2 = _mma(*_experts(8, 128, 64, 64, seed=6))
     gen = torch.Generator().manual_seed(6)
@@ -144,7 +144,7 @@ def test_replays_in_a_cuda_graph_with_new_routing() -> None:
 
 
 def test_calls_that_do_not_fit_are_refused() -> None:
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.mma import fused_moe_mma
 
     w13, w2 = _mma(*_experts(4, 128, 64, 64, seed=2))
     routing = route(torch.zeros(3, 4, device="cuda"), 2)
@@ -165,8 +165,8 @@ def test_calls_that_do_not_fit_are_refused() -> None:
 def test_grouped_gemv_plain_and_gated(tokens: int) -> None:
     """One expert GEMM: plain rows give x @ W^T per assignment; gated rows give
     silu(gate) * up of the same product, applied in the epilogue."""
-    from gpu_node.kernels.moe_mma import _grouped_gemv
-    from gpu_node.kernels.moe_slots import expert_slots
+    from gpu_node.kernels.moe.mma import _grouped_gemv
+    from gpu_node.kernels.moe.slots import expert_slots
 
     w13, _ = _experts(4, 256, 128, 128, seed=9)
     gen = torch.Generator().manual_seed(9)
@@ -189,7 +189,7 @@ def test_one_token_path_equals_the_slot_path(group_size: int) -> None:
     """T = 1 without slot tables, GEMM 2 summing the experts: the same result as the slots
     and a separate sum, up to where bf16 rounds (the slot path rounds each expert's rows
     before summing; the one-token path sums fp32 partials and rounds once)."""
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.mma import fused_moe_mma
 
     w13, w2 = _experts(16, 256, 128, group_size, seed=11)
     mma13, mma2 = _mma(w13, w2)
@@ -208,8 +208,8 @@ def test_one_token_path_equals_the_slot_path(group_size: int) -> None:
 def test_one_token_with_an_id_out_of_range_leaves_the_counters_clean() -> None:
     """An expert id out of range in the one-token path contributes zero rows and still
     reaches its columns' counters, so the split-K counters are clean for the next call."""
-    from gpu_node.kernels.moe_mma import fused_moe_mma
-    from gpu_node.kernels.w4a16_gemv import split_counters
+    from gpu_node.kernels.moe.mma import fused_moe_mma
+    from gpu_node.kernels.w4a16.gemv import split_counters
 
     w13, w2 = _experts(8, 128, 512, 64, seed=12)  # GEMM 2 over 8 groups: split K
     mma13, mma2 = _mma(w13, w2)
@@ -227,8 +227,8 @@ def test_one_token_with_an_id_out_of_range_leaves_the_counters_clean() -> None:
 
 
 def test_a_split_override_past_the_counters_is_refused() -> None:
-    from gpu_node.kernels.moe_mma import _grouped_gemv
-    from gpu_node.kernels.moe_slots import expert_slots
+    from gpu_node.kernels.moe.mma import _grouped_gemv
+    from gpu_node.kernels.moe.slots import expert_slots
 
     w13, _ = _experts(2, 128, 64, 64, seed=13)
     # 128 rows: 2 programs a slot; 32800 slots: 65600 split-K columns
@@ -242,9 +242,9 @@ def test_a_split_override_past_the_counters_is_refused() -> None:
 def test_gemm2_split_k_at_several_tokens_equals_the_whole_k() -> None:
     """T > 1 through the slots with GEMM 2's K (the expert hidden size) split: the same
     result as one pass over K up to the order of the fp32 sums, and the reference's."""
-    from gpu_node.kernels.moe_mma import _grouped_gemv, fused_moe_mma, moe_mma_config
-    from gpu_node.kernels.moe_slots import expert_slots
-    from gpu_node.kernels.w4a16 import num_sms
+    from gpu_node.kernels.moe.mma import _grouped_gemv, fused_moe_mma, moe_mma_config
+    from gpu_node.kernels.moe.slots import expert_slots
+    from gpu_node.kernels.w4a16.dot import num_sms
 
     w13, w2 = _experts(8, 128, 1024, 64, seed=14)  # GEMM 2: K = 1024, 16 groups
     mma13, mma2 = _mma(w13, w2)
@@ -268,7 +268,7 @@ def test_gemm2_split_k_at_several_tokens_equals_the_whole_k() -> None:
 def test_one_token_path_replays_in_a_cuda_graph_with_new_routing() -> None:
     """T = 1 (no slot tables, GEMM 2 summing the experts) captured once: each replay reads
     the routing buffers' new ids and weights and gives the eager call's exact result."""
-    from gpu_node.kernels.moe_mma import fused_moe_mma
+    from gpu_node.kernels.moe.mma import fused_moe_mma
 
     w13, w2 = _mma(*_experts(16, 128, 512, 64, seed=15))  # GEMM 2 over 8 groups: split K
     gen = torch.Generator().manual_seed(15)

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import gpu_node.kernels.moe_router as router_module
+import gpu_node.kernels.moe.router as router_module
 from gpu_node.models.moe import MOE_CONFIGS, MoeConfig
 from gpu_node.models.moe_routing import route, with_always_on
 

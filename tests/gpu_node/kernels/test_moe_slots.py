@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import gpu_node.kernels.moe_slots as slots_module
+import gpu_node.kernels.moe.slots as slots_module
 from gpu_node.models.moe_routing import expert_slots_ref
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated: decorate them again.

@@ -11,21 +11,21 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-import gpu_node.kernels.paged_attention as paged_attention_module
-import gpu_node.kernels.split_merge as split_merge
-from gpu_node.kernels.kv_write import kv_write_ref
-from gpu_node.kernels.paged_attention_ref import (
-    check_page_ownership,
-    gather_paged_kv,
-    paged_decode_attention_ref,
-)
-from gpu_node.kv_quant import (
+import gpu_node.kernels.paged_attention.dot as paged_attention_module
+import gpu_node.kernels.paged_attention.split_merge as split_merge
+from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
     dequantize_fp8,
     kv_pool,
     pool_strides,
     quantize_fp8,
     scale_shape,
+)
+from gpu_node.kernels.kv_write.kernel import kv_write_ref
+from gpu_node.kernels.paged_attention.reference import (
+    check_page_ownership,
+    gather_paged_kv,
+    paged_decode_attention_ref,
 )
 from scheduler.block_manager import FREE, owner_tag
 

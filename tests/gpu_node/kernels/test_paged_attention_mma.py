@@ -1,4 +1,4 @@
-"""The register-resident fp8 decode attention kernel (paged_attention_mma.py).
+"""The register-resident fp8 decode attention kernel (paged_attention/mma.py).
 
 On CUDA: it equals the fp32 reference over the same fp8 pages, for the head shapes it
 takes, any context length (a single token, partial halves and pages, many splits and
@@ -16,18 +16,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu_node.kernels import paged_attention_mma_asm as asm
+from gpu_node.cache.kv_quant import FP8_DTYPE, kv_pool, pool_strides
 from gpu_node.kernels.launch import launches_early
-from gpu_node.kernels.paged_attention import paged_decode_attention
-from gpu_node.kernels.paged_attention_mma import (
+from gpu_node.kernels.paged_attention import mma_asm as asm
+from gpu_node.kernels.paged_attention.dot import paged_decode_attention
+from gpu_node.kernels.paged_attention.mma import (
     batch_class,
     paged_decode_attention_mma,
     resident_warps,
     split_plan,
     supports,
 )
-from gpu_node.kernels.paged_attention_ref import paged_decode_attention_ref
-from gpu_node.kv_quant import FP8_DTYPE, kv_pool, pool_strides
+from gpu_node.kernels.paged_attention.reference import paged_decode_attention_ref
 from tests.gpu_node.kernels.test_paged_attention import (
     FAULTS,
     build_batch,

@@ -1,5 +1,5 @@
 """Prefill and mixed steps replayed from piecewise CUDA graphs on a GPU
-(gpu_node/step_graphs.py): the eager steps' tokens, bit for bit the logits of the same
+(gpu_node/engine/step_graphs.py): the eager steps' tokens, bit for bit the logits of the same
 padded pieces launched eagerly, and page ownership still checked by the eager attention
 between the pieces (seeded weights: the GGUF does not reach the GPU machine)."""
 
@@ -26,7 +26,7 @@ BUDGET = 48
 
 def _engine(model, kv_dtype, graphs: bool):
     from gpu_node.config import EngineConfig
-    from gpu_node.llm_engine import LLMEngine
+    from gpu_node.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model="seeded", device="cuda", kv_dtype=kv_dtype, num_pages=64,
@@ -49,7 +49,7 @@ def _generate(engine, prompts=PROMPTS):
 def _piecewise_buckets(runner):
     """The bucket of each step from now on that the decode graphs do not take (more than 8
     rows, or a prompt chunk among them), as the step graphs will pad it."""
-    from gpu_node.step_graphs import token_bucket
+    from gpu_node.engine.step_graphs import token_bucket
 
     buckets, run = set(), runner.run
 
@@ -84,7 +84,7 @@ def test_step_graphs_give_the_eager_tokens(weights, kv_dtype):
 def test_a_replay_equals_the_same_padded_pieces_launched_eagerly(kv_dtype):
     """Each step's logits, the pieces replayed from graphs or launched eagerly: the same
     bits, with several buckets captured into the one pool and replayed in turn."""
-    from gpu_node.step_graphs import StepGraphs
+    from gpu_node.engine.step_graphs import StepGraphs
 
     model = _model("int4 g32")
     runs = []
@@ -140,10 +140,10 @@ def test_moe_steps_from_the_pieces_equal_the_pieces_launched_eagerly(experts):
     expert kernels' split of K is planned from the step's token count (moe_mma_config),
     and one token takes its own two-launch path, so padding can change the order of a sum.
     Against the same padded pieces launched eagerly, each step's logits are the same bits."""
+    from gpu_node.engine.step_graphs import StepGraphs
     from gpu_node.models.llama import fuse_projections
+    from gpu_node.models.weights import moe_model
     from gpu_node.quant.linear import quantize_model
-    from gpu_node.step_graphs import StepGraphs
-    from gpu_node.weights import moe_model
 
     model = moe_model("moe-small", device="cuda").to(torch.bfloat16)
     if experts == "int4":

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import gpu_node.kernels.w4a16 as w4a16_module
+import gpu_node.kernels.w4a16.dot as w4a16_module
 from gpu_node.quant.int4 import quantize_int4
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import gpu_node.kernels.w4a16_gemv as gemv_module
+import gpu_node.kernels.w4a16.gemv as gemv_module
 from gpu_node.quant.int4 import (
     Int4Weight,
     Int4WeightKN,

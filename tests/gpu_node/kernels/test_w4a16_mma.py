@@ -19,10 +19,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the dequantize kernel runs interpreted on CPU
 
-import gpu_node.kernels.w4a16_mma as mma_module
-import gpu_node.kernels.w4a16_mma_dequant as dequant_module
-import gpu_node.kernels.w4a16_mma_plan as plan_module
-from gpu_node.kernels.w4a16_mma_asm import HALVES_PTX, HIGH_ROWS, PTX, group_step_constants
+import gpu_node.kernels.w4a16.mma as mma_module
+import gpu_node.kernels.w4a16.mma_dequant as dequant_module
+import gpu_node.kernels.w4a16.mma_plan as plan_module
+from gpu_node.kernels.w4a16.mma_asm import HALVES_PTX, HIGH_ROWS, PTX, group_step_constants
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -366,7 +366,7 @@ def test_scales_ptx_picks_each_lanes_own_scales(symmetric, dtype) -> None:
     """scales_asm run on the 16 bytes each lane of a real tile loads ((g // 2) * 4 + j, or
     (g // 4) * 4 + j for symmetric tiles) gives every C element its own row's scale (over
     HIGH_ROWS for rows g + 8) and min - OFFSET * scale, exactly."""
-    from gpu_node.kernels.w4a16_mma_asm import MAGIC, scales_asm
+    from gpu_node.kernels.w4a16.mma_asm import MAGIC, scales_asm
 
     gen = torch.Generator().manual_seed(7)
     weight = quantize_int4(torch.randn(16, 128, generator=gen), 128, symmetric=symmetric)
@@ -566,7 +566,7 @@ def test_the_serving_plan_takes_the_tuned_config_of_its_gpu_and_shape(tuning_tab
 
 
 def test_the_checked_in_tuning_table_plans_every_entry() -> None:
-    """Every config of gpu_node/kernels/w4a16_mma_tuned.json is a launch the plan takes at
+    """Every config of gpu_node/kernels/w4a16/mma_tuned.json is a launch the plan takes at
     its own shape (a bad entry would fail at serve time), and it sets every key of the
     heuristic's config, so the GPU's multiprocessor count does not change it."""
     table = plan_module.tuned_table()

@@ -21,12 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # the dot kernel runs interpreted on CPU
 
-import gpu_node.kernels.w4a16_mma as mma_module
-import gpu_node.kernels.w4a16_mma_dequant as dequant_module
-import gpu_node.kernels.w4a16_mma_gemm as gemm_module
-import gpu_node.kernels.w4a16_mma_gemm_dot as dot_module
-import gpu_node.kernels.w4a16_mma_gemm_tc as tc_module
-from gpu_node.kernels.w4a16_mma_asm import GEMM_PTX, MAGIC
+import gpu_node.kernels.w4a16.mma as mma_module
+import gpu_node.kernels.w4a16.mma_dequant as dequant_module
+import gpu_node.kernels.w4a16.mma_gemm as gemm_module
+import gpu_node.kernels.w4a16.mma_gemm_dot as dot_module
+import gpu_node.kernels.w4a16.mma_gemm_tc as tc_module
+from gpu_node.kernels.w4a16.mma_asm import GEMM_PTX, MAGIC
 from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, from_mma, quantize_int4, to_mma
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have

@@ -1,0 +1,1 @@
+"""KV write: new K/V quantized and scattered into the paged cache, ownership checked."""

@@ -1,0 +1,305 @@
+"""KV write: quantize new K/V and scatter them into the paged cache by slot, checking ownership.
+
+Shape letters: T new tokens, P pages, S page size, H kv heads, D head dim.
+The cache layout (and the fp8 scale layout) is drawn in `gpu_node/cache/kv_cache.py`.
+
+    key, value    [T, H, D]   the step's new K/V in the compute dtype
+    slot_mapping  [T] int64   page * S + offset of each token; < 0 = padding, skipped
+    token_tags    [T] int64   the tag of the sequence each token belongs to
+    page_owner    [P] int64   the tag of the sequence that owns each page
+
+A token is written only if its slot is in range and `page_owner[slot // S]` equals its
+tag; otherwise the write is skipped and the token flagged, so a bad block table can
+never overwrite another sequence's KV.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_node.cache.kv_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    pool_strides,
+    quantize_fp8,
+    set_scale_rows,
+    validate_kv_layer,
+)
+from gpu_node.kernels.combine import maximum_tl
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def round_to_bf16_tl(x):
+    """Round fp32 to the nearest bf16 value (ties to even), kept in fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates; rounding the bits here makes the
+    kernel agree with torch on every backend (the later cast is then exact).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits & -65536).to(tl.float32, bitcast=True)  # -65536 = ~0xFFFF
+
+
+@triton.jit
+def scale_offset_tl(page, offset, head, NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offset of the scale of (page, token offset, head) in a `[P, H, S]` scale
+    tensor (the layout drawn in `gpu_node/cache/kv_cache.py`)."""
+    return (page * NUM_KV_HEADS + head) * PAGE_SIZE + offset
+
+
+@triton.jit
+def row_scale_tl(amax):
+    """Triton twin of `kv_quant.row_scale`, as fp32: bf16(max(amax / 448, 2**-126))."""
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2**-126
+    return round_to_bf16_tl(scale)
+
+
+@triton.jit
+def round_to_e4m3_tl(y):
+    """Round fp32 values with |y| <= 448 to the nearest float8_e4m3fn value (ties to even).
+
+    The result is exactly representable, so the following cast is exact on every
+    backend; the Triton interpreter's own fp32 -> fp8 cast mis-rounds values just below
+    a power of two, and this keeps the kernel bit-exact with torch there too.
+    """
+    # Normal range: keep 3 of fp32's 23 mantissa bits; the carry may bump the exponent.
+    bits = y.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = (bits & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
+    # Subnormal range (|y| < 2**-6): multiples of 2**-9. Adding 1.5 * 2**14 puts y where
+    # fp32's spacing is 2**-9, so the add itself rounds to nearest even.
+    # The add loses the sign of values that round to zero; torch keeps it (-0.0). The sign
+    # bit is put back with integer ops (a float negate of 0.0 came back +0.0 on an H200).
+    magnitude = tl.abs((y + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    subnormal = (magnitude | sign).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows_tl(x, scale):
+    # x [BLOCK_H, BLOCK_D] fp32, scale [BLOCK_H] fp32 -> fp8 [BLOCK_H, BLOCK_D]
+    # IEEE division, as torch does: `/` is an approximate divide on NVIDIA GPUs.
+    scaled = tl.math.div_rn(x, scale[:, None])
+    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    return round_to_e4m3_tl(scaled).to(tl.float8e4nv)
+
+
+@triton.jit
+def _kv_write_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_mapping_ptr,
+    page_owner_ptr,
+    token_tags_ptr,
+    violation_ptr,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    PAGE_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,  # elements between a page's tokens
+    HEAD_STRIDE: tl.constexpr,  # elements between a token's heads
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    CHECK_OWNER: tl.constexpr,
+):
+    # One program per token: both K and V of all its kv heads.
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    is_real = slot >= 0
+    is_ok = is_real & (slot < num_slots)
+    if CHECK_OWNER:
+        page = slot // PAGE_SIZE
+        owner = tl.load(page_owner_ptr + page, mask=is_ok, other=-1)
+        tag = tl.load(token_tags_ptr + t)
+        is_ok = is_ok & (owner == tag)
+    tl.store(violation_ptr + t, is_real & (is_ok == 0))  # bool [T]
+
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    # A skipped token masks every head (a bool tensor, not tensor & scalar: the interpreter
+    # turns that into an int mask).
+    head_mask = heads < tl.where(is_ok, NUM_KV_HEADS, 0)
+    mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    k = tl.load(
+        key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0
+    )
+    v = tl.load(
+        value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0
+    )
+    # [BLOCK_H] each head's row in the pool, in either memory order (kv_quant.kv_pool)
+    row = (
+        (slot // PAGE_SIZE) * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM)
+        + (slot % PAGE_SIZE) * TOKEN_STRIDE
+        + heads * HEAD_STRIDE
+    )
+    cache_offsets = row[:, None] + dims[None, :]
+    if IS_FP8:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = row_scale_tl(tl.reduce(tl.abs(k), 1, maximum_tl))
+        v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, maximum_tl))
+        tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_scale), mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
+        scale_offsets = scale_offset_tl(
+            slot // PAGE_SIZE, slot % PAGE_SIZE, heads, NUM_KV_HEADS, PAGE_SIZE
+        )  # [BLOCK_H]
+        tl.store(k_scale_ptr + scale_offsets, k_scale.to(tl.bfloat16), mask=head_mask)
+        tl.store(v_scale_ptr + scale_offsets, v_scale.to(tl.bfloat16), mask=head_mask)
+    else:
+        tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_owner: torch.Tensor,
+    token_tags: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    check_owner: bool = True,
+) -> torch.Tensor:
+    """Write `key`/`value` [T, H, D] into the cache in place; return violations, bool [T].
+
+    For an fp8 cache each (token, head) row is quantized with its own bf16 scale
+    (written to `k_scale`/`v_scale`). A flagged token was not written.
+    `check_owner=False` skips the ownership check (benchmarks only); range checks stay.
+    """
+    num_pages, page_size, num_kv_heads, head_dim = _validate(
+        key, value, k_cache, v_cache, slot_mapping, page_owner, token_tags, k_scale, v_scale
+    )
+    num_tokens = key.shape[0]
+    violations = torch.empty(num_tokens, dtype=torch.bool, device=key.device)
+    if num_tokens == 0:
+        return violations
+    is_fp8 = k_cache.dtype == FP8_DTYPE
+    token_stride, head_stride = pool_strides(k_cache)  # validated: one of the two orders
+    # Non-fp8 caches never read the scale pointers; any tensor fills the slot.
+    k_scale_arg = k_scale if is_fp8 else k_cache
+    v_scale_arg = v_scale if is_fp8 else v_cache
+    _kv_write_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        k_scale_arg,
+        v_scale_arg,
+        slot_mapping,
+        page_owner,
+        token_tags,
+        violations,
+        num_pages * page_size,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        PAGE_SIZE=page_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        TOKEN_STRIDE=token_stride,
+        HEAD_STRIDE=head_stride,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        IS_FP8=is_fp8,
+        CHECK_OWNER=check_owner,
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+    )
+    return violations
+
+
+def kv_write_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_owner: torch.Tensor,
+    token_tags: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    check_owner: bool = True,
+) -> torch.Tensor:
+    """Pure-torch `kv_write`: same arguments, same in-place effect, same violations."""
+    num_pages, page_size, _, _ = _validate(
+        key, value, k_cache, v_cache, slot_mapping, page_owner, token_tags, k_scale, v_scale
+    )
+    num_slots = num_pages * page_size
+    is_real = slot_mapping >= 0
+    is_ok = is_real & (slot_mapping < num_slots)
+    if check_owner:
+        pages = torch.where(is_ok, slot_mapping // page_size, 0)
+        is_ok &= page_owner[pages] == token_tags
+    slots = slot_mapping[is_ok]  # [W] the tokens actually written
+    pages, offsets = slots // page_size, slots % page_size  # indexing: either memory order
+    if k_cache.dtype == FP8_DTYPE:
+        assert k_scale is not None and v_scale is not None  # validated above
+        k_q, k_e = quantize_fp8(key[is_ok])
+        v_q, v_e = quantize_fp8(value[is_ok])
+        k_cache[pages, offsets] = k_q
+        v_cache[pages, offsets] = v_q
+        set_scale_rows(k_scale, slots, k_e)
+        set_scale_rows(v_scale, slots, v_e)
+    else:
+        k_cache[pages, offsets] = key[is_ok].to(k_cache.dtype)
+        v_cache[pages, offsets] = value[is_ok].to(v_cache.dtype)
+    return is_real & ~is_ok
+
+
+def _validate(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_owner: torch.Tensor,
+    token_tags: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    num_pages, page_size, num_kv_heads, head_dim = validate_kv_layer(
+        k_cache, v_cache, k_scale, v_scale
+    )
+    if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key must be [T, {num_kv_heads}, {head_dim}], got {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value {tuple(value.shape)} must match key {tuple(key.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in head_dim")
+    if key.dtype not in _INPUT_DTYPES or value.dtype != key.dtype:
+        raise ValueError(
+            f"key and value must share one of fp32/bf16/fp16, got {key.dtype} and {value.dtype}"
+        )
+    num_tokens = key.shape[0]
+    for name, tensor, shape in (
+        ("slot_mapping", slot_mapping, (num_tokens,)),
+        ("token_tags", token_tags, (num_tokens,)),
+        ("page_owner", page_owner, (num_pages,)),
+    ):
+        if tensor.dtype != torch.int64 or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{name} must be int64 {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    devices = {t.device for t in (key, value, k_cache, slot_mapping, page_owner, token_tags)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    assert FP8_MAX == 448.0  # the kernel's clamp constants assume float8_e4m3fn
+    return num_pages, page_size, num_kv_heads, head_dim

@@ -1,1 +1,0 @@
-"""The node process: its service state and request schemas (the HTTP layer is gpu_node.server)."""
