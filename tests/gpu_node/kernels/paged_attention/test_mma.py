@@ -28,7 +28,7 @@ from gpu_node.kernels.paged_attention.mma import (
     supports,
 )
 from gpu_node.kernels.paged_attention.reference import paged_decode_attention_ref
-from tests.gpu_node.kernels.test_paged_attention import (
+from tests.gpu_node.kernels.paged_attention.test_dot import (
     FAULTS,
     build_batch,
     fault_batch,

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from scheduler.sequence import SamplingParams
-
-from ..test_parity import prompt_logits
-from ..test_weight_formats import check_moe_small_serves_two_requests
-from .test_decode_graphs_gpu import MAX_TOKENS, PROMPTS, _Tokens
+from tests.gpu_node.engine.test_decode_graphs_gpu import MAX_TOKENS, PROMPTS, _Tokens
+from tests.gpu_node.models.test_parity import prompt_logits
+from tests.gpu_node.models.test_weight_formats import check_moe_small_serves_two_requests
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",

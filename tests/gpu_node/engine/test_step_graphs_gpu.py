@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scheduler.sequence import SamplingParams
-from tests.gpu_node.kernels.test_decode_graphs_gpu import (
+from tests.gpu_node.engine.test_decode_graphs_gpu import (
     _model,
     _record_logits,
     _Tokens,

@@ -2,7 +2,7 @@
 check: the token buckets, which steps are taken, the context index built once a step, and,
 with the pieces run eagerly (`capture=False`), that the padded pieces give the engine's own
 tokens and write nothing but the step's own slots. The captured graphs run in
-tests/gpu_node/kernels/test_step_graphs_gpu.py."""
+tests/gpu_node/engine/test_step_graphs_gpu.py."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ from gpu_node.models.weights import activation_dtype, build_model, load_llama
 from gpu_node.quant.int4 import quantize_int4
 from gpu_node.quant.linear import Int4Linear, model_bytes
 from scheduler.sequence import SamplingParams
-
-from .test_parity import prompt_logits
+from tests.gpu_node.models.test_parity import prompt_logits
 
 
 @pytest.fixture(scope="module")

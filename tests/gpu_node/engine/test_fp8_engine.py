@@ -36,7 +36,7 @@ def perplexity(engine, ids):
     """Every position attends to K/V as the cache stores them: one prefill through the pages."""
     import torch
 
-    from .test_parity import prompt_logits
+    from tests.gpu_node.models.test_parity import prompt_logits
 
     logits = prompt_logits(engine, ids)  # [T, V]
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))

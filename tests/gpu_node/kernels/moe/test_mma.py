@@ -1,8 +1,8 @@
 """The tensor-core MoE kernel over expert slots equals the torch reference (GPU only).
 
 Its inline PTX cannot run in the interpreter; the slots and the stacked layout have CPU
-tests in tests/gpu_node/test_moe.py, and the per-lane arithmetic is the dense kernel's
-(tests/gpu_node/kernels/test_w4a16_mma.py emulates it on CPU).
+tests in tests/gpu_node/models/test_moe.py, and the per-lane arithmetic is the dense kernel's
+(tests/gpu_node/kernels/w4a16/test_mma.py emulates it on CPU).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gpu_node.quant.int4 import (
     dequantize_int4,
     experts_to_mma,
 )
-from tests.gpu_node.kernels.moe_weights import random_experts
+from tests.gpu_node.kernels.moe.weights import random_experts
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",

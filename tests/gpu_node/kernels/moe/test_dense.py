@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import gpu_node.kernels.moe.dense as dense_module
 from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.models.moe_routing import Routing, route
-from tests.gpu_node.kernels.moe_weights import float_experts, routing_weight_cases
+from tests.gpu_node.kernels.moe.weights import float_experts, routing_weight_cases
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest may import the kernels before TRITON_INTERPRET is set: decorate them again.

@@ -14,8 +14,8 @@ import gpu_node.engine.attention as attention_module
 from gpu_node.cache.kv_cache import KVCache
 from gpu_node.engine.attention import PagedAttention, StepMetadata, attend_fused, attend_ref
 from scheduler.block_manager import owner_tag
-from tests.gpu_node.kernels.test_kv_write import kv_write
-from tests.gpu_node.kernels.test_paged_attention import interpreted, paged_decode_attention
+from tests.gpu_node.kernels.kv_write.test_kernel import kv_write
+from tests.gpu_node.kernels.paged_attention.test_dot import interpreted, paged_decode_attention
 
 PAGE, HEADS, KV_HEADS, DIM = 16, 4, 2, 16
 # (tokens already cached, tokens this step): A and C decode, B prefills a chunk of 6.

@@ -15,7 +15,7 @@ import gpu_node.kernels.moe.grouped as moe_module
 import gpu_node.kernels.w4a16.dot as w4a16_module
 from gpu_node.models.moe_routing import route
 from gpu_node.quant.int4 import Int4Weight
-from tests.gpu_node.kernels.moe_weights import random_experts, routing_weight_cases
+from tests.gpu_node.kernels.moe.weights import random_experts, routing_weight_cases
 
 # Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
 # conftest may import the kernels before TRITON_INTERPRET is set: decorate them again

@@ -2,7 +2,7 @@
 the padding, which steps a graph takes, and, with the static step run eagerly
 (`capture=False`), that the padded step gives the engine's own tokens and writes
 nothing but its own tokens' slots. The captured graphs run in
-tests/gpu_node/kernels/test_decode_graphs_gpu.py."""
+tests/gpu_node/engine/test_decode_graphs_gpu.py."""
 
 from __future__ import annotations
 

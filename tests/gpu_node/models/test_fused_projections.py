@@ -15,8 +15,7 @@ from gpu_node.models.gguf_loader import GGUFModel
 from gpu_node.models.llama import fuse_projections
 from gpu_node.models.weights import load_llama, seeded_llama
 from gpu_node.quant.linear import Int4Linear, model_bytes, quantize_model
-
-from .test_parity import prompt_logits
+from tests.gpu_node.models.test_parity import prompt_logits
 
 TINY = ModelConfig(
     architecture="llama", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
