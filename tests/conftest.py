@@ -1,4 +1,5 @@
-"""Shared fixtures: Redis with an isolated key prefix, free ports, servers on loopback."""
+"""Shared fixtures: Redis with an isolated key prefix, a PostgreSQL database of the session's
+own, free ports, servers on loopback."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 import redis.asyncio as aioredis
 import uvicorn
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 # Under pytest-xdist the workers share the machine's cores: each worker's torch (and
 # the servers it starts) takes its share of them rather than all, which would
@@ -95,6 +98,19 @@ async def redis_client() -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(REDIS_URL)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL database of this test session's own (on DATABASE_URL's server), dropped
+    at the end."""
+    name = f"edgeserve_billing_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(DATABASE_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = psycopg.conninfo.make_conninfo(DATABASE_URL, dbname=name)
+    yield url
+    with psycopg.connect(DATABASE_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 # -- servers on loopback ----------------------------------------------------------------

@@ -1,14 +1,13 @@
 """Real Redis and PostgreSQL for the billing tests.
 
 REDIS_URL (default redis://127.0.0.1:6379/0): each test gets its own key prefix,
-deleted afterwards. DATABASE_URL (default postgres on 127.0.0.1:5432): one fresh
-database per test session, dropped at the end; each Postgres ledger test starts
-from an empty table.
+deleted afterwards. Each Postgres ledger test starts from an empty table of the
+session's database (`postgres_url`, tests/conftest.py). The events the tests write
+come from tests/billing/samples.py.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -21,34 +20,8 @@ import pytest
 import redis
 import redis.asyncio
 
-from billing.events import UsageEvent
 from billing.ledger import Ledger, PostgresLedger, SqliteLedger
-from tests.conftest import free_port
-
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-# 2026-11-02 12:00:00 UTC and the two days after it.
-DAY1 = 1_793_620_800.0
-DAY2 = DAY1 + 86_400
-DAY3 = DAY2 + 86_400
-
-
-def make_event(request_id: str, /, **overrides: object) -> UsageEvent:
-    values: dict[str, object] = {
-        "request_id": request_id,
-        "account_id": "acct-a",
-        "model": "@cf/huggingface/smollm2-135m-instruct",
-        "node_id": "node-1",
-        "input_tokens": 100,
-        "output_tokens": 20,
-        "cached_tokens": 0,
-        "started_at": DAY1,
-        "ended_at": DAY1 + 1.5,
-        "status": "ok",
-    }
-    values.update(overrides)
-    return UsageEvent(**values)  # type: ignore[arg-type]
+from tests.conftest import REDIS_URL, free_port
 
 
 @pytest.fixture
@@ -67,17 +40,6 @@ async def redis_client() -> AsyncIterator[redis.asyncio.Redis]:
     client = redis.asyncio.Redis.from_url(REDIS_URL)
     yield client
     await client.aclose()
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    name = f"edgeserve_billing_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(DATABASE_URL, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = psycopg.conninfo.make_conninfo(DATABASE_URL, dbname=name)
-    yield url
-    with psycopg.connect(DATABASE_URL, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -4,7 +4,7 @@ import pytest
 
 from billing.errors import InvalidUsageEvent
 from billing.events import UsageEvent
-from tests.billing.conftest import DAY1, make_event
+from tests.billing.samples import DAY1, make_event
 
 
 def test_fields_round_trip_exactly() -> None:

@@ -18,7 +18,8 @@ from starlette.routing import Route
 from billing.http import ADMIN, Principal, usage_endpoint
 from billing.ledger import SqliteLedger
 from billing.prices import PriceTable
-from tests.billing.conftest import DAY1, DAY2, free_port, make_event
+from tests.billing.samples import DAY1, DAY2, make_event
+from tests.conftest import free_port
 
 SMOL = "@cf/huggingface/smollm2-135m-instruct"
 TOKENS = {"key-a": "acct-a", "key-b": "acct-b", "admin-token": ADMIN}

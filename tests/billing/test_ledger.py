@@ -9,7 +9,7 @@ from datetime import date
 import pytest
 
 from billing.ledger import DailyUsage, Ledger
-from tests.billing.conftest import DAY1, DAY3, make_event
+from tests.billing.samples import DAY1, DAY3, make_event
 
 SMOL = "@cf/huggingface/smollm2-135m-instruct"
 

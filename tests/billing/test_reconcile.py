@@ -10,7 +10,7 @@ import redis.asyncio
 from billing.ledger import SqliteLedger
 from billing.reconcile import CLOCK_MARGIN_S, ReconcileReport, reconcile
 from billing.worker import BillingWorker, WorkerConfig
-from tests.billing.conftest import make_event
+from tests.billing.samples import make_event
 
 
 async def test_reconcile_separates_gaps_from_in_flight_and_journaled_events(

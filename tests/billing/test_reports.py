@@ -18,7 +18,7 @@ from billing.reports import (
     to_json,
     to_table,
 )
-from tests.billing.conftest import DAY1, DAY2, make_event
+from tests.billing.samples import DAY1, DAY2, make_event
 
 # The old price holds until 2026-11-02 inclusive; the new one from 2026-11-03.
 PRICES = """

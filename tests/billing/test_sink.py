@@ -14,7 +14,8 @@ from billing.journal import Journal
 from billing.ledger import Ledger, SqliteLedger
 from billing.sink import REPLAY_CHUNK, LocalUsageSink, RedisUsageSink
 from billing.worker import BillingWorker, WorkerConfig
-from tests.billing.conftest import RedisServer, make_event
+from tests.billing.conftest import RedisServer
+from tests.billing.samples import make_event
 
 STREAM = "usage"
 DAYS = (date(2026, 11, 1), date(2026, 11, 30))

@@ -17,7 +17,8 @@ import redis.exceptions
 from billing.ledger import Ledger, PostgresLedger, SqliteLedger
 from billing.worker import BillingWorker, WorkerConfig
 from edgeserve.commands.billing import PAUSE_AFTER_COMMIT_ENV
-from tests.billing.conftest import REDIS_URL, make_event
+from tests.billing.samples import make_event
+from tests.conftest import REDIS_URL
 
 
 def config(key_prefix: str, consumer: str, **overrides: object) -> WorkerConfig:

@@ -30,7 +30,7 @@ from gateway.openai_api import ChatStream
 from gateway.upstream import Finished, _split_lines
 from gateway.workers_ai import WorkersAIStream
 from tests.conftest import ACCOUNT_ID, SMOLLM2
-from tests.gateway.loopback import API_KEY, Node, running_node, start_gateway
+from tests.loopback import API_KEY, Node, running_node, start_gateway
 
 pytestmark = pytest.mark.timeout(180)
 

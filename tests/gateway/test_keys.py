@@ -93,7 +93,7 @@ async def test_while_redis_is_away_only_keys_confirmed_recently_work() -> None:
     import redis.asyncio as aioredis
 
     from scheduler.store_watch import StoreAway, StoreWatch
-    from tests.gateway.admission.test_outage import RedisServer
+    from tests.redis_server import RedisServer
 
     now = [100.0]
     server = RedisServer()

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from scheduler.capacity import CapacityRecord, LocalCapacityRegistry
 from scheduler.placement import LocalReservations
 from tests.conftest import SMOLLM2, ListSink, ServerThread
-from tests.gateway.loopback import API_KEY, Node, start_gateway
+from tests.loopback import API_KEY, Node, start_gateway
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -170,7 +170,7 @@ class _Clock:
 
 @pytest.fixture
 def redis_server():
-    from tests.gateway.admission.test_outage import RedisServer
+    from tests.redis_server import RedisServer
 
     server = RedisServer()
     server.start()

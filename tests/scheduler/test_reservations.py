@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from scheduler.reservations import Candidate, RedisReservations, pick_best
 from scheduler.store_watch import StoreWatch
 from tests.conftest import REDIS_URL
-from tests.gateway.admission.test_outage import RedisServer
+from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

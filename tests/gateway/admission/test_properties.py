@@ -119,7 +119,7 @@ async def _run_on_redis(limits: Limits, ops: list[tuple[int, bool, int, int]]) -
     client = redis.Redis.from_url(redis_url(), socket_timeout=5)
     prefix = f"test-admission-prop-{uuid.uuid4().hex[:12]}"
     clock = FakeClock(1_000.0)
-    # Leases outlast the whole run: a live gateway renews them (lapsing is test_fleet's job).
+    # Leases outlast the whole run: a live gateway renews them (lapsing is test_redis_limiter's job).
     settings_ = AdmissionSettings(
         policy=LimitPolicy(default=limits), key_prefix=prefix, lease_s=3_600, redis_timeout_s=10.0
     )

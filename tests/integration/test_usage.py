@@ -19,7 +19,7 @@ from billing.prices import PriceTable
 from billing.reports import format_money
 from billing.sink import LocalUsageSink
 from tests.conftest import ACCOUNT_ID, OTHER_ACCOUNT_ID, SMOLLM2
-from tests.gateway.loopback import (
+from tests.loopback import (
     ADMIN_TOKEN,
     API_KEY,
     OTHER_KEY,

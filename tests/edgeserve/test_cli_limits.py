@@ -12,15 +12,14 @@ import typer
 from typer.testing import CliRunner
 
 from edgeserve.commands.limits import register
-
-from .conftest import redis_url
+from tests.conftest import REDIS_URL
 
 
 @pytest.fixture
 def cli_prefix() -> Iterator[str]:
     prefix = f"test-admission-cli-{uuid.uuid4().hex[:12]}"
     yield prefix
-    client = redis.Redis.from_url(redis_url())
+    client = redis.Redis.from_url(REDIS_URL)
     keys = list(client.scan_iter(match=f"{prefix}:*"))
     if keys:
         client.delete(*keys)
@@ -40,7 +39,7 @@ def invoke(*args: str) -> tuple[int, str, str]:
 
 
 def test_set_then_show(cli_prefix: str) -> None:
-    common = ["--redis-url", redis_url(), "--prefix", cli_prefix, "--account", "acct-9"]
+    common = ["--redis-url", REDIS_URL, "--prefix", cli_prefix, "--account", "acct-9"]
     code, out, _ = invoke("limits", "set", *common, "--rpm", "60", "--concurrency", "3")
     assert code == 0
     assert json.loads(out)["account"] == {
@@ -64,7 +63,7 @@ def test_set_then_show(cli_prefix: str) -> None:
 
 
 def test_bad_input_and_unreachable_redis_exit_non_zero(cli_prefix: str) -> None:
-    common = ["--redis-url", redis_url(), "--prefix", cli_prefix]
+    common = ["--redis-url", REDIS_URL, "--prefix", cli_prefix]
     code, _, err = invoke("limits", "set", *common, "--account", "a")
     assert code == 2 and "give at least one of --rpm, --tpm, --concurrency" in err
     code, _, err = invoke("limits", "set", *common, "--account", "a", "--rpm", "0")
@@ -83,7 +82,7 @@ def test_a_model_limit_by_public_name_is_kept_under_its_node_model_and_prefixes_
     """Admission buckets by the node model (`smollm2`): a limit set by the catalog name must
     land there. And `--prefix x:` (as `edgeserve gateway --prefix` is written) names the keys
     `--prefix x` does, the ones the gateways read."""
-    common = ["--redis-url", redis_url(), "--account", "acct-7"]
+    common = ["--redis-url", REDIS_URL, "--account", "acct-7"]
     code, _, _ = invoke("limits", "set", *common, "--prefix", f"{cli_prefix}:", "--model",
                         "@cf/huggingface/smollm2-135m-instruct", "--rpm", "2")  # fmt: skip
     assert code == 0
@@ -92,7 +91,7 @@ def test_a_model_limit_by_public_name_is_kept_under_its_node_model_and_prefixes_
     shown = json.loads(out)
     assert (shown["model"], shown["effective"]["requests_per_minute"]) == ("smollm2", 2)
     assert list(shown["models"]) == ["smollm2"]
-    client = redis.Redis.from_url(redis_url())
+    client = redis.Redis.from_url(REDIS_URL)
     assert [k.decode() for k in client.scan_iter(match=f"{cli_prefix}*")] == [
         f"{cli_prefix}:limits:acct-7"
     ]

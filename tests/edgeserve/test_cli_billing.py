@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from billing.ledger import PostgresLedger, SqliteLedger
 from edgeserve.cli import build_app
-from tests.billing.conftest import DAY2, REDIS_URL, make_event
-from tests.conftest import free_port
+from tests.billing.samples import DAY2, make_event
+from tests.conftest import REDIS_URL, free_port
 
 SMOL = "@cf/huggingface/smollm2-135m-instruct"
 
@@ -98,8 +98,10 @@ def test_report_rejects_bad_input_with_a_clear_message(tmp_path: Path) -> None:
     assert "a 30-day window ending on 0001-01-10 starts before 0001-01-01" in message
 
 
-def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_prefix: str) -> None:
-    stream = key_prefix + "usage"
+def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(
+    tmp_path: Path, redis_prefix: str
+) -> None:
+    stream = redis_prefix + "usage"
     client = redis.Redis.from_url(REDIS_URL)
     client.xgroup_create(stream, "billing", id="0", mkstream=True)
     a1 = make_event("a-1", input_tokens=1_000_000, cached_tokens=500_000, output_tokens=0)
@@ -135,14 +137,14 @@ def test_reconcile_exits_1_on_a_gap_and_0_when_consistent(tmp_path: Path, key_pr
 
 
 def test_the_worker_command_bills_then_stops_gracefully_on_sigterm(
-    tmp_path: Path, key_prefix: str
+    tmp_path: Path, redis_prefix: str
 ) -> None:
     import signal
     import subprocess
     import sys
     import time
 
-    stream = key_prefix + "usage"
+    stream = redis_prefix + "usage"
     client = redis.Redis.from_url(REDIS_URL)
     for i in range(3):
         client.xadd(stream, make_event(f"req-{i}").to_fields())

@@ -32,8 +32,7 @@ from billing.worker import BillingWorker, WorkerConfig
 from gateway.keys import RedisKeyStore
 from gpu_node.server import NodeService, NodeSettings, create_node_app
 from scheduler.capacity import RedisCapacityRegistry
-from tests.billing.conftest import REDIS_URL
-from tests.conftest import ACCOUNT_ID, INTERNAL_TOKEN, SMOLLM2, ServerThread, free_port
+from tests.conftest import ACCOUNT_ID, INTERNAL_TOKEN, REDIS_URL, SMOLLM2, ServerThread, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

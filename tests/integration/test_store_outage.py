@@ -3,7 +3,7 @@ last-known capacity, local reservations and limits), any other key is a clear 50
 request that ends meanwhile is still billed and gives its admission back, and nothing stays
 reserved once Redis returns.
 
-Each test runs a redis-server of its own (tests/gateway/admission/test_outage.py) and
+Each test runs a redis-server of its own (tests/redis_server.py) and
 stops it at the moment under test; the real SmolLM2 node serves on loopback.
 """
 
@@ -28,8 +28,8 @@ from gateway.admission import AdmissionSettings, LimitPolicy, Limits, RedisLimit
 from gateway.keys import RedisKeyStore
 from scheduler.placement import RedisReservations
 from tests.conftest import ACCOUNT_ID, SMOLLM2, free_port
-from tests.gateway.admission.test_outage import RedisServer
-from tests.gateway.loopback import API_KEY, OTHER_KEY, Node, running_node, start_gateway
+from tests.loopback import API_KEY, OTHER_KEY, Node, running_node, start_gateway
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import ACCOUNT_ID, SMOLLM2
-from tests.gateway.loopback import API_KEY, Node, running_node, start_gateway
+from tests.loopback import API_KEY, Node, running_node, start_gateway
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,7 @@
 Each script runs as a subprocess, as a person would run it; GPU-only timings run their
 harness on CPU tensors or check their tables and imports (each script says which). No
 smoke needs Triton's interpreter, which would make the engine's CPU steps take a minute.
-The fault suite's smoke has its own test (test_fault_suite_smoke.py).
+The fault suite's smoke has its own test (tests/integration/test_fault_suite.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = (
     "bench_admission.py",
     "bench_billing.py",

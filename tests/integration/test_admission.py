@@ -25,8 +25,8 @@ from gateway.admission import (
     RedisLimiter,
 )
 from tests.conftest import ACCOUNT_ID, SMOLLM2
-from tests.gateway.admission.test_outage import RedisServer
-from tests.gateway.loopback import API_KEY, Node, running_node, start_gateway
+from tests.loopback import API_KEY, Node, running_node, start_gateway
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,9 +22,9 @@ import redis.asyncio
 from billing.ledger import PostgresLedger
 from billing.sink import RedisUsageSink
 from billing.worker import BillingWorker, WorkerConfig
-from tests.billing.conftest import REDIS_URL
 from tests.conftest import (
     INTERNAL_TOKEN,
+    REDIS_URL,
     SMOLLM2,
     ServerThread,
     free_port,
@@ -157,9 +157,9 @@ async def bill(stream: str, ledger: PostgresLedger, expected: int) -> BillingWor
 
 
 def test_1000_requests_are_billed_exactly_as_their_clients_received_them(
-    engine: Any, key_prefix: str, postgres_url: str, tmp_path: Path
+    engine: Any, redis_prefix: str, postgres_url: str, tmp_path: Path
 ) -> None:
-    stream = key_prefix + "usage"
+    stream = redis_prefix + "usage"
     sink = RedisUsageSink(redis.asyncio.Redis.from_url(REDIS_URL), stream, tmp_path / "journal")
     node, gateway = start_gateway(engine, sink)
     try:
