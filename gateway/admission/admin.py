@@ -5,7 +5,8 @@
                                                               "tokens_per_minute"?, "max_concurrent"?}
     DELETE {prefix}/accounts/{account_id}/limits[?model=M]   drops one override
 
-Bodies use the Workers AI envelope; errors map through ERRORS below.
+Bodies use the Workers AI envelope; errors map through ERRORS below. `AdminToken` is the
+one check of the admin bearer token; every admin route (the dashboard's too) asks it.
 """
 
 from __future__ import annotations
@@ -48,15 +49,35 @@ class LimitsUpdate(BaseModel):
     max_concurrent: StrictInt | None = Field(default=None, gt=0)
 
 
-def _ok(result: Any) -> JSONResponse:
+def admin_ok(result: Any) -> JSONResponse:
     return JSONResponse({"result": result, "success": True, "errors": [], "messages": []})
 
 
-def _error(kind: str, message: str) -> JSONResponse:
+def admin_error(kind: str, message: str) -> JSONResponse:
+    """An error envelope; `kind` is a key of ERRORS."""
     status, code = ERRORS[kind]
     body = {"result": None, "success": False, "errors": [{"code": code, "message": message}]}
     headers = {"www-authenticate": "Bearer"} if kind == "unauthorized" else None
     return JSONResponse({**body, "messages": []}, status_code=status, headers=headers)
+
+
+class AdminToken:
+    """The admin bearer token, compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("admin_token must be set; an unguarded admin API is refused")
+        self._token = token.encode()
+
+    def allows(self, request: Request) -> bool:
+        """Whether `request` carries `Authorization: Bearer <the admin token>`."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self._token
+        )
+
+    def refusal(self) -> JSONResponse:
+        return admin_error("unauthorized", "a valid admin bearer token is required")
 
 
 class LimitsAdmin:
@@ -65,11 +86,9 @@ class LimitsAdmin:
     def __init__(
         self, store: LimitStore, policy: LimitPolicy, admin_token: str, timeout_s: float = 2.0
     ) -> None:
-        if not admin_token:
-            raise ValueError("admin_token must be set; an unguarded admin API is refused")
         self._store = store
         self._policy = policy
-        self._token = admin_token.encode()
+        self._admin = AdminToken(admin_token)
         self._timeout_s = timeout_s  # bound on store calls, so the API answers 503, not hangs
 
     def routes(self, prefix: str = "/admin/v1") -> list[Route]:
@@ -77,8 +96,8 @@ class LimitsAdmin:
         return [Route(path, self.handle, methods=["GET", "PUT", "DELETE"])]
 
     async def handle(self, request: Request) -> JSONResponse:
-        if not self._is_authorized(request):
-            return _error("unauthorized", "a valid admin bearer token is required")
+        if not self._admin.allows(request):
+            return self._admin.refusal()
         account_id = request.path_params["account_id"]
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -88,12 +107,12 @@ class LimitsAdmin:
                 if request.method == "DELETE" and not await clear_limits(
                     self._store, account_id, model
                 ):
-                    return _error("not_found", "no such override")
-                return _ok(await describe_limits(self._store, self._policy, account_id, model))
+                    return admin_error("not_found", "no such override")
+                return admin_ok(await describe_limits(self._store, self._policy, account_id, model))
         except (InvalidLimits, InvalidRequest) as exc:
-            return _error("invalid", str(exc))
+            return admin_error("invalid", str(exc))
         except (RedisError, OSError, TimeoutError):
-            return _error("unavailable", "the limit store is unreachable; try again shortly")
+            return admin_error("unavailable", "the limit store is unreachable; try again shortly")
 
     async def _put(self, request: Request, account_id: str) -> JSONResponse:
         try:
@@ -103,17 +122,17 @@ class LimitsAdmin:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"
-            return _error("invalid", f"{where}: {first['msg']}")
+            return admin_error("invalid", f"{where}: {first['msg']}")
         except ValueError:  # not JSON, not UTF-8, nested too deeply, an integer too long
-            return _error("invalid", "the body is not JSON")
+            return admin_error("invalid", "the body is not JSON")
         except BodyTooLargeError as exc:
-            return _error("invalid", str(exc))
+            return admin_error("invalid", str(exc))
         if (update.requests_per_minute, update.tokens_per_minute, update.max_concurrent) == (
             None,
             None,
             None,
         ):
-            return _error(
+            return admin_error(
                 "invalid",
                 "give at least one of requests_per_minute, tokens_per_minute, max_concurrent",
             )
@@ -126,10 +145,4 @@ class LimitsAdmin:
             tokens_per_minute=update.tokens_per_minute,
             max_concurrent=update.max_concurrent,
         )
-        return _ok(await describe_limits(self._store, self._policy, account_id, update.model))
-
-    def _is_authorized(self, request: Request) -> bool:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self._token
-        )
+        return admin_ok(await describe_limits(self._store, self._policy, account_id, update.model))
