@@ -27,8 +27,9 @@ from billing.prices import PriceTable
 from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gateway import openai_api, workers_ai
 from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
-from gateway.admission.admin import LimitsAdmin
+from gateway.admission.admin import AdminToken, LimitsAdmin
 from gateway.catalog import ModelCatalog
+from gateway.dashboard import Dashboard, FleetGauges, RecentErrors, RecentErrorsMiddleware
 from gateway.dispatch import Dispatcher, UsageSinkLike
 from gateway.errors import (
     Dialect,
@@ -155,6 +156,7 @@ def create_app(
     The app starts and stops the limiter itself. `limit_store` (with `settings.admin_token`)
     mounts the limits admin API under /admin/v1; `ledger` mounts the usage report route.
     `telemetry` traces requests and backs /metrics (without it: metrics only, no spans).
+    `settings.admin_token` also mounts the dashboard (/dashboard, gateway/dashboard/).
     """
     if telemetry is None:
         telemetry = setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
@@ -182,6 +184,8 @@ def create_app(
         node_silence_s=settings.node_silence_s,
         node_probe_timeout_s=settings.node_probe_timeout_s,
     )
+    fleet = FleetGauges(placer, queue, telemetry.registry)
+    recent_errors = RecentErrors()
     gateway = Gateway(
         settings=settings,
         catalog=catalog or ModelCatalog(),
@@ -194,6 +198,7 @@ def create_app(
         return JSONBytes(build_openapi())
 
     async def metrics(request: Request) -> Response:
+        await fleet.refresh()
         body, content_type = telemetry.render_metrics()
         return Response(body, headers={"content-type": content_type})
 
@@ -245,6 +250,16 @@ def create_app(
     if limit_store is not None and settings.admin_token is not None:
         admin = LimitsAdmin(limit_store, limit_policy or LimitPolicy(), settings.admin_token)
         routes += admin.routes("/admin/v1")
+    if settings.admin_token is not None:
+        dashboard = Dashboard(
+            AdminToken(settings.admin_token),
+            fleet,
+            telemetry.registry,
+            recent_errors,
+            ledger,
+            prices,
+        )
+        routes += dashboard.routes("/admin/v1")
     for base in ("/v1", f"{ACCOUNT_AI}/v1"):
         routes += [
             Route(f"{base}/chat/completions", openai_api.chat_completions, methods=["POST"]),
@@ -265,4 +280,6 @@ def create_app(
     # redirect would answer an empty 307 to a URL built from the Host header.
     app.router.redirect_slashes = False
     app.state.gateway = gateway
-    return RequestIdMiddleware(TracingMiddleware(app, telemetry, app.routes))
+    return RequestIdMiddleware(
+        RecentErrorsMiddleware(TracingMiddleware(app, telemetry, app.routes), recent_errors)
+    )

@@ -185,6 +185,10 @@ class Placer:
             if record.node_id == node_id:
                 self._down[node_id] = record.published_at
 
+    async def nodes(self) -> list[CapacityRecord]:
+        """Every live node's record, in node id order: what the fleet looks like now."""
+        return await self._view.live()
+
     async def _live(self, model: str) -> list[CapacityRecord]:
         """Live records serving `model`, less the nodes marked down since they published."""
         live = []

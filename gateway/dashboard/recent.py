@@ -1,0 +1,116 @@
+"""The gateway's recent failures: a bounded ring of its 5xx answers, for the dashboard.
+
+Each entry holds what the access log holds (method, path, status, request id) and the
+error message the gateway itself wrote into the answer; never a request body. Readiness
+answers (`/healthz` saying "loading") are not failures and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MAX_PATH_CHARS = 200
+MAX_MESSAGE_CHARS = 300
+MAX_BODY_BYTES = 8192  # an error envelope is far smaller; a longer body is not read further
+PROBE_PATHS = frozenset({"/healthz"})
+
+
+@dataclass(frozen=True, slots=True)
+class RecentError:
+    at: float  # epoch seconds
+    method: str
+    path: str
+    status: int
+    message: str  # the error message of the answer's body ("" when it has none)
+    request_id: str | None
+
+
+class RecentErrors:
+    """The last `capacity` failures, newest first."""
+
+    def __init__(self, capacity: int = 50, clock: Callable[[], float] = time.time) -> None:
+        self._ring: deque[RecentError] = deque(maxlen=capacity)
+        self._clock = clock
+
+    def add(
+        self, method: str, path: str, status: int, message: str, request_id: str | None
+    ) -> None:
+        self._ring.append(
+            RecentError(
+                self._clock(),
+                method,
+                path[:MAX_PATH_CHARS],
+                status,
+                message[:MAX_MESSAGE_CHARS],
+                request_id,
+            )
+        )
+
+    def latest(self) -> list[RecentError]:
+        return list(reversed(self._ring))
+
+
+def error_message(body: bytes) -> str:
+    """The message of an error body in either dialect (Workers AI `errors[0].message`,
+    OpenAI `error.message`); "" for anything else."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(parsed, dict):
+        return ""
+    errors = parsed.get("errors")
+    if isinstance(errors, list) and errors and isinstance(errors[0], dict):
+        message = errors[0].get("message")
+    elif isinstance(error := parsed.get("error"), dict):
+        message = error.get("message")
+    else:
+        message = None
+    return message if isinstance(message, str) else ""
+
+
+class RecentErrorsMiddleware:
+    """Adds every 5xx answer to `errors`. Sits inside RequestIdMiddleware (it reads the id)."""
+
+    def __init__(self, app: ASGIApp, errors: RecentErrors) -> None:
+        self.app = app
+        self._errors = errors
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        body = bytearray()
+        is_recorded = False
+
+        def record() -> None:
+            nonlocal is_recorded
+            if status >= 500 and not is_recorded:
+                is_recorded = True
+                request_id = scope.get("state", {}).get("request_id")
+                self._errors.add(
+                    scope["method"], scope["path"], status, error_message(bytes(body)), request_id
+                )
+
+        async def send_observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 500:
+                if len(body) < MAX_BODY_BYTES:
+                    body.extend(message.get("body", b"")[: MAX_BODY_BYTES - len(body)])
+                if not message.get("more_body", False):
+                    record()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_observed)
+        finally:
+            record()  # an answer cut short still counts
