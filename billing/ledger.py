@@ -408,7 +408,12 @@ def open_ledger(location: str | Path) -> Ledger:
 
 
 def default_sqlite_path() -> Path:
-    """Where the embedded ledger lives when no location is given (per-user data dir)."""
+    """Where the embedded ledger lives when no location is given: `$EDGESERVE_HOME`, which
+    holds everything a machine's edgeserve keeps, else the per-user data dir (not the cache
+    dir the models go to: a ledger is not a cache)."""
+    configured = os.environ.get("EDGESERVE_HOME")
+    if configured:
+        return Path(configured).expanduser() / "ledger.sqlite3"
     import platformdirs
 
     return platformdirs.user_data_path("edgeserve") / "ledger.sqlite3"

@@ -38,40 +38,63 @@ def run_on_redis(redis_url: str, action: Callable[[Any], Awaitable[T]]) -> T:
     try:
         return asyncio.run(main())
     except (RedisError, OSError) as exc:
-        typer.echo(f"error: cannot reach Redis at {_redacted(redis_url)}: {exc}", err=True)
+        typer.echo(f"error: cannot reach Redis at {redacted(redis_url)}: {exc}", err=True)
         raise typer.Exit(UNREACHABLE_EXIT) from None
 
 
-def _location(database_url: str | None, sqlite: Path | None) -> str | Path:
-    """The ledger a command names: --database-url, --sqlite, else the environment's
-    DATABASE_URL (as the gateway reads it, so a fleet's worker and gateways share one
-    ledger from one setting), else the per-user SQLite file. A str is a PostgreSQL database
-    in any form libpq takes (a URL or key=value pairs), a Path a SQLite file."""
-    from billing.ledger import default_sqlite_path
-
-    if database_url and sqlite:
-        raise typer.BadParameter("give --database-url or --sqlite, not both")
-    database_url = database_url or (None if sqlite else os.environ.get("DATABASE_URL"))
-    return database_url or sqlite or default_sqlite_path()
+LEDGER_HELP = (
+    "the ledger: a SQLite file or a postgresql:// URL (default: DATABASE_URL, else "
+    "ledger.sqlite3 in EDGESERVE_HOME, else in the per-user data dir)"
+)
+# One flag names the ledger on every command; the older spellings stay as hidden aliases.
+LEDGER = typer.Option(None, "--ledger", metavar="FILE|URL", help=LEDGER_HELP)
+DATABASE_URL_ALIAS = typer.Option(None, "--database-url", hidden=True)
+SQLITE_ALIAS = typer.Option(None, "--sqlite", hidden=True)
 
 
-def ledger_location(database_url: str | None, sqlite: Path | None) -> str:
+def ledger_flag(
+    ledger: str | None, database_url: str | None, sqlite: Path | None
+) -> str | Path | None:
+    """What `--ledger` names, or one of its hidden aliases; None when none is given."""
+    given = [name for name, value in (("--ledger", ledger), ("--database-url", database_url),
+                                      ("--sqlite", sqlite)) if value]  # fmt: skip
+    if len(given) > 1:
+        raise typer.BadParameter(f"give one of {', '.join(given)}, not several")
+    return ledger or database_url or sqlite
+
+
+def _location(ledger: str | Path | None, sqlite: Path | None = None) -> str | Path:
+    """The ledger a command names: the flag (`ledger_flag`; `sqlite` is its SQLite form),
+    else the environment's DATABASE_URL (as every command reads it, so a fleet's worker and
+    gateways share one ledger from one setting), else `default_sqlite_path()`, the one a
+    plain `up` bills into. A str is a PostgreSQL database in any form libpq takes (a URL or
+    key=value pairs), a Path a SQLite file."""
+    from billing.ledger import default_sqlite_path, is_database_url
+
+    if isinstance(ledger, str) and not is_database_url(ledger) and "=" not in ledger:
+        ledger = Path(ledger).expanduser()
+    return ledger or sqlite or os.environ.get("DATABASE_URL") or default_sqlite_path()
+
+
+def ledger_location(ledger: str | Path | None, sqlite: Path | None = None) -> str:
     """Where the ledger a command names lies, for its messages: never the password."""
-    return _redacted(str(_location(database_url, sqlite)))
+    return redacted(str(_location(ledger, sqlite)))
 
 
-def command_ledger(database_url: str | None, sqlite: Path | None, *, create: bool) -> Ledger:
+def command_ledger(
+    ledger: str | Path | None, sqlite: Path | None = None, *, create: bool
+) -> Ledger:
     """The ledger a command names (`_location`). `create=False` (reports, reconciliation)
     refuses a SQLite file that does not exist: a mistyped path would otherwise read as an
     empty ledger and report zero usage."""
     from billing.ledger import PostgresLedger, SqliteLedger
 
-    location = _location(database_url, sqlite)
+    location = _location(ledger, sqlite)
     if isinstance(location, Path):
         if not create and not location.is_file():
             typer.echo(
-                f"error: no ledger at {location}: nothing was billed there (--sqlite FILE or "
-                "--database-url URL names another)",
+                f"error: no ledger at {location}: nothing was billed there (--ledger FILE|URL "
+                "names another)",
                 err=True,
             )
             raise typer.Exit(LEDGER_EXIT)
@@ -79,7 +102,7 @@ def command_ledger(database_url: str | None, sqlite: Path | None, *, create: boo
     try:
         return PostgresLedger(location) if isinstance(location, str) else SqliteLedger(location)
     except ledger_errors() as exc:
-        raise ledger_failed(_redacted(str(location)), exc) from None
+        raise ledger_failed(redacted(str(location)), exc) from None
 
 
 def ledger_errors() -> tuple[type[BaseException], ...]:
@@ -95,7 +118,7 @@ def ledger_failed(where: str, exc: BaseException) -> typer.Exit:
     return typer.Exit(LEDGER_EXIT)
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """A Redis or database URL without its password, for an error message."""
     if "://" not in url or "@" not in url:
         return url

@@ -11,9 +11,13 @@ import typer
 
 from edgeserve.settings import redis_client
 from edgeserve.stores import (
+    DATABASE_URL_ALIAS,
+    LEDGER,
+    SQLITE_ALIAS,
     command_ledger,
     ledger_errors,
     ledger_failed,
+    ledger_flag,
     ledger_location,
     run_on_redis,
 )
@@ -25,10 +29,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 PAUSE_AFTER_COMMIT_ENV = "EDGESERVE_BILLING_PAUSE_AFTER_COMMIT"
 
 _REDIS = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="REDIS_URL", help="Redis URL")
-_DATABASE = typer.Option(
-    None, "--database-url", help="PostgreSQL URL for the ledger (default: DATABASE_URL)"
-)
-_SQLITE = typer.Option(None, "--sqlite", help="SQLite ledger file (default: per-user data dir)")
 _STREAM = typer.Option("edgeserve:usage", "--stream", help="usage stream key")
 _GROUP = typer.Option("billing", "--group", help="consumer group")
 
@@ -53,8 +53,9 @@ def register(app: typer.Typer) -> None:
     @billing_app.command("worker")
     def worker(
         redis_url: str = _REDIS,
-        database_url: str | None = _DATABASE,
-        sqlite: Path | None = _SQLITE,
+        ledger: str | None = LEDGER,
+        database_url: str | None = DATABASE_URL_ALIAS,
+        sqlite: Path | None = SQLITE_ALIAS,
         stream: str = _STREAM,
         group: str = _GROUP,
         consumer: str = typer.Option("", help="consumer name (default: hostname-pid)"),
@@ -91,13 +92,13 @@ def register(app: typer.Typer) -> None:
             dead_letter_max=dead_letter_max,
             orphan_grace_s=orphan_grace_s,
         )
-        ledger = command_ledger(database_url, sqlite, create=True)
+        ledger_db = command_ledger(ledger_flag(ledger, database_url, sqlite), create=True)
 
         async def main() -> None:
             client = redis_client(redis_url)
             pause_path = os.environ.get(PAUSE_AFTER_COMMIT_ENV)
             hook = _pause_after_commit(Path(pause_path)) if pause_path else None
-            billing_worker = BillingWorker(client, ledger, config, after_commit=hook)
+            billing_worker = BillingWorker(client, ledger_db, config, after_commit=hook)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, billing_worker.stop)
@@ -115,7 +116,7 @@ def register(app: typer.Typer) -> None:
         try:
             asyncio.run(main())
         finally:
-            ledger.close()
+            ledger_db.close()
 
     @billing_app.command("report")
     def report(
@@ -125,8 +126,9 @@ def register(app: typer.Typer) -> None:
         group_by: str = typer.Option("account,model,day", help="any of account,model,day"),
         format: str = typer.Option("table", "--format", help="table | json | csv"),
         prices: Path | None = typer.Option(None, help="price TOML (default: the shipped one)"),
-        database_url: str | None = _DATABASE,
-        sqlite: Path | None = _SQLITE,
+        ledger: str | None = LEDGER,
+        database_url: str | None = DATABASE_URL_ALIAS,
+        sqlite: Path | None = SQLITE_ALIAS,
     ) -> None:
         """Usage and cost per account x model x UTC day (default: the last 30 days)."""
         import json
@@ -154,19 +156,22 @@ def register(app: typer.Typer) -> None:
                 start = window_start(end)
             except InvalidReportQuery as exc:
                 raise typer.BadParameter(str(exc), param_hint="--to") from None
+        location = ledger_flag(ledger, database_url, sqlite)
         try:
             table = PriceTable.load(prices) if prices else PriceTable.default()
             keys = parse_group_by(group_by)
-            ledger = command_ledger(database_url, sqlite, create=False)
+            ledger_db = command_ledger(location, create=False)
             try:
-                result = build_report(ledger, table, start, end, account_id=account, group_by=keys)
+                result = build_report(
+                    ledger_db, table, start, end, account_id=account, group_by=keys
+                )
             finally:
-                ledger.close()
+                ledger_db.close()
         except BillingError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         except ledger_errors() as exc:
-            raise ledger_failed(ledger_location(database_url, sqlite), exc) from None
+            raise ledger_failed(ledger_location(location), exc) from None
         if format == "json":
             typer.echo(json.dumps(to_json(result), indent=2))
         elif format == "csv":
@@ -180,8 +185,9 @@ def register(app: typer.Typer) -> None:
     @billing_app.command("reconcile")
     def reconcile_command(
         redis_url: str = _REDIS,
-        database_url: str | None = _DATABASE,
-        sqlite: Path | None = _SQLITE,
+        ledger: str | None = LEDGER,
+        database_url: str | None = DATABASE_URL_ALIAS,
+        sqlite: Path | None = SQLITE_ALIAS,
         stream: str = _STREAM,
         group: str = _GROUP,
         journal: list[Path] = typer.Option([], help="gateway journal file(s) to include"),
@@ -193,19 +199,19 @@ def register(app: typer.Typer) -> None:
 
         from billing.reconcile import reconcile
 
-        ledger = command_ledger(database_url, sqlite, create=False)
+        ledger_db = command_ledger(ledger_flag(ledger, database_url, sqlite), create=False)
 
         async def checked(client: Any) -> Any:
             # The gateways and the worker create the stream: none means a mistyped --stream
             # (or another Redis), and would have read as a clean reconcile.
             if not await client.exists(stream):
                 return None
-            return await reconcile(client, ledger, stream, group, journal)
+            return await reconcile(client, ledger_db, stream, group, journal)
 
         try:
             result = run_on_redis(redis_url, checked)
         finally:
-            ledger.close()
+            ledger_db.close()
         if result is None:
             typer.echo(
                 f"error: no usage stream {stream!r} in that Redis (--stream names the one the "

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import secrets
 import signal
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -27,12 +29,22 @@ from edgeserve.engine_options import (
     resolve_kv_dtype,
 )
 from edgeserve.settings import journal_path, redis_client
+from edgeserve.stores import (
+    DATABASE_URL_ALIAS,
+    LEDGER,
+    command_ledger,
+    ledger_flag,
+    ledger_location,
+    redacted,
+)
+from edgeserve.up_file import UpFile
 
 if TYPE_CHECKING:
     import uvicorn
 
     from edgeserve.connections import ConnectionLimits
     from gateway.settings import GatewaySettings
+    from gpu_node.server import NodeService
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
@@ -70,11 +82,20 @@ _MAX_REQUESTS_PER_CONNECTION = typer.Option(
     1000, help="requests per connection; the last one's answer says Connection: close"
 )
 _KEEP_ALIVE_HELP = "seconds an idle keep-alive connection stays open (at most --header-timeout-s)"
+_ACCESS_LOG = typer.Option(
+    False,
+    "--access-log",
+    help="one JSON line per request on stderr (also with EDGESERVE_LOG_LEVEL=debug)",
+)
+# The gateway's server-span middleware logs one INFO line per request there: the access log.
+ACCESS_LOGGER = "gateway.tracing"
 
 
-def _telemetry(service_name: str) -> Any:
+def _telemetry(service_name: str, *, access_log: bool = False) -> Any:
     """Telemetry from the OTel environment (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER_ARG,
-    EDGESERVE_RECORD_CONTENT, ...); logs become JSON lines on stderr."""
+    EDGESERVE_RECORD_CONTENT, EDGESERVE_LOG_LEVEL, ...); logs become JSON lines on stderr.
+
+    The access log is off unless asked for: a line per health poll buries what matters."""
     from common.telemetry import (
         TelemetrySettings,
         TelemetrySettingsError,
@@ -87,6 +108,11 @@ def _telemetry(service_name: str) -> Any:
     except TelemetrySettingsError as exc:
         raise typer.BadParameter(str(exc)) from None
     configure_logging(settings)
+    is_access_logged = access_log or settings.log_level == "DEBUG"
+    root_level = logging.getLogger().level
+    logging.getLogger(ACCESS_LOGGER).setLevel(
+        min(logging.INFO, root_level) if is_access_logged else max(logging.WARNING, root_level)
+    )
     return setup_telemetry(settings)
 
 
@@ -125,6 +151,15 @@ def _cannot_listen(host: str, port: int, reason: str) -> NoReturn:
 
 def _port(sockets: list[socket.socket]) -> int:
     return int(sockets[0].getsockname()[1])
+
+
+def _url_host(host: str) -> str:
+    """`host` as a URL names it from this machine: a wildcard address is reached on loopback."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def _connection_limits(max_connections: int | None, **fields: Any) -> ConnectionLimits:
@@ -192,6 +227,65 @@ async def _run_servers(servers: list[uvicorn.Server], on_signal: Any = None) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
     await asyncio.gather(*(s.serve() for s in servers))
+
+
+async def _until_ready(service: NodeService, servers: list[uvicorn.Server]) -> bool:
+    """Waits until the first request can be served: the model loaded, the node's capacity
+    published where placement reads it, every server listening. False when the model
+    failed to load (the reason is `service.load_error`)."""
+    while service.load_error is None:
+        if service.is_ready and all(server.started for server in servers):
+            try:
+                records = await service.registry.list_live() if service.registry else None
+            except OSError:  # also Redis's errors: not published yet, then
+                records = []
+            node_id = service.settings.node_id
+            if records is None or any(r.node_id == node_id for r in records):
+                return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def _ready_line(
+    model: str, weights: str | None, device: str, kv_dtype: str, where: str, seconds: float
+) -> str:
+    """One line that says the service is ready and what it serves."""
+    from gpu_node.config import EngineConfig
+
+    return (
+        f"ready in {seconds:.1f} s: {model} ({weights or EngineConfig.weights} weights) on "
+        f"{device}, KV cache {kv_dtype}, at {where}"
+    )
+
+
+async def _serve_until_stopped(
+    servers: list[uvicorn.Server],
+    service: NodeService,
+    on_ready: Callable[[float], Awaitable[None]],
+) -> None:
+    """Serves until a signal; `on_ready(seconds since start)` once the first request can be
+    served. A model that fails to load stops the servers and exits 1, the reason on stderr."""
+    started_at = time.monotonic()
+    is_loaded: list[bool] = []
+
+    async def watch() -> None:
+        if await _until_ready(service, servers):
+            is_loaded.append(True)
+            await on_ready(time.monotonic() - started_at)
+            return
+        typer.echo(f"error: the model failed to load: {service.load_error}", err=True)
+        for server in servers:
+            server.should_exit = True
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await _run_servers(servers, on_signal=service.begin_drain)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if service.load_error is not None and not is_loaded:
+        raise typer.Exit(1)
 
 
 def _engine_factory(
@@ -282,11 +376,8 @@ def up(
     cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
     cuda_graph_tokens: int | None = CUDA_GRAPH_TOKENS,
     queue_deadline_s: float = _QUEUE_DEADLINE,
-    ledger: str | None = typer.Option(
-        None,
-        help="ledger: a SQLite file or a postgres:// URL (default: the per-user data dir's "
-        "SQLite file, which every `up` of this user shares)",
-    ),
+    ledger: str | None = LEDGER,
+    access_log: bool = _ACCESS_LOG,
     header_timeout_s: float = _HEADER_TIMEOUT,
     max_header_bytes: int = _MAX_HEADER_BYTES,
     body_timeout_s: float = _BODY_TIMEOUT,
@@ -298,7 +389,8 @@ def up(
     """Gateway + one node in one process: ready in one command, no Redis needed.
 
     With --redis-url the stores are shared through Redis and a billing worker runs in
-    this process, moving the usage stream into the ledger."""
+    this process, moving the usage stream into the ledger. Its files (models, journal,
+    ledger, the address and key `edgeserve run` finds it by) live in EDGESERVE_HOME."""
     engine_device = resolve_device(device)
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
@@ -329,15 +421,15 @@ def up(
         from gpu_node.server import NodeService, NodeSettings, create_node_app
 
         stores = await _stores(
-            redis_url, prefix, port, settings, local=redis_url is None, database_url=ledger,
+            redis_url, prefix, port, settings, local=redis_url is None, ledger=ledger,
             run_billing_worker=True,
         )  # fmt: skip
         api_key = await stores.add_up_key(
             account_id, chosen_api_key, owner=f"{socket.gethostname()}-{port}"
         )
         gateway_telemetry, node_telemetry = (
-            _telemetry("edgeserve-gateway"),
-            _telemetry("edgeserve-node"),
+            _telemetry("edgeserve-gateway", access_log=access_log),
+            _telemetry("edgeserve-node", access_log=access_log),
         )
         service = NodeService(
             NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
@@ -356,9 +448,10 @@ def up(
             _server(create_node_app(service, node_telemetry), node_sock, node_limits),
             _server(gateway_app, gateway_sock, limits),
         ]
-        url = f"http://{host}:{port}"
+        url = f"http://{_url_host(host)}:{port}"
         typer.echo(
-            f"edgeserve is starting at {url} (the model loads in the background; 503 until then)"
+            f"edgeserve is starting at {url} (the model loads in the background; 503 until "
+            "then, and a line saying ready when it can answer)"
         )
         typer.echo(f"  account id: {account_id}")
         typer.echo(f"  API key:    {api_key}")
@@ -373,9 +466,17 @@ def up(
             f"    curl {url}/client/v4/accounts/{account_id}/ai/run/@cf/huggingface/smollm2-135m-instruct \\\n"
             f"      -H 'Authorization: Bearer {api_key}' -d '{{\"prompt\": \"Tell me a joke\"}}'"
         )
+        typer.echo(f"  or: edgeserve run {model}")
+        found_by = UpFile(url, account_id, api_key, model)
+
+        async def on_ready(seconds: float) -> None:
+            found_by.write()
+            typer.echo(_ready_line(model, weights, engine_device, kv_dtype, url, seconds))
+
         try:
-            await _run_servers(servers, on_signal=service.begin_drain)
+            await _serve_until_stopped(servers, service, on_ready)
         finally:
+            found_by.remove()
             gateway_telemetry.shutdown()  # flushes the spans still batched
             node_telemetry.shutdown()
 
@@ -415,7 +516,8 @@ def node(
     max_connections: int | None = _MAX_CONNECTIONS,
     max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
-    """One GPU node: the engine behind the internal API, publishing its capacity to Redis."""
+    """One GPU node: the engine behind the internal API, publishing its capacity to Redis.
+    It says ready on stderr once its model is loaded and published."""
     from scheduler.capacity import ROLES, check_node_id
 
     if role not in ROLES:
@@ -461,11 +563,16 @@ def node(
             usage_sink=usage_sink,
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
+        where = f"http://{_url_host(host)}:{port} as {service.settings.node_id} ({role})"
+
+        async def on_ready(seconds: float) -> None:
+            line = _ready_line(model, weights, engine_device, kv_dtype, where, seconds)
+            typer.echo(line, err=True)
+
         await usage_sink.start()
         try:
-            await _run_servers(
-                [_server(create_node_app(service, telemetry), sock, limits)],
-                on_signal=service.begin_drain,
+            await _serve_until_stopped(
+                [_server(create_node_app(service, telemetry), sock, limits)], service, on_ready
             )
         finally:
             await usage_sink.aclose()
@@ -484,9 +591,9 @@ def gateway(
     admin_token: str | None = typer.Option(
         None, envvar=ADMIN_TOKEN_ENV, help="bearer token of /admin/v1 (unset: no admin API)"
     ),
-    database_url: str | None = typer.Option(
-        None, envvar="DATABASE_URL", help="Postgres ledger for usage reports (default: SQLite)"
-    ),
+    ledger: str | None = LEDGER,
+    database_url: str | None = DATABASE_URL_ALIAS,
+    access_log: bool = _ACCESS_LOG,
     on_redis_error: str = typer.Option(
         "open", help="open: local share of the limits | closed: 503 while Redis is away"
     ),
@@ -527,20 +634,33 @@ def gateway(
         from gateway.app import create_app
 
         stores = await _stores(
-            redis_url, prefix, port, settings, local=False, database_url=database_url,
+            redis_url, prefix, port, settings, local=False,
+            ledger=ledger_flag(ledger, database_url, None),
             on_redis_error=on_redis_error, redis_timeout_s=redis_timeout_s,
         )  # fmt: skip
-        telemetry = _telemetry("edgeserve-gateway")
+        telemetry = _telemetry("edgeserve-gateway", access_log=access_log)
         app = create_app(
             settings,
             telemetry=telemetry, **stores.app_kwargs(),
         )  # fmt: skip
-        typer.echo(f"gateway listening on http://{host}:{port}", err=True)
+        url = f"http://{_url_host(host)}:{port}"
+        typer.echo(f"gateway listening on {url}", err=True)
         if admin_token is None:
             typer.echo(f"no admin token ({ADMIN_TOKEN_ENV}): /admin/v1 is not mounted", err=True)
+        server = _server(app, sock, limits)
+
+        async def say_ready() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            typer.echo(
+                f"ready: gateway at {url}, its fleet in Redis at {redacted(redis_url)}", err=True
+            )
+
+        announcer = asyncio.create_task(say_ready())
         try:
-            await _run_servers([_server(app, sock, limits)])
+            await _run_servers([server])
         finally:
+            announcer.cancel()
             telemetry.shutdown()
 
     asyncio.run(main())
@@ -634,12 +754,11 @@ async def _stores(
     settings: GatewaySettings,
     *,
     local: bool,
-    database_url: str | None = None,
+    ledger: str | Path | None = None,
     on_redis_error: str = "open",
     redis_timeout_s: float = 0.25,
     run_billing_worker: bool = False,
 ) -> _Stores:
-    from billing.ledger import default_sqlite_path, is_database_url, open_ledger
     from billing.sink import LocalUsageSink, RedisUsageSink
     from billing.worker import BillingWorker, WorkerConfig
     from gateway.admission import AdmissionSettings, LimitPolicy, LocalLimiter
@@ -648,11 +767,8 @@ async def _stores(
     from scheduler.capacity import CapacityView, LocalCapacityRegistry
     from scheduler.placement import LocalReservations, Placer
 
-    location: str = database_url or str(default_sqlite_path())
-    if not is_database_url(location):
-        Path(location).parent.mkdir(parents=True, exist_ok=True)
-    ledger = open_ledger(location)
-    shown_location = location.split("@")[-1]  # never print a database password
+    shown_location = ledger_location(ledger)  # never a database password
+    ledger_db = command_ledger(ledger, create=True)
     policy = LimitPolicy()
     if local:
         registry = LocalCapacityRegistry()
@@ -660,7 +776,7 @@ async def _stores(
         limiter = LocalLimiter(policy)
         return _Stores(
             MemoryKeyStore(), registry, placer, limiter, limiter.store, policy,
-            LocalUsageSink(ledger), ledger, shown_location,
+            LocalUsageSink(ledger_db), ledger_db, shown_location,
         )  # fmt: skip
 
     client = redis_client(redis_url or DEFAULT_REDIS_URL)
@@ -676,9 +792,9 @@ async def _stores(
     fleet = redis_stores(client, settings, admission, prefix)
     worker = None
     if run_billing_worker:
-        worker = BillingWorker(client, ledger, WorkerConfig(stream_key=stream_key))
+        worker = BillingWorker(client, ledger_db, WorkerConfig(stream_key=stream_key))
     return _Stores(
         fleet.keys, fleet.registry, fleet.placer, fleet.limiter, fleet.limit_store, policy,
-        RedisUsageSink(client, stream_key, journal_path(port)), ledger, shown_location,
+        RedisUsageSink(client, stream_key, journal_path(port)), ledger_db, shown_location,
         client, worker, prefix,
     )  # fmt: skip

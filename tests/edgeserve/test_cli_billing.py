@@ -181,8 +181,8 @@ def test_report_on_a_ledger_that_is_not_there_says_so_and_creates_nothing(tmp_pa
     result = CliRunner().invoke(build_app(), ["billing", "report", "--sqlite", str(missing)])
     assert result.exit_code == 2
     assert result.stderr == (
-        f"error: no ledger at {missing}: nothing was billed there (--sqlite FILE or "
-        "--database-url URL names another)\n"
+        f"error: no ledger at {missing}: nothing was billed there (--ledger FILE|URL "
+        "names another)\n"
     )
     assert not missing.parent.exists()
 
