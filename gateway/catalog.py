@@ -1,9 +1,20 @@
-"""The model catalog: public model names (and aliases) and the node model each one runs on."""
+"""The model catalog: public model names (and aliases), the node model each one runs on, and
+the sampling a request gets for the values it does not name."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling value out gets, in both dialects: the model's
+    generation config where it ships one, else a default chosen for the model here."""
+
+    temperature: float = 0.6  # Workers AI's, for a model that states none
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
 
 
 @dataclass(frozen=True)
@@ -16,6 +27,7 @@ class CatalogModel:
     task: str = "Text Generation"
     context_window: int = 8192
     is_experimental: bool = False  # Workers AI search's hide_experimental leaves it out
+    sampling: SamplingDefaults = SamplingDefaults()
 
     @property
     def author(self) -> str:
@@ -45,6 +57,9 @@ DEFAULT_MODELS = (
         id="7d3d4c59-3a35-4b4e-9d1b-6f1a4a5e2b01",
         description="SmolLM2-135M-Instruct: a small instruction-tuned Llama-architecture model.",
         aliases=("smollm2",),
+        # Its generation config names no sampling values. At INT4, 135M parameters answer
+        # on topic only greedily: any temperature drifts, often into French.
+        sampling=SamplingDefaults(temperature=0.0),
     ),
     CatalogModel(
         name="@cf/edgeserve/moe-small",

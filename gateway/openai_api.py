@@ -109,7 +109,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
     body = await parse_body(request, model_cls)
     body.check_supported()
     model = resolve_model(request, body.model)
-    payload = body.node_payload(default_max_tokens)
+    payload = body.node_payload(default_max_tokens, model.sampling)
     job = GenerationJob(
         request_id_of(request),
         account_id,

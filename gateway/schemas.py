@@ -1,7 +1,8 @@
 """Request bodies of the public API (pydantic): validated once here, `/openapi.json` is built from them.
 
 Each request turns into `GenerationJob` fields the same way: `node_payload()`
-gives what the node is asked to generate (`common.node_api.GenerateParams`).
+gives what the node is asked to generate (`common.node_api.GenerateParams`), the sampling
+values the client left out taken from the model's `SamplingDefaults` (the catalog).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import (
 )
 
 from common.node_api import GenerateParams
+from gateway.catalog import SamplingDefaults
 from gateway.errors import InvalidRequestError, UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
@@ -32,6 +34,9 @@ Float = Annotated[float, Strict()]
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 # A flag the OpenAI API documents as nullable: null is its default, false.
 NullableFlag = Annotated[StrictBool, BeforeValidator(lambda v: False if v is None else v)]
+
+
+_MODEL_DEFAULT = "left out: the model's own default (its generation config, else the catalog's)"
 
 
 class Message(BaseModel):
@@ -84,9 +89,9 @@ class WorkersAITextRequest(BaseModel):
     prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[Message] | None = Field(None, min_length=1)
     max_tokens: Int = Field(256, ge=1)
-    temperature: Float = Field(0.6, ge=0, le=5)
-    top_p: Float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=1, le=50)
+    temperature: Float | None = Field(None, ge=0, le=5, description=_MODEL_DEFAULT)
+    top_p: Float | None = Field(None, gt=0, le=1, description=_MODEL_DEFAULT)
+    top_k: Int | None = Field(None, ge=1, le=50, description=_MODEL_DEFAULT)
     seed: Int | None = Field(None, ge=0, le=9_999_999_999)
     repetition_penalty: Float | None = Field(None, gt=0, le=2)
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
@@ -124,8 +129,8 @@ class WorkersAITextRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
 
-    def node_payload(self) -> GenerateParams:
-        payload: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+    def node_payload(self, sampling: SamplingDefaults) -> GenerateParams:
+        payload: dict[str, Any] = {"max_tokens": self.max_tokens} | _sampled(self, sampling)
         if "max_tokens" not in self.model_fields_set:  # the node may shorten the default
             payload["max_tokens_is_default"] = True
         if self.messages is not None:
@@ -138,8 +143,6 @@ class WorkersAITextRequest(BaseModel):
             | _optional(
                 self,
                 (
-                    "top_p",
-                    "top_k",
                     "seed",
                     "repetition_penalty",
                     "frequency_penalty",
@@ -215,16 +218,14 @@ class _OpenAIBase(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling(self, default_max_tokens: int) -> dict[str, Any]:
+    def _sampling(self, default_max_tokens: int, sampling: SamplingDefaults) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "max_tokens": self.max_tokens or default_max_tokens,
-            # OpenAI's default temperature is 1.
-            "temperature": 1.0 if self.temperature is None else self.temperature,
             "stop": self.stop_strings(),
-        }
+        } | _sampled(self, sampling)
         if self.max_tokens is None:  # the node may shorten it to what the context leaves
             payload["max_tokens_is_default"] = True
-        return payload | _optional(self, ("top_p", "seed", "frequency_penalty", "presence_penalty"))
+        return payload | _optional(self, ("seed", "frequency_penalty", "presence_penalty"))
 
 
 class ChatCompletionRequest(_OpenAIBase):
@@ -278,8 +279,8 @@ class ChatCompletionRequest(_OpenAIBase):
                 "only the 'text' response_format is supported", param="response_format"
             )
 
-    def node_payload(self, default_max_tokens: int) -> GenerateParams:
-        payload = self._sampling(default_max_tokens)
+    def node_payload(self, default_max_tokens: int, sampling: SamplingDefaults) -> GenerateParams:
+        payload = self._sampling(default_max_tokens, sampling)
         if self.max_completion_tokens is not None:
             payload["max_tokens"] = self.max_completion_tokens
             payload.pop("max_tokens_is_default", None)
@@ -316,11 +317,23 @@ class CompletionRequest(_OpenAIBase):
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def node_payload(self, default_max_tokens: int) -> GenerateParams:
-        payload = self._sampling(default_max_tokens)
+    def node_payload(self, default_max_tokens: int, sampling: SamplingDefaults) -> GenerateParams:
+        payload = self._sampling(default_max_tokens, sampling)
         payload["prompt"] = self.prompt_text()
         payload["raw"] = True
         return GenerateParams.model_validate(payload)
+
+
+def _sampled(body: BaseModel, sampling: SamplingDefaults) -> dict[str, Any]:
+    """temperature, top_p and top_k: as the body names them, else the model's defaults."""
+    return {
+        name: default if (given := getattr(body, name, None)) is None else given
+        for name, default in (
+            ("temperature", sampling.temperature),
+            ("top_p", sampling.top_p),
+            ("top_k", sampling.top_k),
+        )
+    }
 
 
 def _optional(model: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:

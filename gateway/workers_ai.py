@@ -60,7 +60,7 @@ async def run_model(request: Request) -> Response:
     model = resolve_model(request, request.path_params["model_name"])
     body = await parse_body(request, WorkersAITextRequest)
     body.check_supported()
-    payload = body.node_payload()
+    payload = body.node_payload(model.sampling)
     job = GenerationJob(
         request_id_of(request),
         account_id,
