@@ -10,8 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="kernels"
-[ "${1:-}" = "--test" ] && extras="kernels,test"
+extras="engine,kernels"
+[ "${1:-}" = "--test" ] && extras="engine,kernels,test"
 
 # One line per step, so a minute of downloading never reads as a hang, and pip's own
 # progress under it.

@@ -3,12 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
-# The dashboard's browser test drives Debian's Chromium (tests/integration/test_dashboard.py).
-if ! command -v chromium >/dev/null 2>&1; then
+# Debian's packages some tests drive: Chromium for the dashboard's browser test
+# (tests/integration/test_dashboard.py), docker-compose to check the compose file
+# (tests/infra/test_deployment.py); without them those tests skip and say why.
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+if [ "${#missing[@]}" -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-        apt-get update -qq && apt-get install -y -qq chromium
+        apt-get update -qq && apt-get install -y -qq "${missing[@]}"
     else
-        echo "no chromium: the dashboard's browser test will skip (apt-get install chromium)" >&2
+        echo "not installed: ${missing[*]}; the tests that drive them will skip" >&2
     fi
 fi
 eval "$(bash scripts/services.sh)"
