@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 from billing.errors import InvalidUsageEvent
 from billing.events import Status, UsageEvent
+from billing.open_requests import ADDED_COLUMNS, OpenSql, completed, merge_params
 from billing.open_requests import SCHEMA as OPEN_SCHEMA
-from billing.open_requests import OpenSql, completed, merge_params
 
 # The UTC day is stored as 'YYYY-MM-DD' text in both stores: it compares in
 # date order, groups without time-zone functions, and reads the same in SQL.
@@ -309,6 +309,10 @@ class SqliteLedger(_SqlLedger):
         self._conn.execute(_SCHEMA)
         self._conn.execute(_INDEX)
         self._conn.execute(OPEN_SCHEMA)
+        present = {row[1] for row in self._conn.execute("PRAGMA table_info(usage_open)")}
+        for column, kind in ADDED_COLUMNS.items():
+            if column not in present:
+                self._conn.execute(f"ALTER TABLE usage_open ADD COLUMN {column} {kind}")
 
     def _execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
         return self._conn.execute(sql, params)
@@ -359,6 +363,8 @@ class PostgresLedger(_SqlLedger):
             conn.execute(_SCHEMA)
             conn.execute(_INDEX)
             conn.execute(OPEN_SCHEMA)
+            for column, kind in ADDED_COLUMNS.items():
+                conn.execute(f"ALTER TABLE usage_open ADD COLUMN IF NOT EXISTS {column} {kind}")
         return conn
 
     def _live(self) -> Any:

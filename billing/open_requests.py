@@ -36,6 +36,11 @@ CREATE TABLE IF NOT EXISTS usage_open (
 """
 
 
+# The columns SCHEMA has beyond its first form, each with its type: a table of an earlier
+# form gains them when a ledger opens it (CREATE TABLE IF NOT EXISTS leaves it as it is).
+ADDED_COLUMNS = {"completed_at": "DOUBLE PRECISION"}
+
+
 @dataclasses.dataclass(frozen=True)
 class OpenSql:
     """The statements of one store, written with its parameter placeholder `p`."""

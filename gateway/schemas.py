@@ -324,16 +324,25 @@ class CompletionRequest(_OpenAIBase):
         return GenerateParams.model_validate(payload)
 
 
+# top_p and top_k at these values sample from every token: a default equal to them says
+# nothing the node does not do already, and is left out of the request (and its trace).
+_SAMPLES_ALL = {"top_p": 1.0, "top_k": 0}
+
+
 def _sampled(body: BaseModel, sampling: SamplingDefaults) -> dict[str, Any]:
     """temperature, top_p and top_k: as the body names them, else the model's defaults."""
-    return {
-        name: default if (given := getattr(body, name, None)) is None else given
-        for name, default in (
-            ("temperature", sampling.temperature),
-            ("top_p", sampling.top_p),
-            ("top_k", sampling.top_k),
-        )
-    }
+    values = {}
+    for name, default in (
+        ("temperature", sampling.temperature),
+        ("top_p", sampling.top_p),
+        ("top_k", sampling.top_k),
+    ):
+        given = getattr(body, name, None)
+        if given is not None:
+            values[name] = given
+        elif name not in _SAMPLES_ALL or default != _SAMPLES_ALL[name]:
+            values[name] = default
+    return values
 
 
 def _optional(model: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:

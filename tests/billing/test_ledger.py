@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from datetime import date
@@ -265,3 +266,34 @@ def test_open_requests_nothing_more_can_come_of_are_forgotten(ledger: Ledger) ->
     assert ledger.open_requests() == {"req-3": (DAY1, None)}
     # Forgotten: an end of req-1 now is a replay of what was billed.
     assert ledger.insert(make_event("req-1", output_tokens=11)) is False
+
+
+def test_an_open_requests_table_of_the_first_form_gains_its_new_column(
+    ledger: Ledger,
+) -> None:
+    """A table made with usage_open's first columns (no completed_at) works once opened."""
+    import psycopg
+
+    from billing.ledger import PostgresLedger, SqliteLedger
+
+    first_form = (
+        "CREATE TABLE usage_open (request_id TEXT PRIMARY KEY, start_event TEXT, "
+        "node_event TEXT, started_at DOUBLE PRECISION, node_ended_at DOUBLE PRECISION, "
+        "recorded_at DOUBLE PRECISION NOT NULL)"
+    )
+    ledger.close()
+    if isinstance(ledger, SqliteLedger):
+        with sqlite3.connect(ledger.path) as conn:
+            conn.execute("DROP TABLE usage_open")
+            conn.execute(first_form)
+        reopened: Ledger = SqliteLedger(ledger.path)
+    else:
+        assert isinstance(ledger, PostgresLedger)
+        with psycopg.connect(ledger._url, autocommit=True) as conn:
+            conn.execute("DROP TABLE usage_open")
+            conn.execute(first_form)
+        reopened = PostgresLedger(ledger._url)
+    reopened.insert_many([_start("req-1"), _node("req-1")])  # type: ignore[list-item]
+    assert [e.request_id for e in reopened.complete_orphans(DAY1 + 10)] == ["req-1"]
+    assert reopened.open_requests() == {}
+    reopened.close()

@@ -6,6 +6,7 @@ import json
 import sqlite3
 from pathlib import Path
 
+import psycopg
 import redis
 from typer.testing import CliRunner
 
@@ -65,6 +66,8 @@ def test_report_json_grouped_by_account(tmp_path: Path) -> None:
 def test_the_ledger_comes_from_database_url_as_the_gateways_does(postgres_url: str) -> None:
     """The fleet's files set DATABASE_URL for every process; the billing commands read it
     (they had taken only --database-url, so the compose worker billed into a SQLite file)."""
+    with psycopg.connect(postgres_url, autocommit=True) as conn:  # this test's rows alone
+        conn.execute("DROP TABLE IF EXISTS usage_ledger, usage_open")
     ledger = PostgresLedger(postgres_url)
     ledger.insert_many([make_event("p-1"), make_event("p-2", account_id="acct-b")])
     ledger.close()

@@ -24,7 +24,8 @@ def test_up_with_redis_bills_through_its_own_worker_and_mounts_the_admin_api(
 ) -> None:
     port = free_port()
     account = f"acct-up-{uuid.uuid4().hex[:8]}"
-    env = os.environ | {
+    # A DATABASE_URL in the environment (the suite's own) would name the ledger instead.
+    env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"} | {
         "EDGESERVE_API_KEY": f"es-up-{uuid.uuid4().hex}",
         "EDGESERVE_ACCOUNT_ID": account,
         "EDGESERVE_ADMIN_TOKEN": ADMIN_TOKEN,
