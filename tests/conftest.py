@@ -3,14 +3,9 @@ own, free ports, servers on loopback."""
 
 from __future__ import annotations
 
-import os
-
-# Triton decides interpreted-or-compiled when a kernel is decorated, and the engine
-# imports kernel modules: on a machine without a GPU, interpret, before any import.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import asyncio
 import itertools
+import os
 import socket
 import tempfile
 import threading
@@ -40,6 +35,14 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # `edgeserve up`) goes to a directory of this test process's own, never the user's.
 _DATA_HOME = tempfile.TemporaryDirectory(prefix="edgeserve-test-data-")
 os.environ["XDG_DATA_HOME"] = _DATA_HOME.name
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Triton decides interpreted-or-compiled when a kernel is decorated: interpret unless
+    the caller chose (TRITON_INTERPRET=0 compiles on a GPU). pytest_configure runs before
+    any test module is imported, so every kernel is decorated after this; conftests that
+    pytest imports earlier (the initial ones) must not import kernel modules at import."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _port_slice() -> range:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_node.config import EngineConfig
-from gpu_node.engine.llm_engine import LLMEngine
-from gpu_node.models.gguf_loader import GGUFModel
-from gpu_node.models.tokenizer import ChatTokenizer
-from gpu_node.models.weights import load_llama
+# The gpu_node modules are imported inside the fixtures: pytest imports this conftest
+# before pytest_configure (tests/conftest.py) sets TRITON_INTERPRET, and the engine
+# imports kernel modules, which Triton decorates interpreted-or-compiled right then.
 
 
 @pytest.fixture(scope="session")
 def smollm2_parts(smollm2_path):
+    from gpu_node.models.gguf_loader import GGUFModel
+    from gpu_node.models.tokenizer import ChatTokenizer
+    from gpu_node.models.weights import load_llama
+
     gguf = GGUFModel(smollm2_path)
     return load_llama(gguf, torch.float32), ChatTokenizer(gguf)
 
@@ -21,6 +23,9 @@ def smollm2_parts(smollm2_path):
 @pytest.fixture
 def make_engine(smollm2_parts):
     """Builds an engine around the shared model with a fresh KV pool."""
+    from gpu_node.config import EngineConfig
+    from gpu_node.engine.llm_engine import LLMEngine
+
     model, tokenizer = smollm2_parts
 
     def make(**overrides) -> LLMEngine:

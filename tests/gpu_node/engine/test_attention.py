@@ -4,8 +4,6 @@ per-sequence reference, and every row equals attention over that sequence's own 
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 

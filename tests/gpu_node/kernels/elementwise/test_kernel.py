@@ -3,19 +3,13 @@ code (the CPU path), under the Triton interpreter; on a GPU the same tests run c
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-import gpu_node.kernels.elementwise.kernel as elementwise_module
+import gpu_node.kernels.elementwise.kernel as elementwise
 from gpu_node.models.llama import RMSNorm, RotaryEmbedding
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated: decorate them again.
-elementwise = importlib.reload(elementwise_module)
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -2,19 +2,12 @@
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib
-
 import pytest
 import torch
 
 import gpu_node.kernels.kv_write.kernel as kv_write_module
 from gpu_node.cache.kv_quant import FP8_DTYPE, kv_pool, pool_strides, scale_shape
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
-# conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
-kv_write_module = importlib.reload(kv_write_module)
 kv_write = kv_write_module.kv_write
 kv_write_ref = kv_write_module.kv_write_ref
 

@@ -3,23 +3,14 @@ on CUDA), and on CUDA a call records into a CUDA graph."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.moe.dense as dense_module
 from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.models.moe_routing import Routing, route
 from tests.gpu_node.kernels.moe.weights import float_experts, routing_weight_cases
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
-# conftest may import the kernels before TRITON_INTERPRET is set: decorate them again.
-dense_module = importlib.reload(dense_module)
 moe_experts_dense = dense_module.moe_experts_dense
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

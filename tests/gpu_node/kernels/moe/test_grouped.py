@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import gpu_node.kernels.moe.grouped as moe_module
-import gpu_node.kernels.w4a16.dot as w4a16_module
 from gpu_node.models.moe_routing import route
 from gpu_node.quant.int4 import Int4Weight
 from tests.gpu_node.kernels.moe.weights import random_experts, routing_weight_cases
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
-# conftest may import the kernels before TRITON_INTERPRET is set: decorate them again
-# (w4a16 first: the MoE kernel inlines its step function).
-importlib.reload(w4a16_module)
-moe_module = importlib.reload(moe_module)
 fused_moe_int4 = moe_module.fused_moe_int4
 fused_moe_int4_ref = moe_module.fused_moe_int4_ref
 

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.moe.router as router_module
 from gpu_node.models.moe import MOE_CONFIGS, MoeConfig
 from gpu_node.models.moe_routing import route, with_always_on
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated: decorate it again.
-router_module = importlib.reload(router_module)
 route_fused = router_module.route_fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,20 +3,12 @@ native on CUDA)."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.moe.slots as slots_module
 from gpu_node.models.moe_routing import expert_slots_ref
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated: decorate them again.
-slots_module = importlib.reload(slots_module)
 expert_slots = slots_module.expert_slots
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

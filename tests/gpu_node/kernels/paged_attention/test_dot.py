@@ -2,10 +2,6 @@
 the ownership checks (kernel and torch), tags, and the prefill gather."""
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib
 from dataclasses import dataclass, replace
 
 import pytest
@@ -29,10 +25,6 @@ from gpu_node.kernels.paged_attention.reference import (
 )
 from scheduler.block_manager import FREE, owner_tag
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
-# conftest imports the kernels before TRITON_INTERPRET is set: decorate them again.
-split_merge = importlib.reload(split_merge)
-paged_attention_module = importlib.reload(paged_attention_module)
 paged_decode_attention = paged_attention_module.paged_decode_attention
 decode_tile_config = paged_attention_module.decode_tile_config
 DecodeTile = paged_attention_module.DecodeTile

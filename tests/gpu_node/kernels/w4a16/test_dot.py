@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.w4a16.dot as w4a16_module
 from gpu_node.quant.int4 import quantize_int4
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and the engine's
-# conftest may import the kernels before TRITON_INTERPRET is set: decorate them again.
-w4a16_module = importlib.reload(w4a16_module)
 w4a16_config = w4a16_module.w4a16_config
 w4a16_matmul = w4a16_module.w4a16_matmul
 w4a16_matmul_ref = w4a16_module.w4a16_matmul_ref

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_node.kernels.w4a16.gemv as gemv_module
 from gpu_node.quant.int4 import (
@@ -23,9 +17,6 @@ from gpu_node.quant.int4 import (
 )
 from gpu_node.quant.linear import Int4Linear, model_bytes
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
-# imported the kernels before TRITON_INTERPRET was set: decorate them again.
-gemv_module = importlib.reload(gemv_module)
 w4a16_gemv = gemv_module.w4a16_gemv
 w4a16_kn_matmul = gemv_module.w4a16_kn_matmul
 dequantize_kn = gemv_module.dequantize_kn

@@ -9,15 +9,11 @@ itself equals the reference (the interpreter cannot run its inline asm).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # the dequantize kernel runs interpreted on CPU
 
 import gpu_node.kernels.w4a16.mma as mma_module
 import gpu_node.kernels.w4a16.mma_dequant as dequant_module
@@ -33,10 +29,6 @@ from gpu_node.quant.int4 import (
 )
 from gpu_node.quant.linear import Int4Linear, model_bytes
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
-# imported the kernels before TRITON_INTERPRET was set: decorate them again.
-dequant_module = importlib.reload(dequant_module)
-mma_module = importlib.reload(mma_module)
 dequantize_mma = dequant_module.dequantize_mma
 mma_gemv_config = mma_module.mma_gemv_config
 supports = mma_module.supports

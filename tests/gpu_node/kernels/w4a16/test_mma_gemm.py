@@ -10,7 +10,6 @@ and applies the scales in fp32 as the GEMV does.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import re
 from typing import Any
@@ -18,24 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # the dot kernel runs interpreted on CPU
-
 import gpu_node.kernels.w4a16.mma as mma_module
 import gpu_node.kernels.w4a16.mma_dequant as dequant_module
 import gpu_node.kernels.w4a16.mma_gemm as gemm_module
-import gpu_node.kernels.w4a16.mma_gemm_dot as dot_module
-import gpu_node.kernels.w4a16.mma_gemm_tc as tc_module
 from gpu_node.kernels.w4a16.mma_asm import GEMM_PTX, MAGIC
 from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, from_mma, quantize_int4, to_mma
 
-# Triton fixes interpreted-or-compiled when a kernel is decorated, and conftest may have
-# imported the kernels before TRITON_INTERPRET was set: decorate them again.
-dequant_module = importlib.reload(dequant_module)
-dot_module = importlib.reload(dot_module)
-tc_module = importlib.reload(tc_module)
-gemm_module = importlib.reload(gemm_module)
-mma_module = importlib.reload(mma_module)
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32]
