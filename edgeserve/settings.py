@@ -19,11 +19,14 @@ def state_dir() -> Path:
 
 
 def journal_path(port: int) -> Path:
-    """The usage journal of the gateway on this host and port: a restarted gateway replays its own."""
+    """The usage journal of the process (gateway or node) on this host and port: a restarted
+    one replays its own."""
     path = state_dir() / "journal" / f"usage-{socket.gethostname()}-{port}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # every command's, where REDIS_URL is unset
 
 # A Redis that stops answering is an error after this long, never a hang (the billing
 # worker's blocking read waits 0.5 s; the admission limiter has its own, shorter bound).

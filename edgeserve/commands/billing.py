@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from edgeserve.settings import redis_client
+from edgeserve.settings import DEFAULT_REDIS_URL, redis_client
 from edgeserve.stores import (
     DATABASE_URL_ALIAS,
     LEDGER,
@@ -22,7 +22,6 @@ from edgeserve.stores import (
     run_on_redis,
 )
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # A test seam: when set to a file path, the worker writes the entry ids of each
 # committed batch there and then stalls before acknowledging them, so a test can
 # SIGKILL it between its ledger commit and its XACK.

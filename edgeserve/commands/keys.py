@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from edgeserve.commands.serve import DEFAULT_REDIS_URL
+from edgeserve.settings import DEFAULT_REDIS_URL
 from edgeserve.stores import run_on_redis
 
 keys_app = typer.Typer(

@@ -8,9 +8,8 @@ from typing import Any
 
 import typer
 
+from edgeserve.settings import DEFAULT_REDIS_URL
 from edgeserve.stores import run_on_redis
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 _ACCOUNT = typer.Option(..., "--account", help="account id")
 _MODEL = typer.Option(None, "--model", help="limit this model only (default: the whole account)")

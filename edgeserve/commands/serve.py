@@ -8,12 +8,10 @@ import dataclasses
 import logging
 import os
 import secrets
-import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -28,25 +26,36 @@ from edgeserve.engine_options import (
     resolve_device,
     resolve_kv_dtype,
 )
-from edgeserve.settings import journal_path, redis_client
+from edgeserve.servers import (
+    BODY_DEADLINE,
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    KEEP_ALIVE_HELP,
+    MAX_CONNECTIONS,
+    MAX_HEADER_BYTES,
+    MAX_REQUESTS_PER_CONNECTION,
+    bound_port,
+    connection_limits,
+    listen,
+    run_servers,
+    url_host,
+    uvicorn_server,
+)
+from edgeserve.settings import DEFAULT_REDIS_URL, journal_path, redis_client
 from edgeserve.stores import (
     DATABASE_URL_ALIAS,
     LEDGER,
-    command_ledger,
     ledger_flag,
-    ledger_location,
     redacted,
 )
 from edgeserve.up_file import UpFile
+from edgeserve.wiring import gateway_stores
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from edgeserve.connections import ConnectionLimits
     from gateway.settings import GatewaySettings
     from gpu_node.server import NodeService
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_ACCOUNT_ID = "local"
 ADMIN_TOKEN_ENV = "EDGESERVE_ADMIN_TOKEN"
 INTERNAL_TOKEN_ENV = "EDGESERVE_INTERNAL_TOKEN"
@@ -56,32 +65,6 @@ MIN_INTERNAL_TOKEN_CHARS = 16
 _QUEUE_DEADLINE = typer.Option(
     10.0, min=0.0, help="seconds a request waits for a node when every node is busy"
 )
-# Connection limits (edgeserve/connections.py), the same flags on up, node and gateway.
-_HEADER_TIMEOUT = typer.Option(
-    10.0,
-    help="seconds from a connection's opening, or its previous response, to the end of a "
-    "request's headers; past them 408 and close",
-)
-_MAX_HEADER_BYTES = typer.Option(
-    64 * 1024, help="bytes of a request's line and headers; past them 431 and close"
-)
-_BODY_TIMEOUT = typer.Option(
-    10.0, help="seconds without a byte of a request body being read; past them 408 and close"
-)
-_BODY_DEADLINE = typer.Option(
-    60.0,
-    help="seconds from the end of a request's headers to the end of its body; past them 408 "
-    "and close (at least --body-timeout-s)",
-)
-_MAX_CONNECTIONS = typer.Option(
-    None,
-    help="open connections per server; past them 503 at once and close "
-    "(default: a third of the open-file limit, at most 10000)",
-)
-_MAX_REQUESTS_PER_CONNECTION = typer.Option(
-    1000, help="requests per connection; the last one's answer says Connection: close"
-)
-_KEEP_ALIVE_HELP = "seconds an idle keep-alive connection stays open (at most --header-timeout-s)"
 _ACCESS_LOG = typer.Option(
     False,
     "--access-log",
@@ -114,119 +97,6 @@ def _telemetry(service_name: str, *, access_log: bool = False) -> Any:
         min(logging.INFO, root_level) if is_access_logged else max(logging.WARNING, root_level)
     )
     return setup_telemetry(settings)
-
-
-def _listen(host: str, port: int) -> list[socket.socket]:
-    """Sockets bound to every address of `host` ("" for all) on `port` (0: one free port),
-    before anything is printed or loaded: a port in use or a name that does not resolve is
-    one line and exit 1, not a banner with a key that never works and then a traceback;
-    and a port picked here cannot be taken before the server starts."""
-    try:
-        infos = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as exc:
-        _cannot_listen(host, port, exc.strerror or str(exc))
-    addresses = list(dict.fromkeys((family, address) for family, _, _, _, address in infos))
-    sockets: list[socket.socket] = []
-    try:
-        for family, address in addresses[: 1 if port == 0 else None]:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # its own socket beside the IPv4 one
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-    except OSError as exc:
-        for sock in sockets:
-            sock.close()
-        _cannot_listen(host, port, os.strerror(exc.errno) if exc.errno else str(exc))
-    return sockets
-
-
-def _cannot_listen(host: str, port: int, reason: str) -> NoReturn:
-    typer.echo(f"error: cannot listen on {host}:{port}: {reason}", err=True)
-    raise typer.Exit(1)
-
-
-def _port(sockets: list[socket.socket]) -> int:
-    return int(sockets[0].getsockname()[1])
-
-
-def _url_host(host: str) -> str:
-    """`host` as a URL names it from this machine: a wildcard address is reached on loopback."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-def _connection_limits(max_connections: int | None, **fields: Any) -> ConnectionLimits:
-    """ConnectionLimits from the flags, or the reason they are refused as a command-line
-    error. The open-file limit is raised first: the default cap is a share of it."""
-    from edgeserve.connections import (
-        ConnectionLimits,
-        default_max_connections,
-        raise_open_file_limit,
-    )
-
-    if max_connections is None:
-        max_connections = default_max_connections(raise_open_file_limit())
-    else:
-        raise_open_file_limit()
-    try:
-        return ConnectionLimits(max_connections=max_connections, **fields)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-def _server(app: Any, sockets: list[socket.socket], limits: ConnectionLimits) -> uvicorn.Server:
-    """A uvicorn server on the bound `sockets`, its connections bounded by `limits`."""
-    import uvicorn
-
-    from edgeserve.connections import protocol_class
-
-    class Server(uvicorn.Server):
-        # Signals are handled once for every server in the process (see _run_servers).
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().serve(sockets=bound)
-
-    bound = sockets
-    host, port = sockets[0].getsockname()[:2]
-    config = uvicorn.Config(
-        app, host=host, port=port, loop="uvloop", http=protocol_class(limits), ws="none",
-        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
-        timeout_graceful_shutdown=30, access_log=False,
-        log_level="warning",
-        log_config=None,  # uvicorn's own lines go through the root logger: JSON, like ours
-    )  # fmt: skip
-    return Server(config)
-
-
-async def _run_servers(servers: list[uvicorn.Server], on_signal: Any = None) -> None:
-    """Serve until SIGINT/SIGTERM; `on_signal` runs first (a node deregisters before it drains)."""
-    loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task[None]] = set()
-
-    def stop() -> None:
-        async def shutdown() -> None:
-            if on_signal is not None:
-                await on_signal()
-            for server in servers:
-                server.should_exit = True
-
-        task = loop.create_task(shutdown())
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
-    await asyncio.gather(*(s.serve() for s in servers))
 
 
 async def _until_ready(service: NodeService, servers: list[uvicorn.Server]) -> bool:
@@ -279,7 +149,7 @@ async def _serve_until_stopped(
 
     watcher = asyncio.create_task(watch())
     try:
-        await _run_servers(servers, on_signal=service.begin_drain)
+        await run_servers(servers, on_signal=service.begin_drain)
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -378,13 +248,13 @@ def up(
     queue_deadline_s: float = _QUEUE_DEADLINE,
     ledger: str | None = LEDGER,
     access_log: bool = _ACCESS_LOG,
-    header_timeout_s: float = _HEADER_TIMEOUT,
-    max_header_bytes: int = _MAX_HEADER_BYTES,
-    body_timeout_s: float = _BODY_TIMEOUT,
-    body_deadline_s: float = _BODY_DEADLINE,
-    keep_alive_timeout_s: float = typer.Option(5.0, help=_KEEP_ALIVE_HELP),
-    max_connections: int | None = _MAX_CONNECTIONS,
-    max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
+    header_timeout_s: float = HEADER_TIMEOUT,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT,
+    body_deadline_s: float = BODY_DEADLINE,
+    keep_alive_timeout_s: float = typer.Option(5.0, help=KEEP_ALIVE_HELP),
+    max_connections: int | None = MAX_CONNECTIONS,
+    max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
     """Gateway + one node in one process: ready in one command, no Redis needed.
 
@@ -399,7 +269,7 @@ def up(
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
     internal_token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(24)
     _check_internal_token(internal_token, INTERNAL_TOKEN_ENV)
-    limits = _connection_limits(
+    limits = connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
         body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
@@ -408,10 +278,10 @@ def up(
     # The gateway is the node's one client: its pooled connections must expire before the
     # node closes them (a node that resets a connection is distrusted).
     node_limits = dataclasses.replace(limits, keep_alive_timeout_s=limits.header_timeout_s)
-    gateway_sock = _listen(host, port)
-    port = _port(gateway_sock)  # the one bound, where --port 0 asked for any
-    node_sock = _listen("127.0.0.1", 0)
-    node_port = _port(node_sock)
+    gateway_sock = listen(host, port)
+    port = bound_port(gateway_sock)  # the one bound, where --port 0 asked for any
+    node_sock = listen("127.0.0.1", 0)
+    node_port = bound_port(node_sock)
     settings = _gateway_settings(
         internal_token=internal_token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
@@ -420,7 +290,7 @@ def up(
         from gateway.app import create_app
         from gpu_node.server import NodeService, NodeSettings, create_node_app
 
-        stores = await _stores(
+        stores = await gateway_stores(
             redis_url, prefix, port, settings, local=redis_url is None, ledger=ledger,
             run_billing_worker=True,
         )  # fmt: skip
@@ -445,10 +315,10 @@ def up(
             is_ready=lambda: service.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
         )  # fmt: skip
         servers = [
-            _server(create_node_app(service, node_telemetry), node_sock, node_limits),
-            _server(gateway_app, gateway_sock, limits),
+            uvicorn_server(create_node_app(service, node_telemetry), node_sock, node_limits),
+            uvicorn_server(gateway_app, gateway_sock, limits),
         ]
-        url = f"http://{_url_host(host)}:{port}"
+        url = f"http://{url_host(host)}:{port}"
         typer.echo(
             f"edgeserve is starting at {url} (the model loads in the background; 503 until "
             "then, and a line saying ready when it can answer)"
@@ -506,15 +376,15 @@ def node(
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
-    header_timeout_s: float = _HEADER_TIMEOUT,
-    max_header_bytes: int = _MAX_HEADER_BYTES,
-    body_timeout_s: float = _BODY_TIMEOUT,
-    body_deadline_s: float = _BODY_DEADLINE,
+    header_timeout_s: float = HEADER_TIMEOUT,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT,
+    body_deadline_s: float = BODY_DEADLINE,
     # Longer than a gateway's pooled connections live (5 s), so that a gateway never sends
     # on a connection the node is closing (a node that resets a connection is distrusted).
-    keep_alive_timeout_s: float = typer.Option(10.0, help=_KEEP_ALIVE_HELP),
-    max_connections: int | None = _MAX_CONNECTIONS,
-    max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
+    keep_alive_timeout_s: float = typer.Option(10.0, help=KEEP_ALIVE_HELP),
+    max_connections: int | None = MAX_CONNECTIONS,
+    max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
     """One GPU node: the engine behind the internal API, publishing its capacity to Redis.
     It says ready on stderr once its model is loaded and published."""
@@ -531,14 +401,14 @@ def node(
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     token = _internal_token(internal_token)
-    limits = _connection_limits(
+    limits = connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
         body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         max_requests_per_connection=max_requests_per_connection,
     )  # fmt: skip
-    sock = _listen(host, port)
-    port = _port(sock)  # the one bound, where --port 0 asked for any
+    sock = listen(host, port)
+    port = bound_port(sock)  # the one bound, where --port 0 asked for any
 
     async def main() -> None:
         from billing.sink import RedisUsageSink
@@ -563,7 +433,7 @@ def node(
             usage_sink=usage_sink,
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)
-        where = f"http://{_url_host(host)}:{port} as {service.settings.node_id} ({role})"
+        where = f"http://{url_host(host)}:{port} as {service.settings.node_id} ({role})"
 
         async def on_ready(seconds: float) -> None:
             line = _ready_line(model, weights, engine_device, kv_dtype, where, seconds)
@@ -572,7 +442,9 @@ def node(
         await usage_sink.start()
         try:
             await _serve_until_stopped(
-                [_server(create_node_app(service, telemetry), sock, limits)], service, on_ready
+                [uvicorn_server(create_node_app(service, telemetry), sock, limits)],
+                service,
+                on_ready,
             )
         finally:
             await usage_sink.aclose()
@@ -601,13 +473,13 @@ def gateway(
         0.25, help="bound on each admission call to Redis; past it, --on-redis-error applies"
     ),
     queue_deadline_s: float = _QUEUE_DEADLINE,
-    header_timeout_s: float = _HEADER_TIMEOUT,
-    max_header_bytes: int = _MAX_HEADER_BYTES,
-    body_timeout_s: float = _BODY_TIMEOUT,
-    body_deadline_s: float = _BODY_DEADLINE,
-    keep_alive_timeout_s: float = typer.Option(5.0, help=_KEEP_ALIVE_HELP),
-    max_connections: int | None = _MAX_CONNECTIONS,
-    max_requests_per_connection: int = _MAX_REQUESTS_PER_CONNECTION,
+    header_timeout_s: float = HEADER_TIMEOUT,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT,
+    body_deadline_s: float = BODY_DEADLINE,
+    keep_alive_timeout_s: float = typer.Option(5.0, help=KEEP_ALIVE_HELP),
+    max_connections: int | None = MAX_CONNECTIONS,
+    max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
     """One stateless gateway reading keys, capacity and limits from Redis."""
     token = _internal_token(internal_token)
@@ -621,19 +493,19 @@ def gateway(
     settings = _gateway_settings(
         internal_token=token, admin_token=admin_token, queue_deadline_s=queue_deadline_s
     )
-    limits = _connection_limits(
+    limits = connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
         body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
         keep_alive_timeout_s=keep_alive_timeout_s,
         max_requests_per_connection=max_requests_per_connection,
     )  # fmt: skip
-    sock = _listen(host, port)
-    port = _port(sock)
+    sock = listen(host, port)
+    port = bound_port(sock)
 
     async def main() -> None:
         from gateway.app import create_app
 
-        stores = await _stores(
+        stores = await gateway_stores(
             redis_url, prefix, port, settings, local=False,
             ledger=ledger_flag(ledger, database_url, None),
             on_redis_error=on_redis_error, redis_timeout_s=redis_timeout_s,
@@ -643,11 +515,11 @@ def gateway(
             settings,
             telemetry=telemetry, **stores.app_kwargs(),
         )  # fmt: skip
-        url = f"http://{_url_host(host)}:{port}"
+        url = f"http://{url_host(host)}:{port}"
         typer.echo(f"gateway listening on {url}", err=True)
         if admin_token is None:
             typer.echo(f"no admin token ({ADMIN_TOKEN_ENV}): /admin/v1 is not mounted", err=True)
-        server = _server(app, sock, limits)
+        server = uvicorn_server(app, sock, limits)
 
         async def say_ready() -> None:
             while not server.started:
@@ -658,143 +530,9 @@ def gateway(
 
         announcer = asyncio.create_task(say_ready())
         try:
-            await _run_servers([server])
+            await run_servers([server])
         finally:
             announcer.cancel()
             telemetry.shutdown()
 
     asyncio.run(main())
-
-
-class _Stores:
-    """What a gateway is wired with, in-process or in Redis, and what runs beside it."""
-
-    def __init__(
-        self, keys: Any, registry: Any, placer: Any, limiter: Any, limit_store: Any,
-        policy: Any, sink: Any, ledger: Any, ledger_location: str, client: Any = None,
-        worker: Any = None, prefix: str = "",
-    ) -> None:  # fmt: skip
-        self.keys, self.registry, self.placer = keys, registry, placer
-        self.limiter, self.limit_store, self.policy = limiter, limit_store, policy
-        self.sink, self.ledger, self.ledger_location = sink, ledger, ledger_location
-        self._client, self._worker, self._prefix = client, worker, prefix
-        self._worker_task: asyncio.Task[None] | None = None
-        self._up_key: tuple[str, str] | None = None  # (key id, marker) of a generated key
-
-    async def add_up_key(self, account_id: str, chosen: str | None, owner: str) -> str:
-        """The API key an `up` prints: `chosen` (EDGESERVE_API_KEY) as given, else a new one.
-
-        A generated key lives as long as its `up`. In Redis it is revoked when `up` stops,
-        and its id is kept under `{prefix}up_key:{owner}` (host and port, as the usage
-        journal is named) so that the next start there revokes it after a crash: restarts
-        never pile up keys. A chosen key is never revoked."""
-        from gateway.keys import key_id_of, new_key
-
-        key = chosen or new_key()
-        if self._client is None:  # in-process keys end with the process
-            await self.keys.add(key, account_id)
-            return key
-        marker = f"{self._prefix}up_key:{owner}"
-        previous = await self._client.get(marker)
-        if previous is not None and previous.decode() != key_id_of(key):
-            await self.keys.revoke(previous.decode())
-        await self.keys.add(key, account_id)
-        if chosen is None:
-            await self._client.set(marker, key_id_of(key))
-            self._up_key = (key_id_of(key), marker)
-        else:
-            await self._client.delete(marker)
-        return key
-
-    def app_kwargs(self) -> dict[str, Any]:
-        """create_app's store arguments (the app starts and stops the limiter itself)."""
-        return {
-            "keys": self.keys, "placer": self.placer, "limiter": self.limiter,
-            "limit_store": self.limit_store, "limit_policy": self.policy,
-            "usage_sink": self.sink, "ledger": self.ledger,
-            "on_startup": self.start, "on_shutdown": self.close,
-            "store_ping": self._client.ping if self._client is not None else None,
-        }  # fmt: skip
-
-    async def start(self) -> None:
-        start = getattr(self.sink, "start", None)  # the Redis sink replays its journal
-        if start is not None and asyncio.iscoroutine(result := start()):
-            await result
-        if self._worker is not None:
-            self._worker_task = asyncio.create_task(self._worker.run(), name="billing-worker")
-
-    async def close(self) -> None:
-        close = getattr(self.sink, "aclose", None)
-        if close is not None:
-            await close()  # the local sink drains into the ledger before the ledger closes
-        if self._worker_task is not None:
-            self._worker.stop()  # returns after its batch in hand is committed and acked
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker_task
-        if self._up_key is not None:
-            await self._revoke_up_key(*self._up_key)
-        if self._client is not None:
-            await self._client.aclose()
-        self.ledger.close()
-
-    async def _revoke_up_key(self, key_id: str, marker: str) -> None:
-        from redis.exceptions import RedisError
-
-        try:
-            await self.keys.revoke(key_id)
-            await self._client.delete(marker)
-        except (RedisError, OSError) as exc:
-            typer.echo(f"the API key stays in Redis until the next start here: {exc}", err=True)
-
-
-async def _stores(
-    redis_url: str | None,
-    prefix: str,
-    port: int,
-    settings: GatewaySettings,
-    *,
-    local: bool,
-    ledger: str | Path | None = None,
-    on_redis_error: str = "open",
-    redis_timeout_s: float = 0.25,
-    run_billing_worker: bool = False,
-) -> _Stores:
-    from billing.sink import LocalUsageSink, RedisUsageSink
-    from billing.worker import BillingWorker, WorkerConfig
-    from gateway.admission import AdmissionSettings, LimitPolicy, LocalLimiter
-    from gateway.keys import MemoryKeyStore
-    from gateway.stores import redis_stores
-    from scheduler.capacity import CapacityView, LocalCapacityRegistry
-    from scheduler.placement import LocalReservations, Placer
-
-    shown_location = ledger_location(ledger)  # never a database password
-    ledger_db = command_ledger(ledger, create=True)
-    policy = LimitPolicy()
-    if local:
-        registry = LocalCapacityRegistry()
-        placer = Placer(CapacityView(registry, max_age_s=1.0), LocalReservations())
-        limiter = LocalLimiter(policy)
-        return _Stores(
-            MemoryKeyStore(), registry, placer, limiter, limiter.store, policy,
-            LocalUsageSink(ledger_db), ledger_db, shown_location,
-        )  # fmt: skip
-
-    client = redis_client(redis_url or DEFAULT_REDIS_URL)
-    stream_key = f"{prefix}usage"
-    admission = AdmissionSettings(
-        policy=policy,
-        key_prefix=prefix.rstrip(":"),
-        on_redis_error="closed" if on_redis_error == "closed" else "open",
-        redis_timeout_s=redis_timeout_s,
-    )
-    # One watch over Redis for keys, limits, capacity and reservations: while Redis is
-    # away they serve known keys from what they last knew (gateway/stores.py).
-    fleet = redis_stores(client, settings, admission, prefix)
-    worker = None
-    if run_billing_worker:
-        worker = BillingWorker(client, ledger_db, WorkerConfig(stream_key=stream_key))
-    return _Stores(
-        fleet.keys, fleet.registry, fleet.placer, fleet.limiter, fleet.limit_store, policy,
-        RedisUsageSink(client, stream_key, journal_path(port)), ledger_db, shown_location,
-        client, worker, prefix,
-    )  # fmt: skip

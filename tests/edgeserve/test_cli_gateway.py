@@ -175,11 +175,11 @@ def test_every_address_of_the_host_is_bound() -> None:
     bound, where uvicorn had bound every one."""
     import socket
 
-    from edgeserve.commands.serve import _listen
+    from edgeserve.servers import listen
     from tests.conftest import free_port
 
     port = free_port()
-    sockets = _listen("", port)
+    sockets = listen("", port)
     try:
         bound = sorted((s.family, s.getsockname()[:2]) for s in sockets)
     finally:

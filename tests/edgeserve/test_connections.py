@@ -82,11 +82,11 @@ class Served:
     """`app` behind edgeserve's own server (serve._server) in a thread of its own."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
-        from edgeserve.commands.serve import _listen, _server
+        from edgeserve.servers import listen, uvicorn_server
 
-        sockets = _listen("127.0.0.1", 0)
+        sockets = listen("127.0.0.1", 0)
         self.port = int(sockets[0].getsockname()[1])
-        self.server = _server(app, sockets, limits)
+        self.server = uvicorn_server(app, sockets, limits)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 10
