@@ -192,9 +192,8 @@ class _SqlLedger:
             is_new = self._insert_rows([_row(e, now) for e in ends]) if ends else []
             for e in ends:
                 self._execute(self._open_sql.close, (e.request_id,))
-        results = {id(e): new for e, new in zip(ends, is_new, strict=True)}
-        results |= {id(e): kept for e, kept in zip(opens, is_open, strict=True)}
-        return [results[id(e)] for e in events]
+        ends_new, opens_kept = iter(is_new), iter(is_open)  # each in its events' order
+        return [next(ends_new) if e.kind == "end" else next(opens_kept) for e in events]
 
     def complete_orphans(self, node_ended_before: float) -> list[UsageEvent]:
         now = time.time()

@@ -91,21 +91,31 @@ class Upstream:
         self._dispatcher = dispatcher
         self.job = job
         self.trace = trace
-        self.placement = placement
         self.headers = headers  # admission's rate-limit headers for the client
-        self._response = response
-        self._lines = lines
-        self._first: NodeEvent | None = first
         self._started_at = started_at
         self._finished: Finished | None = None
-        self._failed = False
-        self._last_heard = time.monotonic()  # when the node last sent a line
         self._is_unresponsive = False  # the watchdog closed the stream of a silent node
         self._closed = False
         self._has_restarted = False
         self._is_released = False
         self.num_delivered_tokens = 0
         self.client_left = False  # before the answer began: cancelled on the node already
+        self._take(placement, response, lines, first)
+
+    def _take(
+        self,
+        placement: Placement,
+        response: httpx.Response,
+        lines: AsyncIterator[str],
+        first: TokenChunk,
+    ) -> None:
+        """Reads the answer of `placement`'s node from its first event on."""
+        self.placement = placement
+        self._response = response
+        self._lines = lines
+        self._first: NodeEvent | None = first
+        self._failed = False
+        self._last_heard = time.monotonic()  # when the node last sent a line
         self.prompt_tokens = first.prompt_tokens or 0
         self.cached_tokens = first.cached_tokens or 0
         # The prompt tokens the node had processed by its first event: all of them once it
@@ -201,12 +211,8 @@ class Upstream:
         if fresh is None:
             return False
         self._is_released = False
-        self.placement, self._response, self._lines = fresh.placement, fresh._response, fresh._lines
-        self._first = fresh._first
-        self._failed = False
-        self._last_heard = time.monotonic()
-        self.prompt_tokens, self.cached_tokens = fresh.prompt_tokens, fresh.cached_tokens
-        self.prefilled_tokens = fresh.prefilled_tokens
+        assert isinstance(fresh._first, TokenChunk)  # a fresh upstream's first event
+        self._take(fresh.placement, fresh._response, fresh._lines, fresh._first)
         return True
 
     async def close(self) -> None:
