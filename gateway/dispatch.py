@@ -286,20 +286,12 @@ class Dispatcher:
                 retry = None
                 if not retried:
                     retried = True
-                    with trace.step("placement"):
-                        retry = await self._placer.place(
-                            job.model.node_model,
-                            job.request_id,
-                            job.estimated_tokens,
-                            exclude=frozenset(tried),
-                            account_id=job.account_id,
-                        )
+                    retry = await self._place_elsewhere(job, frozenset(tried), trace)
                 if retry is None:
                     # Nothing reached the client: it may try again at once.
                     exc.retry_after_s = exc.retry_after_s or UPSTREAM_RETRY_S
                     raise
                 placement = retry
-                trace.placed(placement)
                 tried |= placement.node_ids
             except BaseException:
                 await self.release_placement(placement)
@@ -368,17 +360,9 @@ class Dispatcher:
         no other node can take it now or the new one fails too before its first event."""
         job, failed = upstream.job, upstream.placement
         await self.release_placement(failed)
-        with upstream.trace.step("placement"):
-            placement = await self._placer.place(
-                job.model.node_model,
-                job.request_id,
-                job.estimated_tokens,
-                exclude=frozenset(failed.node_ids),
-                account_id=job.account_id,
-            )
+        placement = await self._place_elsewhere(job, failed.node_ids, upstream.trace)
         if placement is None:
             return None
-        upstream.trace.placed(placement)
         try:
             return await self._connect(
                 job, placement, upstream.started_at, upstream.headers, upstream.trace
@@ -389,10 +373,26 @@ class Dispatcher:
         except GatewayError:  # the node refused it as the client's fault, and it went back
             raise
         except BaseException:
-            # Cancelled (the client left, the gateway stops) or refused as the client's
-            # fault: the second node's reservation goes back with it.
+            # Cancelled (the client left, the gateway stops): the second node's reservation
+            # goes back with it.
             await asyncio.shield(self.release_placement(placement))
             raise
+
+    async def _place_elsewhere(
+        self, job: GenerationJob, exclude: frozenset[str], trace: GenAISpan
+    ) -> Placement | None:
+        """A placement for `job` on none of the nodes in `exclude`, or None."""
+        with trace.step("placement"):
+            placement = await self._placer.place(
+                job.model.node_model,
+                job.request_id,
+                job.estimated_tokens,
+                exclude=exclude,
+                account_id=job.account_id,
+            )
+        if placement is not None:
+            trace.placed(placement)
+        return placement
 
     async def release_placement(self, placement: Placement) -> None:
         """Gives a node reservation back and lets the capacity queue try its waiters."""
