@@ -151,7 +151,7 @@ def _moe_mma_kernel(
             b_mask = load_ok & (grp + 1 < g_end)
             b = load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, 16)
             acc = mma_group_step(
-                acc, a, None, x_at, grp * CPG, CPG, 0, 2, SUBS, D_ASM,
+                acc, a, None, x_at, grp * CPG, CPG, 2, SUBS, D_ASM,
                 D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip
             a = b

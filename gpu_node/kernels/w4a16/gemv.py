@@ -74,7 +74,6 @@ def _gemv_kn_kernel(
     SPLIT_K: tl.constexpr,
     CHUNK_S: tl.constexpr,  # partials the last program loads per round (a power of 2)
     X_PAIRS: tl.constexpr,  # x is bf16 viewed as int32: two activations per load
-    DEQUANT: tl.constexpr = True,  # False: stream the words, skip the math (benchmarks)
 ):
     MAGIC: tl.constexpr = 0x4B000000  # bit pattern of the float 2^23
     MAGIC_F: tl.constexpr = 8388608.0  # 2^23
@@ -98,9 +97,7 @@ def _gemv_kn_kernel(
             for u in tl.static_range(UNROLL):
                 kw = g * WORDS_PER_GROUP + u0 + u
                 words = tl.load(words_ptr + kw * N + offs_n, mask=mask_n, other=0)  # int32
-                if not DEQUANT:
-                    acc_g += words.to(tl.float32, bitcast=True)
-                for half in tl.static_range(2 if DEQUANT else 0):
+                for half in tl.static_range(2):
                     # Nibbles 4*half.. at bits 0..15, under the exponent bits of 2^23.
                     src = ((words >> (16 * half)) & 0xFFFF) | MAGIC
                     if X_PAIRS:
@@ -239,8 +236,8 @@ def w4a16_gemv(
 ) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_M) @ W^T -> [M, N] in x's dtype, on CUDA cores.
 
-    `config` (BLOCK_N, UNROLL, GROUPS_PER_SPLIT, num_warps) overrides the heuristic;
-    benchmarks sweep it.
+    `config` (BLOCK_N, UNROLL, GROUPS_PER_SPLIT, num_warps) overrides the heuristic; tests
+    sweep it.
     """
     n, k = _check(x, weight)
     m = x.shape[0]

@@ -110,13 +110,11 @@ def _gemv_mma_kernel(
     S_ASM: tl.constexpr,
     S_CONSTRAINTS: tl.constexpr,
     SM_ASM: tl.constexpr,  # a step's scales (and mins) -> scale and correction (PTX)
-    MODE: tl.constexpr = 0,  # 0: y; benchmarks only: 1 loads alone, 2 no activation sums
     CHAINS: tl.constexpr = 1,  # accumulators per mma chain: 1 or 2
     EARLY: tl.constexpr = 0,  # PDL: 0 off; the next kernel may launch from 1 the start, 2 the tail
     SYMMETRIC: tl.constexpr = False,  # the tiles hold scales alone (min = -8 scale)
     PIPE: tl.constexpr = 0,  # the loop: 0 one buffer, fp16 scales; 2 two buffers, int32 scales
     KWARPS: tl.constexpr = False,  # a program's warps share its row blocks and split its K
-    NO_SUM: tl.constexpr = False,  # benchmarks: split K's partials never summed (no y)
 ):
     tl.static_assert(GROUP_SIZE == 32 or GROUP_SIZE == 64 or GROUP_SIZE == 128)
     tl.static_assert(GROUP_SIZE != 32 or CHAINS == 2)
@@ -198,7 +196,7 @@ def _gemv_mma_kernel(
             b_mask = rb_ok & (grp + 1 < g_end)
             b = load_step_fp16(words_at, sm_at, grp + 1, stride_tg, b_mask, CPG, SUBS, SM2)
             acc = mma_group_step(
-                acc, a, None, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, a, None, x_at, grp * CPG, CPG, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM, sm_mul, True, OFFSET, HIGH,
             )  # fmt: skip
             a = b
@@ -211,18 +209,18 @@ def _gemv_mma_kernel(
         for grp in range(g_begin, pairs_end, 2):
             b = load_step_int32(words_at, sm_at, grp + 1, stride_tg, rb_ok, CPG, SUBS, SM2)
             acc = mma_group_step(
-                acc, a, sm_pick, x_at, grp * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, a, sm_pick, x_at, grp * CPG, CPG, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
             a_mask = rb_ok & (grp + 2 < g_end)
             a = load_step_int32(words_at, sm_at, grp + 2, stride_tg, a_mask, CPG, SUBS, SM2)
             acc = mma_group_step(
-                acc, b, sm_pick, x_at, (grp + 1) * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, b, sm_pick, x_at, (grp + 1) * CPG, CPG, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
         if pairs_end < g_end:  # an odd step count: the last step is in a
             acc = mma_group_step(
-                acc, a, sm_pick, x_at, pairs_end * CPG, CPG, MODE, CHAINS, SUBS,
+                acc, a, sm_pick, x_at, pairs_end * CPG, CPG, CHAINS, SUBS,
                 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS, SM_ASM,
             )  # fmt: skip
 
@@ -252,8 +250,6 @@ def _gemv_mma_kernel(
         part_at = part_ptr + pid_n * tile + i * EO + e
         part_mask = rb_ok & (2 * t < M)
         tl.store(part_at + pid_s * split_stride, acc, mask=part_mask)
-        if NO_SUM:
-            return
         # As in w4a16/gemv.py: every partial written before the counter moves; the
         # program that sees SPLIT_K - 1 came last and reads the partials from L2 (.cg).
         tl.debug_barrier()
@@ -293,12 +289,8 @@ def w4a16_mma_gemv(
 ) -> torch.Tensor:
     """x [M, K] bf16/fp16 (1 <= M <= 8, on CUDA) @ W^T -> [M, N] in x's dtype.
 
-    `config` (WARPS, R, GROUPS_PER_SPLIT, CHAINS, MODE, MAXNREG: a register cap, EARLY:
-    programmatic dependent launch, 0 off, 1 the next kernel may launch from this one's
-    start, 2 from its tail, the default where the GPU can; PIPE: the loop, 0 or 2, 2
-    always for symmetric tiles; KWARPS: the warps split K, GROUPS_PER_SPLIT then being about
-    a warp's share; NO_SUM, benchmarks only: with split K the partials are written and never
-    summed, so y is left unwritten, to time the sum) overrides the heuristic; benchmarks sweep it.
+    `config` (keys in mma_plan.plan_launch) overrides the launch the serving path would
+    take; the tuner and the tests sweep it.
     """
     check_operands(x, weight.shape[1], weight.tiles.device)
     if not supports(x, weight):

@@ -161,6 +161,9 @@ class Plan:
 
 
 SYMMETRIC_FP16_REGISTERS = 128  # the cap of two-row-block warps over symmetric tiles in fp16
+CONFIG_KEYS = frozenset(
+    ("WARPS", "R", "GROUPS_PER_SPLIT", "CHAINS", "PIPE", "KWARPS", "EARLY", "MAXNREG", "SPLITS")
+)
 
 
 def plan_launch(
@@ -172,7 +175,18 @@ def plan_launch(
     symmetric: bool,
     config: Mapping[str, int] | None,
 ) -> Plan:
-    """The heuristic config (mma_gemv_config) with `config` over it, checked."""
+    """The heuristic config (mma_gemv_config) with `config` over it, checked.
+
+    `config` keys (CONFIG_KEYS): WARPS, R (row blocks a warp), GROUPS_PER_SPLIT, CHAINS, PIPE
+    (the loop, 0 or 2; 2 always for symmetric tiles), KWARPS (the warps split K,
+    GROUPS_PER_SPLIT then being about a warp's share), EARLY (programmatic dependent launch:
+    0 off, 1 the next kernel may launch from this one's start, 2 from its tail, the default
+    where the GPU can), MAXNREG (a register cap, 0 none) and SPLITS (a split count given
+    outright, for tests and sweeps).
+    """
+    unknown = sorted(set(config or {}) - CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; known: {sorted(CONFIG_KEYS)}")
     cfg = mma_gemv_config(n, k, group_size, num_sms(device), symmetric)
     cfg.update(config or {})
     pipe = int(cfg.get("PIPE", 2 if symmetric else 0))
@@ -200,7 +214,7 @@ def plan_launch(
         # 16-byte aligned there. Groups of 32 (stride 144) and asymmetric tiles get the
         # four-a-lane layout and the one-buffer loop's bits (GPU tests).
         raise ValueError("KWARPS takes asymmetric tiles, not symmetric ones")
-    if config and "SPLITS" in config:  # benchmarks: a split count given outright
+    if config and "SPLITS" in config:  # a split count given outright
         splits = int(config["SPLITS"])
         if not 1 <= splits <= num_groups:
             raise ValueError(f"SPLITS must be 1..{num_groups} (steps of K), got {splits}")
@@ -239,16 +253,14 @@ def plan_launch(
         "WARPS": warps,
         "R": rows_per_warp,
         "SPLIT_K": splits,
-        "MODE": cfg.get("MODE", 0),
         "CHAINS": chains,
         "EARLY": early,
         "SYMMETRIC": symmetric,
         "PIPE": pipe,
         "KWARPS": kwarps,
-        **({"NO_SUM": True} if cfg.get("NO_SUM") else {}),  # benchmarks: the split sum's cost
         **group_step_constants(dtype, chains, group_size, symmetric),
         "num_warps": warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}),  # benchmarks' caps, and the one above
+        **({"maxnreg": maxnreg} if maxnreg else {}),  # a config's cap, or the one above
         **({"launch_pdl": True} if early else {}),
     }
     tile = (rows_per_warp, 128 if kwarps else 128 * warps)

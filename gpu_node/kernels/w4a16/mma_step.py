@@ -131,7 +131,6 @@ def mma_group_step(
     x_at,
     c0,
     CPG: tl.constexpr,
-    MODE: tl.constexpr,
     CHAINS: tl.constexpr,
     SUBS: tl.constexpr,
     D_ASM: tl.constexpr,
@@ -152,13 +151,6 @@ def mma_group_step(
     first accumulator is the first group's (scales and mins `sm`), the second the
     second's (`sm2`)."""
     w0, w1, sm, sm2 = step
-    if MODE == 1:  # loads only (benchmarks): no math, the words and scales still used
-        acc += w0.to(tl.float32, bitcast=True) + sm.to(tl.float32)
-        if CPG == 2:
-            acc += w1.to(tl.float32, bitcast=True)
-        if SUBS == 2:
-            acc += sm2.to(tl.float32)
-        return acc
     zero_d = tl.full(w0.shape, 0.0, tl.float32)
     zero_s = tl.full((1, w0.shape[1]), 0.0, tl.float32)
     X_HI: tl.constexpr = 4 + 12 * (SUBS - 1)  # 4, or 16 with groups of 32
@@ -172,27 +164,19 @@ def mma_group_step(
             d_a, d_b, s_a, s_b = zero_d, zero_d, zero_s, zero_s
         if CHAINS == 2:
             d_a, d_b = _d_chunk2(w, x_lo, x_hi, d_a, d_b, D_ASM, D_CONSTRAINTS)
-            if MODE != 2:  # MODE 2 (benchmarks): x_sum left out
-                s_a, s_b = x_sum_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
+            s_a, s_b = x_sum_chunk2(x_lo, x_hi, s_a, s_b, S_ASM, S_CONSTRAINTS)
         else:
             d_a = _d_chunk(w, x_lo, x_hi, d_a, D_ASM, D_CONSTRAINTS)
-            if MODE != 2:
-                s_a = x_sum_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
+            s_a = x_sum_chunk(x_lo, x_hi, s_a, S_ASM, S_CONSTRAINTS)
     scale, corr = _scales(sm, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
     if SUBS == 2:
         scale2, corr2 = _scales(sm2, sm_pick, sm_mul, SM_ASM, FP16_SCALES, OFFSET, HIGH)
         acc = tl.fma(d_a, scale, acc)
         acc = tl.fma(d_b, scale2, acc)
-        if MODE == 2:
-            return acc + corr + corr2
         acc = tl.fma(s_a, corr, acc)
         return tl.fma(s_b, corr2, acc)
     acc = tl.fma(d_a, scale, acc)
     if CHAINS == 2:
         acc = tl.fma(d_b, scale, acc)
         s_a += s_b
-    if MODE == 2:
-        acc += corr
-    else:
-        acc = tl.fma(s_a, corr, acc)
-    return acc
+    return tl.fma(s_a, corr, acc)

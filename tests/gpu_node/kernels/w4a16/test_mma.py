@@ -981,12 +981,13 @@ def test_int4_linear_picks_its_gpu_layout_from_the_first_call() -> None:
     assert odd_k.layout == "kn"
 
 
-def test_the_split_sum_is_left_out_only_when_a_benchmark_asks() -> None:
-    """NO_SUM (benchmarks: split K's partials written, never summed) is no constexpr of a
-    served plan, the table's or the heuristic's, and one when a config asks for it."""
+def test_a_plan_refuses_config_keys_it_does_not_know() -> None:
+    """No served plan, the table's or the heuristic's, carries a split-sum or loads-only
+    switch; a config key the plan does not know is refused by name."""
     cpu = torch.device("cpu")
     served = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, None)
-    assert "NO_SUM" not in served.constexprs
-    timed = plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {"NO_SUM": 1})
-    assert timed.constexprs["NO_SUM"] is True
-    assert {**timed.constexprs, "NO_SUM": None} == {**served.constexprs, "NO_SUM": None}
+    assert "NO_SUM" not in served.constexprs and "MODE" not in served.constexprs
+    with pytest.raises(ValueError, match=r"unknown config keys \['NO_SUM'\]"):
+        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {"NO_SUM": 1})
+    with pytest.raises(ValueError, match=r"unknown config keys \['MODE'\]"):
+        plan_module.plan_launch(8192, 8192, 128, torch.bfloat16, cpu, False, {"MODE": 1})
