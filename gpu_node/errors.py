@@ -1,10 +1,14 @@
-"""Errors the engine raises for bad input or missing models.
+"""Errors the engine raises for bad input or missing models, and the node API code of each
+(`common.node_api.NodeErrorCode`; gpu_node/server.py maps codes to statuses in one table).
 
     EngineError
-    ├── ModelNotFoundError      unknown model name, missing or unreadable GGUF
-    ├── InvalidRequestError     empty prompt, prompt past the context, bad sampling params
-    ├── EngineStoppedError      submit after shutdown
-    └── RequestCancelledError   submit of a request already cancelled (its cancel came first)
+    ├── ModelNotFoundError        unknown model name, missing or unreadable GGUF
+    ├── InvalidRequestError       empty prompt, bad sampling params      invalid_request
+    │   └── RequestTooLargeError  prompt + max_tokens past the window    request_too_large
+    │                             (common.window: the context, or the KV pool where smaller)
+    ├── EngineStoppedError        submit after shutdown                  over_capacity
+    └── RequestCancelledError     submit of a request already cancelled  cancelled
+                                  (its cancel came first)
 
 Anything else escaping the engine is a bug.
 """
@@ -19,6 +23,10 @@ class ModelNotFoundError(EngineError):
 
 
 class InvalidRequestError(EngineError):
+    pass
+
+
+class RequestTooLargeError(InvalidRequestError):
     pass
 
 

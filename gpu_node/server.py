@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, get_args
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -54,7 +54,14 @@ from common.node_api import (
     event_line,
 )
 from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
-from gpu_node.errors import EngineStoppedError, InvalidRequestError, RequestCancelledError
+from common.window import Window
+from gpu_node.errors import (
+    EngineError,
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestCancelledError,
+    RequestTooLargeError,
+)
 from gpu_node.service import NodeService, NodeSettings, sampling_params
 from gpu_node.telemetry import NodeSpan, NodeTelemetry
 from scheduler.sequence import SamplingParams
@@ -63,28 +70,41 @@ __all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
 log = logging.getLogger(__name__)
 
-_STATUS: dict[str, int] = {
-    "unauthorized": 401,
-    "invalid_request": 400,
-    "request_too_large": 413,
-    "model_not_found": 404,
-    "over_capacity": 503,
-    "cancelled": 409,  # cancelled before it arrived: the DELETE overtook the POST
-    "internal": 500,
+
+@dataclass(frozen=True)
+class _Refusal:
+    status: int
+    error: type[EngineError] | None = None  # the engine's error answered with this code
+    words: str | None = None  # what the client reads in place of the error's own words
+
+
+# Every refusal of the node API, one row a code: its HTTP status and the engine's error
+# that answers with it.
+_REFUSALS: dict[NodeErrorCode, _Refusal] = {
+    "unauthorized": _Refusal(401),
+    "invalid_request": _Refusal(400, InvalidRequestError),
+    "request_too_large": _Refusal(413, RequestTooLargeError),
+    "model_not_found": _Refusal(404),
+    "over_capacity": _Refusal(503, EngineStoppedError, "the engine is stopping"),
+    # cancelled before it arrived: the DELETE overtook the POST
+    "cancelled": _Refusal(409, RequestCancelledError),
+    "internal": _Refusal(500),
 }
+_CODE_OF: dict[type[EngineError], NodeErrorCode] = {
+    refusal.error: code for code, refusal in _REFUSALS.items() if refusal.error is not None
+}
+REFUSALS = tuple(_CODE_OF)
 
 
 def _known_code(code: str) -> NodeErrorCode:
     """Another node's error code as ours ("internal" for one we do not know)."""
-    for known in get_args(NodeErrorCode):
-        if code == known:
-            return known  # type: ignore[no-any-return]
-    return "internal"
+    return next((known for known in _REFUSALS if known == code), "internal")
 
 
 def error_response(code: NodeErrorCode, message: str) -> Response:
     body = ErrorEvent(error=NodeError(code=code, message=message))
-    return Response(body.model_dump_json(), _STATUS[code], media_type="application/json")
+    status = _REFUSALS[code].status
+    return Response(body.model_dump_json(), status, media_type="application/json")
 
 
 class InternalTokenAuth:
@@ -143,43 +163,23 @@ async def _checked(request: Request) -> _Call | Response:
         return error_response("invalid_request", f"cannot build the prompt: {exc}")
     if not prompt_ids:
         return error_response("invalid_request", "the prompt is empty")
-    limit = engine.max_request_tokens
-    room = limit - len(prompt_ids)
-    if body.max_tokens_is_default and 0 < room < params.max_tokens:
+    window = Window(engine.max_request_tokens, engine.max_model_len)
+    if body.max_tokens_is_default:
         # The client named no max_tokens: the answer may run to the end of the context.
-        params = replace(params, max_tokens=room)
-    if len(prompt_ids) + params.max_tokens > limit:
-        what = (
-            f"the context window of {limit} tokens"
-            if limit == engine.max_model_len
-            else f"the {limit} tokens this node's KV cache holds "
-            f"(context window {engine.max_model_len})"
-        )
-        message = (
-            # the client named no max_tokens: the prompt alone leaves no room
-            f"prompt ({len(prompt_ids)} tokens) exceeds {what} with room for an answer"
-            if body.max_tokens_is_default
-            else f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-            f"exceeds {what}"
-        )
-        return error_response("request_too_large", message)
+        max_tokens = window.fit_max_tokens(params.max_tokens, len(prompt_ids))
+        params = replace(params, max_tokens=max_tokens)
+    refusal = window.refusal(
+        params.max_tokens, len(prompt_ids), is_default=body.max_tokens_is_default
+    )
+    if refusal is not None:
+        return error_response("request_too_large", refusal)
     return _Call(service, body, params, prompt_ids)
 
 
-# How each refusal of the engine reads on the wire: its code, and its words (None: the
-# exception's own).
-_REFUSAL_CODES: dict[type[Exception], tuple[NodeErrorCode, str | None]] = {
-    InvalidRequestError: ("invalid_request", None),
-    EngineStoppedError: ("over_capacity", "the engine is stopping"),
-    RequestCancelledError: ("cancelled", None),
-}
-REFUSALS = tuple(_REFUSAL_CODES)
-
-
-def _refused(exc: Exception, span: NodeSpan, code: NodeErrorCode | None = None) -> Response:
-    """The answer to a request the engine refused (`code` in place of the table's)."""
-    default_code, words = _REFUSAL_CODES[type(exc)]
-    code, message = code or default_code, words or str(exc)
+def _refused(exc: EngineError, span: NodeSpan, code: NodeErrorCode | None = None) -> Response:
+    """The answer to a request the engine refused (`code` in place of its own)."""
+    own = next(_CODE_OF[cls] for cls in type(exc).__mro__ if cls in _CODE_OF)
+    code, message = code or own, _REFUSALS[own].words or str(exc)
     span.fail(code, message)
     return error_response(code, message)
 

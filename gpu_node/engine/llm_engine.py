@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.window import Window
 from gpu_node.cache.kv_cache import KVCache, bytes_per_page
 from gpu_node.cache.kv_quant import DTYPE_NAMES
 from gpu_node.config import EngineConfig
@@ -25,11 +26,11 @@ from gpu_node.engine.outputs import EngineEvent, EngineStats, RequestOutput
 from gpu_node.engine.prefix_cache import PrefixCache
 from gpu_node.engine.sampler import apply_penalties, sample
 from gpu_node.engine.step_graphs import StepGraphs
-from gpu_node.errors import InvalidRequestError
+from gpu_node.errors import InvalidRequestError, RequestTooLargeError
 from gpu_node.models.llama import LlamaModel
 from gpu_node.models.tokenizer import ChatTokenizer
 from gpu_node.models.weights import Progress, activation_dtype, build_model
-from scheduler.block_manager import BlockManager, pages_for, sequence_tag
+from scheduler.block_manager import BlockManager, sequence_tag
 from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
@@ -238,16 +239,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together "
-                f"they exceed the context window of {self.max_model_len} tokens"
-            )
-        needed = pages_for(n + params.max_tokens, self.block_manager.page_size)
-        if needed > self.block_manager.num_pages:
-            raise InvalidRequestError(
-                f"the request needs {needed} KV pages, more than this node's {self.block_manager.num_pages}"
-            )
+        window = Window(self.max_request_tokens, self.max_model_len)
+        if refusal := window.refusal(params.max_tokens, n):
+            raise RequestTooLargeError(refusal)
 
     def _validate_handoff(
         self,

@@ -4,7 +4,7 @@ import pytest
 
 from gpu_node.config import EngineConfig
 from gpu_node.engine.llm_engine import LLMEngine
-from gpu_node.errors import InvalidRequestError, ModelNotFoundError
+from gpu_node.errors import InvalidRequestError, ModelNotFoundError, RequestTooLargeError
 from scheduler.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -159,7 +159,11 @@ def test_seeded_sampling_is_reproducible(make_engine, chat_ids):
             SamplingParams(temperature=1.0, seed=2**64),
             f"seed must be in [-9223372036854775808, 18446744073709551615], got {2**64}",
         ),
-        (500, SamplingParams(max_tokens=20), "the prompt has 500 tokens and max_tokens is 20"),
+        (
+            500,
+            SamplingParams(max_tokens=20),
+            "prompt (500 tokens) + max_tokens (20) exceeds the context window of 512 tokens",
+        ),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(
@@ -189,8 +193,12 @@ def test_duplicate_request_id_and_out_of_vocab_tokens_are_rejected(make_engine):
 
 def test_request_larger_than_the_pool_is_rejected(make_engine):
     engine = make_engine(num_pages=4)
-    with pytest.raises(InvalidRequestError, match="needs 5 KV pages, more than this node's 4"):
+    with pytest.raises(RequestTooLargeError) as refused:
         engine.add_request("a", [1] * 60, SamplingParams(max_tokens=20))
+    assert str(refused.value) == (
+        "prompt (60 tokens) + max_tokens (20) exceeds the 64 tokens this node's KV cache holds "
+        "(context window 8192)"
+    )
 
 
 def test_unknown_model_and_bad_gguf(tmp_path):
