@@ -30,7 +30,7 @@ from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
 from gateway.admission.admin import AdminToken, LimitsAdmin
 from gateway.catalog import ModelCatalog
 from gateway.dashboard import Dashboard, FleetGauges, RecentErrors, RecentErrorsMiddleware
-from gateway.dispatch import Dispatcher, UsageSinkLike
+from gateway.dispatch import Dispatcher
 from gateway.errors import (
     Dialect,
     GatewayError,
@@ -41,6 +41,7 @@ from gateway.errors import (
 )
 from gateway.http import Gateway, JSONBytes, error_response
 from gateway.keys import KeyStore
+from gateway.metering import UsageSinkLike
 from gateway.middleware import RequestIdMiddleware
 from gateway.openapi import build_openapi
 from gateway.settings import GatewaySettings

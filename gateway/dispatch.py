@@ -1,28 +1,25 @@
-"""One request's trip through the fleet: admit, place, forward, relay, and account for it.
+"""One request's trip through the fleet: placed on a node, forwarded, and ended there.
 
 `Dispatcher.open(job)` returns an `Upstream` whose first node event has already
 arrived, so every failure a client can be told about with a status code
-happens inside `open` (not admitted, no capacity, bad request per the node, a
-node failing before its first token, which is retried once on another node).
-`Upstream.events()` then relays the rest as it comes; `Upstream.close()` always
-runs once: it cancels the request on the node if it did not finish, releases
-the placement and admission reservations and appends the usage event.
+happens inside `open` (past the window, not admitted, no capacity, bad request per
+the node, a node failing before its first token, which is retried once on another
+node). `Upstream.events()` then relays the rest as it comes; `Upstream.close()`
+always runs once: it cancels the request on the node if it did not finish and
+releases the placement; gateway/metering.py settles its admission and usage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import httpx
 from starlette.types import Receive
 
-from billing.events import UsageEvent
 from common.node_api import (
     ErrorEvent,
     GenerateParams,
@@ -31,32 +28,20 @@ from common.node_api import (
     read_event,
 )
 from common.telemetry import TelemetrySettings, setup_telemetry
-from gateway.admission import (
-    AdmissionError,
-    AdmissionUnavailable,
-    CapacityQueue,
-    DuplicateRequestId,
-    InvalidLimits,
-    InvalidRequest,
-    Limiter,
-    Placed,
-    RequestTooLarge,
-)
+from common.window import Window
+from gateway.admission import CapacityQueue, Limiter, Placed
 from gateway.catalog import CatalogModel
 from gateway.errors import (
+    BadRequestError,
     ClientClosedError,
-    ConflictError,
+    ContextWindowError,
     GatewayError,
-    InvalidRequestError,
     NoCapacityError,
     NotServedError,
-    RateLimitedError,
-    RequestTooLargeError,
-    TokenLimitError,
-    UnavailableError,
     UpstreamError,
 )
 from gateway.liveness import NODE_GONE, NodeWatch
+from gateway.metering import Meter, UsageSinkLike, estimate_tokens
 from gateway.tracing import GenAISpan, GenAITracer
 from gateway.upstream import (
     LEFT_BEFORE_ANSWER,
@@ -78,13 +63,6 @@ UPSTREAM_RETRY_S = 1.0  # a request no node could start: a dead node's record so
 # A client that leaves while the node starts its request: how long the node may take to
 # answer the cancel (it acts between engine steps) before the gateway stops waiting.
 CANCEL_GRACE_S = 10.0
-# Admission's refusal reasons as a client reads them in "too many ... for this account".
-_REFUSAL_REASONS = {
-    "requests": "requests",
-    "tokens": "tokens",
-    "concurrency": "concurrent requests",
-}
-UNAVAILABLE_RETRY_S = 1.0  # the limiter probes Redis again about this soon after a failure
 
 
 @dataclass(frozen=True)
@@ -99,24 +77,10 @@ class GenerationJob:
     max_tokens_name: str = "max_tokens"  # the field the client named it in, for its errors
 
 
-def estimate_tokens(payload: GenerateParams) -> int:
-    """Prompt tokens guessed from characters (about 3.5 per token in English, rounded up) + max_tokens."""
-    chars = len(payload.prompt or "")
-    for message in payload.messages or ():
-        chars += len(message.content) + 16  # the template's role markers
-    return chars // 3 + 8 + payload.max_tokens
-
-
-class UsageSinkLike(Protocol):
-    """billing.sink.UsageSink's shape: the gateway needs only `record` (never raises)."""
-
-    async def record(self, event: UsageEvent) -> None: ...
-
-
 # Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.
 _CLIENT_ERRORS: dict[str, type[GatewayError]] = {
-    "invalid_request": InvalidRequestError,
-    "request_too_large": RequestTooLargeError,
+    "invalid_request": BadRequestError,
+    "request_too_large": ContextWindowError,
 }
 
 
@@ -142,8 +106,7 @@ class Dispatcher:
         self._placer = placer
         self._auth = {"authorization": f"Bearer {internal_token}"}
         self.watch = NodeWatch(client, self._auth, placer, node_silence_s, node_probe_timeout_s)
-        self._limiter = limiter
-        self._usage_sink = usage_sink
+        self._meter = Meter(limiter, usage_sink)
         # Without a queue a request that finds every node full is refused at once.
         self._queue = queue
         self._queue_deadline_s = queue_deadline_s
@@ -155,27 +118,10 @@ class Dispatcher:
         it, it is cancelled there at once and billed as cancelled: the prompt tokens the node
         had processed, no output."""
         started_at = time.time()
-        max_tokens, window = job.payload.max_tokens, await self.context_window(job.model)
-        if max_tokens >= window:
-            if not job.payload.max_tokens_is_default:
-                # Never servable, whatever the prompt: say so, not that it passes a rate limit.
-                raise RequestTooLargeError(
-                    f"{job.max_tokens_name} ({max_tokens}) leaves no room for a prompt in the "
-                    f"context window of {window} tokens",
-                    param=job.max_tokens_name,
-                )
-            # The client named none: the default runs to what the window leaves (the node
-            # shortens it further to what the prompt leaves), and admission reserves that.
-            payload = job.payload.model_copy(update={"max_tokens": window - 1})
-            job = replace(job, payload=payload, estimated_tokens=estimate_tokens(payload))
+        job = await self._fit_window(job)
         trace = self._tracer.start(job)
-        # No limiter, no admission step: a span that decided nothing would only mislead.
-        admitting = (
-            trace.step("admission") if self._limiter is not None else contextlib.nullcontext()
-        )
         try:
-            with admitting:
-                headers = await self._admit(job, trace)
+            headers = await self._meter.admit(job, trace)
         except BaseException as exc:
             trace.fail(exc)
             raise
@@ -185,78 +131,52 @@ class Dispatcher:
             # Refused after admission (no node, bad input per the node, node failure): the
             # client still learns where its limits stand.
             exc.headers = headers | exc.headers
-            await self._release_admission(job, 0)
+            await self._meter.release(job, 0)
             trace.fail(exc)
             raise
         except BaseException as exc:
-            await self._release_admission(job, 0)
+            await self._meter.release(job, 0)
             trace.fail(exc)
             raise
         if upstream.client_left:
             await upstream.close()  # billed as cancelled, its admission given back
             raise ClientClosedError(LEFT_BEFORE_ANSWER)
-        if job.stream and self._usage_sink is not None:
-            # Durable before the stream's first byte: should this gateway die mid-answer,
-            # billing completes the request from it and the node's own record. A whole
-            # answer needs none: its end is recorded before its first byte goes out.
+        if job.stream:
+            # A whole answer needs no start record: its end is recorded before its first
+            # byte goes out.
             try:
-                await self._usage_sink.record(upstream.start_event())
+                await self._meter.record_start(upstream)
             except BaseException:
                 await asyncio.shield(upstream.close())
                 raise
         return upstream
+
+    async def _fit_window(self, job: GenerationJob) -> GenerationJob:
+        """`job` with a default max_tokens shortened to what the window leaves; refused
+        (ContextWindowError) when the client's own max_tokens leaves no room for a prompt:
+        never servable, whatever the prompt, so not sent on to a rate limit."""
+        payload = job.payload
+        window = Window.of_context(await self.context_window(job.model))
+        if payload.max_tokens_is_default:
+            # The node shortens it further to what the prompt leaves; admission reserves this.
+            max_tokens = window.fit_max_tokens(payload.max_tokens)
+            if max_tokens != payload.max_tokens:
+                payload = payload.model_copy(update={"max_tokens": max_tokens})
+                job = replace(job, payload=payload, estimated_tokens=estimate_tokens(payload))
+        refusal = window.refusal(
+            payload.max_tokens,
+            is_default=payload.max_tokens_is_default,
+            max_tokens_name=job.max_tokens_name,
+        )
+        if refusal is not None:
+            raise ContextWindowError(refusal, param=job.max_tokens_name)
+        return job
 
     async def context_window(self, model: CatalogModel) -> int:
         """`model`'s context window as the fleet serves it now: the catalog's, or less where
         the largest live node serving it takes no longer a request (its KV pool is smaller)."""
         largest = await self._placer.max_request_tokens(model.node_model)
         return model.context_window if largest is None else min(model.context_window, largest)
-
-    async def _release_admission(self, job: GenerationJob, num_tokens: int) -> None:
-        if self._limiter is None:
-            return
-        try:
-            await self._limiter.release(
-                job.account_id, job.model.node_model, job.request_id, num_tokens
-            )
-        except AdmissionError:
-            # The limit store is away: its own expiry frees the slot; the answer to the client stands.
-            log.warning("could not release admission for %s", job.request_id, exc_info=True)
-
-    async def _admit(self, job: GenerationJob, trace: GenAISpan) -> dict[str, str]:
-        if self._limiter is None:
-            return {}
-        try:
-            admission = await self._limiter.acquire(
-                job.account_id, job.model.node_model, job.request_id, job.estimated_tokens
-            )
-        except RequestTooLarge as exc:
-            trace.rejected("too_large")
-            raise TokenLimitError(str(exc)) from None
-        except (InvalidRequest, InvalidLimits) as exc:
-            raise InvalidRequestError(f"cannot admit this request: {exc}") from None
-        except DuplicateRequestId as exc:
-            # Request ids are minted by the gateway, so this is our bug, never the client's;
-            # 409 (not 500) because the first holder of the id keeps its admission.
-            raise ConflictError(str(exc)) from None
-        except AdmissionUnavailable as exc:
-            # Fail-closed: without the shared counters nobody is admitted.
-            trace.rejected("unavailable")
-            raise UnavailableError(str(exc), retry_after_s=UNAVAILABLE_RETRY_S) from None
-        except AdmissionError as exc:
-            trace.rejected("unavailable")
-            raise UnavailableError(
-                f"admission failed: {exc}", retry_after_s=UNAVAILABLE_RETRY_S
-            ) from None
-        if not admission.admitted:
-            trace.rejected(admission.reason or "unknown")
-            what = _REFUSAL_REASONS.get(admission.reason or "", admission.reason)
-            raise RateLimitedError(
-                f"rate limited: too many {what} for this account",
-                retry_after_s=admission.retry_after_s,
-                headers=dict(admission.headers),
-            )
-        return dict(admission.headers)
 
     async def _place_and_connect(
         self,
@@ -534,34 +454,7 @@ class Dispatcher:
                 await self.release_placement(placement)
         finally:
             # Whatever failed above, the request is metered and its admission given back.
-            await self._meter(upstream)
-
-    async def _meter(self, upstream: Upstream) -> None:
-        job, placement = upstream.job, upstream.placement
-        status, input_tokens, output_tokens, cached_tokens = upstream.usage_status()
-        upstream.trace.finish(
-            finish_reason=upstream.finish_reason,
-            num_input_tokens=input_tokens,
-            num_output_tokens=output_tokens,
-            num_cached_tokens=cached_tokens,
-            error_type={"ok": None, "error": "UpstreamError"}.get(status, status),
-        )
-        await self._release_admission(job, input_tokens + output_tokens)
-        if self._usage_sink is not None:
-            await self._usage_sink.record(
-                UsageEvent(
-                    request_id=job.request_id,
-                    account_id=job.account_id,
-                    model=job.model.name,
-                    node_id=placement.node_id,
-                    input_tokens=input_tokens,
-                    output_tokens=output_tokens,
-                    cached_tokens=cached_tokens,
-                    started_at=upstream.started_at,
-                    ended_at=max(time.time(), upstream.started_at),
-                    status=status,
-                )
-            )
+            await self._meter.settle(upstream)
 
     async def _cancel_on_node(self, placement: Placement, request_id: str) -> None:
         try:

@@ -5,10 +5,11 @@
     ├── PermissionDeniedError   403  the key's account is not the account in the path
     ├── NotFoundError           404  no such route
     ├── MethodNotAllowedError   405
-    ├── InvalidRequestError     400  malformed JSON, wrong types, bad values
+    ├── BadRequestError         400  malformed JSON, wrong types, bad values
     │   └── UnsupportedError    400  an option we do not implement (n > 1, tools, logprobs)
     ├── ModelNotFoundError      400 (Workers AI) / 404 (OpenAI)  no such model
-    ├── RequestTooLargeError    413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the context
+    ├── ContextWindowError      413 (Workers AI) / 400 (OpenAI)  prompt + max_tokens past the
+    │                                context window (common.window; the node's request_too_large)
     ├── TokenLimitError         413 (Workers AI) / 429 (OpenAI)  the request alone reserves more
     │                                than its account's tokens per minute: never admissible
     ├── PayloadTooLargeError    413  a body past the size limit
@@ -75,11 +76,11 @@ class MethodNotAllowedError(GatewayError):
     pass
 
 
-class InvalidRequestError(GatewayError):
+class BadRequestError(GatewayError):
     pass
 
 
-class UnsupportedError(InvalidRequestError):
+class UnsupportedError(BadRequestError):
     pass
 
 
@@ -87,7 +88,7 @@ class ModelNotFoundError(GatewayError):
     pass
 
 
-class RequestTooLargeError(GatewayError):
+class ContextWindowError(GatewayError):
     pass
 
 
@@ -163,9 +164,9 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
         405, 7001, 405, "invalid_request_error", "method_not_allowed"
     ),
     UnsupportedError: ErrorShape(400, 5004, 400, "invalid_request_error", "unsupported_parameter"),
-    InvalidRequestError: ErrorShape(400, 5004, 400, "invalid_request_error", None),
+    BadRequestError: ErrorShape(400, 5004, 400, "invalid_request_error", None),
     ModelNotFoundError: ErrorShape(400, 5007, 404, "invalid_request_error", "model_not_found"),
-    RequestTooLargeError: ErrorShape(
+    ContextWindowError: ErrorShape(
         413, 3006, 400, "invalid_request_error", "context_length_exceeded"
     ),
     # OpenAI's own answer to a request past a tokens-per-minute limit (type "tokens"); not

@@ -16,10 +16,10 @@ from gateway.catalog import CatalogModel, ModelCatalog
 from gateway.dispatch import Dispatcher
 from gateway.errors import (
     AuthenticationError,
+    BadRequestError,
     ClientClosedError,
     Dialect,
     GatewayError,
-    InvalidRequestError,
     ModelNotFoundError,
     NotReadyError,
     PayloadTooLargeError,
@@ -131,9 +131,9 @@ async def parse_body(request: Request, schema: type[M]) -> M:
     try:
         data = load_json(raw)
     except ValueError as exc:  # not UTF-8, not JSON, nested too deeply, an integer too long
-        raise InvalidRequestError(f"malformed JSON body: {exc}") from None
+        raise BadRequestError(f"malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
-        raise InvalidRequestError("the body must be a JSON object")
+        raise BadRequestError("the body must be a JSON object")
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -153,7 +153,7 @@ def _location(loc: tuple[int | str, ...]) -> str:
     )
 
 
-def validation_error(exc: ValidationError) -> InvalidRequestError:
+def validation_error(exc: ValidationError) -> BadRequestError:
     problems, param = [], None
     for err in exc.errors(include_url=False):
         where = _location(err["loc"])
@@ -161,4 +161,4 @@ def validation_error(exc: ValidationError) -> InvalidRequestError:
         # A validator's own ValueError reads as its text, without pydantic's "Value error, ".
         msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
         problems.append(f"{where}: {msg}" if where else msg)
-    return InvalidRequestError("invalid request: " + "; ".join(problems), param=param)
+    return BadRequestError("invalid request: " + "; ".join(problems), param=param)

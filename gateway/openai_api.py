@@ -9,8 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.catalog import CatalogModel
-from gateway.dispatch import GenerationJob, estimate_tokens
-from gateway.errors import GatewayError, RequestTooLargeError, error_body
+from gateway.dispatch import GenerationJob
+from gateway.errors import ContextWindowError, GatewayError, error_body
 from gateway.http import (
     JSONBytes,
     authenticate,
@@ -21,6 +21,7 @@ from gateway.http import (
     require_ready,
     resolve_model,
 )
+from gateway.metering import estimate_tokens
 from gateway.relay import SSE_DONE, RelayResponse, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.upstream import Finished, Upstream, collect
@@ -121,7 +122,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
     )
     try:
         return body, await gateway_of(request).dispatcher.open(job, request.receive)
-    except RequestTooLargeError as exc:  # the node's count of the prompt: past the window
+    except ContextWindowError as exc:  # the node's count of the prompt: past the window
         exc.param = exc.param or body.prompt_field
         raise
 

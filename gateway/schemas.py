@@ -23,7 +23,7 @@ from pydantic import (
 
 from common.node_api import GenerateParams
 from gateway.catalog import SamplingDefaults
-from gateway.errors import InvalidRequestError, UnsupportedError
+from gateway.errors import BadRequestError, UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
 
@@ -306,7 +306,7 @@ class CompletionRequest(_OpenAIBase):
             )
         if not self.prompt_text():
             # nothing to continue: the model adds no start token of its own
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise BadRequestError("the prompt is empty", param="prompt")
         if self.echo:
             raise UnsupportedError("'echo' is not supported", param="echo")
         if self.suffix:

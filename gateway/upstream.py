@@ -1,8 +1,9 @@
-"""An open generation on one node: its events as they come, and what billing counts of it.
+"""An open generation on one node: its events as they come, and the counts billing reads.
 
-`Upstream.events()` yields the node's text chunks and the final usage; a cancelled
-stream is billed for the tokens the relay marked delivered. `Upstream.close()`
-(through the dispatcher) releases what the request held and records its usage.
+`Upstream.events()` yields the node's text chunks and the final usage; the relay marks
+the tokens that reached the client (what a cancelled stream is billed for, by
+gateway/metering.py). `Upstream.close()` (through the dispatcher) releases what the
+request held and records its usage.
 `until_client_leaves` runs an answer (the stream relay's, or `collect`'s whole one) until
 it ends or the client leaves, and closes the upstream either way.
 """
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from starlette.types import Receive
 
-from billing.events import Status, UsageEvent
 from common.node_api import ErrorEvent, Finish, NodeEvent, TokenChunk, read_event
 from gateway.errors import ClientClosedError, UpstreamError
 from gateway.liveness import NODE_GONE
@@ -223,31 +223,6 @@ class Upstream:
         await self._response.aclose()
         await self._dispatcher.finish(self)
 
-    def start_event(self) -> UsageEvent:
-        """The start record of this stream: written before its first byte reaches the client."""
-        return UsageEvent(
-            request_id=self.job.request_id,
-            account_id=self.job.account_id,
-            model=self.job.model.name,
-            node_id=self.node_id,
-            input_tokens=self.prompt_tokens,
-            output_tokens=0,
-            cached_tokens=min(self.cached_tokens, self.prompt_tokens),
-            started_at=self._started_at,
-            ended_at=self._started_at,
-            status="cancelled",
-            kind="start",
-        )
-
-    def usage_status(self) -> tuple[Status, int, int, int]:
-        """(status, input, output, cached) as billing counts them."""
-        if self._finished is not None:
-            f = self._finished
-            return "ok", f.prompt_tokens, f.completion_tokens, min(f.cached_tokens, f.prompt_tokens)
-        status: Status = "error" if self._failed else "cancelled"
-        cached = min(self.cached_tokens, self.prefilled_tokens)
-        return status, self.prefilled_tokens, self.num_delivered_tokens, cached
-
     def mark_delivered(self, num_tokens: int) -> None:
         """Counts tokens whose text reached the client (billed if the request is cancelled)."""
         self.num_delivered_tokens += num_tokens
@@ -260,6 +235,16 @@ class Upstream:
     @property
     def is_finished(self) -> bool:
         return self._finished is not None
+
+    @property
+    def finished(self) -> Finished | None:
+        """The node's end of the request, with its usage; None until it came."""
+        return self._finished
+
+    @property
+    def has_failed(self) -> bool:
+        """The node failed it (closed, broke or garbled its stream, or reported an error)."""
+        return self._failed
 
     @property
     def finish_reason(self) -> str | None:

@@ -7,8 +7,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.dispatch import GenerationJob, estimate_tokens
-from gateway.errors import GatewayError, InvalidRequestError, error_body
+from gateway.dispatch import GenerationJob
+from gateway.errors import BadRequestError, GatewayError, error_body
 from gateway.http import (
     JSONBytes,
     authenticate,
@@ -19,6 +19,7 @@ from gateway.http import (
     require_ready,
     resolve_model,
 )
+from gateway.metering import estimate_tokens
 from gateway.relay import SSE_DONE, RelayResponse, sse
 from gateway.schemas import WorkersAITextRequest
 from gateway.upstream import Finished, collect
@@ -86,9 +87,9 @@ def _positive_int(request: Request, name: str, default: int, most: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise InvalidRequestError(f"{name} must be an integer, got {raw!r}") from None
+        raise BadRequestError(f"{name} must be an integer, got {raw!r}") from None
     if not 1 <= value <= most:
-        raise InvalidRequestError(f"{name} must be between 1 and {most}, got {value}")
+        raise BadRequestError(f"{name} must be between 1 and {most}, got {value}")
     return value
 
 
@@ -98,7 +99,7 @@ def _flag(request: Request, name: str) -> bool:
         return False
     if raw.lower() == "true":
         return True
-    raise InvalidRequestError(f"{name} must be true or false, got {raw!r}")
+    raise BadRequestError(f"{name} must be true or false, got {raw!r}")
 
 
 @endpoint("workers_ai")

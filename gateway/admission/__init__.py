@@ -11,7 +11,6 @@ from gateway.admission.errors import (
     DuplicateRequestId,
     InvalidLimits,
     InvalidRequest,
-    RequestTooLarge,
 )
 from gateway.admission.limiter import Limiter
 from gateway.admission.limits import AccountLimits, LimitPolicy, Limits
@@ -43,5 +42,4 @@ __all__ = [
     "RedisLimitStore",
     "RedisLimiter",
     "Rejected",
-    "RequestTooLarge",
 ]

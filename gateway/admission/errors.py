@@ -4,11 +4,12 @@
      ├── AdmissionUnavailable   the shared store is unreachable and the policy is fail-closed (503)
      ├── InvalidLimits          a limit value is not a positive integer (400)
      ├── InvalidRequest         an id cannot be used as a key, or a token count is negative (400)
-     ├── RequestTooLarge        the token reservation alone exceeds tokens_per_minute (413)
      └── DuplicateRequestId     a request id was admitted twice (a caller bug)
 
-Running out of requests, tokens or slots is not an error: it is an `Admission` with
-`admitted=False`.
+A reservation larger than the account's tokens_per_minute is never admissible: the
+client's error, raised as the gateway's own `TokenLimitError` (one name for it on the
+gateway's wire). Running out of requests, tokens or slots is not an error: it is an
+`Admission` with `admitted=False`.
 """
 
 from __future__ import annotations
@@ -28,19 +29,6 @@ class InvalidLimits(AdmissionError, ValueError):
 
 class InvalidRequest(AdmissionError, ValueError):
     """An account id, model name or request id keys cannot carry, or a negative token count."""
-
-
-class RequestTooLarge(AdmissionError, ValueError):
-    """The request reserves more tokens than the account may use in a whole minute."""
-
-    def __init__(self, estimated_tokens: int, tokens_per_minute: int) -> None:
-        super().__init__(
-            f"request reserves {estimated_tokens} tokens (its prompt, estimated from its "
-            f"length, plus max_tokens), more than the account's limit of {tokens_per_minute} "
-            f"tokens per minute; shorten the prompt or lower max_tokens"
-        )
-        self.estimated_tokens = estimated_tokens
-        self.tokens_per_minute = tokens_per_minute
 
 
 class DuplicateRequestId(AdmissionError):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gateway.admission.errors import RequestTooLarge
 from gateway.admission.limiter import check_request
 from gateway.admission.limits import LimitPolicy, Limits
 from gateway.admission.result import Admission, build_admission
 from gateway.admission.store import LimitStore, MemoryLimitStore
 from gateway.admission.window import LocalWindows
+from gateway.errors import TokenLimitError
 
 # In one process a slot's holder cannot vanish without the limiter vanishing with it,
 # so local slots never lapse; they are freed by release alone.
@@ -22,8 +22,14 @@ def now_ms(clock: Callable[[], float]) -> int:
 
 
 def check_size(estimated_tokens: int, limits: Limits) -> None:
+    """TokenLimitError when the reservation alone exceeds the account's tokens per minute."""
     if estimated_tokens > limits.tokens_per_minute:
-        raise RequestTooLarge(estimated_tokens, limits.tokens_per_minute)
+        raise TokenLimitError(
+            f"request reserves {estimated_tokens} tokens (its prompt, estimated from its "
+            f"length, plus max_tokens), more than the account's limit of "
+            f"{limits.tokens_per_minute} tokens per minute; shorten the prompt or lower "
+            f"max_tokens"
+        )
 
 
 class LocalLimiter:

@@ -9,8 +9,8 @@ from gateway.admission import (
     InvalidRequest,
     LimitPolicy,
     Limits,
-    RequestTooLarge,
 )
+from gateway.errors import TokenLimitError
 
 from .conftest import FakeClock, LimiterFactory
 
@@ -135,7 +135,7 @@ async def test_overrides_resolve_most_specific_first(make_limiter: LimiterFactor
 
 async def test_bad_input_gets_typed_errors(make_limiter: LimiterFactory) -> None:
     limiter = make_limiter(POLICY, FakeClock())
-    with pytest.raises(RequestTooLarge, match="reserves 101 tokens"):
+    with pytest.raises(TokenLimitError, match="reserves 101 tokens"):
         await limiter.acquire("acct", "m", "r1", 101)
     with pytest.raises(InvalidRequest, match="account id"):
         await limiter.acquire("has space", "m", "r1", 1)
