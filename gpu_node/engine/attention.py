@@ -110,8 +110,15 @@ class PagedAttention:
     """
 
     def __init__(
-        self, kv_cache: KVCache, metadata: StepMetadata, scale: float, check_owner: bool = True
+        self,
+        kv_cache: KVCache,
+        metadata: StepMetadata,
+        scale: float,
+        check_owner: bool = True,
+        windows: Sequence[int | None] = (),
     ):
+        """`windows`: per layer, how many tokens back a query sees, itself included (None or
+        no entry: the whole context; ModelConfig.layer_windows)."""
         self.kv_cache = kv_cache
         self.check_owner = check_owner
         self.metadata = metadata
@@ -135,15 +142,27 @@ class PagedAttention:
         # Per gathering chunk, once a step: its query rows, its context's pages and offsets.
         self._gathers: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         if gathers := gathering_chunks(metadata.query_lens, kv_cache.uses_kernels):
-            index = metadata.context_index or ContextIndex.on_host(
-                metadata.block_tables.cpu().numpy(), metadata.context_lens, gathers,
-                kv_cache.page_size, kv_cache.num_pages, kv_cache.device,
-            )  # fmt: skip
-            row_starts = np.cumsum([0, *metadata.query_lens]).tolist()
-            self._gathers = [
-                (row_starts[i], row_starts[i + 1], *index.of(i, metadata.context_lens[i]))
-                for i in gathers
-            ]
+            self._gathers = self._gathers_of(gathers, metadata.context_index)
+        # The layers whose window cuts some sequence's context: there every chunk is
+        # gathered (the decode kernel reads a context whole), built on first use.
+        longest = max(metadata.context_lens, default=0)
+        self._windows = {
+            layer: w for layer, w in enumerate(windows) if w is not None and w < longest
+        }
+        self._windowed_gathers: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
+
+    def _gathers_of(
+        self, chunks: list[int], index: ContextIndex | None
+    ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        md, kv = self.metadata, self.kv_cache
+        index = index or ContextIndex.on_host(
+            md.block_tables.cpu().numpy(), md.context_lens, chunks,
+            kv.page_size, kv.num_pages, kv.device,
+        )  # fmt: skip
+        row_starts = np.cumsum([0, *md.query_lens]).tolist()
+        return [
+            (row_starts[i], row_starts[i + 1], *index.of(i, md.context_lens[i])) for i in chunks
+        ]
 
     @property
     def violations(self) -> torch.Tensor:
@@ -175,6 +194,9 @@ class PagedAttention:
             layer, k, v, md.slot_mapping, md.page_owner, self._token_tags, self.check_owner
         )  # [T]
         self._refused.append(refused)
+        window = self._windows.get(layer)
+        if window is not None:
+            return self._attend_window(layer, q, window, out)
         if kv.uses_kernels and md.is_decode:
             decoded, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
@@ -198,6 +220,24 @@ class PagedAttention:
         for start, end, pages, offsets in self._gathers:  # the rest: gathered chunks
             keys, values = kv.gather(layer, pages, offsets, q.dtype)  # [L, K, E]
             out[start:end] = self._attend_chunk(q[start:end], keys, values, self.scale)
+        return out
+
+    def _attend_window(
+        self, layer: int, q: torch.Tensor, window: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A sliding layer's attention: every chunk over the last `window` tokens up to each
+        query, from its gathered context."""
+        if self._windowed_gathers is None:
+            chunks = list(range(len(self.metadata.query_lens)))
+            self._windowed_gathers = self._gathers_of(chunks, None)
+        out = torch.empty_like(q) if out is None else out
+        for start, end, pages, offsets in self._windowed_gathers:
+            n, length = end - start, pages.shape[0]
+            first = max(0, length - n - window + 1)  # the first key any query here sees
+            keys, values = self.kv_cache.gather(
+                layer, pages[first:], offsets[first:], q.dtype
+            )  # [L', K, E]
+            out[start:end] = attend_ref(q[start:end], keys, values, self.scale, window)
         return out
 
 
@@ -234,18 +274,24 @@ class _DecodeRows:
         )
 
 
-def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Causal attention of the last `n` positions of a context over all of it.
 
-    q [n, H, E] are the queries of context positions L-n .. L-1; k, v [L, K, E].
+    q [n, H, E] are the queries of context positions L-n .. L-1; k, v [L, K, E]. With a
+    `window`, a query sees only the `window` latest keys, its own included.
     """
     n, length = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H|K, n|L, E]
     mask = None
-    if n > 1:
-        # query i sits at position L-n+i and sees keys 0 .. L-n+i
+    if n > 1 or (window is not None and length > window):
+        # query i sits at position L-n+i and sees keys 0 .. L-n+i (the last `window` of them)
         rows = torch.arange(n, device=q.device)[:, None] + (length - n)
-        mask = torch.arange(length, device=q.device)[None, :] <= rows  # [n, L]
+        keys = torch.arange(length, device=q.device)[None, :]
+        mask = keys <= rows  # [n, L]
+        if window is not None:
+            mask &= keys > rows - window
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [n, H, E]
 

@@ -93,7 +93,11 @@ class ModelRunner:
         self.page_owner_host = page_owner_host
         self.page_column_host = page_column_host
         self.device = kv_cache.device
-        self.scale = model.config.head_dim**-0.5
+        self.scale = model.config.attention_scale
+        self.windows = model.config.layer_windows
+        # Contexts longer than this are cut by a sliding layer's window: their steps attend
+        # from gathered context (PagedAttention), never from the decode graphs.
+        self.window_from = min((w for w in self.windows if w is not None), default=None)
 
     def host_tables(self, chunks: list[ScheduledChunk]) -> HostTables:
         """The step's block tables on the host, built once for the check and the inputs."""
@@ -172,7 +176,8 @@ class ModelRunner:
         """Computes the chunks' KV; returns logits for the chunks that complete a sequence."""
         t = tables if tables is not None else self.host_tables(chunks)
         completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
-        if self.graphs is not None:
+        windowed = self.window_from is not None and int(t.context_lens.max()) > self.window_from
+        if self.graphs is not None and not windowed:
             positions = np.array([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
             if self.graphs.takes([c.num_new_tokens for c in chunks], positions, t.table_lens):
                 try:
@@ -182,7 +187,9 @@ class ModelRunner:
         ids, pos, metadata = self.prepare(chunks, t)
         ends = np.cumsum(metadata.query_lens) - 1
         logits_indices = torch.from_numpy(ends[completing]).to(self.device)
-        attention = PagedAttention(self.kv_cache, metadata, self.scale, self.check_owner)
+        attention = PagedAttention(
+            self.kv_cache, metadata, self.scale, self.check_owner, self.windows
+        )
         step_graphs = self.step_graphs
         if step_graphs is not None and step_graphs.takes(len(ids)):
             logits = step_graphs.run(ids, pos, attention, logits_indices)

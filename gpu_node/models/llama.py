@@ -15,6 +15,7 @@ Shape legend:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_node.models.config import ModelConfig
+from gpu_node.models.config import ModelConfig, RopeScaling
 
 
 class AttentionBackend(Protocol):
@@ -79,9 +80,17 @@ class RotaryEmbedding(nn.Module):
     reuses one cos and sin instead of computing them twice a layer.
     """
 
-    def __init__(self, head_dim: int, theta: float, interleaved: bool):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        interleaved: bool,
+        scaling: RopeScaling | None = None,
+    ):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling is not None:
+            inv_freq = scaled_frequencies(inv_freq, scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.interleaved = interleaved
@@ -132,6 +141,29 @@ class RotaryEmbedding(nn.Module):
         return out.to(x.dtype)
 
 
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """RoPE's frequencies [E/2] stretched as `scaling` says (RopeScaling)."""
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    original = scaling.original_max_position_embeddings
+    low_wavelen = original / scaling.low_freq_factor  # longer waves than this: divided
+    high_wavelen = original / scaling.high_freq_factor  # shorter ones: kept
+    wavelen = 2 * math.pi / inv_freq
+    divided = inv_freq / scaling.factor
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * divided + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, divided, inv_freq)
+    return torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, out)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -139,11 +171,14 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        d, e = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(d, config.num_heads * e, bias=False)
-        self.k_proj = nn.Linear(d, config.num_kv_heads * e, bias=False)
-        self.v_proj = nn.Linear(d, config.num_kv_heads * e, bias=False)
+        d, e, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(d, config.num_heads * e, bias=bias)
+        self.k_proj = nn.Linear(d, config.num_kv_heads * e, bias=bias)
+        self.v_proj = nn.Linear(d, config.num_kv_heads * e, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * e, d, bias=False)
+        # Qwen3 and Gemma 3 normalise each head's query and key before RoPE.
+        self.q_norm = RMSNorm(e, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(e, config.rms_norm_eps) if config.qk_norm else None
         # q, k and v as one product (`fuse_projections`, on GPU nodes); None: three
         self.qkv_proj: nn.Module | None = None
 
@@ -159,6 +194,9 @@ class LlamaAttention(nn.Module):
             q, k, v = self.qkv_proj(x).split((h * e, kv * e, kv * e), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:  # over each head's E values
+            q = self.q_norm(q.reshape(t * h, e))
+            k = self.k_norm(k.reshape(t * kv, e))
         q, k = rope.pair(q.view(t, h, e), k.view(t, kv, e), positions)  # [T, H, E], [T, K, E]
         v = v.view(t, kv, e)  # [T, K, E]
         out = attention(self.layer, q, k, v)  # [T, H, E]
@@ -166,10 +204,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_tanh."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -180,11 +219,11 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] views
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)  # [T, F]
-        if _fused(gate) and gate.dtype == up.dtype:
+        if self.act == "silu" and _fused(gate) and gate.dtype == up.dtype:
             from gpu_node.kernels.elementwise.kernel import silu_mul
 
             return self.down_proj(silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)  # [T, D]
+        return self.down_proj(activation(self.act, gate) * up)  # [T, D]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -194,7 +233,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Any module mapping [T, D] -> [T, D] may replace this (the MoE family does).
-        self.mlp: nn.Module = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.mlp: nn.Module = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act
+        )
 
     def forward(self, x, positions, rope, attention):
         attended = self.self_attn(self.input_layernorm(x), positions, rope, attention)
@@ -207,12 +248,25 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_interleaved)
+        self.rope, self.sliding_rope = rotary_embeddings(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def decoder_layer(config: ModelConfig, layer: int) -> nn.Module:
+        return LlamaDecoderLayer(config, layer)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [T, D]
+
+    def reset_rotary_tables(self, device: torch.device | str) -> None:
+        """Rebuilds the RoPE tables (buffers outside the state dict) on `device`."""
+        rope, sliding = rotary_embeddings(self.config)
+        self.rope = rope.to(device)
+        self.sliding_rope = sliding.to(device) if sliding is not None else None
 
     def forward(
         self,
@@ -228,10 +282,12 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         """input_ids, positions [T] -> the last layer's output [T, D], before the final norm."""
-        x = self.embed_tokens(input_ids)  # [T, D]
-        with self.rope.at(positions):
-            for layer in self.layers:
-                x = layer(x, positions, self.rope, attention)
+        x = self.embed(input_ids)  # [T, D]
+        sliding_rope = self.sliding_rope or self.rope
+        with self.rope.at(positions), sliding_rope.at(positions):
+            for i, layer in enumerate(self.layers):
+                rope = sliding_rope if self.config.is_sliding(i) else self.rope
+                x = layer(x, positions, rope, attention)
         return x
 
     def logits(
@@ -242,7 +298,22 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             # only the tokens we sample from: the lm_head is the widest matmul
             hidden = hidden[logits_indices]
-        return self.lm_head(self.norm(hidden)).float()  # [N, V]
+        logits = self.lm_head(self.norm(hidden)).float()  # [N, V]
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The global layers' RoPE, and the sliding layers' where theirs differs (Gemma 3)."""
+    rope = RotaryEmbedding(
+        config.head_dim, config.rope_theta, config.rope_interleaved, config.rope_scaling
+    )
+    sliding = None
+    if config.sliding_rope_theta is not None:
+        sliding = RotaryEmbedding(
+            config.head_dim, config.sliding_rope_theta, config.rope_interleaved
+        )
+    return rope, sliding
 
 
 def fuse_projections(model: LlamaModel) -> LlamaModel:

@@ -14,12 +14,7 @@ from gpu_node.errors import ModelNotFoundError
 from gpu_node.kernels import launch
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.gguf_loader import GGUFModel
-from gpu_node.models.llama import (
-    LlamaModel,
-    RotaryEmbedding,
-    fuse_projections,
-    gguf_parameter_names,
-)
+from gpu_node.models.llama import LlamaModel, fuse_projections, gguf_parameter_names
 from gpu_node.models.tokenizer import ChatTokenizer
 from gpu_node.quant.linear import Int4Linear
 
@@ -69,9 +64,7 @@ def load_llama(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # Buffers are not in the state dict: rebuild the (non-persistent) RoPE table for real.
-    model.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_interleaved).to(
-        device
-    )
+    model.reset_rotary_tables(device)
     _assert_materialized(model)
     return model.eval()
 
@@ -173,9 +166,17 @@ def build_model(
             quantize_model(built, group_size=32, skip=("lm_head", "embed_tokens", "router"))
         built = built.to(dtype)  # the INT4 buffers are moved, never cast
         return (fuse_projections(built) if on_gpu else built), tokenizer
-    gguf = GGUFModel(resolve_model(model))
-    loaded = load_llama(gguf, dtype, device, progress, int4=weights == "int4")
-    return (fuse_projections(loaded) if on_gpu else loaded), ChatTokenizer(gguf)
+    path = resolve_model(model)
+    if path.is_dir():  # a Hugging Face checkpoint
+        from gpu_node.models.hf_checkpoint import HFCheckpoint, load_hf_model
+
+        loaded = load_hf_model(HFCheckpoint(path), dtype, device, progress, weights == "int4")
+        tokenizer = ChatTokenizer.from_directory(path)
+    else:
+        gguf = GGUFModel(path)
+        loaded = load_llama(gguf, dtype, device, progress, int4=weights == "int4")
+        tokenizer = ChatTokenizer(gguf)
+    return (fuse_projections(loaded) if on_gpu else loaded), tokenizer
 
 
 def seeded_llama(

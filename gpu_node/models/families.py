@@ -1,0 +1,210 @@
+"""The model families we serve from Hugging Face checkpoints: a checkpoint's `config.json`
+read into a `ModelConfig`, per family.
+
+Each family names what it changes on llama; unknown architectures and settings we do not
+compute (a RoPE scaling we lack, attention soft-capping, ...) are refused with a message
+that says what is supported, never approximated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpu_node.errors import ModelNotFoundError
+from gpu_node.models.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    RopeScaling,
+)
+from gpu_node.models.moe import MoeConfig
+
+Reader = Callable[[Mapping[str, Any]], ModelConfig]
+
+
+def _need(raw: Mapping[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ModelNotFoundError(f"config.json lacks {key!r}")
+    return raw[key]
+
+
+def _rope(raw: Mapping[str, Any], part: str | None = None) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` and
+    `rope_scaling` (the checkpoints on the Hub); `part` picks a layer type's entry."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and part is not None and part in params:
+        params = params[part]
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta, scaling = float(params["rope_theta"]), dict(params)
+    else:
+        theta, scaling = float(raw.get("rope_theta", 10000.0)), dict(raw.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(scaling["factor"]),
+            float(scaling.get("low_freq_factor", 1.0)),
+            float(scaling.get("high_freq_factor", 4.0)),
+            int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    raise ModelNotFoundError(
+        f"RoPE scaling {kind!r} is not supported (default, linear and llama3 are)"
+    )
+
+
+def _base(raw: Mapping[str, Any], architecture: str, **changes: Any) -> ModelConfig:
+    """The llama line's fields, read alike by every family."""
+    hidden, heads = int(_need(raw, "hidden_size")), int(_need(raw, "num_attention_heads"))
+    theta, scaling = _rope(raw)
+    fields: dict[str, Any] = {
+        "architecture": architecture,
+        "num_layers": int(_need(raw, "num_hidden_layers")),
+        "hidden_size": hidden,
+        "intermediate_size": int(_need(raw, "intermediate_size")),
+        "num_heads": heads,
+        "num_kv_heads": int(raw.get("num_key_value_heads") or heads),
+        "head_dim": int(raw.get("head_dim") or hidden // heads),
+        "vocab_size": int(_need(raw, "vocab_size")),
+        "max_position_embeddings": int(raw.get("max_position_embeddings") or 4096),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "rope_interleaved": False,  # HF rotates halves
+    }
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ModelNotFoundError(f"activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    fields["hidden_act"] = "gelu_tanh" if act == "gelu_pytorch_tanh" else "silu"
+    if raw.get("mlp_bias"):
+        raise ModelNotFoundError("MLP biases are not supported")
+    fields.update(changes)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise ModelNotFoundError(f"config.json: {exc}") from exc
+
+
+def _sliding(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The sliding window of a llama-line config: Mistral's applies to every layer;
+    Qwen2's only where `use_sliding_window` says, from `max_window_layers` on."""
+    window = raw.get("sliding_window")
+    if not window or raw.get("use_sliding_window") is False:
+        return {}
+    types = raw.get("layer_types")
+    if types is None and "max_window_layers" in raw:
+        first = int(raw["max_window_layers"])
+        layers = int(raw["num_hidden_layers"])
+        types = [FULL_ATTENTION if i < first else SLIDING_ATTENTION for i in range(layers)]
+    return {"sliding_window": int(window), "layer_types": tuple(types) if types else None}
+
+
+def _no_attention_bias(raw: Mapping[str, Any]) -> None:
+    if raw.get("attention_bias"):
+        raise ModelNotFoundError(f"{raw.get('model_type')} with attention_bias is not supported")
+
+
+def llama(raw: Mapping[str, Any]) -> ModelConfig:
+    _no_attention_bias(raw)
+    return _base(raw, "llama", **_sliding(raw))
+
+
+def qwen2(raw: Mapping[str, Any]) -> ModelConfig:
+    return _base(raw, "qwen2", attention_bias=True, **_sliding(raw))
+
+
+def qwen3(raw: Mapping[str, Any]) -> ModelConfig:
+    _no_attention_bias(raw)
+    return _base(raw, "qwen3", qk_norm=True, **_sliding(raw))
+
+
+def gemma3(raw: Mapping[str, Any]) -> ModelConfig:
+    raw = raw.get("text_config", raw)  # Gemma3ForConditionalGeneration: its language model
+    for key in ("attn_logit_softcapping",):
+        if raw.get(key) is not None:
+            raise ModelNotFoundError(f"Gemma 3 with {key} is not supported")
+    layers = int(_need(raw, "num_hidden_layers"))
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+        types = [
+            FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers)
+        ]
+    theta, scaling = _rope(raw, FULL_ATTENTION)
+    local_theta, local_scaling = _rope(raw, SLIDING_ATTENTION)
+    if "rope_local_base_freq" in raw:
+        local_theta, local_scaling = float(raw["rope_local_base_freq"]), None
+    if local_scaling is not None:
+        raise ModelNotFoundError("Gemma 3 sliding layers with RoPE scaling are not supported")
+    return _base(
+        raw,
+        "gemma3",
+        qk_norm=True,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_rope_theta=local_theta,
+        sliding_window=int(raw.get("sliding_window") or 4096),
+        layer_types=tuple(types),
+        query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcap=raw.get("final_logit_softcapping"),
+    )
+
+
+def qwen3_moe(raw: Mapping[str, Any]) -> ModelConfig:
+    _no_attention_bias(raw)
+    layers = int(_need(raw, "num_hidden_layers"))
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or ())
+    moe = MoeConfig(
+        hidden_size=int(_need(raw, "hidden_size")),
+        num_experts=experts,
+        top_k=int(_need(raw, "num_experts_per_tok")),
+        expert_hidden_size=int(_need(raw, "moe_intermediate_size")),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+    )
+    moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return _base(raw, "qwen3_moe", qk_norm=True, moe=moe, moe_layers=moe_layers, **_sliding(raw))
+
+
+def mixtral(raw: Mapping[str, Any]) -> ModelConfig:
+    moe = MoeConfig(
+        hidden_size=int(_need(raw, "hidden_size")),
+        num_experts=int(_need(raw, "num_local_experts")),
+        top_k=int(_need(raw, "num_experts_per_tok")),
+        expert_hidden_size=int(_need(raw, "intermediate_size")),
+    )
+    return _base(raw, "mixtral", moe=moe, **_sliding(raw))
+
+
+# `architectures[0]` of config.json -> its reader.
+FAMILIES: Mapping[str, Reader] = {
+    "LlamaForCausalLM": llama,
+    "MistralForCausalLM": llama,
+    "Qwen2ForCausalLM": qwen2,
+    "Qwen3ForCausalLM": qwen3,
+    "Gemma3ForCausalLM": gemma3,
+    "Gemma3ForConditionalGeneration": gemma3,
+    "Qwen3MoeForCausalLM": qwen3_moe,
+    "MixtralForCausalLM": mixtral,
+}
+
+
+def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
+    """A checkpoint's config.json as a ModelConfig; ModelNotFoundError for an architecture
+    or a setting we do not serve, naming what is supported."""
+    architectures = raw.get("architectures") or []
+    reader = FAMILIES.get(architectures[0]) if architectures else None
+    if reader is None:
+        supported = ", ".join(sorted(FAMILIES))
+        raise ModelNotFoundError(
+            f"architecture {', '.join(architectures) or '(none named)'} is not supported; "
+            f"supported: {supported}"
+        )
+    return reader(raw)

@@ -1,0 +1,64 @@
+"""The Gemma 3 family (text), written plainly beside llama and sharing its parts.
+
+What Gemma 3 changes on llama's decoder: each sublayer's output is normalised before it
+joins the residual ("sandwich" norms: four per layer), the MLP gates with tanh-GELU, the
+embedding is scaled by sqrt(D), queries and keys are normalised per head, and five of
+every six layers attend through a sliding window with their own RoPE base
+(ModelConfig.layer_types, sliding_rope_theta). Gemma's norm weights are stored as an
+offset from 1 (it multiplies by 1 + w); the loaders add the 1 once, so RMSNorm here is
+llama's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_node.models.config import ModelConfig
+from gpu_node.models.llama import (
+    AttentionBackend,
+    LlamaAttention,
+    LlamaMLP,
+    LlamaModel,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps)
+        self.mlp: nn.Module = LlamaMLP(d, config.intermediate_size, config.hidden_act)
+        self.post_feedforward_layernorm = RMSNorm(d, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), positions, rope, attention)
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(LlamaModel):
+    @staticmethod
+    def decoder_layer(config: ModelConfig, layer: int) -> nn.Module:
+        return Gemma3DecoderLayer(config, layer)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        # sqrt(D) rounded to the weights' dtype first, as the checkpoints were trained
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+
+
+def model_class(config: ModelConfig) -> type[LlamaModel]:
+    """The model class of `config`'s family."""
+    return Gemma3Model if config.architecture == "gemma3" else LlamaModel

@@ -1,0 +1,172 @@
+"""Every family's checkpoint, written by transformers, loads through our path and computes
+what transformers computes: prompt logits within 1e-3 (fp32) and 40 greedy tokens equal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_node.engine.attention import attend_ref
+from gpu_node.errors import ModelNotFoundError
+from gpu_node.models.families import config_from_hf
+from gpu_node.models.hf_checkpoint import HFCheckpoint, load_hf_model
+from tests.gpu_node.models.hf_tiny import FAMILIES, write_checkpoint
+
+PROMPT = [5, 77, 301, 12, 9, 250, 64, 3, 18, 140, 33, 7, 99, 210, 41, 2, 160, 88, 19, 270]
+
+
+class WholeContext:
+    """The attention of one prompt run in one step: causal over the step's own K/V, each
+    layer with its window (the reference the paged engine is tested against elsewhere)."""
+
+    def __init__(self, windows, scale):
+        self.windows, self.scale = windows, scale
+
+    def __call__(self, layer, q, k, v):
+        return attend_ref(q, k, v, self.scale, self.windows[layer])
+
+
+def our_logits(model, ids):
+    config = model.config
+    attention = WholeContext(config.layer_windows, config.attention_scale)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(len(ids)), attention)
+
+
+def our_greedy(model, ids, n):
+    ids = list(ids)
+    for _ in range(n):  # recomputes the whole context each token: the plainest reference
+        ids.append(int(our_logits(model, ids)[-1].argmax()))
+    return ids[len(PROMPT) :]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_checkpoint(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    # sharded in two or more files, so the index and the shard-by-shard path are exercised
+    hf = write_checkpoint(request.param, directory, shard_bytes=200_000)
+    return request.param, directory, hf
+
+
+def test_config_json_reads_into_our_config(family_checkpoint):
+    family, directory, _ = family_checkpoint
+    config = HFCheckpoint(directory).config()
+    assert config.num_layers == 3 and config.hidden_size == 64 and config.head_dim == 16
+    assert (config.num_heads, config.num_kv_heads, config.vocab_size) == (4, 2, 320)
+    assert config.rope_interleaved is False
+    expected_windows = {
+        "mistral": (8, 8, 8),
+        "gemma3": (8, None, 8),
+    }.get(family, (None, None, None))
+    assert config.layer_windows == expected_windows
+    assert config.qk_norm == (family in ("qwen3", "gemma3", "qwen3_moe"))
+    assert config.attention_bias == (family == "qwen2")
+    if family == "qwen3_moe":
+        assert config.moe is not None and config.moe.renormalize
+        assert [config.has_moe(i) for i in range(3)] == [True, False, True]
+    if family == "gemma3":
+        assert config.attention_scale == pytest.approx(24**-0.5)
+        assert config.sliding_rope_theta == 10000.0 and config.rope_theta == 100000.0
+        assert config.rope_scaling is not None and config.rope_scaling.kind == "linear"
+
+
+def test_checkpoint_is_sharded(family_checkpoint):
+    _, directory, _ = family_checkpoint
+    assert (directory / "model.safetensors.index.json").is_file()
+    assert len(HFCheckpoint(directory).shards) >= 2
+
+
+def test_prompt_logits_match_transformers(family_checkpoint):
+    _, directory, hf = family_checkpoint
+    model = load_hf_model(HFCheckpoint(directory))
+    ours = our_logits(model, PROMPT)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0].float()
+    assert ours.shape == theirs.shape == (len(PROMPT), 320)
+    assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_40_greedy_tokens_match_transformers(family_checkpoint):
+    _, directory, hf = family_checkpoint
+    model = load_hf_model(HFCheckpoint(directory))
+    ours = our_greedy(model, PROMPT, 40)
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=40, min_new_tokens=40, do_sample=False
+        )[0, len(PROMPT) :].tolist()
+    assert ours == theirs
+
+
+def test_unknown_architecture_is_refused_naming_the_supported():
+    with pytest.raises(ModelNotFoundError) as info:
+        config_from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    message = str(info.value)
+    assert "GPT2LMHeadModel is not supported" in message
+    for name in ("LlamaForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert name in message
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    write_checkpoint("llama", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelNotFoundError, match="RoPE scaling 'yarn' is not supported"):
+        HFCheckpoint(tmp_path).config()
+
+
+def test_a_directory_without_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ModelNotFoundError, match=r"holds no \.safetensors weights"):
+        HFCheckpoint(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_int4_on_load_is_within_the_rounding_bound_of_each_product(tmp_path, family):
+    """Quantized on load, every projection's output on the model's own activations lies
+    within what round-to-nearest allows: each weight moves by at most half its group's
+    scale (scale rounded up, min down in fp16: the whole group stays representable), so
+    |x W'^T - x W^T| <= sum_k |x_k| * scale_g(k) / 2, plus fp32 summation error."""
+    from gpu_node.quant.int4 import dequantize_int4
+    from gpu_node.quant.linear import Int4Linear
+
+    torch.set_grad_enabled(False)
+    write_checkpoint(family, tmp_path)
+    checkpoint = HFCheckpoint(tmp_path)
+    exact = load_hf_model(checkpoint)
+    quantized = load_hf_model(checkpoint, int4=True)
+    int4_modules = {n: m for n, m in quantized.named_modules() if isinstance(m, Int4Linear)}
+    assert len(int4_modules) == {"qwen2": 21, "qwen3_moe": 15}[family]  # 7 a dense layer
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep_input(name):
+        def hook(_module, args, _out):
+            inputs.setdefault(name, args[0].clone())
+
+        return hook
+
+    hooks = [exact.get_submodule(n).register_forward_hook(keep_input(n)) for n in int4_modules]
+    our_logits(exact, PROMPT)
+    for hook in hooks:
+        hook.remove()
+    for name, module in int4_modules.items():
+        x = inputs[name].clone()  # [T, K]
+        w = exact.get_submodule(name).weight.detach().float()  # [N, K]
+        q = module.weight_int4
+        assert q.group_size == (64 if w.shape[1] == 64 else 32)
+        half_scale = (q.scales.float() / 2).repeat_interleave(q.group_size, dim=1)  # [N, K]
+        assert ((dequantize_int4(q) - w).abs() <= half_scale * (1 + 1e-3)).all(), name
+        bound = x.abs() @ half_scale.T + 1e-4
+        error = (x @ dequantize_int4(q).T - x @ w.T).abs()
+        assert (error <= bound).all(), name
+        bias = 0 if module.bias is None else module.bias
+        assert (module.forward_ref(x) - bias - x @ dequantize_int4(q).T).abs().max() < 1e-4
+        # The CPU kernel takes x, the scale and the zero (min + 8 scale) in bf16: each value
+        # off by at most 2^-9 of itself, so a product by at most 2^-9 sum_k |x_k| (|w_k| +
+        # 8 scale + |zero|) more, twice over for the two roundings it compounds.
+        zero = (q.mins.float() + 8 * q.scales.float()).repeat_interleave(q.group_size, dim=1)
+        per_weight = dequantize_int4(q).abs() + 16 * half_scale + zero.abs()
+        kernel_bound = (x.abs() @ per_weight.T) * 2**-8 + 1e-4
+        assert ((module(x) - module.forward_ref(x)).abs() <= kernel_bound).all(), name
