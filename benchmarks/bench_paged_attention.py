@@ -25,6 +25,7 @@ fused kernels (what the engine runs on a GPU) against the materialised-mask refe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -53,8 +54,8 @@ from gpu_node.cache.kv_quant import (
 from gpu_node.engine.attention import PagedAttention, StepMetadata
 from gpu_node.engine.model_runner import find_violations_host
 from gpu_node.kernels.kv_write.kernel import kv_write, kv_write_ref
-from gpu_node.kernels.paged_attention.dot import paged_decode_attention
-from gpu_node.kernels.paged_attention.mma import paged_decode_attention_mma
+from gpu_node.kernels.paged_attention.dot import DotTuning, paged_decode_attention
+from gpu_node.kernels.paged_attention.mma import MmaTuning, paged_decode_attention_mma
 from gpu_node.kernels.paged_attention.reference import paged_decode_attention_ref
 from gpu_node.models import model_store
 from gpu_node.models.gguf_loader import GGUFModel
@@ -336,10 +337,11 @@ def part_check(results: dict, device: str, trials: int) -> bool:
     for seed, (shape_name, cache_dtype, lens, dot_dtype, q_fp8) in enumerate(cases):
         try:
             batch = random_batch(lens, SHAPES[shape_name], cache_dtype, device, seed)
-            options = {} if q_fp8 is None else {"q_fp8": q_fp8}
-            out, flags = paged_decode_attention(
-                **batch, max_context_len=max(lens), dot_dtype=dot_dtype, **options
-            )
+            # the default kernel, or the tl.dot kernel where the case names an option of it
+            tuning = None
+            if dot_dtype is not None or q_fp8 is not None:
+                tuning = DotTuning(dot_dtype=dot_dtype, q_fp8=bool(q_fp8))
+            out, flags = paged_decode_attention(**batch, max_context_len=max(lens), tuning=tuning)
             ref, ref_flags = paged_decode_attention_ref(**batch)
             err = rel_err(out, ref)
             passed = err < CHECK_TOLERANCE and not flags.any() and not ref_flags.any()
@@ -474,6 +476,7 @@ def timing_pool(batch: int, length: int, shape, cache_dtype, head_major: bool = 
 
 
 def time_calls(calls, attention=None, **options) -> float:
+    """`options`: check_owner and tuning (DotTuning, MmaTuning), as the attention takes them."""
     """Mean µs per call under CUDA-graph replay (launch overhead out, as in a real step)."""
     attention = attention or paged_decode_attention
 
@@ -556,10 +559,10 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
             calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
             for config in MMA_CONFIGS[shape[2]]:
                 regs, waves, min_split, max_splits = config
-                us = time_calls(
-                    calls, paged_decode_attention_mma, max_registers=regs, waves=waves,
-                    min_split=min_split, max_splits=max_splits,
-                )  # fmt: skip
+                tuning = MmaTuning(
+                    max_registers=regs, waves=waves, min_split=min_split, max_splits=max_splits
+                )
+                us = time_calls(calls, paged_decode_attention_mma, tuning=tuning)
                 totals[config] = totals.get(config, 0.0) + us
                 log(f"tune {shape_name} B={batch} L={length} regs={regs} waves={waves} "
                     f"min_split={min_split} max_splits={max_splits}: {us:.1f} µs")  # fmt: skip
@@ -573,16 +576,17 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
     log("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape_name, batch, length in points or MMA_POINTS:
         shape = SHAPES[shape_name]
-        options = {}
+        tuning = MmaTuning()
         if best_config[shape_name] is not None:
             regs, waves, min_split, max_splits = best_config[shape_name]
-            options = {"max_registers": regs, "waves": waves, "min_split": min_split,
-                       "max_splits": max_splits}  # fmt: skip
+            tuning = MmaTuning(
+                max_registers=regs, waves=waves, min_split=min_split, max_splits=max_splits
+            )
         bf16_us = bf16_pages_us(batch, length, shape)
         calls, moved = timing_pool(batch, length, shape, FP8_DTYPE)
-        dot_us = time_calls(calls, kernel="dot")
+        dot_us = time_calls(calls, tuning=DotTuning())
         on, off, cost, low, high = paired_check_timings(
-            calls, rounds, paged_decode_attention_mma, **options
+            calls, rounds, paged_decode_attention_mma, tuning=tuning
         )
         mma_us = statistics.median(on)
         same_us = copy_us(moved)
@@ -597,7 +601,7 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
             {"shape": shape_name, "batch": batch, "length": length, "bf16_us": bf16_us,
              "fp8_dot_us": dot_us, "mma_on_us": on, "mma_off_us": off, "fp8_bytes": moved,
              "same_bytes_copy_us": same_us,
-             "options": options}
+             "options": dataclasses.asdict(tuning)}
         )  # fmt: skip
     log("\n| shape | B | L | register cap | µs check on | µs check off | check cost (IQR) |")
     log("|---|---|---|---|---|---|---|")
@@ -606,7 +610,7 @@ def part_mma(results: dict, rounds: int, tune: bool, points=None) -> None:
         cap = CHECK_COST_CAPS[shape[2]]
         calls, _ = timing_pool(batch, length, shape, FP8_DTYPE)
         on, off, cost, low, high = paired_check_timings(
-            calls, rounds, paged_decode_attention_mma, max_registers=cap
+            calls, rounds, paged_decode_attention_mma, tuning=MmaTuning(max_registers=cap)
         )
         del calls
         torch.cuda.empty_cache()
@@ -692,9 +696,9 @@ def part_mma_check(results: dict) -> bool:
     for shape_name in ("smollm2", "llama8b"):
         batch = random_batch(lens, SHAPES[shape_name], FP8_DTYPE, "cuda", seed=7)
         scales = {"k_scale": batch.pop("k_scale"), "v_scale": batch.pop("v_scale")}
-        out, flags = paged_decode_attention_mma(**batch, **scales, min_split=32)
+        out, flags = paged_decode_attention_mma(**batch, **scales, tuning=MmaTuning(min_split=32))
         ref, _ = paged_decode_attention_ref(**batch, **scales)
-        dot, _ = paged_decode_attention(**batch, **scales, kernel="dot")
+        dot, _ = paged_decode_attention(**batch, **scales, tuning=DotTuning())
         err, dot_err = rel_err(out, ref), rel_err(dot, ref)
         ok &= err < CHECK_TOLERANCE and not flags.any()
         log(

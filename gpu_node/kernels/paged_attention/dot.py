@@ -23,8 +23,8 @@ The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs onli
 softmax over one slice of the context for the G query heads of one kv head, then a
 second kernel merges the N partial results, so one long sequence still fills the GPU.
 fp8 tiles are multiplied in fp16 (converted in registers, exactly) with the per-row
-scales applied to scores and probabilities; `q_fp8=True` instead multiplies the K tile
-as stored, against q split into three e4m3 parts. Measurements: docs/benchmarks.md.
+scales applied to scores and probabilities; `DotTuning(q_fp8=True)` instead multiplies the
+K tile as stored, against q split into three e4m3 parts. Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import triton
@@ -42,7 +43,7 @@ from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write.kernel import round_to_e4m3_tl, scale_offset_tl
 from gpu_node.kernels.launch import launches_early
-from gpu_node.kernels.paged_attention.mma import paged_decode_attention_mma
+from gpu_node.kernels.paged_attention.mma import MmaTuning, paged_decode_attention_mma
 from gpu_node.kernels.paged_attention.mma import supports as supports_mma
 from gpu_node.kernels.paged_attention.reference import validate_decode_inputs
 from gpu_node.kernels.paged_attention.split_merge import merge_splits, split_partials
@@ -498,6 +499,35 @@ def decode_tile_config(is_fp8: bool, head_dim: int) -> DecodeTile:
     )
 
 
+@dataclass(frozen=True)
+class DotTuning:
+    """Launch options of the tl.dot kernel, for tests and sweeps; passing one to
+    `paged_decode_attention` picks this kernel. None takes the measured default
+    (`decode_tile_config`, `default_dot_dtype`).
+
+    `dot_dtype`: the operand dtype of the two matrix products. `block_n`: tokens a step.
+    `target_programs`: the split count aims at this many programs (default: the tile's
+    programs per multiprocessor times the multiprocessors). `tokens_m`: QK^T computed as
+    K q^T with the tokens as the MMA's M side. `max_registers`: a per-thread register cap,
+    0 for none. `prefetch_pages`: fp8 full blocks load their page ids a block ahead;
+    `prefetch_scales`: page ids two blocks ahead and the scales one, overriding
+    `prefetch_pages`. `q_fp8` (fp8 pages) splits q into three e4m3 parts so that QK^T is
+    an fp8 product on the K tile as stored; on the GPU it measured 3-7x the error of the
+    exact q for at most 4% of speed, so it is off by default.
+    """
+
+    dot_dtype: torch.dtype | None = None
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int | None = None
+    target_programs: int | None = None
+    tokens_m: bool | None = None
+    max_registers: int | None = None
+    prefetch_pages: bool | None = None
+    prefetch_scales: bool | None = None
+    q_fp8: bool = False
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -511,55 +541,32 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     max_context_len: int | None = None,
     check_owner: bool = True,
-    dot_dtype: torch.dtype | None = None,
-    block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int | None = None,
-    target_programs: int | None = None,
-    q_fp8: bool = False,
-    tokens_m: bool | None = None,
-    max_registers: int | None = None,
-    prefetch_pages: bool | None = None,
-    prefetch_scales: bool | None = None,
-    kernel: str = "auto",
+    tuning: DotTuning | MmaTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the paged cache: (out [B, Q, D] in q's dtype, violations [B]).
 
     `max_context_len` (the scheduler knows it) sizes the split grid without reading
-    `context_lens` back from the device; it must be >= every context length. The
-    split count aims at `target_programs` programs.
-    `check_owner=False` skips the ownership comparison (benchmarks only). `dot_dtype`
-    is the operand dtype of the two matrix products (default: `default_dot_dtype`).
-    The tile options (`block_n`, `num_warps`, `num_stages`, `target_programs`,
-    `tokens_m`: QK^T computed as K q^T with the tokens as the MMA's M side,
-    `max_registers`: a per-thread register cap, 0 for none; `prefetch_pages`: fp8 full
-    blocks load their page ids a block ahead; `prefetch_scales`: page ids two blocks
-    ahead and the scales one, overriding `prefetch_pages`) default to what measured fastest on an
-    H200. `q_fp8=True` (fp8 pages) splits q into three e4m3 parts so that
-    QK^T is an fp8 product on the K tile as stored; on the GPU it measured 3-7x the
-    error of the exact q for at most 4% of speed, so it is off by default.
+    `context_lens` back from the device; it must be >= every context length.
+    `check_owner=False` skips the ownership comparison.
 
-    `kernel`: "dot" this module's tl.dot kernel; "mma" the register-resident fp8 kernel
-    of paged_attention/mma.py (1.57-1.76x faster than bf16 pages at 32K context and
-    batch 8-64 on an H200, where the tl.dot kernel is slower than bf16 pages); "auto" the
-    mma kernel wherever it takes the call (`paged_attention_mma.supports`) and no tl.dot
-    tile option is given, else the tl.dot kernel.
+    The kernel: without `tuning`, the register-resident fp8 kernel of
+    paged_attention/mma.py wherever it takes the call (`paged_attention_mma.supports`;
+    1.57-1.76x faster than bf16 pages at 32K context and batch 8-64 on an H200, where the
+    tl.dot kernel is slower than bf16 pages), else this module's tl.dot kernel, each with
+    its measured launch. A `DotTuning` runs the tl.dot kernel, an `MmaTuning` the mma
+    kernel, with the options it gives.
     """
-    if kernel not in ("auto", "dot", "mma"):
-        raise ValueError(f"kernel must be 'auto', 'dot' or 'mma', got {kernel!r}")
-    dot_options = (dot_dtype, block_n, num_stages, target_programs, tokens_m, max_registers,
-                   prefetch_pages, prefetch_scales)  # fmt: skip
-    if kernel == "mma" or (
-        kernel == "auto"
-        and not q_fp8
-        and num_warps == 4
-        and all(option is None for option in dot_options)
-        and _mma_takes(q, k_cache, v_cache, k_scale, v_scale)
+    if tuning is not None and not isinstance(tuning, DotTuning | MmaTuning):
+        raise ValueError(f"tuning must be a DotTuning, an MmaTuning or None, got {tuning!r}")
+    if isinstance(tuning, MmaTuning) or (
+        tuning is None and supports_mma(q, k_cache, v_cache, k_scale, v_scale)
     ):
         return paged_decode_attention_mma(
             q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, sm_scale,
             k_scale, v_scale, max_context_len=max_context_len, check_owner=check_owner,
+            tuning=tuning,
         )  # fmt: skip
+    tuning = DotTuning() if tuning is None else tuning
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
     )
@@ -571,17 +578,16 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
-    if q_fp8 and not is_fp8:
+    if tuning.q_fp8 and not is_fp8:
         raise ValueError("q_fp8 multiplies fp8 K pages as stored: it needs fp8 pages")
     if is_fp8 and not _converts_e4m3(q.device):
         raise ValueError("fp8 KV pages need a GPU with e4m3 conversions (sm_89 or newer)")
     tile = decode_tile_config(is_fp8, head_dim)
-    num_stages = tile.num_stages if num_stages is None else num_stages
-    block_n = tile.block_n if block_n is None else block_n
+    block_n = _given(tuning.block_n, tile.block_n)
+    target_programs = tuning.target_programs
     if target_programs is None:
         target_programs = tile.programs_per_sm * _num_multiprocessors(q.device)
-    tokens_m = tile.tokens_m if tokens_m is None else tokens_m
-    max_registers = tile.max_registers if max_registers is None else max_registers
+    max_registers = _given(tuning.max_registers, tile.max_registers)
     # Enough splits to fill the GPU, each at least one BLOCK_N and a multiple of it.
     num_blocks = max(1, math.ceil(max_context_len / block_n))
     num_splits = min(num_blocks, max(1, math.ceil(target_programs / (batch * num_kv_heads))))
@@ -591,8 +597,7 @@ def paged_decode_attention(
     part_max, part_sum, part_acc, part_bad = split_partials(
         batch, num_heads, num_splits, head_dim, q.device
     )
-    if dot_dtype is None:
-        dot_dtype = default_dot_dtype(q, k_cache)
+    dot_dtype = _given(tuning.dot_dtype, default_dot_dtype(q, k_cache))
     early = launches_early(q.device)
     token_stride, head_stride = pool_strides(k_cache)  # validated: one of the two orders
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -631,21 +636,22 @@ def paged_decode_attention(
         IS_FP8=is_fp8,
         CHECK_OWNER=check_owner,
         DOT_KIND=_DOT_KINDS[dot_dtype],
-        TOKENS_M=tokens_m,
-        Q_FP8=q_fp8,
-        PREFETCH_PAGES=tile.prefetch_pages if prefetch_pages is None else prefetch_pages,
-        PREFETCH_SCALES=tile.prefetch_scales if prefetch_scales is None else prefetch_scales,
+        TOKENS_M=_given(tuning.tokens_m, tile.tokens_m),
+        Q_FP8=tuning.q_fp8,
+        PREFETCH_PAGES=_given(tuning.prefetch_pages, tile.prefetch_pages),
+        PREFETCH_SCALES=_given(tuning.prefetch_scales, tile.prefetch_scales),
         HELD_BLOCK=_HELD_BLOCK,
         CHECK_BLOCK=_CHECK_BLOCK,
         LAUNCH_MERGE=early,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tuning.num_warps,
+        num_stages=_given(tuning.num_stages, tile.num_stages),
         **({"maxnreg": max_registers} if max_registers else {}),
     )
     merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early)
     return out, violations
 
 
+_T = TypeVar("_T")
 _DOT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # see _to_dot_tl
 # Ownership check: columns whose owners are loaded before the attention loop and held
 # through it (64: 1024 tokens at S = 16; with 256, bf16 pages at head dim 128 lost up to
@@ -671,8 +677,8 @@ def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     return q.dtype if k_cache.dtype == q.dtype else torch.float32
 
 
-def _mma_takes(q, k_cache, v_cache, k_scale, v_scale) -> bool:
-    return supports_mma(q, k_cache, v_cache, k_scale, v_scale)
+def _given(option: _T | None, default: _T) -> _T:
+    return default if option is None else option
 
 
 @functools.cache

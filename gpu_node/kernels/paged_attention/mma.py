@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -116,6 +117,31 @@ MAX_WARPS_PER_SM = 32  # one-warp blocks: Hopper holds at most 32 blocks a multi
 # scores, or every step guarded; the owners of a split's first 128 columns compared
 # after the loop, or before it) are per batch class (BatchClass).
 V_LINEAR = True
+
+
+@dataclass(frozen=True)
+class MmaTuning:
+    """Launch options of this kernel, for tests and sweeps; passing one to
+    `paged_decode_attention` picks this kernel. None takes the call's batch class
+    (DEFAULTS), MIN_SPLIT and V_LINEAR.
+
+    The split count aims at `warps_per_sm` one-warp programs a multiprocessor (or `waves`
+    times as many as it holds at the register cap: split_plan), each split at least
+    `min_split` tokens (rounded up to a multiple of 32) and at most `max_splits` splits a
+    sequence; `max_registers` caps the registers per thread (0: none). `linear_v`,
+    `defer_owners` and `full_steps` pick the kernel's variants. `early_merge`: the merge
+    kernel as a programmatic dependent launch (None: where the GPU has it, `launches_early`).
+    """
+
+    warps_per_sm: int | None = None
+    min_split: int | None = None
+    max_splits: int | None = None
+    max_registers: int | None = None
+    waves: float | None = None
+    linear_v: bool | None = None
+    defer_owners: bool | None = None
+    full_steps: bool | None = None
+    early_merge: bool | None = None
 
 
 @triton.jit
@@ -799,24 +825,21 @@ def split_plan(
     head_dim: int,
     max_context_len: int,
     num_sms: int,
-    warps_per_sm: int | None = None,
-    min_split: int | None = None,
-    max_splits: int | None = None,
-    max_registers: int | None = None,
-    waves: float | None = None,
+    tuning: MmaTuning = MmaTuning(),
 ) -> tuple[int, int, int]:
-    """(splits per sequence, tokens per split, register cap) of a call; None takes the
-    call's batch class (DEFAULTS) and MIN_SPLIT. Programs are aimed at `warps_per_sm` a multiprocessor, or else
-    `waves` times what it holds at the register cap. Splits are whole 32-token steps;
-    none is empty for the longest sequence."""
+    """(splits per sequence, tokens per split, register cap) of a call; the tuning's None
+    fields take the call's batch class (DEFAULTS) and MIN_SPLIT. Programs are aimed at
+    `warps_per_sm` a multiprocessor, or else `waves` times what it holds at the register
+    cap. Splits are whole 32-token steps; none is empty for the longest sequence."""
     defaults = batch_class(batch, num_kv_heads, head_dim)
     pairs = batch * num_kv_heads
-    cap = defaults.max_registers if max_registers is None else max_registers
+    cap = defaults.max_registers if tuning.max_registers is None else tuning.max_registers
+    warps_per_sm = tuning.warps_per_sm
     if warps_per_sm is None:
-        waves = defaults.waves if waves is None else waves
+        waves = defaults.waves if tuning.waves is None else tuning.waves
         warps_per_sm = max(1, round(waves * resident_warps(cap)))
-    min_split = MIN_SPLIT if min_split is None else min_split
-    max_splits = defaults.max_splits if max_splits is None else max_splits
+    min_split = MIN_SPLIT if tuning.min_split is None else tuning.min_split
+    max_splits = defaults.max_splits if tuning.max_splits is None else tuning.max_splits
     num_steps = max(1, math.ceil(max_context_len / STEP))
     target = warps_per_sm * num_sms
     # at most `target` programs: one more split a sequence would start a partial wave
@@ -840,27 +863,13 @@ def paged_decode_attention_mma(
     v_scale: torch.Tensor | None = None,
     max_context_len: int | None = None,
     check_owner: bool = True,
-    warps_per_sm: int | None = None,
-    min_split: int | None = None,
-    max_registers: int | None = None,
-    max_splits: int | None = None,
-    linear_v: bool | None = None,
-    defer_owners: bool | None = None,
-    full_steps: bool | None = None,
-    waves: float | None = None,
-    early_merge: bool | None = None,
+    tuning: MmaTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over fp8 pages: (out [B, Q, D] in q's dtype, violations [B]).
 
-    The split count aims at `warps_per_sm` one-warp programs a multiprocessor (or
-    `waves` times as many as it holds at the register cap: split_plan), each
-    split at least `min_split` tokens (rounded up to a multiple of 32) and at most
-    `max_splits` splits a sequence; `max_registers` caps the registers per thread (0:
-    none). None takes the call's batch class (DEFAULTS) and MIN_SPLIT. `linear_v`, `defer_owners` and
-    `full_steps` pick the kernel's variants (None: V_LINEAR and the batch class's).
-    `early_merge`: the merge kernel as a programmatic dependent launch (None: where the
-    GPU has it, `launches_early`).
+    `tuning` overrides the measured launch (MmaTuning); the service passes none.
     """
+    tuning = MmaTuning() if tuning is None else tuning
     num_pages, page_size, num_kv_heads, head_dim = validate_decode_inputs(
         q, k_cache, v_cache, block_tables, context_lens, page_owner, seq_tags, k_scale, v_scale
     )
@@ -880,12 +889,10 @@ def paged_decode_attention_mma(
         max_context_len = int(context_lens.max())
     group = num_heads // num_kv_heads
     num_splits, split_size, max_registers = split_plan(
-        batch, num_kv_heads, head_dim, max_context_len, _num_sms(q.device), warps_per_sm,
-        min_split, max_splits, max_registers, waves,
-    )  # fmt: skip
-
+        batch, num_kv_heads, head_dim, max_context_len, _num_sms(q.device), tuning
+    )
     variant = batch_class(batch, num_kv_heads, head_dim)
-    early = launches_early(q.device) if early_merge is None else early_merge
+    early = launches_early(q.device) if tuning.early_merge is None else tuning.early_merge
     if early and not launches_early(q.device):
         raise ValueError("early_merge needs compiled kernels on an sm_90+ GPU")
     part_max, part_sum, part_acc, part_bad = split_partials(
@@ -925,9 +932,9 @@ def paged_decode_attention_mma(
         HEAD_STRIDE=head_stride,
         NUM_SPLITS=num_splits,
         CHECK_OWNER=check_owner,
-        DEFER_OWNERS=variant.defer_owners if defer_owners is None else defer_owners,
-        V_LINEAR=V_LINEAR if linear_v is None else linear_v,
-        FULL_STEPS=variant.full_steps if full_steps is None else full_steps,
+        DEFER_OWNERS=_given(tuning.defer_owners, variant.defer_owners),
+        V_LINEAR=_given(tuning.linear_v, V_LINEAR),
+        FULL_STEPS=_given(tuning.full_steps, variant.full_steps),
         QK_ASM=asm.QK[head_dim],
         QK_CONSTRAINTS=asm.QK_CONSTRAINTS[head_dim],
         Q_QUADS=asm.Q_QUADS,
@@ -977,9 +984,14 @@ def paged_decode_attention_mma(
     return out, violations
 
 
+def _given(option: bool | None, default: bool) -> bool:
+    return default if option is None else option
+
+
 __all__ = [
     "DEFAULTS",
     "BatchClass",
+    "MmaTuning",
     "batch_class",
     "paged_decode_attention_mma",
     "resident_warps",

@@ -28,6 +28,7 @@ from scheduler.block_manager import FREE, owner_tag
 paged_decode_attention = paged_attention_module.paged_decode_attention
 decode_tile_config = paged_attention_module.decode_tile_config
 DecodeTile = paged_attention_module.DecodeTile
+DotTuning = paged_attention_module.DotTuning
 
 # The tests below build CPU tensors for the interpreter; compiled kernels (a native run
 # with TRITON_INTERPRET=0) are checked on the GPU by the `on_gpu` tests instead.
@@ -168,8 +169,8 @@ def test_kernel_matches_reference(
         page_size=page,
     )
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=programs, block_n=16,
-        tokens_m=tokens_m, **prefetch_options(prefetch),
+        *batch.args(), **batch.scales(), tuning=DotTuning(target_programs=programs,
+        block_n=16, tokens_m=tokens_m, **prefetch_options(prefetch)),
     )  # fmt: skip
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False] * len(lens)
@@ -204,9 +205,9 @@ def test_head_major_pools_give_the_same_output(
     )  # fmt: skip
     moved = head_major(batch)
     assert pool_strides(moved.k_cache) == (head_dim, page * head_dim)
-    options = {"target_programs": programs, "block_n": 16}
-    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), **options)
-    out_hm, violations_hm = paged_decode_attention(*moved.args(), **moved.scales(), **options)
+    tuning = DotTuning(target_programs=programs, block_n=16)
+    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), tuning=tuning)
+    out_hm, violations_hm = paged_decode_attention(*moved.args(), **moved.scales(), tuning=tuning)
     assert torch.equal(out_hm, out)
     assert violations_hm.tolist() == violations.tolist() == [False] * len(lens)
     ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
@@ -228,10 +229,8 @@ def test_full_blocks_across_page_boundaries(block_n, prefetch):
         [250, 97, 1], cache_dtype=FP8_DTYPE, q_dtype=torch.float32, num_heads=4,
         num_kv_heads=2, head_dim=32, page_size=48,
     )  # fmt: skip
-    out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=6, block_n=block_n,
-        **prefetch_options(prefetch),
-    )  # fmt: skip
+    tuning = DotTuning(target_programs=6, block_n=block_n, **prefetch_options(prefetch))
+    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), tuning=tuning)
     ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False, False, False]
     atol, rtol = TOLERANCE[torch.float32]
@@ -239,10 +238,7 @@ def test_full_blocks_across_page_boundaries(block_n, prefetch):
     # Such blocks check ownership per token: a foreign page in the middle of sequence 0
     # (tokens 96-143, inside full blocks) flags it and no other.
     batch.block_tables[0, 2] = batch.block_tables[1, 0]
-    out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=6, block_n=block_n,
-        **prefetch_options(prefetch),
-    )  # fmt: skip
+    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), tuning=tuning)
     assert violations.tolist() == [True, False, False]
     torch.testing.assert_close(out[1:], ref[1:], atol=atol, rtol=rtol)
 
@@ -341,8 +337,8 @@ def test_ownership_violations_flag_exactly_the_bad_sequence(fault, block_n, pref
     )
     assert checked.tolist() == expected
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=24, block_n=block_n,
-        **prefetch_options(prefetch),
+        *batch.args(), **batch.scales(),
+        tuning=DotTuning(target_programs=24, block_n=block_n, **prefetch_options(prefetch)),
     )  # fmt: skip
     assert violations.tolist() == expected
     ref, ref_violations = paged_decode_attention_ref(*batch.args(), **batch.scales())
@@ -498,8 +494,9 @@ def test_randomized_faults_detected_by_the_kernel(fault):
         cache = torch.randn(num_pages, 16, 1, 16).bfloat16()
         q = torch.randn(6, 2, 16).bfloat16()
         _, flags = paged_decode_attention(
-            q, cache, cache, block_tables, lens, page_owner, seq_tags, target_programs=12
-        )
+            q, cache, cache, block_tables, lens, page_owner, seq_tags,
+            tuning=DotTuning(target_programs=12),
+        )  # fmt: skip
         assert flags.tolist() == [i == victim for i in range(6)]
 
 
@@ -527,11 +524,10 @@ def test_fp8_query_split_is_close_to_the_exact_query(num_heads, num_kv_heads, he
         head_dim=head_dim,
         page_size=16,
     )
-    out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=8, block_n=16, q_fp8=True
-    )
+    split = DotTuning(target_programs=8, block_n=16, q_fp8=True)
+    out, violations = paged_decode_attention(*batch.args(), **batch.scales(), tuning=split)
     exact, _ = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=8, block_n=16
+        *batch.args(), **batch.scales(), tuning=DotTuning(target_programs=8, block_n=16)
     )
     ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     assert violations.tolist() == [False] * len(lens)
@@ -554,8 +550,8 @@ def test_bad_page_ids_in_full_blocks_are_flagged(bad_id, prefetch):
     batch.block_tables[2, 0] = page
     batch.block_tables[2, 1] = page
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=12, block_n=16,
-        **prefetch_options(prefetch),
+        *batch.args(), **batch.scales(),
+        tuning=DotTuning(target_programs=12, block_n=16, **prefetch_options(prefetch)),
     )  # fmt: skip
     assert violations.tolist() == [False, False, True, False]
     atol, rtol = TOLERANCE[torch.bfloat16]
@@ -580,8 +576,8 @@ def test_ownership_faults_inside_multi_page_blocks_are_flagged(fault, block_n):
         batch.page_owner[batch.block_tables[2, 3]] = batch.seq_tags[0]
         batch.context_lens[0] = 17  # sequence 0 reads its second page (now that one)
     out, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=24, block_n=block_n,
-        prefetch_pages=True,
+        *batch.args(), **batch.scales(),
+        tuning=DotTuning(target_programs=24, block_n=block_n, prefetch_pages=True),
     )  # fmt: skip
     assert violations.tolist() == [False, False, True, False]
     atol, rtol = TOLERANCE[torch.bfloat16]
@@ -601,7 +597,7 @@ def test_ownership_check_covers_every_chunk_of_a_long_split(column, monkeypatch)
     if column is not None:
         batch.block_tables[2, column] = batch.block_tables[3, 0]
     _, violations = paged_decode_attention(
-        *batch.args(), **batch.scales(), target_programs=1, block_n=16
+        *batch.args(), **batch.scales(), tuning=DotTuning(target_programs=1, block_n=16)
     )
     assert violations.tolist() == [False, False, column is not None, False]
 
@@ -623,7 +619,7 @@ def test_fp8_query_split_needs_fp8_pages_and_a_pool_needs_pages():
         num_kv_heads=2, head_dim=32, page_size=16,
     )  # fmt: skip
     with pytest.raises(ValueError, match="q_fp8 multiplies fp8 K pages"):
-        paged_decode_attention(*batch.args(), q_fp8=True)
+        paged_decode_attention(*batch.args(), tuning=DotTuning(q_fp8=True))
     q, k_cache, v_cache, tables, lens, _, tags = batch.args()
     empty = k_cache[:0], v_cache[:0]
     with pytest.raises(ValueError, match="the KV cache has no pages"):
@@ -662,7 +658,7 @@ def test_compiled_kernel_matches_reference_on_gpu(
     args = [t.cuda() for t in batch.args()]
     scales = {k: v if v is None else v.cuda() for k, v in batch.scales().items()}
     out, violations = paged_decode_attention(
-        *args, **scales, q_fp8=q_fp8, kernel="dot", **prefetch_options(prefetch)
+        *args, **scales, tuning=DotTuning(q_fp8=q_fp8, **prefetch_options(prefetch))
     )
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert violations.tolist() == [False] * 8
@@ -683,8 +679,8 @@ def test_compiled_kernel_reads_head_major_pools_on_gpu(
     scales = {k: v if v is None else v.cuda() for k, v in batch.scales().items()}
     moved = head_major(replace(batch, k_cache=args[1], v_cache=args[2]))
     args_hm = [args[0], moved.k_cache, moved.v_cache, *args[3:]]
-    out, violations = paged_decode_attention(*args, **scales, kernel="dot")
-    out_hm, violations_hm = paged_decode_attention(*args_hm, **scales, kernel="dot")
+    out, violations = paged_decode_attention(*args, **scales, tuning=DotTuning())
+    out_hm, violations_hm = paged_decode_attention(*args_hm, **scales, tuning=DotTuning())
     assert torch.equal(out_hm, out)
     assert violations_hm.tolist() == violations.tolist() == [False] * 8
 
@@ -700,7 +696,7 @@ def test_compiled_kernel_flags_exactly_the_bad_sequence_on_gpu(fault, block_n, p
     args = [t.cuda() for t in batch.args()]
     scales = {k: v.cuda() for k, v in batch.scales().items()}
     _, violations = paged_decode_attention(
-        *args, **scales, block_n=block_n, kernel="dot", **prefetch_options(prefetch)
+        *args, **scales, tuning=DotTuning(block_n=block_n, **prefetch_options(prefetch))
     )
     assert violations.tolist() == [i in bad for i in range(4)]
 

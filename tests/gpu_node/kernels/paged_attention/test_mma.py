@@ -19,8 +19,9 @@ import torch
 from gpu_node.cache.kv_quant import FP8_DTYPE, kv_pool, pool_strides
 from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.paged_attention import mma_asm as asm
-from gpu_node.kernels.paged_attention.dot import paged_decode_attention
+from gpu_node.kernels.paged_attention.dot import DotTuning, paged_decode_attention
 from gpu_node.kernels.paged_attention.mma import (
+    MmaTuning,
     batch_class,
     paged_decode_attention_mma,
     resident_warps,
@@ -50,10 +51,10 @@ TOLERANCE = 2e-3
 
 # The kernel's variants (module defaults and their alternatives), each tested.
 VARIANTS = [
-    {},
-    {"linear_v": False, "full_steps": False, "defer_owners": False},
-    {"linear_v": True, "full_steps": True, "defer_owners": True},
-    {"linear_v": True, "full_steps": True, "defer_owners": False},
+    MmaTuning(),
+    MmaTuning(linear_v=False, full_steps=False, defer_owners=False),
+    MmaTuning(linear_v=True, full_steps=True, defer_owners=True),
+    MmaTuning(linear_v=True, full_steps=True, defer_owners=False),
 ]
 VARIANT_IDS = ["defaults", "log2_guarded", "linear_full_deferred", "linear_full_before"]
 
@@ -84,7 +85,8 @@ def test_matches_reference(num_heads, num_kv_heads, head_dim, page, q_dtype, min
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page,
     )  # fmt: skip
     args, scales = _on_cuda(batch)
-    out, violations = paged_decode_attention_mma(*args, **scales, min_split=min_split, **variant)
+    tuning = replace(variant, min_split=min_split)
+    out, violations = paged_decode_attention_mma(*args, **scales, tuning=tuning)
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert out.dtype == q_dtype
     assert violations.tolist() == [False] * len(lens)
@@ -110,8 +112,9 @@ def test_head_major_pools_give_the_same_output(num_heads, num_kv_heads, head_dim
     moved = head_major(replace(batch, k_cache=args[1], v_cache=args[2]))
     args_hm = [args[0], moved.k_cache, moved.v_cache, *args[3:]]
     assert pool_strides(moved.k_cache) == (head_dim, page * head_dim)
-    out, violations = paged_decode_attention_mma(*args, **scales, min_split=32, **variant)
-    out_hm, violations_hm = paged_decode_attention_mma(*args_hm, **scales, min_split=32, **variant)
+    tuning = replace(variant, min_split=32)
+    out, violations = paged_decode_attention_mma(*args, **scales, tuning=tuning)
+    out_hm, violations_hm = paged_decode_attention_mma(*args_hm, **scales, tuning=tuning)
     assert torch.equal(out_hm, out)
     assert violations_hm.tolist() == violations.tolist() == [False] * len(lens)
 
@@ -134,9 +137,11 @@ def test_early_merge_gives_the_same_output(num_heads, num_kv_heads, head_dim):
     bad = inject(batch, "foreign_page") if head_dim == 64 else set()
     args, scales = _on_cuda(batch)
     after, flags_after = paged_decode_attention_mma(
-        *args, **scales, min_split=32, early_merge=False
+        *args, **scales, tuning=MmaTuning(min_split=32, early_merge=False)
     )
-    early, flags_early = paged_decode_attention_mma(*args, **scales, min_split=32, early_merge=True)
+    early, flags_early = paged_decode_attention_mma(
+        *args, **scales, tuning=MmaTuning(min_split=32, early_merge=True)
+    )
     assert torch.equal(early, after)
     assert (
         flags_early.tolist() == flags_after.tolist() == [i in bad for i in range(len(flags_after))]
@@ -156,7 +161,7 @@ def test_tiny_and_huge_value_scales(variant):
     batch.v_scale[::3] = batch.v_scale[::3] * 2.0**-100
     batch.v_scale[1::5] = batch.v_scale[1::5] * 2.0**20
     args, scales = _on_cuda(batch)
-    out, _ = paged_decode_attention_mma(*args, **scales, min_split=32, **variant)
+    out, _ = paged_decode_attention_mma(*args, **scales, tuning=replace(variant, min_split=32))
     ref, _ = paged_decode_attention_ref(*args, **scales)
     assert relative_error(out, ref) < TOLERANCE
 
@@ -171,7 +176,7 @@ def test_flags_exactly_the_bad_sequence(fault, check_owner, variant):
     bad = inject(batch, fault)
     args, scales = _on_cuda(batch)
     out, violations = paged_decode_attention_mma(
-        *args, **scales, min_split=32, check_owner=check_owner, **variant
+        *args, **scales, check_owner=check_owner, tuning=replace(variant, min_split=32)
     )
     owner_faults = {"foreign_page", "freed_page", "stale_generation", "two_sequences"}
     if check_owner or fault not in owner_faults:
@@ -204,7 +209,7 @@ def test_default_decode_attention_takes_fp8_pages_here():
     args, scales = _on_cuda(batch)
     auto, _ = paged_decode_attention(*args, **scales)
     mma, _ = paged_decode_attention_mma(*args, **scales)
-    dot, _ = paged_decode_attention(*args, **scales, kernel="dot")
+    dot, _ = paged_decode_attention(*args, **scales, tuning=DotTuning())
     assert torch.equal(auto, mma)
     assert not torch.equal(dot, mma)  # a different kernel, both close to the reference
     ref, _ = paged_decode_attention_ref(*args, **scales)
@@ -220,10 +225,12 @@ def test_kernel_choice_is_checked():
         [5], cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, num_heads=4, num_kv_heads=1,
         head_dim=64, page_size=16,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="kernel must be 'auto', 'dot' or 'mma', got 'fast'"):
-        paged_decode_attention(*batch.args(), kernel="fast")
+    with pytest.raises(
+        ValueError, match="tuning must be a DotTuning, an MmaTuning or None, got 'fast'"
+    ):
+        paged_decode_attention(*batch.args(), tuning="fast")
     with pytest.raises(ValueError, match="needs fp8 pages"):
-        paged_decode_attention(*batch.args(), kernel="mma")
+        paged_decode_attention(*batch.args(), tuning=MmaTuning())
 
 
 @pytest.mark.parametrize(
@@ -258,11 +265,11 @@ def test_split_plan(batch, kv_heads, head_dim, length, expected):
 
 
 def test_split_plan_takes_explicit_options():
-    assert split_plan(
-        4, 2, 64, 10000, 132, warps_per_sm=8, min_split=1000, max_splits=3, max_registers=0
-    ) == (3, 3360, 0)  # fmt: skip
+    tuning = MmaTuning(warps_per_sm=8, min_split=1000, max_splits=3, max_registers=0)
+    assert split_plan(4, 2, 64, 10000, 132, tuning) == (3, 3360, 0)
     # half a wave at 128 registers (16 warps): 8 x 132 // 8 pairs = 132 splits -> 3 steps
-    assert split_plan(4, 2, 64, 10000, 132, waves=0.5, max_registers=128) == (105, 96, 128)
+    half_wave = MmaTuning(waves=0.5, max_registers=128)
+    assert split_plan(4, 2, 64, 10000, 132, half_wave) == (105, 96, 128)
 
 
 def test_batch_classes_pick_the_variant_and_the_plan():
