@@ -18,7 +18,8 @@ when torch has it: the weights stay 4-bit and a decode step reads a quarter of
 the bytes of fp32. That kernel wants its own packing and `(q - 8) * scale + zero`
 with bf16 scale and zero, so each module keeps a second, CPU-packed copy of its
 codes (made once, on first use) and `zero = min + 8 * scale` rounded to bf16.
-`dequantize_int4` + an fp32 matmul remains the reference (`forward_ref`).
+`forward_ref` is the W4A16 op's torch reference (`w4a16_matmul_ref`: dequantize, then an
+fp32 matmul).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from gpu_node.kernels.w4a16.reference import w4a16_matmul_ref
 from gpu_node.quant.int4 import (
     Int4Weight,
     Int4WeightKN,
     Int4WeightMMA,
-    dequantize_int4,
     from_kn,
     from_mma,
     int4_from_gguf_q4_1,
@@ -203,7 +204,7 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
 
     def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize, then an fp32 matmul: the arithmetic every path is checked against."""
-        y = (x.float() @ dequantize_int4(self.weight_int4).T).to(x.dtype)
+        y = w4a16_matmul_ref(x, self.weight_int4)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:

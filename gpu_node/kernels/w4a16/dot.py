@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_node.quant.int4 import Int4Weight, dequantize_int4
+from gpu_node.quant.int4 import Int4Weight
 
 # Only core builtins inside the kernels (tl.full, not tl.zeros; no tl.cdiv / tl.sum):
 # the standard library's @jit helpers stay compiled-mode when Triton was imported
@@ -165,13 +165,12 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict[
 def w4a16_matmul(
     x: torch.Tensor,
     weight: Int4Weight,
-    split_k: int | None = None,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ W^T for W [N, K] INT4 -> [..., N] in x's dtype.
 
-    `split_k` / `config` (BLOCK_N, SPLIT_K, num_warps, num_stages, ...) override
-    the heuristic; benchmarks use them to sweep. This kernel reads Int4Weight's own
+    `config` (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) overrides the
+    heuristic; tests sweep it. This kernel reads Int4Weight's own
     layout and shares its K step with the fused MoE kernel; Int4Linear on CUDA runs
     the kernels of w4a16/gemv.py over Int4WeightKN instead (a GEMV for decode).
     """
@@ -191,8 +190,6 @@ def w4a16_matmul(
     launch = {"num_warps": 4, "num_stages": 4}
     for key, value in (config or {}).items():
         (launch if key in launch else cfg)[key] = value
-    if split_k is not None:
-        cfg["SPLIT_K"] = split_k
     splits = cfg["SPLIT_K"]
     interpreted = is_interpreted(x)
     # Partials stay fp32; so does the interpreter's output, whose bf16 cast truncates.
@@ -225,9 +222,3 @@ def w4a16_matmul(
     )
     y = out[0] if direct else out.sum(dim=0).to(x.dtype)
     return y.reshape(*lead, n)
-
-
-def w4a16_matmul_ref(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """Torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
-    w = dequantize_int4(weight)  # [N, K] fp32
-    return (x.float() @ w.T).to(x.dtype)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from gpu_node.kernels.w4a16.dot import is_interpreted, num_sms
-from gpu_node.quant.int4 import Int4WeightKN, dequantize_int4, from_kn
+from gpu_node.quant.int4 import Int4WeightKN
 
 MAX_M = 8  # the largest batch the GEMV takes (its accumulators grow with M)
 MAX_TILES = 1 << 16  # row blocks per call the split-K counters cover
@@ -332,8 +332,3 @@ def w4a16_kn_matmul(x: torch.Tensor, weight: Int4WeightKN) -> torch.Tensor:
         return w4a16_gemv(x2, weight).reshape(*lead, n)
     _check(x2, weight)
     return torch.matmul(x2, dequantize_kn(weight, x2.dtype)).reshape(*lead, n)
-
-
-def w4a16_kn_ref(x: torch.Tensor, weight: Int4WeightKN) -> torch.Tensor:
-    """Torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
-    return (x.float() @ dequantize_int4(from_kn(weight)).T).to(x.dtype)

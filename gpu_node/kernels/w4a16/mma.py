@@ -74,14 +74,9 @@ from gpu_node.kernels.w4a16.mma_step import (
     load_step_int32,
     mma_group_step,
 )
-from gpu_node.quant.int4 import (
-    MMA_GROUP_SIZES,
-    Int4WeightMMA,
-    dequantize_int4,
-    from_mma,
-)
+from gpu_node.quant.int4 import MMA_GROUP_SIZES, Int4WeightMMA
 
-__all__ = ["mma_gemv_config", "supports", "w4a16_mma_gemv", "w4a16_mma_matmul", "w4a16_mma_ref"]
+__all__ = ["mma_gemv_config", "supports", "w4a16_mma_gemv", "w4a16_mma_matmul"]
 
 
 @triton.jit
@@ -360,8 +355,3 @@ def w4a16_mma_matmul(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
     if mma_gemm.serves(x2, weight):
         return mma_gemm.w4a16_mma_gemm(x2, weight).reshape(*lead, n)
     return torch.matmul(x2, dequantize_mma(weight, x2.dtype)).reshape(*lead, n)
-
-
-def w4a16_mma_ref(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
-    """Torch reference: dequantize to fp32, multiply in fp32, return x's dtype."""
-    return (x.float() @ dequantize_int4(from_mma(weight)).T).to(x.dtype)

@@ -19,6 +19,7 @@ import gpu_node.kernels.w4a16.mma as mma_module
 import gpu_node.kernels.w4a16.mma_dequant as dequant_module
 import gpu_node.kernels.w4a16.mma_plan as plan_module
 from gpu_node.kernels.w4a16.mma_asm import HALVES_PTX, HIGH_ROWS, PTX, group_step_constants
+from gpu_node.kernels.w4a16.reference import dequantize_ref, w4a16_matmul_ref
 from gpu_node.quant.int4 import (
     Int4WeightMMA,
     dequantize_int4,
@@ -34,7 +35,6 @@ mma_gemv_config = mma_module.mma_gemv_config
 supports = mma_module.supports
 w4a16_mma_gemv = mma_module.w4a16_mma_gemv
 w4a16_mma_matmul = mma_module.w4a16_mma_matmul
-w4a16_mma_ref = mma_module.w4a16_mma_ref
 D_ASM, D_CONSTRAINTS, S_ASM, S_CONSTRAINTS = PTX[1]  # one accumulator a chain
 D2_ASM, D2_CONSTRAINTS, S2_ASM, S2_CONSTRAINTS = PTX[2]  # two
 
@@ -267,7 +267,7 @@ def emulate_mma_gemv(x: torch.Tensor, weight: Int4WeightMMA) -> torch.Tensor:
 def test_fragment_emulation_equals_reference(m, n, k, group_size, dtype) -> None:
     weight = mma_weight(n, k, group_size, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    ref = x.float() @ dequantize_int4(from_mma(weight)).T
+    ref = x.float() @ dequantize_ref(weight).T
     got = emulate_mma_gemv(x, weight)
     assert got.shape == (m, n)
     # fp32 on both sides: what differs is the order and the offset's cancellation,
@@ -437,7 +437,7 @@ def test_supports_and_errors_on_cpu() -> None:
 def test_dequantize_kernel_equals_reference(n, k, group_size, symmetric) -> None:
     device = "cuda" if CUDA else "cpu"
     weight = mma_weight(n, k, group_size, seed=n, device=device, symmetric=symmetric)
-    expected = dequantize_int4(from_mma(weight)).T  # fp32 [K, N]
+    expected = dequantize_ref(weight).T  # fp32 [K, N]
     assert torch.equal(dequantize_mma(weight, torch.float32), expected)  # exact: same fp32 math
     assert torch.equal(dequantize_mma(weight, torch.bfloat16), expected.to(torch.bfloat16))
     # The kernels take the tiles' strides: row-block-major storage reads the same.
@@ -452,7 +452,7 @@ def test_matmul_takes_every_shape() -> None:
     x = torch.randn(2, 10, 128, device=device)
     y = w4a16_mma_matmul(x, weight)
     assert y.shape == (2, 10, 24) and y.dtype == torch.float32
-    ref = x.reshape(20, 128) @ dequantize_int4(from_mma(weight)).T
+    ref = x.reshape(20, 128) @ dequantize_ref(weight).T
     assert relative_error(y.reshape(20, 24), ref) < 1e-5
     assert w4a16_mma_matmul(torch.empty(0, 128, device=device), weight).shape == (0, 24)
     with pytest.raises(ValueError, match="x has 64 features, weight expects 128"):
@@ -684,7 +684,7 @@ def test_config_rejects_other_chains() -> None:
 def test_kernel_equals_reference(m, n, k, group_size, dtype) -> None:
     weight = mma_weight(n, k, group_size, seed=k + n, device="cuda")
     x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
-    ref = w4a16_mma_ref(x, weight)
+    ref = w4a16_matmul_ref(x, weight)
     for _ in range(2):  # the split-K counters are left at zero for the next call
         got = w4a16_mma_gemv(x, weight)
         assert got.shape == (m, n) and got.dtype == dtype
@@ -708,7 +708,7 @@ def test_kernel_configs_agree(warps, rows_per_warp, groups_per_split, chains) ->
     weight = mma_weight(1040, 4096, 128, seed=7, device="cuda")
     gen = torch.Generator("cuda").manual_seed(11)
     x = torch.randn(2, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    ref = w4a16_mma_ref(x, weight)
+    ref = w4a16_matmul_ref(x, weight)
     config = {
         "WARPS": warps,
         "R": rows_per_warp,
@@ -728,7 +728,7 @@ def test_split_counts_that_do_not_divide_k_give_the_reference(splits) -> None:
     weight = mma_weight(1040, 4096, 128, seed=9, device="cuda")
     gen = torch.Generator("cuda").manual_seed(17)
     x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    ref = w4a16_mma_ref(x, weight)
+    ref = w4a16_matmul_ref(x, weight)
     for chains in (1, 2):
         config = {"WARPS": 4, "R": 1, "CHAINS": chains, "SPLITS": splits}
         for _ in range(2):  # the counters are back at zero for the next call
@@ -743,7 +743,7 @@ def test_group_32_configs_agree() -> None:
     weight = mma_weight(1040, 4096, 32, seed=8, device="cuda")
     gen = torch.Generator("cuda").manual_seed(13)
     x = torch.randn(3, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    ref = w4a16_mma_ref(x, weight)
+    ref = w4a16_matmul_ref(x, weight)
     rb_major = Int4WeightMMA(weight.tiles.contiguous(), weight.shape, 32)
     for warps, rows, per_split in ((4, 2, 8), (2, 1, 3), (8, 2, 64), (1, 4, 5)):
         config = {"WARPS": warps, "R": rows, "GROUPS_PER_SPLIT": per_split, "CHAINS": 2}
@@ -767,10 +767,11 @@ def test_symmetric_tiles_give_the_asymmetric_kernels_bits(m, n, k, group_size, d
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     got = w4a16_mma_gemv(x, sym)
     assert torch.equal(got, w4a16_mma_gemv(x, Int4WeightMMA(both.tiles.cuda(), (n, k), group_size)))
-    assert relative_error(got, w4a16_mma_ref(x, sym)) < TOLERANCE[dtype]
+    assert relative_error(got, w4a16_matmul_ref(x, sym)) < TOLERANCE[dtype]
     for config in ({"R": 2, "CHAINS": 2 if group_size == 32 else 1}, {"R": 1, "CHAINS": 2}):
         assert (
-            relative_error(w4a16_mma_gemv(x, sym, config), w4a16_mma_ref(x, sym)) < TOLERANCE[dtype]
+            relative_error(w4a16_mma_gemv(x, sym, config), w4a16_matmul_ref(x, sym))
+            < TOLERANCE[dtype]
         )
     if dtype == torch.float16:  # its cap of 128 registers on two row blocks (MAXNREG 0: none)
         two_rows = {"R": 2, "CHAINS": 2 if group_size == 32 else 1}
@@ -793,7 +794,7 @@ def test_both_loops_give_the_same_bits(rows_per_warp) -> None:
         for per_split in (5, 4, 1):
             base = {"R": rows_per_warp, "CHAINS": chains, "WARPS": 4, "GROUPS_PER_SPLIT": per_split}
             one = w4a16_mma_gemv(x, weight, {**base, "PIPE": 0})
-            assert relative_error(one, w4a16_mma_ref(x, weight)) < TOLERANCE[torch.bfloat16]
+            assert relative_error(one, w4a16_matmul_ref(x, weight)) < TOLERANCE[torch.bfloat16]
             two = w4a16_mma_gemv(x, weight, {**base, "PIPE": 2})
             assert torch.equal(two, one), (group_size, per_split)
 
@@ -848,7 +849,7 @@ def test_k_split_warps_equal_the_reference(dtype, early, group_size, m) -> None:
     ):
         weight = mma_weight(1040, k, group_size, seed=23, device="cuda")
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
-        ref = w4a16_mma_ref(x, weight)
+        ref = w4a16_matmul_ref(x, weight)
         for warps, rows, per_warp, splits in launches:
             chains = 2 if group_size == 32 or rows == 1 else 1
             config = {"KWARPS": True, "WARPS": warps, "R": rows, "CHAINS": chains,
@@ -873,7 +874,7 @@ def test_k_split_warps_in_the_two_buffer_loop_give_its_bits(dtype, group_size) -
     weight = mma_weight(1040, k, group_size, seed=29, device="cuda")
     for m in (1, 3):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
-        ref = w4a16_mma_ref(x, weight)
+        ref = w4a16_matmul_ref(x, weight)
         for warps, rows, per_warp, splits in ((4, 2, 5, None), (4, 1, 5, None), (8, 2, 5, 1)):
             chains = 2 if group_size == 32 or rows == 1 else 1
             config = {"KWARPS": True, "WARPS": warps, "R": rows, "CHAINS": chains,
@@ -905,7 +906,7 @@ def test_the_tuned_configs_of_this_gpu_give_the_reference() -> None:
         ), key
         for m in (1, 3):
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-            err = relative_error(w4a16_mma_gemv(x, weight), w4a16_mma_ref(x, weight))
+            err = relative_error(w4a16_mma_gemv(x, weight), w4a16_matmul_ref(x, weight))
             assert err < TOLERANCE[torch.bfloat16], (key, m, err)
 
 
@@ -940,7 +941,7 @@ def test_kernel_takes_any_rows_and_views() -> None:
     assert x.storage_offset() % 2 == 1  # a row view at an odd element
     got = w4a16_mma_matmul(x, weight)
     assert got.shape == (3, 10)
-    assert relative_error(got, w4a16_mma_ref(x.contiguous(), weight)) < TOLERANCE[torch.bfloat16]
+    assert relative_error(got, w4a16_matmul_ref(x.contiguous(), weight)) < TOLERANCE[torch.bfloat16]
     three_d = w4a16_mma_matmul(x.contiguous().reshape(3, 1, 256), weight)
     assert torch.equal(three_d.reshape(3, 10), got)
     # One row of an odd stride at an even element: contiguous() and clone() keep the

@@ -21,7 +21,8 @@ import gpu_node.kernels.w4a16.mma as mma_module
 import gpu_node.kernels.w4a16.mma_dequant as dequant_module
 import gpu_node.kernels.w4a16.mma_gemm as gemm_module
 from gpu_node.kernels.w4a16.mma_asm import GEMM_PTX, MAGIC
-from gpu_node.quant.int4 import Int4WeightMMA, dequantize_int4, from_mma, quantize_int4, to_mma
+from gpu_node.kernels.w4a16.reference import dequantize_ref
+from gpu_node.quant.int4 import Int4WeightMMA, from_mma, quantize_int4, to_mma
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -48,7 +49,7 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def reference(x: torch.Tensor, weight: Int4WeightMMA, kernel: str) -> torch.Tensor:
     """fp32 x @ W^T over the weights each kernel multiplies: rounded to x's dtype (dot),
     exact (tc)."""
-    w = dequantize_int4(from_mma(weight))
+    w = dequantize_ref(weight)
     if kernel == "dot":
         w = w.to(x.dtype).float()
     return x.float() @ w.T
