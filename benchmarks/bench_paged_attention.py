@@ -53,7 +53,8 @@ from gpu_node.cache.kv_quant import (
 )
 from gpu_node.engine.attention import PagedAttention, StepMetadata
 from gpu_node.engine.model_runner import find_violations_host
-from gpu_node.kernels.kv_write.kernel import kv_write, kv_write_ref
+from gpu_node.kernels.kv_write.kernel import kv_write
+from gpu_node.kernels.kv_write.reference import kv_write_ref
 from gpu_node.kernels.paged_attention.dot import DotTuning, paged_decode_attention
 from gpu_node.kernels.paged_attention.mma import MmaTuning, paged_decode_attention_mma
 from gpu_node.kernels.paged_attention.reference import paged_decode_attention_ref

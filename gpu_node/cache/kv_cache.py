@@ -40,7 +40,8 @@ from gpu_node.cache.kv_quant import (
     kv_torch_dtype,
     scale_shape,
 )
-from gpu_node.kernels.kv_write.kernel import kv_write, kv_write_ref
+from gpu_node.kernels.kv_write.kernel import kv_write
+from gpu_node.kernels.kv_write.reference import kv_write_ref
 from gpu_node.kernels.paged_attention.reference import gather_kv
 
 HEAD_MAJOR = True  # the pools' memory order (layout above)

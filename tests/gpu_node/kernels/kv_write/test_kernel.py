@@ -7,9 +7,9 @@ import torch
 
 import gpu_node.kernels.kv_write.kernel as kv_write_module
 from gpu_node.cache.kv_quant import FP8_DTYPE, kv_pool, pool_strides, scale_shape
+from gpu_node.kernels.kv_write.reference import kv_write_ref
 
 kv_write = kv_write_module.kv_write
-kv_write_ref = kv_write_module.kv_write_ref
 
 # CPU tensors through the interpreter; on a GPU the engine's tests run the compiled kernel.
 pytestmark = pytest.mark.skipif(

@@ -17,7 +17,7 @@ from gpu_node.cache.kv_quant import (
     quantize_fp8,
     scale_shape,
 )
-from gpu_node.kernels.kv_write.kernel import kv_write_ref
+from gpu_node.kernels.kv_write.reference import kv_write_ref
 from gpu_node.kernels.paged_attention.reference import (
     check_page_ownership,
     gather_paged_kv,
