@@ -62,7 +62,8 @@ def model_path(package: ModelPackage, home: Path | None = None) -> Path:
 
 
 def resolve_model(name_or_path: str, home: Path | None = None) -> Path:
-    """Returns the local GGUF for a known model name or an existing file path.
+    """The local weights of a known model name, a GGUF file path, or a Hugging Face checkpoint
+    directory (one holding config.json).
 
     Raises ModelNotFoundError naming what to do (pull the model, fix the path).
     """
@@ -75,13 +76,19 @@ def resolve_model(name_or_path: str, home: Path | None = None) -> Path:
             )
         return path
     path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
+        return path
     if path.suffix == ".gguf" or os.sep in name_or_path:
         if not path.is_file():
-            raise ModelNotFoundError(f"no GGUF file at {path}")
+            what = "GGUF file" if path.suffix == ".gguf" else "GGUF file or checkpoint directory"
+            raise ModelNotFoundError(f"no {what} at {path}")
         return path
     known = ", ".join(sorted([*KNOWN_MODELS, *SYNTHETIC_MODELS]))
     raise ModelNotFoundError(
-        f"unknown model {name_or_path!r}; known models: {known}, or a .gguf path"
+        f"unknown model {name_or_path!r}; known models: {known}, a .gguf path, "
+        "or a checkpoint directory"
     )
 
 

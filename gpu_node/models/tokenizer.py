@@ -1,99 +1,132 @@
-"""The tokenizer and chat template, built from a GGUF's own metadata.
+"""Encodes, decodes and renders chats with a model's own tokenizer and chat template.
 
-GGUF stores a byte-level BPE vocabulary (`tokenizer.ggml.tokens`, `merges`,
-`token_type`) and names its pre-tokenizer (`tokenizer.ggml.pre`); we rebuild
-it with the `tokenizers` library. Control tokens (type 3) become special tokens,
-so `<|im_start|>` in a chat template is one token, never split into bytes.
+One `ChatTokenizer` whatever the model came in: a `tokenizers.Tokenizer` plus what the
+files say around it (`TokenizerMeta`: start and stop tokens, chat template, sampling
+defaults). `ChatTokenizer.from_directory` reads a Hugging Face checkpoint's tokenizer
+files (models/hf_tokenizer.py); `ChatTokenizer(gguf)` rebuilds a GGUF's vocabulary
+(models/gguf_tokenizer.py). Templates render in a sandboxed jinja2 environment with the
+names transformers gives them, so a checkpoint's template renders here as it does there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
-from gpu_node.errors import InvalidRequestError, ModelNotFoundError
-from gpu_node.models.gguf_loader import GGUFModel
+from gpu_node.errors import InvalidRequestError
 
-CONTROL_TOKEN = 3
-
-# Pre-tokenizer splits by `tokenizer.ggml.pre`, as the vocabularies were trained.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+if TYPE_CHECKING:
+    from gpu_node.models.gguf_loader import GGUFModel
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Gemma's turns; a system message opens the first user turn, as Gemma's own template does.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set first = '' %}{% set turns = messages %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] ~ '\n\n' %}{% set turns = messages[1:] %}{% endif %}"
+    "{% for message in turns %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ first if loop.first else '' }}"
+    "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# The names of a template's special-token variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
 
 
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    split = pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")
-    steps: list[pre_tokenizers.PreTokenizer] = [split, byte_level]
-    if pre in _DIGITS_FIRST:
-        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    return pre_tokenizers.Sequence(steps)
+def default_template(vocab: Mapping[str, int]) -> str:
+    """The template of a model whose files name none: its vocabulary's own turn markers."""
+    if "<start_of_turn>" in vocab and "<end_of_turn>" in vocab:
+        return GEMMA_TEMPLATE
+    return CHATML_TEMPLATE
+
+
+@dataclass(frozen=True)
+class TokenizerMeta:
+    """What a model's files say around its vocabulary."""
+
+    bos_token_id: int | None
+    eos_token_id: int | None
+    # Every token that ends a generation: the EOS and the model's other end-of-turn tokens.
+    stop_token_ids: frozenset[int]
+    chat_template: str
+    # Template variables: bos_token, eos_token, ... -> the token's spelling (those named).
+    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    # encode_chat puts BOS first where the template did not (llama.cpp's reading of a GGUF's
+    # add_bos_token); transformers encodes a rendered chat without adding any token.
+    chat_adds_bos: bool = False
+    # transformers' clean_up_tokenization_spaces, which it applies to non-BPE models only.
+    clean_up_spaces: bool = False
+    # The model's sampling defaults (temperature, top_p, top_k), only those its files state.
+    generation_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
 
 class ChatTokenizer:
-    """Encodes, decodes, and renders chat messages with the model's template."""
+    """Encodes, decodes, and renders chat messages with the model's template.
 
-    def __init__(self, gguf: GGUFModel):
-        if gguf.field("tokenizer.ggml.model") != "gpt2":
-            raise ModelNotFoundError(
-                f"{gguf.path}: tokenizer {gguf.field('tokenizer.ggml.model')!r} is not supported (byte-level BPE only)"
-            )
-        tokens: list[str] = list(gguf.field("tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in gguf.field("tokenizer.ggml.merges")]
-        types = list(gguf.field("tokenizer.ggml.token_type") or [])
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        special = [tokens[i] for i, t in enumerate(types) if t == CONTROL_TOKEN]
+    `ChatTokenizer(gguf)` reads a GGUF's tokenizer; `ChatTokenizer(tokenizer, meta)` takes
+    one already built; `ChatTokenizer.from_directory(path)` reads a checkpoint's files.
+    """
 
-        def build() -> Tokenizer:
-            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
-            tok = Tokenizer(bpe)
-            tok.pre_tokenizer = _pre_tokenizer(gguf.field("tokenizer.ggml.pre"))
-            tok.decoder = decoders.ByteLevel()
-            tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
-            return tok
+    def __init__(self, source: Tokenizer | GGUFModel, meta: TokenizerMeta | None = None):
+        if not isinstance(source, Tokenizer):
+            from gpu_node.models.gguf_tokenizer import read_gguf_tokenizer
 
-        self._tok = build()
-        # The same vocabulary reading a control token's spelling as plain characters: what a
+            source, meta = read_gguf_tokenizer(source)
+        if meta is None:
+            raise TypeError("ChatTokenizer(tokenizer, meta) needs the meta")
+        self._tok = source
+        # The same tokenizer reading a special token's spelling as plain characters: what a
         # message's own text is encoded with (encode_chat), so no user can forge a turn.
-        self._text_only = build()
+        self._text_only = Tokenizer.from_str(source.to_str())
         self._text_only.encode_special_tokens = True
-        self._special_spellings = tuple(special)
-        self.vocab_size = len(tokens)
-        self.bos_token_id: int | None = gguf.field("tokenizer.ggml.bos_token_id")
-        self.eos_token_id: int = int(gguf.field("tokenizer.ggml.eos_token_id"))
-        self.add_bos = bool(gguf.field("tokenizer.ggml.add_bos_token", False))
-        # ChatML ends an assistant turn with <|im_end|>: stop there too.
-        self.stop_token_ids = frozenset(
-            {self.eos_token_id} | {vocab[s] for s in ("<|im_end|>", "<|eot_id|>") if s in vocab}
+        self._special_spellings = tuple(
+            t.content for t in source.get_added_tokens_decoder().values() if t.special
         )
-        self._template_source = gguf.field("tokenizer.chat_template") or CHATML_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        self._template = env.from_string(self._template_source)
+        self.meta = meta
+        self.vocab_size = source.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = meta.bos_token_id
+        self.eos_token_id = meta.eos_token_id
+        self.stop_token_ids = meta.stop_token_ids
+        self.generation_defaults: dict[str, float | int] = dict(meta.generation_defaults)
+        self.chat_template = meta.chat_template
+        self._template = _environment().from_string(meta.chat_template)
+
+    @classmethod
+    def from_directory(cls, path: str | Path) -> ChatTokenizer:
+        """A Hugging Face checkpoint's tokenizer: tokenizer.json, tokenizer_config.json (special
+        tokens, chat template), chat_template.jinja, generation_config.json (stop tokens,
+        sampling defaults). ModelNotFoundError when tokenizer.json is missing or unreadable."""
+        from gpu_node.models.hf_tokenizer import read_directory
+
+        return cls(*read_directory(Path(path)))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return self._with_bos(ids) if add_special_tokens else ids
-
-    def _with_bos(self, ids: list[int]) -> list[int]:
-        """`ids` after the model's start token, for a model whose GGUF asks for one."""
-        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
+        """`text`'s ids; with `add_special_tokens`, the model's own (BOS for most) around them."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of `messages` in the chat template, a message's text being only text.
 
-        A control token spelled out inside a message (`<|im_end|>`, `<|im_start|>system`) is
-        encoded as its characters, never as the control token, so a message cannot end its
+        A special token spelled out inside a message (`<|im_end|>`, `<|im_start|>system`) is
+        encoded as its characters, never as the special token, so a message cannot end its
         own turn or open another. Messages without such spellings (nearly all) take the
         plain path: the rendered template encoded in one piece.
         """
@@ -101,9 +134,10 @@ class ChatTokenizer:
         if not any(
             isinstance(c, str) and any(s in c for s in self._special_spellings) for c in contents
         ):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+            rendered = self.apply_chat_template(messages, add_generation_prompt)
+            return self._with_bos(self._pieces(rendered))
         # Render with a mark in place of each message's text, then encode the template's own
-        # text with control tokens and each message's text without them.
+        # text with special tokens and each message's text without them.
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         marked = [
             m | {"content": mark} if isinstance(m, dict) else m
@@ -115,14 +149,24 @@ class ChatTokenizer:
             before, found, after = rest.partition(mark)
             if not found:  # the template left this message out
                 continue
-            ids += self._tok.encode(before, add_special_tokens=False).ids
+            ids += self._pieces(before)
             ids += self._text_only.encode(str(content), add_special_tokens=False).ids
             rest = after
-        ids += self._tok.encode(rest, add_special_tokens=False).ids
+        ids += self._pieces(rest)
         return self._with_bos(ids)
 
+    def _pieces(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids) if text else []
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        bos = self.bos_token_id
+        if self.meta.chat_adds_bos and bos is not None and ids[:1] != [bos]:
+            return [bos, *ids]
+        return ids
+
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return clean_up_tokenization(text) if self.meta.clean_up_spaces else text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -131,15 +175,49 @@ class ChatTokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise InvalidRequestError(f"messages[{i}] needs 'role' and 'content'")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._tok.id_to_token(self.bos_token_id)
-            if self.bos_token_id is not None
-            else "",
-            eos_token=self._tok.id_to_token(self.eos_token_id),
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.meta.special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template: {exc}") from exc
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox a chat template renders in, with the filters and globals transformers
+    gives templates (its own `tojson`, `raise_exception`, `strftime_now`, loop controls)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson escapes <, > and & for HTML, which a prompt must not see.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_template_error(message: str) -> None:
     raise InvalidRequestError(f"chat template: {message}")
+
+
+def clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization: spaces before punctuation and contractions go."""
+    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                           (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                           (" 're", "'re")):  # fmt: skip
+        text = text.replace(spaced, joined)
+    return text
