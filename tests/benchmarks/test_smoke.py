@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = (
     "bench_admission.py",
     "bench_billing.py",
+    "bench_checkpoints.py",
     "bench_engine.py",
     "bench_gateway.py",
     "bench_handoff.py",
