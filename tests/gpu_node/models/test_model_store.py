@@ -1,0 +1,45 @@
+"""Pulling models from PyPI into a model home, and resolving names to files."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_node.errors import ModelNotFoundError
+from gpu_node.models.model_store import KNOWN_MODELS, model_path, pull, resolve_model, sha256_of
+
+
+def test_gemma3_is_four_wheels_joined_in_order():
+    package = KNOWN_MODELS["gemma3-270m"]
+    assert package.filename == "gemma-3-270m-q4_k_m.gguf"
+    assert [p.member.rsplit(".", 1)[-1] for p in package.parts] == [
+        "part00", "part01", "part02", "part03",
+    ]  # fmt: skip
+    assert all(p.requirement.endswith("==1.0.0") for p in package.parts)
+
+
+def test_an_unknown_model_is_refused_naming_the_pullable_ones(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="gemma3-270m, smollm2"):
+        pull("gemma9", tmp_path)
+
+
+def test_a_model_not_pulled_names_the_command_that_pulls_it(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="edgeserve model pull gemma3-270m"):
+        resolve_model("gemma3-270m", tmp_path)
+
+
+@pytest.mark.slow
+def test_pull_joins_the_parts_and_replaces_a_damaged_file(tmp_path, gemma3_path):
+    package = KNOWN_MODELS["gemma3-270m"]
+    damaged = model_path(package, tmp_path)
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"GGUF, cut short")
+    path = pull("gemma3-270m", tmp_path, quiet=True)
+    assert path == damaged == resolve_model("gemma3-270m", tmp_path)
+    assert sha256_of(path) == package.sha256
+    assert path.stat().st_size == gemma3_path.stat().st_size
+    assert [p.name for p in path.parent.iterdir()] == [package.filename]  # no leftovers
+
+
+def test_the_shared_cache_holds_the_verified_file(gemma3_path, smollm2_path):
+    assert gemma3_path == model_path(KNOWN_MODELS["gemma3-270m"])
+    assert smollm2_path == model_path(KNOWN_MODELS["smollm2"])
