@@ -1,9 +1,19 @@
 """The model catalog: public model names (and aliases), the node model each one runs on, and
-the sampling a request gets for the values it does not name."""
+the sampling a request gets for the values it does not name.
+
+The catalog lists what the fleet serves (`ModelCatalog.served`): its own entries that some
+live node serves, and an entry for each other model a node serves (a checkpoint directory
+or a GGUF path, `local_entry`). A served model's sampling defaults are its own where its
+files state them (the node publishes its generation config), else the entry's.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import PurePath
 from typing import Any
 
 
@@ -15,6 +25,14 @@ class SamplingDefaults:
     temperature: float = 0.6  # Workers AI's, for a model that states none
     top_p: float = 1.0
     top_k: int = 0  # 0: all tokens
+
+    def overlaid(self, stated: Mapping[str, float]) -> SamplingDefaults:
+        """These defaults with the values a model's generation config states in their place."""
+        return SamplingDefaults(
+            temperature=float(stated.get("temperature", self.temperature)),
+            top_p=float(stated.get("top_p", self.top_p)),
+            top_k=int(stated.get("top_k", self.top_k)),
+        )
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,31 @@ DEFAULT_MODELS = (
 )
 
 
+def local_entry(node_model: str, context_window: int = 8192) -> CatalogModel:
+    """The entry of a model the catalog does not know, served from a path: named
+    `@cf/local/<file or directory name>`, with that short name and the path as aliases, and
+    the window its nodes take."""
+    short = re.sub(r"[^a-z0-9._-]+", "-", PurePath(node_model).name.lower()).strip("-.")
+    short = short.removesuffix(".gguf") or "model"
+    return CatalogModel(
+        name=f"@cf/local/{short}",
+        node_model=node_model,
+        id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"edgeserve:{node_model}")),
+        description=f"Served from {PurePath(node_model).name}.",
+        aliases=tuple(dict.fromkeys((short, node_model))),
+        context_window=context_window,
+    )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a live node publishes about the model it serves (scheduler.CapacityRecord)."""
+
+    node_model: str
+    generation_defaults: Mapping[str, float]
+    max_request_tokens: int = 0  # the largest a node serving it takes; 0: none says
+
+
 class ModelCatalog:
     def __init__(self, models: tuple[CatalogModel, ...] = DEFAULT_MODELS) -> None:
         self.models = models
@@ -80,5 +123,30 @@ class ModelCatalog:
             for name in (model.name, *model.aliases):
                 self._by_name[name] = model
 
-    def resolve(self, name: str) -> CatalogModel | None:
-        return self._by_name.get(name)
+    def resolve(self, name: str, served: Sequence[ServedModel] = ()) -> CatalogModel | None:
+        """The entry `name` (a public name, an alias, or a served model's path) means, with
+        the served model's own sampling defaults; None for a name nothing here means."""
+        entry = self._by_name.get(name)
+        if entry is None:
+            entry = next((e for e in self.served(served) if name in (e.name, *e.aliases)), None)
+        if entry is None:
+            return None
+        return self._with_defaults(entry, served)
+
+    def served(self, served: Sequence[ServedModel]) -> list[CatalogModel]:
+        """The entries of the models live nodes serve: the catalog's in its order, then one
+        `local_entry` for each model it does not know."""
+        node_models = {s.node_model for s in served}
+        known = [m for m in self.models if m.node_model in node_models]
+        known_node_models = {m.node_model for m in self.models}
+        windows = {s.node_model: s.max_request_tokens or 8192 for s in served}
+        local = sorted(node_models - known_node_models)
+        entries = [*known, *(local_entry(m, windows[m]) for m in local)]
+        return [self._with_defaults(e, served) for e in entries]
+
+    @staticmethod
+    def _with_defaults(entry: CatalogModel, served: Sequence[ServedModel]) -> CatalogModel:
+        stated = next(
+            (s.generation_defaults for s in served if s.node_model == entry.node_model), {}
+        )
+        return replace(entry, sampling=entry.sampling.overlaid(stated)) if stated else entry

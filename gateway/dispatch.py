@@ -30,7 +30,7 @@ from common.node_api import (
 from common.telemetry import TelemetrySettings, setup_telemetry
 from common.window import Window
 from gateway.admission import CapacityQueue, Limiter, Placed
-from gateway.catalog import CatalogModel
+from gateway.catalog import CatalogModel, ServedModel
 from gateway.errors import (
     BadRequestError,
     ClientClosedError,
@@ -51,6 +51,7 @@ from gateway.upstream import (
     unless_client_leaves,
 )
 from scheduler.placement import Placement, Placer
+from scheduler.store_watch import StoreAway
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,22 @@ class Dispatcher:
         if refusal is not None:
             raise ContextWindowError(refusal, param=job.max_tokens_name)
         return job
+
+    async def served_models(self) -> list[ServedModel]:
+        """What the live nodes serve, as they publish it; none while the store is away (the
+        catalog's own entries still resolve, and placement says what is wrong)."""
+        try:
+            served = await self._placer.served()
+        except StoreAway:
+            return []
+        return [
+            ServedModel(
+                model,
+                records[0].generation_defaults,
+                max(r.max_request_tokens for r in records),
+            )
+            for model, records in served.items()
+        ]
 
     async def context_window(self, model: CatalogModel) -> int:
         """`model`'s context window as the fleet serves it now: the catalog's, or less where

@@ -109,8 +109,11 @@ def require_ready(request: Request) -> None:
         raise NotReadyError("the model is still loading; retry shortly", retry_after_s=1.0)
 
 
-def resolve_model(request: Request, name: str) -> CatalogModel:
-    model = gateway_of(request).catalog.resolve(name)
+async def resolve_model(request: Request, name: str) -> CatalogModel:
+    """The catalog entry `name` means (a public name, an alias, or the path a node serves),
+    with the served model's own sampling defaults; ModelNotFoundError (404) otherwise."""
+    gateway = gateway_of(request)
+    model = gateway.catalog.resolve(name, await gateway.dispatcher.served_models())
     if model is None:
         raise ModelNotFoundError(f"no such model: {name!r}", param="model")
     return model

@@ -109,7 +109,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
     require_ready(request)
     body = await parse_body(request, model_cls)
     body.check_supported()
-    model = resolve_model(request, body.model)
+    model = await resolve_model(request, body.model)
     payload = body.node_payload(default_max_tokens, model.sampling)
     job = GenerationJob(
         request_id_of(request),
@@ -191,9 +191,11 @@ async def _model_object(request: Request, model: CatalogModel) -> dict[str, Any]
 
 @endpoint("openai")
 async def list_models(request: Request) -> Response:
-    """GET /v1/models: the catalog (a model no live node serves answers 503 when used)."""
+    """GET /v1/models: the models live nodes serve now."""
     await authenticate(request)
-    data = [await _model_object(request, m) for m in gateway_of(request).catalog.models]
+    gateway = gateway_of(request)
+    served = gateway.catalog.served(await gateway.dispatcher.served_models())
+    data = [await _model_object(request, m) for m in served]
     return JSONBytes({"object": "list", "data": data})
 
 
@@ -202,4 +204,4 @@ async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{model_id}: one catalog entry by its id or an alias (ids hold slashes)."""
     await authenticate(request)
     name = request.path_params["model_id"]
-    return JSONBytes(await _model_object(request, resolve_model(request, name)))
+    return JSONBytes(await _model_object(request, await resolve_model(request, name)))

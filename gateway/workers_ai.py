@@ -58,7 +58,7 @@ async def run_model(request: Request) -> Response:
     """POST /client/v4/accounts/{account_id}/ai/run/{model_name}: text generation."""
     account_id = await authenticate(request)
     require_ready(request)
-    model = resolve_model(request, request.path_params["model_name"])
+    model = await resolve_model(request, request.path_params["model_name"])
     body = await parse_body(request, WorkersAITextRequest)
     body.check_supported()
     payload = body.node_payload(model.sampling)
@@ -104,13 +104,13 @@ def _flag(request: Request, name: str) -> bool:
 
 @endpoint("workers_ai")
 async def search_models(request: Request) -> Response:
-    """GET /client/v4/accounts/{account_id}/ai/models/search: the catalog, filtered (search,
-    task, author, hide_experimental) and paginated as Workers AI does."""
+    """GET /client/v4/accounts/{account_id}/ai/models/search: the models live nodes serve,
+    filtered (search, task, author, hide_experimental) and paginated as Workers AI does."""
     await authenticate(request)
     page = _positive_int(request, "page", 1, 1_000_000)
     per_page = _positive_int(request, "per_page", 20, 100)
-    catalog = gateway_of(request).catalog
-    models = list(catalog.models)
+    gateway = gateway_of(request)
+    models = gateway.catalog.served(await gateway.dispatcher.served_models())
     if search := request.query_params.get("search"):
         models = [m for m in models if search.lower() in (m.name + " " + m.description).lower()]
     if task := request.query_params.get("task"):

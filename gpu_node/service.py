@@ -124,6 +124,9 @@ class NodeService:
             published_at=time.time(),
             ttl_s=self.settings.ttl_s,
             max_request_tokens=self.engine.max_request_tokens,
+            generation_defaults={
+                k: float(v) for k, v in self.engine.tokenizer.generation_defaults.items()
+            },
         )
 
     def record_usage(self, event: UsageEvent) -> None:

@@ -189,8 +189,9 @@ class Placer:
         """Every live node's record, in node id order: what the fleet looks like now."""
         return await self._view.live()
 
-    async def _live(self, model: str) -> list[CapacityRecord]:
-        """Live records serving `model`, less the nodes marked down since they published."""
+    async def _live(self, model: str | None) -> list[CapacityRecord]:
+        """Live records serving `model` (all, for None), less the nodes marked down since
+        they published."""
         live = []
         for record in await self._view.live(model):
             down_at = self._down.get(record.node_id)
@@ -205,6 +206,15 @@ class Placer:
         """The live records that can take a request for `model` (`_can_serve`): a fleet of
         decode nodes alone does not serve the model."""
         return _can_serve(await self._live(model))
+
+    async def served(self) -> dict[str, list[CapacityRecord]]:
+        """Every model some live node can take a request for, with those nodes' records."""
+        by_model: dict[str, list[CapacityRecord]] = {}
+        for record in await self._live(None):
+            for model in record.models:
+                by_model.setdefault(model, []).append(record)
+        served = {model: _can_serve(records) for model, records in by_model.items()}
+        return {model: records for model, records in served.items() if records}
 
     async def max_request_tokens(self, model: str) -> int | None:
         """The longest request (prompt + max_tokens) a live node serving `model` takes;

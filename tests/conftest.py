@@ -4,6 +4,7 @@ own, free ports, servers on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
@@ -308,6 +309,28 @@ class ListSink:
             time.sleep(0.02)
         (event,) = events
         return event
+
+
+@contextlib.contextmanager
+def also_served(stack: Stack, *models: str, **fields: Any) -> Iterator[None]:
+    """While inside: a second live node in `stack`'s registry serving `models` (its address
+    answers nothing: for what the gateway lists, not for requests), with record `fields`."""
+    from scheduler.capacity import CapacityRecord
+
+    record = CapacityRecord(
+        node_id="also-served", address=f"http://127.0.0.1:{free_port()}", role="mixed",
+        models=models, num_pages=64, num_free_pages=64, page_size=16, kv_dtype="fp32",
+        num_running=0, num_waiting=0, load=0.0, published_at=time.time(), ttl_s=600.0,
+        activations="fp32", **fields,
+    )  # fmt: skip
+    registry = stack.service.registry
+    asyncio.run(registry.publish(record))
+    time.sleep(0.25)  # the gateway's view of the registry refreshes every 0.2 s
+    try:
+        yield
+    finally:
+        asyncio.run(registry.remove(record.node_id))
+        time.sleep(0.25)
 
 
 def wait_for_nodes(registry: Any, count: int = 1) -> None:

@@ -566,8 +566,8 @@ def test_a_completion_prompt_past_the_character_cap_is_refused_in_a_list_too(emp
 
 
 def test_the_context_window_shown_and_enforced_is_what_the_largest_live_node_takes() -> None:
-    """Models list the catalog's 8192 tokens until a live node says it takes fewer (its KV
-    pool holds 5824): then /v1/models, the model itself and Workers AI's search show 5824,
+    """Models list the catalog's 8192 tokens while the live node serving it says nothing (a
+    node from before the field), until it says it takes fewer (its KV pool holds 5824): then /v1/models, the model itself and Workers AI's search show 5824,
     and a max_tokens that leaves no room in it is 413 before admission and before any node
     is contacted (the node's address answers nothing). A node from before the field (0)
     leaves the catalog's window."""
@@ -596,14 +596,15 @@ def test_the_context_window_shown_and_enforced_is_what_the_largest_live_node_tak
         return listed[0]["context_window"], one["context_window"], prop["value"]
 
     try:
-        assert windows() == (8192, 8192, "8192")
         record = CapacityRecord(
             node_id="small", address=f"http://127.0.0.1:{free_port()}", role="mixed",
             models=("smollm2",), num_pages=364, num_free_pages=364, page_size=16,
             kv_dtype="fp32", num_running=0, num_waiting=0, load=0.0, published_at=time.time(),
-            ttl_s=60.0, activations="fp32", max_request_tokens=5824,
+            ttl_s=60.0, activations="fp32", max_request_tokens=0,
         )  # fmt: skip
         asyncio.run(registry.publish(record))
+        assert windows() == (8192, 8192, "8192")
+        asyncio.run(registry.publish(replace(record, max_request_tokens=5824)))
         assert windows() == (5824, 5824, "5824")
         wai = httpx.post(f"{server.url}{RUN_SMOL}", json={"prompt": "hi", "max_tokens": 6000},
                          headers=AUTH)  # fmt: skip

@@ -6,7 +6,7 @@ import cloudflare
 import pytest
 from cloudflare import Cloudflare
 
-from tests.conftest import ACCOUNT_ID, SMOLLM2, chat_prompt_ids, run_on_engine
+from tests.conftest import ACCOUNT_ID, SMOLLM2, also_served, chat_prompt_ids, run_on_engine
 
 
 @pytest.fixture
@@ -31,8 +31,9 @@ def test_ai_run_returns_the_engines_text_and_usage(engine, client) -> None:
     }
 
 
-def test_models_list_pages_through_the_catalog(client) -> None:
-    names = [m["name"] for m in client.ai.models.list(account_id=ACCOUNT_ID, per_page=1)]
+def test_models_list_pages_through_the_catalog(client, stack) -> None:
+    with also_served(stack, "moe-small"):
+        names = [m["name"] for m in client.ai.models.list(account_id=ACCOUNT_ID, per_page=1)]
     assert names == [SMOLLM2, "@cf/edgeserve/moe-small"]
 
 

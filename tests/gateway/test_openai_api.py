@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ACCOUNT_ID, SMOLLM2, chat_prompt_ids, run_on_engine
+from tests.conftest import ACCOUNT_ID, SMOLLM2, also_served, chat_prompt_ids, run_on_engine
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -131,7 +131,17 @@ def test_models_list_and_account_scoped_base_url(stack) -> None:
         api_key=stack.api_key,
         max_retries=0,
     )
-    assert [m.id for m in scoped.models.list()] == [SMOLLM2, "@cf/edgeserve/moe-small"]
+    assert [m.id for m in scoped.models.list()] == [SMOLLM2]  # moe-small: unserved
+    with also_served(stack, "moe-small", "/srv/models/Qwen3-0.6B", max_request_tokens=40960):
+        listed = {m.id: m.model_extra["context_window"] for m in scoped.models.list()}
+        assert listed == {SMOLLM2: 1024, "@cf/edgeserve/moe-small": 8192,
+                          "@cf/local/qwen3-0.6b": 40960}  # fmt: skip
+        for name in ("qwen3-0.6b", "/srv/models/Qwen3-0.6B", "@cf/local/qwen3-0.6b"):
+            assert scoped.models.retrieve(name).id == "@cf/local/qwen3-0.6b"
+    missing = httpx.get(
+        f"{stack.url}/v1/models/qwen3-0.6b", headers={"authorization": f"Bearer {stack.api_key}"}
+    )
+    assert missing.status_code == 404
     completion = scoped.chat.completions.create(
         model=SMOLLM2, messages=MESSAGES, max_tokens=2, temperature=0
     )

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ACCOUNT_ID, SMOLLM2, chat_prompt_ids, run_on_engine
+from tests.conftest import ACCOUNT_ID, SMOLLM2, also_served, chat_prompt_ids, run_on_engine
 
 RUN = f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/{SMOLLM2}"
 
@@ -130,6 +130,14 @@ def test_catalog_search_paginates_like_workers_ai(stack) -> None:
         assert response.status_code == 200
         return response.json()
 
+    only = page("")
+    assert [m["name"] for m in only["result"]] == [SMOLLM2]  # moe-small: in the catalog, unserved
+    assert only["result_info"]["total_count"] == 1
+    with also_served(stack, "moe-small"):
+        paginated_like_workers_ai(page, search)
+
+
+def paginated_like_workers_ai(page, search) -> None:
     first = page("per_page=1")
     assert [m["name"] for m in first["result"]] == [SMOLLM2]
     assert first["result_info"] == {"page": 1, "per_page": 1, "count": 1, "total_count": 2}

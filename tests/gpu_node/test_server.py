@@ -101,6 +101,8 @@ def test_health_and_capacity(node, engine) -> None:
     published = asyncio.run(node.registry.list_live())
     assert [r.node_id for r in published] == ["node-t"]
     assert published[0].max_request_tokens == engine.max_request_tokens
+    # SmolLM2's GGUF states no sampling values: the catalog's defaults stand
+    assert published[0].generation_defaults == capacity["generation_defaults"] == {}
 
 
 def test_generate_streams_the_engines_exact_tokens_then_usage(node, engine) -> None:

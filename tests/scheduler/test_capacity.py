@@ -59,6 +59,17 @@ def test_a_record_from_before_max_request_tokens_says_none() -> None:
     assert CapacityRecord.from_json(json.dumps(fields)).max_request_tokens == 0
 
 
+def test_a_record_carries_the_models_sampling_defaults() -> None:
+    r = replace(record("node-1"), generation_defaults={"temperature": 0.7, "top_p": 0.8})
+    assert CapacityRecord.from_json(r.to_json()).generation_defaults == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+    }
+    fields = json.loads(r.to_json())
+    del fields["generation_defaults"]
+    assert CapacityRecord.from_json(json.dumps(fields)).generation_defaults == {}
+
+
 def test_record_is_live_until_its_ttl_passes() -> None:
     r = record("node-1", ttl_s=2.0, published_at=100.0)
     assert r.is_live(101.999)
