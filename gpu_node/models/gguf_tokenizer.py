@@ -31,7 +31,7 @@ from tokenizers import (
 
 from gpu_node.errors import ModelNotFoundError
 from gpu_node.models.gguf_loader import GGUFModel
-from gpu_node.models.tokenizer import SPECIAL_TOKEN_NAMES, TokenizerMeta, default_template
+from gpu_node.models.tokenizer_meta import SPECIAL_TOKEN_NAMES, TokenizerMeta, default_template
 
 CONTROL_TOKEN = 3
 USER_DEFINED_TOKEN = 4

@@ -26,7 +26,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from gpu_node.errors import ModelNotFoundError
-from gpu_node.models.tokenizer import SPECIAL_TOKEN_NAMES, TokenizerMeta, default_template
+from gpu_node.models.tokenizer_meta import SPECIAL_TOKEN_NAMES, TokenizerMeta, default_template
 
 # generation_config.json's sampling keys we honour, and the type each takes.
 SAMPLING_KEYS = (("temperature", float), ("top_p", float), ("top_k", int))
