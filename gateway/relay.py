@@ -19,6 +19,11 @@ from gateway.json_body import json_bytes
 from gateway.upstream import Finished, TextChunk, Upstream, until_client_leaves
 
 
+# The request scope's state key under which a stream that failed after its 200 leaves its
+# error (gateway/dashboard/recent.py lists it).
+STREAM_FAILURE = "stream_failure"
+
+
 def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json_bytes(obj) + b"\n\n"
 
@@ -50,11 +55,14 @@ class RelayResponse:
             (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
             *((k.lower().encode(), v.encode()) for k, v in headers.items()),
         ]
+        self.failure: GatewayError | None = None  # the error that ended the stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.Event()
         # Whichever ends first ends the other: a finished stream, or a client gone.
         relay = await until_client_leaves(self.upstream, self._relay(send, gone), receive, gone)
+        if self.failure is not None:  # for the recent errors, which see a 200
+            scope.setdefault("state", {})[STREAM_FAILURE] = self.failure
         error = None if relay.cancelled() else relay.exception()
         if error is not None and not isinstance(error, OSError):  # OSError: a send to a gone client
             raise error
@@ -87,5 +95,6 @@ class RelayResponse:
                     await body(self.renderer.finish(event))
         except UpstreamError as exc:
             # After the first byte the status is sent: the failure travels as an event.
+            self.failure = exc
             await body(self.renderer.error(exc))
         await send({"type": "http.response.body", "body": b"", "more_body": False})

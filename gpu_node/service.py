@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +47,23 @@ class NodeSettings:
         check_node_id(self.node_id)
 
 
+class TokenRate:
+    """Tokens per second over about the last `window_s` seconds, from a running count."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def update(self, count: int, now: float) -> float:
+        """The rate up to `now`, when the count reads `count`."""
+        self._samples.append((now, count))
+        # Keep the newest sample at least window_s old as the base of the rate.
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        then, before = self._samples[0]
+        return (count - before) / (now - then) if now > then else 0.0
+
+
 class NodeService:
     """The node's state: the engine once loaded, draining, the heartbeat and in-flight requests."""
 
@@ -71,6 +89,7 @@ class NodeService:
         self.load_error: str | None = None
         self.num_in_flight = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._token_rate = TokenRate()
         # A publish and the drain's removal never overlap: a heartbeat's record still on its
         # way to the registry (on another of the client's connections) would otherwise land
         # after the removal and bring a draining node back until its TTL.
@@ -124,6 +143,9 @@ class NodeService:
             published_at=time.time(),
             ttl_s=self.settings.ttl_s,
             max_request_tokens=self.engine.max_request_tokens,
+            tokens_per_s=round(
+                self._token_rate.update(stats.num_computed_tokens, time.monotonic()), 1
+            ),
             generation_defaults={
                 k: float(v) for k, v in self.engine.tokenizer.generation_defaults.items()
             },

@@ -66,6 +66,8 @@ class CapacityRecord:
     # The longest request (prompt + max_tokens) the node takes: its model's context window
     # or what its KV pool holds, the smaller; 0 from a node before the field (unknown)
     max_request_tokens: int = 0
+    # Tokens the node's model ran a second (prompt chunks and decode steps), lately
+    tokens_per_s: float = 0.0
     # The served model's own sampling defaults (temperature, top_p, top_k), only those its
     # files state (a checkpoint's generation_config.json): what a request that names none gets
     generation_defaults: dict[str, float] = field(default_factory=dict)

@@ -69,12 +69,13 @@ function drawNodes(nodes) {
         cell(integer(n.num_running), "num"),
         cell(integer(n.num_waiting), "num"),
         cell(n.load.toFixed(2), "num"),
+        cell(n.tokens_per_s.toFixed(1), "num node-tokens"),
         cell(`${n.age_s.toFixed(1)} s ago`, "num"),
       ]);
       tr.dataset.node = n.node_id;
       return tr;
     }),
-    9,
+    10,
     "no live node",
   );
 }

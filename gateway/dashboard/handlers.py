@@ -181,6 +181,7 @@ def _nodes(snapshot: FleetSnapshot, now: float) -> list[dict[str, Any]]:
             "num_running": r.num_running,
             "num_waiting": r.num_waiting,
             "load": r.load,
+            "tokens_per_s": r.tokens_per_s,
             "age_s": round(max(0.0, now - r.published_at), 3),
         }
         for r in snapshot.nodes

@@ -1,4 +1,5 @@
-"""The gateway's recent failures: a bounded ring of its 5xx answers, for the dashboard.
+"""The gateway's recent failures: a bounded ring of its 5xx answers and of its streams that
+failed after their 200 (listed with the status their error has), for the dashboard.
 
 Each entry holds what the access log holds (method, path, status, request id) and the
 error message the gateway itself wrote into the answer; never a request body. Readiness
@@ -14,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import GatewayError, shape_of
+from gateway.relay import STREAM_FAILURE
 
 MAX_PATH_CHARS = 200
 MAX_MESSAGE_CHARS = 300
@@ -76,7 +80,8 @@ def error_message(body: bytes) -> str:
 
 
 class RecentErrorsMiddleware:
-    """Adds every 5xx answer to `errors`. Sits inside RequestIdMiddleware (it reads the id)."""
+    """Adds every 5xx answer, and every stream that ended in an error event, to `errors`.
+    Sits inside RequestIdMiddleware (it reads the id)."""
 
     def __init__(self, app: ASGIApp, errors: RecentErrors) -> None:
         self.app = app
@@ -92,12 +97,21 @@ class RecentErrorsMiddleware:
 
         def record() -> None:
             nonlocal is_recorded
-            if status >= 500 and not is_recorded:
-                is_recorded = True
-                request_id = scope.get("state", {}).get("request_id")
-                self._errors.add(
-                    scope["method"], scope["path"], status, error_message(bytes(body)), request_id
-                )
+            if is_recorded:
+                return
+            state = scope.get("state", {})
+            failure = state.get(STREAM_FAILURE)
+            if status >= 500:
+                message = error_message(bytes(body))
+            elif isinstance(failure, GatewayError):  # a 200 whose stream ended in an error
+                message = failure.message
+            else:
+                return
+            is_recorded = True
+            shown = shape_of(failure).openai_status if status < 500 and failure else status
+            self._errors.add(
+                scope["method"], scope["path"], shown, message, state.get("request_id")
+            )
 
         async def send_observed(message: Message) -> None:
             nonlocal status

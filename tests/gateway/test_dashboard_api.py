@@ -109,7 +109,7 @@ def test_the_numbers_show_the_nodes_the_failures_and_no_ledger(gateway: Gateway)
     assert node == {
         "node_id": "node-<b>1</b>", "role": "mixed", "models": ["smollm2"], "num_pages": 64,
         "num_free_pages": 48, "num_used_pages": 16, "page_size": 16, "kv_dtype": "fp8",
-        "num_running": 2, "num_waiting": 1, "load": 0.5,
+        "num_running": 2, "num_waiting": 1, "load": 0.5, "tokens_per_s": 0.0,
     }  # fmt: skip
     assert numbers["models"] == [
         {"model": "smollm2", "num_nodes": 1, "num_pages": 64, "num_free_pages": 48,

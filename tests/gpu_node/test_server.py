@@ -393,3 +393,14 @@ def test_a_request_past_the_kv_pool_is_too_large_naming_the_pool(small_pool_node
         "prompt (128 tokens) exceeds the 128 tokens this node's KV cache holds "
         "(context window 1024) with room for an answer",
     )
+
+
+def test_the_token_rate_covers_the_last_seconds() -> None:
+    from gpu_node.service import TokenRate
+
+    rate = TokenRate(window_s=5.0)
+    assert rate.update(0, 100.0) == 0.0
+    assert rate.update(50, 101.0) == 50.0
+    assert rate.update(150, 103.0) == 50.0  # 150 tokens in 3 s
+    assert rate.update(150, 106.0) == 20.0  # since 101.0, the newest sample 5 s old
+    assert rate.update(150, 112.0) == 0.0  # nothing ran in the last 6 s

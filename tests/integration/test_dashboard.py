@@ -130,6 +130,7 @@ def test_the_dashboard_shows_the_node_and_its_numbers_move(fleet: Fleet) -> None
             expect(node.locator("td.node-id")).to_have_text("node-1")
             expect(node.locator("td").nth(1)).to_have_text("mixed")
             expect(node.locator("td").nth(2)).to_have_text("smollm2")
+            expect(node.locator("td.node-tokens")).to_have_text("0.0")
             expect(page.locator("#status")).to_contain_text("live")
             expect(page.locator("#login")).to_be_hidden()
             expect(page.locator("#num-generations")).to_have_text("0")
@@ -142,6 +143,8 @@ def test_the_dashboard_shows_the_node_and_its_numbers_move(fleet: Fleet) -> None
             assert num_output > 0
             expect(page.locator("#num-generations")).to_have_text("3", timeout=UPDATE_TIMEOUT_MS)
             expect(page.locator("#num-output-tokens")).to_have_text(str(num_output))
+            # the node's rate over its last seconds: the three answers' tokens moved it
+            expect(node.locator("td.node-tokens")).not_to_have_text("0.0")
             account = page.locator(f'#usage tbody tr[data-account="{ACCOUNT_ID}"]')
             expect(account.locator("td.requests")).to_have_text("3", timeout=UPDATE_TIMEOUT_MS)
             expect(account.locator("td.output-tokens")).to_have_text(str(num_output))

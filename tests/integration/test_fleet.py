@@ -39,6 +39,7 @@ from tests.conftest import (
     ServerThread,
     free_port,
 )
+from tests.loopback import ADMIN_TOKEN
 
 TTL_S = 3.0  # node-a's: its expiry is under test, so short, yet 15 heartbeats long
 # The gateways probe a node silent for SILENCE_S, and give it PROBE_S to answer.
@@ -109,6 +110,7 @@ def start_gateway(prefix: str) -> tuple[ServerThread, RecordingPlacer, ListSink]
             capacity_max_age_s=HEARTBEAT_S,
             node_silence_s=SILENCE_S,
             node_probe_timeout_s=PROBE_S,
+            admin_token=ADMIN_TOKEN,
         ),
         keys=RedisKeyStore(client, prefix),
         placer=placer,
@@ -354,6 +356,15 @@ def test_a_node_frozen_mid_answer_fails_its_stream_in_seconds(fleet, node_a_back
         "code": "upstream_error",
     }
     assert waited < SILENCE_S + PROBE_S + 5.0, waited
+    # The dashboard's recent errors list the stream, though its status line said 200.
+    numbers = httpx.get(
+        f"{fleet.gateways[0].url}/admin/v1/dashboard",
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+    ).json()["result"]
+    failed = [(e["method"], e["path"], e["status"], e["message"]) for e in numbers["errors"]]
+    assert failed[0] == (
+        "POST", "/v1/completions", 502, "the node serving this request failed mid-answer"
+    )  # fmt: skip
 
 
 def test_a_node_that_fails_before_the_first_token_is_retried_elsewhere_once(
