@@ -123,6 +123,40 @@ def qwen3(raw: Mapping[str, Any]) -> ModelConfig:
     return _base(raw, "qwen3", qk_norm=True, **_sliding(raw))
 
 
+# Gemma 3's defaults where a file leaves them out (transformers' Gemma3TextConfig; llama.cpp
+# fixes both for every GGUF of the family): every sixth layer attends globally, and the
+# sliding layers rotate with base 10000.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_SLIDING_ROPE_THETA = 10000.0
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = GEMMA3_SLIDING_PATTERN) -> tuple[str, ...]:
+    """Gemma 3's layers: sliding, but every `pattern`-th global."""
+    return tuple(
+        FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def gemma3_changes(
+    *,
+    layer_types: tuple[str, ...],
+    sliding_window: int,
+    sliding_rope_theta: float,
+    query_pre_attn_scalar: float,
+    final_logit_softcap: float | None,
+) -> dict[str, Any]:
+    """What Gemma 3 changes on the llama line's fields, whichever file it is read from
+    (config.json here, GGUF metadata in gguf_loader.py)."""
+    return {
+        "qk_norm": True,
+        "layer_types": layer_types,
+        "sliding_window": sliding_window,
+        "sliding_rope_theta": sliding_rope_theta,
+        "query_scale": query_pre_attn_scalar**-0.5,
+        "final_logit_softcap": final_logit_softcap,
+    }
+
+
 def gemma3(raw: Mapping[str, Any]) -> ModelConfig:
     raw = raw.get("text_config", raw)  # Gemma3ForConditionalGeneration: its language model
     for key in ("attn_logit_softcapping",):
@@ -131,10 +165,8 @@ def gemma3(raw: Mapping[str, Any]) -> ModelConfig:
     layers = int(_need(raw, "num_hidden_layers"))
     types = raw.get("layer_types")
     if types is None:
-        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
-        types = [
-            FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers)
-        ]
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern"))
+        types = gemma3_layer_types(layers, int(pattern or GEMMA3_SLIDING_PATTERN))
     theta, scaling = _rope(raw, FULL_ATTENTION)
     local_theta, local_scaling = _rope(raw, SLIDING_ATTENTION)
     if "rope_local_base_freq" in raw:
@@ -144,15 +176,16 @@ def gemma3(raw: Mapping[str, Any]) -> ModelConfig:
     return _base(
         raw,
         "gemma3",
-        qk_norm=True,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         rope_theta=theta,
         rope_scaling=scaling,
-        sliding_rope_theta=local_theta,
-        sliding_window=int(raw.get("sliding_window") or 4096),
-        layer_types=tuple(types),
-        query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
-        final_logit_softcap=raw.get("final_logit_softcapping"),
+        **gemma3_changes(
+            layer_types=tuple(types),
+            sliding_window=int(raw.get("sliding_window") or 4096),
+            sliding_rope_theta=local_theta,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+            final_logit_softcap=raw.get("final_logit_softcapping"),
+        ),
     )
 
 

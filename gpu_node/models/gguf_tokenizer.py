@@ -70,11 +70,15 @@ def read_gguf_tokenizer(gguf: GGUFModel) -> tuple[Tokenizer, TokenizerMeta]:
         )
     special = [tokens[i] for i, t in enumerate(types) if t == CONTROL_TOKEN]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
-    vocab = {t: i for i, t in enumerate(tokens)}
+    # Only those the vocabulary spells as the file does: Gemma's runs of spaces are pieces
+    # of SPACEs there (_sentencepiece), merged as any piece, never matched whole.
     user_defined = [
-        tokens[i] for i, t in enumerate(types) if t == USER_DEFINED_TOKEN and tokens[i] in vocab
+        tokens[i]
+        for i, t in enumerate(types)
+        if t == USER_DEFINED_TOKEN and tok.token_to_id(tokens[i]) == i
     ]
     tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user_defined])
+    vocab = {t: i for i, t in enumerate(tokens)}
 
     bos = _token_id(gguf, "bos_token_id")
     eos = _token_id(gguf, "eos_token_id")
