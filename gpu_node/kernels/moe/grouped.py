@@ -24,7 +24,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.kernels.w4a16.dot import int4_group_step, is_interpreted
 from gpu_node.models.moe_routing import ExpertBlocks, Routing, group_by_expert
 from gpu_node.quant.int4 import Int4Weight
@@ -176,9 +175,3 @@ def fused_moe_int4(
     y = _grouped_gemm(act, w2, blocks, weights, 1, inner_dtype)  # [T*K, H]
     return y.view(t, top_k, h).float().sum(dim=1).to(x.dtype)
 
-
-def fused_moe_int4_ref(
-    x: torch.Tensor, w13: Int4Weight, w2: Int4Weight, routing: Routing
-) -> torch.Tensor:
-    """Plain torch reference: per expert, dequantize and multiply in fp32."""
-    return moe_experts_ref(x, w13, w2, routing)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import gpu_node.kernels.moe.grouped as moe_module
+from gpu_node.kernels.moe.reference import moe_experts_ref
 from gpu_node.models.moe_routing import route
 from gpu_node.quant.int4 import Int4Weight
 from tests.gpu_node.kernels.moe.weights import random_experts, routing_weight_cases
 
 fused_moe_int4 = moe_module.fused_moe_int4
-fused_moe_int4_ref = moe_module.fused_moe_int4_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max |kernel - reference| over max |reference|. The kernel rounds the SwiGLU
@@ -43,7 +43,7 @@ def test_kernel_equals_reference(
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     routing = route(torch.randn(tokens, num_experts, generator=gen).to(DEVICE), top_k)
     y = fused_moe_int4(x, w13, w2, routing)
-    ref = fused_moe_int4_ref(x, w13, w2, routing)
+    ref = moe_experts_ref(x, w13, w2, routing)
     assert y.shape == (tokens, hidden) and y.dtype == dtype
     err = (y.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert float(err) <= TOLERANCE[dtype]
