@@ -26,14 +26,30 @@ def register(app: typer.Typer) -> None:
 
     @model_app.command("list")
     def list_models() -> None:
-        """Show known models and whether they are present locally."""
+        """Show the models on disk (size, family, format), the known ones not pulled yet and the
+        built-in ones."""
         from gpu_node.models import model_store
 
-        for name, package in sorted(model_store.KNOWN_MODELS.items()):
-            path = model_store.model_path(package)
-            state = "present" if path.is_file() else "not pulled"
-            typer.echo(f"{name:12} {state:11} {path}")
-        for name in model_store.SYNTHETIC_MODELS:
-            typer.echo(f"{name:12} {'built-in':11} (seeded dummy weights)")
+        local = model_store.local_models()
+        rows = [(m.name, _size(m.size_bytes), m.family, m.format, str(m.path)) for m in local]
+        pulled = {m.name for m in local}
+        rows += [
+            (name, "-", "-", "not pulled", f"edgeserve model pull {name}")
+            for name in sorted(model_store.KNOWN_MODELS)
+            if name not in pulled
+        ]
+        rows += [(name, "-", "moe", "built-in", "(seeded dummy weights)")
+                 for name in model_store.SYNTHETIC_MODELS]  # fmt: skip
+        table = [("NAME", "SIZE", "FAMILY", "FORMAT", "PATH"), *rows]
+        widths = [max(len(row[i]) for row in table) for i in range(4)]
+        for *cells, path in table:
+            padded = [cell.ljust(width) for cell, width in zip(cells, widths, strict=True)]
+            typer.echo("  ".join([*padded, path]))
 
     app.add_typer(model_app, name="model")
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / (1 << 30):.1f} GiB"
+    return f"{num_bytes / (1 << 20):.1f} MiB"

@@ -7,6 +7,9 @@ them without ever materialising full-precision weights.
 
 from __future__ import annotations
 
+import mmap
+import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,3 +164,91 @@ class GGUFModel:
             raise ModelNotFoundError(f"{self.path}: RoPE scaling {kind!r} is not supported")
         return RopeScaling("linear", float(self._need(arch, "rope.scaling.factor")))
 
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    """What a GGUF's header says of it: its family and the type of its weights."""
+
+    architecture: str
+    weight_type: str  # the file type it states ("Q4_K_M"), else the type of most weights
+
+
+# GGUF's value types (gguf.GGUFValueType) of fixed size, as struct formats.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header fields one after another."""
+
+    def __init__(self, data: mmap.mmap):
+        self.data = data
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.unpack("<Q")
+        self.pos += size
+        return self.data[self.pos - size : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        """A scalar or string; an array is skipped (None)."""
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.unpack("<I"), self.unpack("<Q")
+            if item in _SCALAR_FORMATS:
+                self.pos += count * struct.calcsize(_SCALAR_FORMATS[item])
+            elif item == _STRING:  # a vocabulary: 100k strings and more, skipped in a tight loop
+                pos, data = self.pos, self.data
+                for _ in range(count):
+                    pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+                self.pos = pos
+            else:
+                for _ in range(count):
+                    self.value(item)
+            return None
+        return self.unpack(_SCALAR_FORMATS[kind])
+
+
+def read_summary(path: str | Path) -> GGUFSummary:
+    """A GGUF's summary from its header alone, in a fraction of the time GGUFModel takes
+    to open it (which reads the whole vocabulary). ModelNotFoundError when unreadable."""
+    import gguf
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data)
+            if cursor.unpack("<I") != gguf.GGUF_MAGIC or cursor.unpack("<I") < 2:
+                raise ModelNotFoundError(f"{path} is not a GGUF file of version 2 or later")
+            num_tensors, num_fields = cursor.unpack("<Q"), cursor.unpack("<Q")
+            fields = {}
+            for _ in range(num_fields):
+                key = cursor.string()
+                fields[key] = cursor.value(cursor.unpack("<I"))
+            elements: Counter[int] = Counter()  # weights' elements by GGML type
+            for _ in range(num_tensors):
+                cursor.string()
+                dims = [cursor.unpack("<Q") for _ in range(cursor.unpack("<I"))]
+                kind = cursor.unpack("<I")
+                cursor.unpack("<Q")  # offset
+                if len(dims) >= 2:
+                    elements[kind] += int(np.prod(dims))
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        raise ModelNotFoundError(f"{path} is not a readable GGUF file: {exc}") from exc
+    weight_type = None
+    if fields.get("general.file_type") is not None:
+        try:
+            name = gguf.LlamaFileType(fields["general.file_type"]).name
+            weight_type = name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            pass
+    if weight_type is None:
+        most = elements.most_common(1)
+        weight_type = gguf.GGMLQuantizationType(most[0][0]).name if most else "none"
+    return GGUFSummary(str(fields.get("general.architecture", "unknown")), weight_type)

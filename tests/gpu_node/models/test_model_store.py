@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from gpu_node.errors import ModelNotFoundError
-from gpu_node.models.model_store import KNOWN_MODELS, model_path, pull, resolve_model, sha256_of
+from gpu_node.models.model_store import (
+    KNOWN_MODELS,
+    LocalModel,
+    describe,
+    local_models,
+    model_path,
+    pull,
+    resolve_model,
+    sha256_of,
+)
 
 
 def test_gemma3_is_four_wheels_joined_in_order():
@@ -18,7 +27,7 @@ def test_gemma3_is_four_wheels_joined_in_order():
 
 
 def test_an_unknown_model_is_refused_naming_the_pullable_ones(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="gemma3-270m, smollm2"):
+    with pytest.raises(ModelNotFoundError, match=r"pullable: gemma3-270m, .*smollm2"):
         pull("gemma9", tmp_path)
 
 
@@ -43,3 +52,21 @@ def test_pull_joins_the_parts_and_replaces_a_damaged_file(tmp_path, gemma3_path)
 def test_the_shared_cache_holds_the_verified_file(gemma3_path, smollm2_path):
     assert gemma3_path == model_path(KNOWN_MODELS["gemma3-270m"])
     assert smollm2_path == model_path(KNOWN_MODELS["smollm2"])
+
+
+def test_describe_reads_family_and_format_from_the_gguf_header(gemma3_path, smollm2_path):
+    assert describe("gemma3-270m", gemma3_path) == LocalModel(
+        "gemma3-270m", gemma3_path, 253113024, "gemma3", "GGUF Q4_K_M"
+    )
+    assert describe("smollm2", smollm2_path) == LocalModel(
+        "smollm2", smollm2_path, smollm2_path.stat().st_size, "llama", "GGUF Q4_1"
+    )
+
+
+def test_an_unreadable_file_is_listed_as_such(tmp_path):
+    broken = tmp_path / "models" / "broken.gguf"
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a gguf")
+    assert local_models(tmp_path) == [
+        LocalModel("broken", broken, 10, "unknown", "GGUF (unreadable)")
+    ]
