@@ -23,6 +23,14 @@ sequence is admitted past one that does not fit (memory is handed out in
 arrival order). When a running sequence
 needs a page and none is free, the newest running sequence is preempted: its
 pages are freed and it goes back to the front of the queue to be recomputed.
+
+Where the block manager releases passed pages (a model whose every layer has a
+sliding window), a sequence never holds more than its window and one chunk. It is
+admitted when the pages of its window are free (ceil((W - 1) / S) + 1, or its
+whole sequence's where fewer), taking those of its first chunk only; each later
+chunk takes its own as it comes, shrunk to the pages free before anyone is
+preempted for it. A sequence that keeps its pages (a prefill for a decode node)
+is admitted as anywhere else.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import BlockManager, pages_for
 from scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -125,14 +133,15 @@ class Scheduler:
             if seq in self.running and _left(seq) <= 1:
                 self._take(step, seq, 1)
         # Prefill chunks of running sequences, oldest first; while other prefill work
-        # waits, a long one is held to its share. Their pages were all taken at admission,
-        # so from here on nothing is preempted.
+        # waits, a long one is held to its share. Their pages were taken at admission,
+        # except where passed pages are released: there a chunk may preempt.
         prefilling = [s for s in self.running if _left(s) > 1]
         contended = threshold > 0 and (len(prefilling) > 1 or bool(self.waiting))
         for seq in prefilling:
             if step.budget == 0:
                 break
-            self._take(step, seq, min(_left(seq), threshold if contended else step.budget))
+            if seq in self.running:
+                self._take(step, seq, min(_left(seq), threshold if contended else step.budget))
         # Nothing is admitted in a step that had to preempt: memory is short.
         if not step.out.preempted:
             num_long = sum(1 for s in prefilling if _left(s) > threshold)
@@ -142,7 +151,7 @@ class Scheduler:
             for seq in list(step.sizes):
                 if step.budget == 0:
                     break
-                self._take(step, seq, _left(seq) - step.sizes[seq])
+                self._take(step, seq, _left(seq) - step.sizes[seq], may_preempt=False)
             if passed_over:
                 self._admit(step, 0, 0, passed_over)
         step.out.chunks = [ScheduledChunk(seq, n) for seq, n in step.sizes.items()]
@@ -165,28 +174,57 @@ class Scheduler:
             # guards nothing, and would keep a prompt (or a preempted sequence, grown since)
             # that fits the pool only without it waiting for good.
             reserve = self.config.reserve_pages if self.running else 0
+            num_new = self._admitted_chunk(
+                seq, min(_left(seq), threshold if is_long else step.budget), reserve
+            )
+            if num_new == 0:
+                break  # nothing behind it takes the memory it waits for
             if is_long and num_long >= self.config.max_long_prefills:
-                if not self.block_manager.can_allocate(seq, seq.num_tokens, reserve):
-                    break  # nothing behind it takes the memory it waits for
                 passed_over.append(seq)
                 continue
-            if self.block_manager.allocate(seq, seq.num_tokens, reserve) is None:
+            admitted_tokens = (
+                seq.num_computed_tokens + num_new
+                if self.block_manager.releases(seq)
+                else seq.num_tokens
+            )
+            if self.block_manager.allocate(seq, admitted_tokens, reserve) is None:
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             step.out.admitted.append(seq)
-            self._take(step, seq, min(_left(seq), threshold if is_long else step.budget))
+            self._take(step, seq, num_new)
             num_long += is_long
         return passed_over
 
-    def _take(self, step: _Step, seq: Sequence, num_more: int) -> None:
-        """Schedules up to `num_more` more tokens of `seq` within the budget, preempting the
-        newest running sequences while its pages are short (perhaps `seq` itself)."""
+    def _admitted_chunk(self, seq: Sequence, num_new: int, reserve: int) -> int:
+        """How many of `num_new` tokens `seq` can be admitted with, `reserve` pages left
+        free (0: it does not fit): all of them when the pages of its whole sequence fit.
+        Where passed pages are released, when the pages of its window fit (what it holds
+        computing a token at a time, so it is not admitted only to be preempted), as many
+        as the free pages hold."""
+        bm = self.block_manager
+        window_pages = bm.max_held_pages(1)
+        if window_pages is None or not bm.releases(seq):
+            return num_new if bm.can_allocate(seq, seq.num_tokens, reserve) else 0
+        needed = min(pages_for(seq.num_tokens, bm.page_size), window_pages)
+        if needed + reserve > bm.num_free_pages:
+            return 0
+        return max(0, min(num_new, bm.num_fitting_tokens(seq, seq.num_computed_tokens, reserve)))
+
+    def _take(self, step: _Step, seq: Sequence, num_more: int, may_preempt: bool = True) -> None:
+        """Schedules up to `num_more` more tokens of `seq` within the budget: as many as the
+        free pages hold, or else one, preempting the newest running sequences while its
+        pages are short (perhaps `seq` itself; none unless `may_preempt`)."""
         num_more = min(num_more, step.budget)
+        scheduled = step.sizes.get(seq, 0)
+        # Only where passed pages are released does a prefill chunk find its pages short
+        # (elsewhere admission took them all): it takes what is free before preempting.
+        fitting = self.block_manager.num_fitting_tokens(seq, seq.num_computed_tokens + scheduled)
+        if fitting < num_more:
+            num_more = fitting if fitting > 0 or not may_preempt else min(num_more, 1)
         if num_more <= 0:
             return
-        scheduled = step.sizes.get(seq, 0)
         while (
             self.block_manager.allocate(seq, seq.num_computed_tokens + scheduled + num_more) is None
         ):

@@ -88,6 +88,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # Leading block-table columns whose pages went back to the pool, out of every later
+    # step's window (BlockManager.release_passed); their entries are never read.
+    num_released_pages: int = 0
+    # A prefill for a decode node hands its prompt's KV off whole: none of its pages is
+    # released, and it is admitted with all of them.
+    keeps_pages: bool = False
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
@@ -109,3 +115,8 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_held_pages(self) -> int:
+        """Pages this sequence holds now: its block table less the released columns."""
+        return len(self.block_table) - self.num_released_pages

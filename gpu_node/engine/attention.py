@@ -233,7 +233,9 @@ class PagedAttention:
         out = torch.empty_like(q) if out is None else out
         for start, end, pages, offsets in self._windowed_gathers:
             n, length = end - start, pages.shape[0]
-            first = max(0, length - n - window + 1)  # the first key any query here sees
+            # The first key any query here sees; a sequence's released pages
+            # (BlockManager.release_passed) lie wholly before it, so are never gathered.
+            first = max(0, length - n - window + 1)
             keys, values = self.kv_cache.gather(
                 layer, pages[first:], offsets[first:], q.dtype
             )  # [L', K, E]

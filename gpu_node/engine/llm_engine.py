@@ -30,7 +30,7 @@ from gpu_node.errors import InvalidRequestError, RequestTooLargeError
 from gpu_node.models.llama import LlamaModel
 from gpu_node.models.tokenizer import ChatTokenizer
 from gpu_node.models.weights import Progress, activation_dtype, build_model
-from scheduler.block_manager import BlockManager, sequence_tag
+from scheduler.block_manager import BlockManager, pages_for, release_window, sequence_tag
 from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
@@ -68,7 +68,7 @@ class _RequestState:
     num_prefilled: int = 0
 
     def record(self, name: str) -> None:
-        self.events.append(EngineEvent(name, time.time_ns(), len(self.seq.block_table)))
+        self.events.append(EngineEvent(name, time.time_ns(), self.seq.num_held_pages))
 
 
 class LLMEngine:
@@ -104,12 +104,19 @@ class LLMEngine:
                     f"activations={config.activations!r}))"
                 )
         self.kv_spec = KVSpec.of(self.kv_cache, computes_in)
+        # Where every layer slides, pages past the window go back to the pool as a sequence
+        # grows; a model with any global layer keeps them all, since that layer reads them.
+        window = release_window(mc.layer_windows)
+        self.block_manager = BlockManager(num_pages, config.page_size, config.device, window)
         self.prefix_cache = (
             PrefixCache(self.kv_cache, config.prefix_cache_blocks)
-            if config.prefix_cache_blocks
+            if config.prefix_cache_blocks and window is None
             else None
         )
-        self.block_manager = BlockManager(num_pages, config.page_size, config.device)
+        if config.prefix_cache_blocks and window is not None:
+            # A prompt's leading pages are released as it prefills: none is left to keep at
+            # its end, and admission takes no pages for a cached prefix to be copied into.
+            log.info("prefix caching is off: this model's pages past its window are released")
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -190,6 +197,7 @@ class LLMEngine:
         self.validate(request_id, prompt_token_ids, params)
         if handoff is not None:
             self._validate_handoff(handoff, prompt_token_ids, params, prefill_only)
+        self._refuse_whole_prompt_kv(len(prompt_token_ids), prefill_only or handoff is not None)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -197,6 +205,7 @@ class LLMEngine:
             params=params,
             cache_salt=cache_salt,
             arrival=time.monotonic(),
+            keeps_pages=prefill_only,
         )
         seed = (
             params.seed
@@ -221,9 +230,25 @@ class LLMEngine:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt and output together) one request can have here: the context
-        window, or the whole KV pool where that holds fewer."""
-        pool = self.block_manager.num_pages * self.block_manager.page_size
-        return min(self.max_model_len, pool)
+        window, or the whole KV pool where that holds fewer. Where pages past a window are
+        released, the context window once the pool holds the pages a sequence needs to
+        compute one token (`BlockManager.max_held_pages(1)`)."""
+        bm = self.block_manager
+        window_pages = bm.max_held_pages(1)
+        if window_pages is not None and window_pages <= bm.num_pages:
+            return self.max_model_len
+        return min(self.max_model_len, bm.num_pages * bm.page_size)
+
+    def _refuse_whole_prompt_kv(self, num_prompt_tokens: int, is_handed_off: bool) -> None:
+        """A prompt handed off (exported or imported) moves its KV whole, so its pages must
+        all fit the pool at once, even where pages past a window are released."""
+        bm = self.block_manager
+        if is_handed_off and pages_for(num_prompt_tokens + 1, bm.page_size) > bm.num_pages:
+            raise RequestTooLargeError(
+                f"prompt ({num_prompt_tokens} tokens) exceeds the "
+                f"{bm.num_pages * bm.page_size - 1} tokens this node's KV cache holds for a "
+                f"prompt handed off whole"
+            )
 
     def validate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -342,6 +367,7 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens += chunk.num_new_tokens
             state = self._requests[seq.request_id]
+            self.block_manager.release_passed(seq)
             state.num_prefilled = max(
                 state.num_prefilled, min(seq.num_computed_tokens, seq.num_prompt_tokens)
             )
@@ -423,6 +449,7 @@ class LLMEngine:
         page, reason = self._first_bad_entry(seq, sequence_tag(seq))
         assert page == -1, f"fresh pages that are not its own: page {page}, {reason}"
         import_rows(self.kv_cache, seq.block_table, handoff)
+        self.block_manager.release_passed(seq)  # those its window has passed
         state.handoff = None  # a preemption from here on recomputes, as for any request
         state.record("first_token")
         return self._advance(state, handoff.first_token)
@@ -449,10 +476,13 @@ class LLMEngine:
         return self._output(state, (), "", finished=True)
 
     def _first_bad_entry(self, seq: Sequence, tag: int) -> tuple[int, str]:
-        """The first block-table entry that breaks an ownership rule, and which rule."""
+        """The first block-table entry that breaks an ownership rule, and which rule (the
+        released columns are no longer the sequence's, and never read)."""
         owners = self.block_manager.page_owner_host
         columns = self.block_manager.page_column_host
         for column, page in enumerate(seq.block_table):
+            if column < seq.num_released_pages:
+                continue
             if not 0 <= page < len(owners):
                 return page, "outside the pool"
             if int(owners[page]) != tag:

@@ -31,11 +31,14 @@ class StepResult:
 def find_violations_host(
     tables: np.ndarray, table_lens: np.ndarray, context_lens: np.ndarray, page_size: int,
     page_owner: np.ndarray, page_column: np.ndarray, seq_tags: np.ndarray,
+    first_columns: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     """bool [B]: within the first ceil(context_lens[b] / page_size) entries of sequence
     b's block table (tables[b, :table_lens[b]]), an entry names a page outside the
     pool, a page another tag owns, or one of its own pages at a column other than
     the one it was handed out for (`page_column`); or the table is too short.
+    Columns before `first_columns[b]` (released pages, past every later window) are
+    not the sequence's any more and never read, so not checked.
 
     Tags cannot see a page named twice (it is the sequence's own), yet two positions
     would then share one slot: the column rule catches that, with one more gather
@@ -53,6 +56,8 @@ def find_violations_host(
     is_bad |= tables.view(np.uint64) >= num_pages  # a negative id reads as a huge one
     if (needed < tables.shape[1]).any():  # entries past a sequence's context are not read
         is_bad &= columns[None, :] < needed[:, None]
+    if first_columns is not None and first_columns.any():
+        is_bad &= columns[None, :] >= first_columns[:, None]
     return is_bad.any(axis=1) | (needed > table_lens)
 
 
@@ -64,12 +69,14 @@ class HostTables:
     table_lens: np.ndarray  # int64 [B]
     context_lens: np.ndarray  # int64 [B] tokens in cache after this step's writes
     seq_tags: np.ndarray  # int64 [B] owner tags
+    first_columns: np.ndarray  # int64 [B] leading columns released: never read nor checked
 
     def select(self, keep: list[bool]) -> HostTables:
         rows = np.asarray(keep, dtype=bool)
         return HostTables(
-            self.tables[rows], self.table_lens[rows], self.context_lens[rows], self.seq_tags[rows]
-        )
+            self.tables[rows], self.table_lens[rows], self.context_lens[rows],
+            self.seq_tags[rows], self.first_columns[rows],
+        )  # fmt: skip
 
 
 class ModelRunner:
@@ -96,7 +103,10 @@ class ModelRunner:
         self.scale = model.config.attention_scale
         self.windows = model.config.layer_windows
         # Contexts longer than this are cut by a sliding layer's window: their steps attend
-        # from gathered context (PagedAttention), never from the decode graphs.
+        # from gathered context (PagedAttention), never from the decode graphs. So do the
+        # steps of sequences with released pages (longer than every window): the decode
+        # kernels and graphs read and check a context from column 0, and released columns
+        # name pages that are no longer the sequence's.
         self.window_from = min((w for w in self.windows if w is not None), default=None)
 
     def host_tables(self, chunks: list[ScheduledChunk]) -> HostTables:
@@ -109,7 +119,8 @@ class ModelRunner:
             [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks], dtype=np.int64
         )
         seq_tags = np.array([sequence_tag(c.seq) for c in chunks], dtype=np.int64)
-        return HostTables(tables, table_lens, context_lens, seq_tags)
+        first_columns = np.array([c.seq.num_released_pages for c in chunks], dtype=np.int64)
+        return HostTables(tables, table_lens, context_lens, seq_tags, first_columns)
 
     def find_violations(
         self, chunks: list[ScheduledChunk], tables: HostTables | None = None
@@ -124,7 +135,7 @@ class ModelRunner:
         t = tables if tables is not None else self.host_tables(chunks)
         bad = find_violations_host(
             t.tables, t.table_lens, t.context_lens, self.kv_cache.page_size,
-            self.page_owner_host, self.page_column_host, t.seq_tags,
+            self.page_owner_host, self.page_column_host, t.seq_tags, t.first_columns,
         )  # fmt: skip
         return bad.tolist()
 
@@ -176,7 +187,9 @@ class ModelRunner:
         """Computes the chunks' KV; returns logits for the chunks that complete a sequence."""
         t = tables if tables is not None else self.host_tables(chunks)
         completing = [i for i, c in enumerate(chunks) if c.completes_sequence]
-        windowed = self.window_from is not None and int(t.context_lens.max()) > self.window_from
+        windowed = (
+            self.window_from is not None and int(t.context_lens.max()) > self.window_from
+        ) or bool(t.first_columns.any())
         if self.graphs is not None and not windowed:
             positions = np.array([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
             if self.graphs.takes([c.num_new_tokens for c in chunks], positions, t.table_lens):

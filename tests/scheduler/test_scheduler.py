@@ -13,11 +13,13 @@ def seq(seq_id: int, n: int) -> Sequence:
 
 
 def run_step(sched: Scheduler):
-    """Applies a schedule as the engine would: computed tokens advance; completed chunks emit a token."""
+    """Applies a schedule as the engine would: computed tokens advance, pages past the window
+    (if any) are released, completed chunks emit a token."""
     out = sched.schedule()
     for chunk in out.chunks:
         completes = chunk.completes_sequence
         chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        sched.block_manager.release_passed(chunk.seq)
         if completes:
             chunk.seq.output_token_ids.append(7)
     return out
@@ -195,3 +197,107 @@ def test_a_passed_over_long_prompt_that_does_not_fit_holds_the_queue():
     sched.add(d)  # would fit, but does not take memory c waits for
     out = run_step(sched)
     assert chunks(out) == [(1, 8)] and list(sched.waiting) == [c, d]
+
+
+def chunks_of(out) -> list[tuple[int, int]]:
+    return [(c.seq.seq_id, c.num_new_tokens) for c in out.chunks]
+
+
+def held(s: Sequence) -> list[int]:
+    return s.block_table[s.num_released_pages :]
+
+
+def test_a_windowed_pool_admits_with_the_first_chunks_pages_and_releases_as_it_goes():
+    """Window 8, pages of 4: a 30-token prompt is admitted with its first chunk's 2 pages,
+    not its 8, and after each chunk the pages before the next query's window go back."""
+    bm = BlockManager(8, 4, window=8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, long_prefill_tokens=0), bm)
+    a = seq(1, 30)
+    sched.add(a)
+    steps = [run_step(sched) for _ in range(5)]
+    assert [chunks_of(out) for out in steps] == [[(1, 8)], [(1, 8)], [(1, 8)], [(1, 6)], [(1, 1)]]
+    assert a.num_computed_tokens == 31 and a.num_released_pages == 6
+    assert held(a) == [6, 7] and bm.num_free_pages == 6
+    # step by step: (held pages, released columns, free pages) after each step
+    bm2 = BlockManager(8, 4, window=8)
+    sched2 = Scheduler(SchedulerConfig(max_num_batched_tokens=8, long_prefill_tokens=0), bm2)
+    b = seq(2, 30)
+    sched2.add(b)
+    trace = []
+    for _ in range(4):
+        run_step(sched2)
+        trace.append((held(b), b.num_released_pages, bm2.num_free_pages))
+    assert trace == [([0, 1], 0, 6), ([2, 3], 2, 6), ([4, 5], 4, 6), ([5, 6, 7], 5, 5)]
+
+
+def test_a_windowed_chunk_shrinks_to_the_free_pages_and_the_spare_budget_preempts_no_one():
+    bm = BlockManager(4, 4, window=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, long_prefill_tokens=0), bm)
+    a, b = seq(1, 3), seq(2, 40)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    steps = [run_step(sched) for _ in range(3)]
+    # b is admitted with the 12 tokens its 3 free pages hold, then takes 4 a step: a
+    # decodes first, and what is free after it is one page.
+    assert [chunks_of(out) for out in steps] == [
+        [(1, 1), (2, 12)],
+        [(1, 1), (2, 4)],
+        [(1, 1), (2, 4)],
+    ]
+    assert sched.num_preemptions == 0
+    assert (held(a), held(b), bm.num_free_pages) == ([0, 1], [3], 1)
+
+
+def test_a_lone_windowed_sequence_runs_a_prompt_longer_than_the_pool():
+    """Window 8, pages of 4: a sequence holds at most ceil(7 / 4) + 1 = 3 pages while it
+    computes a token at a time, so a pool of 3 pages (12 tokens) runs a 40-token prompt."""
+    bm = BlockManager(3, 4, window=8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, long_prefill_tokens=0), bm)
+    a = seq(1, 40)
+    sched.add(a)
+    sizes, pages = [], []
+    while a.num_output_tokens < 10:
+        out = run_step(sched)
+        sizes.append(out.chunks[0].num_new_tokens)
+        pages.append(a.num_held_pages)
+    assert sizes == [12] + [4] * 7 + [1] * 9
+    assert pages == [2] * 8 + [3, 3, 2, 2, 3, 3, 2, 2, 3]
+    assert sched.num_preemptions == 0 and bm.max_held_pages(1) == 3
+
+
+def test_a_preempted_windowed_sequence_waits_for_its_windows_pages():
+    """Two sequences that each need 3 pages of a 4-page pool: the newer is preempted when
+    the older grows, and is not re-admitted on one free page only to be preempted again."""
+    bm = BlockManager(4, 4, window=8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, long_prefill_tokens=0), bm)
+    a, b = seq(1, 6), seq(2, 6)
+    sched.add(a)
+    sched.add(b)
+    steps = [run_step(sched) for _ in range(12)]
+    assert [chunks_of(out) for out in steps[:4]] == [
+        [(1, 6), (2, 6)], [(1, 1), (2, 1)], [(1, 1), (2, 1)], [(1, 1)],
+    ]  # fmt: skip
+    assert [[s.seq_id for s in out.preempted] for out in steps] == [[]] * 3 + [[2]] + [[]] * 8
+    assert all(chunks_of(out) == [(1, 1)] for out in steps[4:])
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert held(a) == [2, 3, 0] and bm.num_free_pages == 1
+    sched.finish(a)
+    out = run_step(sched)
+    assert chunks_of(out) == [(2, 9)]  # recomputes its 6 prompt tokens and 3 outputs
+    assert [s.seq_id for s in out.admitted] == [2]
+
+
+def test_a_windowed_sequence_that_keeps_its_pages_is_admitted_with_them_all():
+    bm = BlockManager(8, 4, window=8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, long_prefill_tokens=0), bm)
+    kept, windowed = seq(1, 20), seq(2, 20)
+    kept.keeps_pages = True
+    sched.add(kept)
+    sched.add(windowed)
+    out = run_step(sched)
+    assert chunks_of(out) == [(1, 8)]  # the budget's 8 tokens; pages for all 20
+    assert kept.block_table == [0, 1, 2, 3, 4] and windowed.status is SequenceStatus.WAITING
+    run_step(sched)
+    run_step(sched)
+    assert kept.num_computed_tokens == 20 and kept.num_released_pages == 0

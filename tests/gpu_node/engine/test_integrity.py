@@ -172,3 +172,51 @@ def test_host_check_follows_its_rules_under_random_faults():
         assert got == _violations_by_rule(*args)
         flagged += sum(got)
     assert flagged > 500  # the faults did land
+
+
+def test_released_columns_are_not_checked_and_the_live_ones_are(tiny_parts):
+    """Where every layer slides (window 8, pages of 8), a sequence's passed pages go back to
+    the pool: their columns are no longer its own and never read, so a foreign page there
+    breaks no rule; one in a live column still does."""
+    import dataclasses
+
+    from scheduler.block_manager import RELEASED_PAGE
+    from scheduler.scheduler import ScheduledChunk
+
+    _, tokenizer = tiny_parts
+    model = seeded_llama(dataclasses.replace(TINY, sliding_window=8), seed=1)
+    config = EngineConfig(model="tiny", page_size=8, num_pages=64, max_num_batched_tokens=16)
+    engine = LLMEngine(config, model, tokenizer)
+    engine.add_request("a", PROMPTS["r3"], PARAMS)  # 26 tokens
+    engine.step()  # 16 of them: the query at 16 sees 9 .. 16, so page 0 goes back
+    seq = engine._requests["a"].seq
+    assert (seq.block_table, seq.num_released_pages) == ([RELEASED_PAGE, 1], 1)
+    engine.add_request("b", PROMPTS["r1"], PARAMS)  # 12 tokens
+    engine.step()  # a's last 10 (pages 2 and 3; pages 0, 1 are passed), b's first 6
+    other = engine._requests["b"].seq
+    assert (seq.block_table, seq.num_released_pages) == ([RELEASED_PAGE] * 2 + [2, 3], 2)
+    assert other.block_table == [4]
+    chunk = ScheduledChunk(seq, 1)
+    assert engine.runner.find_violations([chunk]) == [False]
+    seq.block_table[1] = other.block_table[0]  # b's page in a released column
+    assert engine.runner.find_violations([chunk]) == [False]
+    seq.block_table[2] = other.block_table[0]  # and in a live one
+    assert engine.runner.find_violations([chunk]) == [True]
+
+
+def test_host_check_skips_the_columns_before_each_tables_first():
+    import numpy as np
+
+    from gpu_node.engine.model_runner import find_violations_host
+
+    owner = np.array([2 << 16, 1 << 16, 1 << 16, 0], dtype=np.int64)  # page 0 is another's
+    column = np.array([0, 1, 2, 0], dtype=np.int64)
+    tables = np.array([[0, 1, 2]], dtype=np.int64)
+    args = (tables, np.array([3]), np.array([20]), 8, owner, column, np.array([1 << 16]))
+    assert find_violations_host(*args).tolist() == [True]
+    assert find_violations_host(*args, np.array([0])).tolist() == [True]
+    assert find_violations_host(*args, np.array([1])).tolist() == [False]
+    tables[0, 0] = 9  # outside the pool, but released
+    assert find_violations_host(*args, np.array([1])).tolist() == [False]
+    tables[0, 2] = 3  # a free page in a live column
+    assert find_violations_host(*args, np.array([1])).tolist() == [True]
