@@ -7,6 +7,11 @@ Tensors are read lazily, shard by shard, each straight onto the target device
 cast to the compute dtype, and with `int4` every projection is quantized as it arrives,
 so the full-precision weights of one tensor (one layer's experts for MoE) are the most
 ever held at once.
+
+A checkpoint that arrives quantized (GPTQ, AWQ, compressed-tensors: quant/checkpoint_formats.py)
+is served as INT4 and only as INT4: its projections become Int4Linear straight from their
+codes, scales and zero points (no dequantize-requantize), and a full-precision load of it
+is refused, since it would only be those INT4 values dequantized.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from gpu_node.models.config import ModelConfig
 from gpu_node.models.families import config_from_hf
 from gpu_node.models.gemma3 import model_class
 from gpu_node.models.llama import LlamaModel
+from gpu_node.quant.checkpoint_formats import QuantizedModules, quantized_format
 from gpu_node.quant.int4 import quantize_int4
 from gpu_node.quant.linear import Int4Linear
 
@@ -92,10 +98,16 @@ class HFCheckpoint:
 
     def config(self) -> ModelConfig:
         if self.quantization is not None:
-            from gpu_node.quant.checkpoint_formats import refuse_unless_importable
-
-            refuse_unless_importable(self.quantization)
+            quantized_format(self.quantization)  # refuses a format that does not map
         return config_from_hf(self.raw_config)
+
+    def quantized_modules(self) -> QuantizedModules | None:
+        """The collector of the checkpoint's quantized projections; None if it has none."""
+        if self.quantization is None:
+            return None
+        names = [our_name(n) for names in self.shards.values() for n in names]
+        fmt = quantized_format(self.quantization)
+        return QuantizedModules(fmt, [n for n in names if n is not None])
 
     def tensors(self, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor on `device`) one at a time, shard by shard; None-named tensors
@@ -136,31 +148,43 @@ def load_hf_model(
 ) -> LlamaModel:
     """Our model of the checkpoint's family, computing in `dtype` on `device`; with `int4`
     every projection (attention, MLP, experts) quantized on load (RTN, INT4_GROUP_SIZES),
-    embeddings, norms, routers and the output head kept in `dtype`."""
+    embeddings, norms, routers and the output head kept in `dtype`. A quantized checkpoint
+    takes `int4` (see the module docstring); its quantized projections are imported, any
+    others kept in `dtype` as the checkpoint has them."""
     config = checkpoint.config()
+    imported = checkpoint.quantized_modules()
+    if imported is not None:
+        _check_importable(checkpoint, config, imported, int4)
+    quantize = int4 and imported is None  # a quantized checkpoint's other weights stay as they are
     with torch.device("meta"):
         model = model_class(config)(config)
-    experts = _ExpertStacks(model, config, dtype, int4)
+    experts = _ExpertStacks(model, config, dtype, quantize)
     norms_offset = config.architecture == "gemma3"  # Gemma stores norm weights as w - 1
     state: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor] = {}
     total = checkpoint.num_tensors
     for done, (name, tensor) in enumerate(checkpoint.tensors(device), start=1):
-        if experts.take(name, tensor):
+        if imported is not None and imported.owns(name):
+            if linear := imported.add(name, tensor):
+                bias = None if linear.bias is None else linear.bias.to(dtype)
+                model.set_submodule(linear.name, Int4Linear(linear.weight, bias))
+        elif experts.take(name, tensor):
             pass
         elif config.tie_word_embeddings and name == "lm_head.weight":
             pass  # the embedding's, tied below
         elif name.endswith("norm.weight") and norms_offset:
             state[name] = (tensor.float() + 1.0).to(dtype)
-        elif int4 and _is_projection(name) and name.endswith(".weight"):
+        elif quantize and _is_projection(name) and name.endswith(".weight"):
             _quantize_into(model, name.removesuffix(".weight"), tensor)
-        elif int4 and _is_projection(name) and name.endswith(".bias"):
+        elif quantize and _is_projection(name) and name.endswith(".bias"):
             biases[name] = tensor.to(dtype)
         else:
             state[name] = tensor.to(dtype)
         if progress:
             progress(done, total)
     experts.finish()
+    if imported is not None:
+        imported.finish()
     for name, bias in biases.items():
         module = model.get_submodule(name.removesuffix(".bias"))
         module.bias = nn.Parameter(bias, requires_grad=False)
@@ -179,6 +203,23 @@ def load_hf_model(
     if left:
         raise ModelNotFoundError(f"{checkpoint.path}: weights missing for {', '.join(left[:5])}")
     return model.eval()
+
+
+def _check_importable(
+    checkpoint: HFCheckpoint, config: ModelConfig, imported: QuantizedModules, int4: bool
+) -> None:
+    method = imported.format.method
+    if not int4:
+        raise ModelNotFoundError(
+            f"{checkpoint.path} is quantized ({method} INT4): serve it with --weights int4; "
+            f"a full-precision copy would only be its INT4 values dequantized"
+        )
+    if any(".experts." in module for module in imported.modules):
+        raise ModelNotFoundError(f"{checkpoint.path}: quantized MoE experts are not imported")
+    if config.tie_word_embeddings and "lm_head" in imported.modules:
+        raise ModelNotFoundError(
+            f"{checkpoint.path}: lm_head is quantized but tied to the embedding, which is not"
+        )
 
 
 def _is_projection(name: str) -> bool:

@@ -233,3 +233,150 @@ def test_the_engine_on_a_gpu_serves_bf16_and_int4(family_checkpoint, weights):
     theirs = transformers_greedy(hf, PROMPTS)
     assert {name: len(ids) for name, ids in ours.items()} == {"a": 40, "b": 40, "c": 40}
     assert sum(ours[n][0] == theirs[n][0] for n in ours) >= 2
+
+
+# Already-quantized checkpoints (quant/checkpoint_formats.py), written by each format's spec.
+QUANTIZED = [
+    ("gptq", "llama"),
+    ("gptq_v2_asym", "qwen2"),
+    ("awq", "llama"),
+    ("ct_sym", "qwen2"),
+    ("ct_asym", "llama"),
+]
+
+
+@pytest.fixture(scope="module", params=QUANTIZED, ids=["-".join(p) for p in QUANTIZED])
+def quantized_checkpoint(request, tmp_path_factory):
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    kind, family = request.param
+    directory = tmp_path_factory.mktemp(f"{kind}-{family}")
+    values, hf = write_quantized_checkpoint(kind, family, directory)
+    return directory, values, hf
+
+
+def test_a_quantized_checkpoint_imports_each_projection_exactly(quantized_checkpoint):
+    from gpu_node.quant.int4 import dequantize_int4
+    from gpu_node.quant.linear import Int4Linear
+
+    directory, values, _ = quantized_checkpoint
+    model = load_hf_model(HFCheckpoint(directory), int4=True)
+    imported = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert sorted(imported) == sorted(values) and len(values) == 14  # 7 a layer
+    for name, module in imported.items():
+        assert module.group_size == 128
+        assert torch.equal(dequantize_int4(module.weight_int4), values[name]), name
+    assert (
+        isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype == torch.float32
+    )
+
+
+def test_a_quantized_checkpoint_computes_the_logits_of_its_spec_weights(
+    quantized_checkpoint, monkeypatch
+):
+    """Against transformers holding the spec's dequantized weights, at fp32. The CPU's int4
+    kernel takes x, the scale and the zero in bf16, so the modules run their fp32
+    reference here (the kernel is checked against it in the int4-on-load test above)."""
+    from gpu_node.quant import linear
+
+    monkeypatch.setattr(linear, "_HAS_CPU_INT4", False)
+    directory, _, hf = quantized_checkpoint
+    model = load_hf_model(HFCheckpoint(directory), int4=True)
+    ours = our_logits(model, PROMPT)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0].float()
+    assert ours.shape == theirs.shape == (len(PROMPT), 320)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_the_engine_serves_a_quantized_checkpoint(tmp_path):
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    _, hf = write_quantized_checkpoint("gptq", "qwen2", tmp_path)
+    ours = engine_greedy(tmp_path, PROMPTS, weights="int4")
+    theirs = transformers_greedy(hf, PROMPTS)
+    assert {name: len(ids) for name, ids in ours.items()} == {"a": 40, "b": 40, "c": 40}
+    assert sum(ours[n][0] == theirs[n][0] for n in ours) >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_engine_on_a_gpu_serves_a_quantized_checkpoint(quantized_checkpoint):
+    """Imported weights re-laid for the tensor-core kernels still hold the spec's values
+    (symmetric ones in the scales-only tiles), and greedy answers start as transformers'
+    do at fp32 (before bf16 rounding compounds)."""
+    from gpu_node.quant.int4 import dequantize_int4, is_symmetric
+
+    directory, values, hf = quantized_checkpoint
+    model = load_hf_model(HFCheckpoint(directory), torch.bfloat16, "cuda", int4=True)
+    for name, value in values.items():
+        module = model.get_submodule(name)
+        symmetric = is_symmetric(module.weight_int4)
+        module.use_mma_layout()
+        assert module.weight_mma.symmetric == symmetric
+        assert torch.equal(dequantize_int4(module.weight_int4).cpu(), value), name
+    ours = engine_greedy(directory, PROMPTS, device="cuda", weights="int4", kv_dtype="bf16")
+    theirs = transformers_greedy(hf, PROMPTS)
+    assert {name: len(ids) for name, ids in ours.items()} == {"a": 40, "b": 40, "c": 40}
+    assert sum(ours[n][0] == theirs[n][0] for n in ours) >= 2
+
+
+def test_a_quantized_checkpoint_is_served_as_int4_only(tmp_path):
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    write_quantized_checkpoint("awq", "llama", tmp_path)
+    with pytest.raises(ModelNotFoundError) as info:
+        load_hf_model(HFCheckpoint(tmp_path), torch.bfloat16)
+    assert str(info.value) == (
+        f"{tmp_path} is quantized (awq INT4): serve it with --weights int4; a full-precision "
+        f"copy would only be its INT4 values dequantized"
+    )
+
+
+def test_a_permuted_g_idx_is_refused_on_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    write_quantized_checkpoint("gptq", "llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    tensors[name] = tensors[name][order].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelNotFoundError) as info:
+        load_hf_model(HFCheckpoint(tmp_path), int4=True)
+    assert str(info.value) == (
+        "layers.1.mlp.down_proj: g_idx scatters each group's inputs across the row (desc_act / "
+        "act-order); our INT4 groups are runs of consecutive inputs, so these groups do not map"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"bits": 8}, "GPTQ checkpoint not imported: bits 8; only 4-bit weights map onto our INT4"),
+        (
+            {"group_size": 48},
+            "GPTQ checkpoint not imported: group_size 48; our INT4 groups are 32, 64, 128 "
+            "inputs, so a checkpoint's group must be a multiple of 32 (or -1, one a row)",
+        ),
+        (
+            {"quant_method": "hqq"},
+            "checkpoints quantized with 'hqq' are not imported (we import 4-bit 'gptq', 'awq' "
+            "and 'compressed-tensors'); serve the original (bf16/fp16) checkpoint with "
+            "--weights int4 to quantize it on load",
+        ),
+    ],
+)
+def test_a_quantization_config_that_does_not_map_is_refused_before_loading(
+    tmp_path, change, message
+):
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    write_quantized_checkpoint("gptq", "llama", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelNotFoundError) as info:
+        HFCheckpoint(tmp_path).config()
+    assert str(info.value) == message
