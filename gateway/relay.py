@@ -18,7 +18,6 @@ from gateway.errors import GatewayError, UpstreamError
 from gateway.json_body import json_bytes
 from gateway.upstream import Finished, TextChunk, Upstream, until_client_leaves
 
-
 # The request scope's state key under which a stream that failed after its 200 leaves its
 # error (gateway/dashboard/recent.py lists it).
 STREAM_FAILURE = "stream_failure"

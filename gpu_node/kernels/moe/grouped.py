@@ -174,4 +174,3 @@ def fused_moe_int4(
     weights = routing.topk_weights.reshape(-1).float().contiguous()  # [T*K]
     y = _grouped_gemm(act, w2, blocks, weights, 1, inner_dtype)  # [T*K, H]
     return y.view(t, top_k, h).float().sum(dim=1).to(x.dtype)
-

