@@ -8,13 +8,15 @@ Each format stores 4-bit codes q, a scale s and an integer zero point z per grou
 means w = s * (q - z). That is ours with min = -z * s, provided that:
 
 - s is an fp16 value. GPTQ and AWQ store fp16 scales; compressed-tensors stores them in
-  the model's dtype, and a bf16 scale is an fp16 value unless it lies below 2^-17 or above
+  the model's dtype, and a bf16 scale is an fp16 value whenever it lies between 2^-17 and
   65504 (checked, tensor by tensor).
 - -z * s is an fp16 value. In fp32 the product is exact (11 by 5 significant bits); it
   survives fp16 when z's odd part and s's significand fit 11 bits together. Symmetric
   checkpoints have z = 8 everywhere, exact for every s (a power-of-two multiple); for other
   zero points it holds only for some groups, so every group is checked and a tensor with
   one that does not map is refused (our mins are fp16, and the kernels read them so).
+  Tools' scales use all their bits, so asymmetric checkpoints (AWQ's always) mostly do
+  not map; symmetric ones (GPTQ's default, compressed-tensors' W4A16 recipe) always do.
 - Each of our groups lies inside one of the checkpoint's: its group size (or, for one
   group a row, the row) is a multiple of 32, and its `g_idx`, where stored, keeps
   consecutive inputs together. desc_act / act-order checkpoints scatter a group's inputs
