@@ -9,9 +9,10 @@ so the full-precision weights of one tensor (one layer's experts for MoE) are th
 ever held at once.
 
 A checkpoint that arrives quantized (GPTQ, AWQ, compressed-tensors: quant/checkpoint_formats.py)
-is served as INT4 and only as INT4: its projections become Int4Linear straight from their
-codes, scales and zero points (no dequantize-requantize), and a full-precision load of it
-is refused, since it would only be those INT4 values dequantized.
+is served as INT4 and only as INT4: its projections become Int4Linear (an MoE layer's
+experts one Int4MoeExperts) straight from their codes, scales and zero points (no
+dequantize-requantize), and a full-precision load of it is refused, since it would only
+be those INT4 values dequantized.
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ from gpu_node.models.config import ModelConfig
 from gpu_node.models.families import config_from_hf
 from gpu_node.models.gemma3 import model_class
 from gpu_node.models.llama import LlamaModel
-from gpu_node.quant.checkpoint_formats import QuantizedModules, quantized_format
-from gpu_node.quant.int4 import quantize_int4
+from gpu_node.quant.checkpoint_formats import (
+    ImportedLinear,
+    QuantizedModules,
+    quantized_format,
+    stack_experts,
+)
+from gpu_node.quant.int4 import Int4Weight, quantize_int4
 from gpu_node.quant.linear import Int4Linear
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors total)
@@ -50,9 +56,14 @@ _EXPERT = re.compile(
     r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
 )
+_EXPERT_MODULE = re.compile(
+    r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+)
 _FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
+_ROUTER_MODULE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate")
 _EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class HFCheckpoint:
@@ -165,7 +176,7 @@ def load_hf_model(
     total = checkpoint.num_tensors
     for done, (name, tensor) in enumerate(checkpoint.tensors(device), start=1):
         if imported is not None and imported.owns(name):
-            if linear := imported.add(name, tensor):
+            if (linear := imported.add(name, tensor)) and not experts.take_int4(linear):
                 bias = None if linear.bias is None else linear.bias.to(dtype)
                 model.set_submodule(linear.name, Int4Linear(linear.weight, bias))
         elif experts.take(name, tensor):
@@ -214,8 +225,8 @@ def _check_importable(
             f"{checkpoint.path} is quantized ({method} INT4): serve it with --weights int4; "
             f"a full-precision copy would only be its INT4 values dequantized"
         )
-    if any(".experts." in module for module in imported.modules):
-        raise ModelNotFoundError(f"{checkpoint.path}: quantized MoE experts are not imported")
+    if any(_ROUTER_MODULE.fullmatch(module) for module in imported.modules):
+        raise ModelNotFoundError(f"{checkpoint.path}: quantized MoE routers are not imported")
     if config.tie_word_embeddings and "lm_head" in imported.modules:
         raise ModelNotFoundError(
             f"{checkpoint.path}: lm_head is quantized but tied to the embedding, which is not"
@@ -262,8 +273,19 @@ class _ExpertStacks:
         self._build_if_complete(int(m[1]))
         return True
 
+    def take_int4(self, linear: ImportedLinear) -> bool:
+        """An expert's projection imported from a quantized checkpoint."""
+        if self.config.moe is None or not (m := _EXPERT_MODULE.fullmatch(linear.name)):
+            return False
+        if linear.bias is not None:
+            raise ModelNotFoundError(f"{linear.name}: experts with a bias are not supported")
+        layer, expert, part = int(m[1]), int(m[2]), _EXPERT_PART.get(m[3], m[3])
+        self.parts[layer][f"{part}.{expert}"] = linear.weight
+        self._build_if_complete(layer)
+        return True
+
     def _build_if_complete(self, layer: int) -> None:
-        from gpu_node.models.moe import MoeExperts, MoeMLP, Router
+        from gpu_node.models.moe import Int4MoeExperts, MoeMLP, Router
 
         moe, parts = self.config.moe, self.parts[layer]
         assert moe is not None
@@ -271,6 +293,24 @@ class _ExpertStacks:
         fused = "gate_up_proj" in parts and "down_proj" in parts
         if "router" not in parts or not (fused or len(parts) == 3 * n + 1):
             return
+        per_expert = (
+            [] if fused else [parts[f"{p}.{e}"] for p in _EXPERT_PROJECTIONS for e in range(n)]
+        )
+        experts: nn.Module
+        if per_expert and all(isinstance(w, Int4Weight) for w in per_expert):
+            gate, up, down = per_expert[:n], per_expert[n : 2 * n], per_expert[2 * n :]
+            experts = Int4MoeExperts(*stack_experts(gate, up, down))
+        elif any(isinstance(w, Int4Weight) for w in per_expert):
+            raise ModelNotFoundError(f"MoE layer {layer}: only some experts are quantized")
+        else:
+            experts = self._experts(parts, n, fused)
+        mlp = MoeMLP(moe, Router(moe, parts["router"]), experts, None)
+        self.model.layers[layer].mlp = mlp
+        del self.parts[layer]
+
+    def _experts(self, parts: dict[str, Any], n: int, fused: bool) -> nn.Module:
+        from gpu_node.models.moe import MoeExperts
+
         if fused:  # [E, 2I, H] (gate rows, then up rows) and [E, H, I]
             w13, w2 = parts["gate_up_proj"], parts["down_proj"]
         else:
@@ -278,14 +318,11 @@ class _ExpertStacks:
             up = torch.stack([parts[f"up_proj.{e}"] for e in range(n)])
             w13 = torch.cat([gate, up], dim=1)
             w2 = torch.stack([parts[f"down_proj.{e}"] for e in range(n)])  # [E, H, I]
-        experts: nn.Module = MoeExperts(w13, w2)
         if self.int4:
             group = int4_group_size(min(w13.shape[2], w2.shape[2]))
             if group is not None:
-                experts = MoeExperts(w13.float(), w2.float()).to_int4(group)
-        mlp = MoeMLP(moe, Router(moe, parts["router"]), experts, None)
-        self.model.layers[layer].mlp = mlp
-        del self.parts[layer]
+                return MoeExperts(w13.float(), w2.float()).to_int4(group)
+        return MoeExperts(w13, w2)
 
     def finish(self) -> None:
         if self.parts:

@@ -345,6 +345,53 @@ def _int4_weight(
     )
 
 
+def _regroup(weight: Int4Weight, group_size: int) -> Int4Weight:
+    """The same weight in groups of `group_size` (a divisor of its own): each scale and min
+    repeats over its parts, so the values stay as they are."""
+    repeat = weight.group_size // group_size
+    return Int4Weight(
+        packed=weight.packed,
+        scales=weight.scales.repeat_interleave(repeat, dim=-1),
+        mins=weight.mins.repeat_interleave(repeat, dim=-1),
+        shape=weight.shape,
+        group_size=group_size,
+    )
+
+
+def _stack(weights: list[Int4Weight], group_size: int) -> Int4Weight:
+    """[N, K] weights of one shape -> one [E, N, K] weight in groups of `group_size`."""
+    parts = [_regroup(w, group_size) for w in weights]
+    return Int4Weight(
+        packed=torch.stack([w.packed for w in parts]),
+        scales=torch.stack([w.scales for w in parts]),
+        mins=torch.stack([w.mins for w in parts]),
+        shape=(len(parts), *parts[0].shape),
+        group_size=group_size,
+    )
+
+
+def stack_experts(
+    gate: list[Int4Weight], up: list[Int4Weight], down: list[Int4Weight]
+) -> tuple[Int4Weight, Int4Weight]:
+    """Each expert's imported projections -> the stacks Int4MoeExperts takes, in one group
+    size (the smallest among them): w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I]."""
+    shapes = {w.shape for w in (*gate, *up)}, {w.shape for w in down}
+    if len(shapes[0]) != 1 or len(shapes[1]) != 1:
+        raise ModelNotFoundError(f"experts of different shapes: {sorted(set.union(*shapes))}")
+    size = min(w.group_size for w in (*gate, *up, *down))
+    gate_up = [
+        Int4Weight(
+            packed=torch.cat([g.packed, u.packed]),
+            scales=torch.cat([g.scales, u.scales]),
+            mins=torch.cat([g.mins, u.mins]),
+            shape=(g.shape[0] + u.shape[0], g.shape[1]),
+            group_size=g.group_size,
+        )
+        for g, u in ((_regroup(g, size), _regroup(u, size)) for g, u in zip(gate, up, strict=True))
+    ]
+    return _stack(gate_up, size), _stack(down, size)
+
+
 class QuantizedModules:
     """The quantized projections of a checkpoint, collected as their tensors stream in (one
     module's tensors may sit in different shards); each becomes an ImportedLinear as soon

@@ -289,6 +289,30 @@ def test_a_quantized_checkpoint_computes_the_logits_of_its_spec_weights(
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
+def test_a_quantized_moe_checkpoint_imports_its_experts_exactly(tmp_path, monkeypatch):
+    """Each expert's imported projections stack into the MoE layer's INT4 experts with the
+    spec's values; the prompt logits are the spec weights' (fp32, as above)."""
+    from gpu_node.models.moe import Int4MoeExperts
+    from gpu_node.quant import linear
+    from gpu_node.quant.int4 import dequantize_int4
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    monkeypatch.setattr(linear, "_HAS_CPU_INT4", False)
+    values, hf = write_quantized_checkpoint("gptq", "qwen3_moe", tmp_path)
+    model = load_hf_model(HFCheckpoint(tmp_path), int4=True)
+    experts = model.layers[0].mlp.experts
+    assert isinstance(experts, Int4MoeExperts) and experts.group_size == 128
+    w13, w2 = (dequantize_int4(w) for w in experts.weights())
+    for e in range(4):
+        name = f"layers.0.mlp.experts.{e}"
+        gate_up = torch.cat([values[f"{name}.gate_proj"], values[f"{name}.up_proj"]])
+        assert torch.equal(w13[e], gate_up) and torch.equal(w2[e], values[f"{name}.down_proj"])
+    ours = our_logits(model, PROMPT)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0].float()
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
 def test_the_engine_serves_a_quantized_checkpoint(tmp_path):
     from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
 

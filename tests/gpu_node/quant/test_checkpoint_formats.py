@@ -362,7 +362,8 @@ def wide_hf_model(family: str, seed: int = 0):
     from tests.gpu_node.models import hf_tiny
 
     config_name, model_name, settings = hf_tiny.FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**hf_tiny._COMMON, **settings, **WIDE})
+    wide = {**WIDE, "moe_intermediate_size": 128} if "moe_intermediate_size" in settings else WIDE
+    config = getattr(transformers, config_name)(**{**hf_tiny._COMMON, **settings, **wide})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
@@ -397,6 +398,23 @@ def quantize_by_spec(kind: str, weight: torch.Tensor):
     return tensors, spec_value(codes, scale, zero, 128)
 
 
+def set_weight(hf, module: str, value: torch.Tensor) -> None:
+    """Puts `value` in as the weight of the checkpoint's `module`; transformers holds an MoE
+    layer's experts fused, as gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj."""
+    with torch.no_grad():
+        expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj", module)
+        if expert is None:
+            hf.get_submodule(module).weight.copy_(value)
+            return
+        experts, e, part = hf.get_submodule(expert[1]), int(expert[2]), expert[3]
+        if part == "down":
+            experts.down_proj[e].copy_(value)
+        else:
+            inner = experts.gate_up_proj.shape[1] // 2
+            rows = slice(0, inner) if part == "gate" else slice(inner, None)
+            experts.gate_up_proj[e, rows].copy_(value)
+
+
 def write_quantized_checkpoint(kind: str, family: str, directory: Path):
     """A tiny checkpoint of `family` whose projections are quantized by `kind`'s spec, and
     packed as that format packs them; returns (the spec's value of each projection, by our
@@ -418,8 +436,7 @@ def write_quantized_checkpoint(kind: str, family: str, directory: Path):
         parts, value = quantize_by_spec(kind, tensor)
         tensors.update({f"{module}.{part}": t for part, t in parts.items()})
         values[module.removeprefix("model.")] = value
-        with torch.no_grad():
-            hf.get_submodule(module).weight.copy_(value)
+        set_weight(hf, module, value)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = FORMATS[kind]
