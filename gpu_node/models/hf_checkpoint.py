@@ -57,7 +57,8 @@ _EXPERT = re.compile(
     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
 )
 _EXPERT_MODULE = re.compile(
-    r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)"
 )
 _FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
@@ -176,7 +177,8 @@ def load_hf_model(
     total = checkpoint.num_tensors
     for done, (name, tensor) in enumerate(checkpoint.tensors(device), start=1):
         if imported is not None and imported.owns(name):
-            if (linear := imported.add(name, tensor)) and not experts.take_int4(linear):
+            linear = imported.add(name, tensor)  # None until the module's last tensor
+            if linear is not None and not experts.take_int4(linear):
                 bias = None if linear.bias is None else linear.bias.to(dtype)
                 model.set_submodule(linear.name, Int4Linear(linear.weight, bias))
         elif experts.take(name, tensor):
