@@ -313,6 +313,22 @@ def test_a_quantized_moe_checkpoint_imports_its_experts_exactly(tmp_path, monkey
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
+def test_a_quantized_output_head_is_imported(tmp_path, monkeypatch):
+    from gpu_node.quant import linear
+    from gpu_node.quant.int4 import dequantize_int4
+    from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
+
+    monkeypatch.setattr(linear, "_HAS_CPU_INT4", False)
+    values, hf = write_quantized_checkpoint("gptq", "llama", tmp_path, lm_head=True)
+    model = load_hf_model(HFCheckpoint(tmp_path), int4=True)
+    assert isinstance(model.lm_head, linear.Int4Linear)
+    assert torch.equal(dequantize_int4(model.lm_head.weight_int4), values["lm_head"])
+    ours = our_logits(model, PROMPT)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0].float()
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
 def test_the_engine_serves_a_quantized_checkpoint(tmp_path):
     from tests.gpu_node.quant.test_checkpoint_formats import write_quantized_checkpoint
 

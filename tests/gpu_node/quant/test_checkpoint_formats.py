@@ -415,10 +415,10 @@ def set_weight(hf, module: str, value: torch.Tensor) -> None:
             experts.gate_up_proj[e, rows].copy_(value)
 
 
-def write_quantized_checkpoint(kind: str, family: str, directory: Path):
-    """A tiny checkpoint of `family` whose projections are quantized by `kind`'s spec, and
-    packed as that format packs them; returns (the spec's value of each projection, by our
-    module name; the transformers model holding those values as its weights)."""
+def write_quantized_checkpoint(kind: str, family: str, directory: Path, lm_head: bool = False):
+    """A tiny checkpoint of `family` whose projections (and output head with `lm_head`) are
+    quantized by `kind`'s spec, and packed as that format packs them; returns (the spec's
+    value of each, by our module name; the transformers model holding those values)."""
     from safetensors.torch import load_file, save_file
 
     from tests.gpu_node.models.hf_tiny import write_tokenizer
@@ -429,7 +429,7 @@ def write_quantized_checkpoint(kind: str, family: str, directory: Path):
     state = load_file(directory / "model.safetensors")
     tensors, values = {}, {}
     for name, tensor in state.items():
-        if not name.endswith("_proj.weight"):
+        if not (name.endswith("_proj.weight") or (lm_head and name == "lm_head.weight")):
             tensors[name] = tensor
             continue
         module = name.removesuffix(".weight")
@@ -439,6 +439,6 @@ def write_quantized_checkpoint(kind: str, family: str, directory: Path):
         set_weight(hf, module, value)
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = FORMATS[kind]
+    config["quantization_config"] = {**FORMATS[kind], **({"lm_head": True} if lm_head else {})}
     (directory / "config.json").write_text(json.dumps(config))
     return values, hf
