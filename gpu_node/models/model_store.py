@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +238,7 @@ class LocalModel:
     path: Path
     size_bytes: int
     family: str  # the architecture: llama, gemma3, qwen3, ...
-    format: str  # "GGUF Q4_K_M", "safetensors bfloat16"
+    format: str  # "GGUF Q4_K_M", "safetensors BF16"
 
 
 def local_models(home: Path | None = None) -> list[LocalModel]:
@@ -275,8 +279,6 @@ def describe(name: str, path: Path) -> LocalModel:
 
 
 def _checkpoint_kind(path: Path) -> tuple[str, str]:
-    import json
-
     from gpu_node.models.families import config_from_hf
 
     try:
@@ -287,5 +289,22 @@ def _checkpoint_kind(path: Path) -> tuple[str, str]:
         family = config_from_hf(raw).architecture
     except ModelNotFoundError:  # listed all the same: what it is, though not served
         family = str(raw.get("model_type", "unknown"))
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or "?"
-    return family, f"safetensors {dtype}"
+    return family, f"safetensors {_safetensors_dtype(path)}"
+
+
+def _safetensors_dtype(path: Path) -> str:
+    """The dtype of most weights in the checkpoint's .safetensors files ("BF16", "F32"), read
+    from their JSON headers alone; "?" where none can be read."""
+    elements: Counter[str] = Counter()
+    for file in path.glob("*.safetensors"):
+        try:
+            with file.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            continue
+        for name, info in header.items():
+            if name != "__metadata__":
+                elements[info["dtype"]] += math.prod(info["shape"])
+    most = elements.most_common(1)
+    return most[0][0] if most else "?"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from typer.testing import CliRunner
 
 from edgeserve.cli import build_app
@@ -16,7 +14,6 @@ def test_model_list_shows_size_family_and_format(tmp_path, monkeypatch, gemma3_p
     gemma3.parent.mkdir(parents=True)
     gemma3.symlink_to(gemma3_path)
     write_checkpoint("qwen3", models / "tiny-qwen3")
-    dtype = json.loads((models / "tiny-qwen3" / "config.json").read_text())["dtype"]
     monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path))
 
     result = CliRunner().invoke(build_app(), ["model", "list"])
@@ -29,7 +26,7 @@ def test_model_list_shows_size_family_and_format(tmp_path, monkeypatch, gemma3_p
         "gemma3-270m", "241.4", "MiB", "gemma3", "GGUF", "Q4_K_M", str(gemma3),
     ]  # fmt: skip
     _, _, unit, *rest = by_name["tiny-qwen3"]
-    assert (unit, rest) == ("MiB", ["qwen3", "safetensors", dtype, str(models / "tiny-qwen3")])
+    assert (unit, rest) == ("MiB", ["qwen3", "safetensors", "F32", str(models / "tiny-qwen3")])
     assert by_name["smollm2"] == ["smollm2", "-", "-", "not", "pulled", "edgeserve", "model",
                                   "pull", "smollm2"]  # fmt: skip
     assert by_name["moe-small"] == ["moe-small", "-", "moe", "built-in", "(seeded", "dummy",
