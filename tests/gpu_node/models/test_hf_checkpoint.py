@@ -174,7 +174,7 @@ def test_int4_on_load_is_within_the_rounding_bound_of_each_product(tmp_path, fam
 
 def engine_greedy(directory, hf_expected, *, device="cpu", weights="fp32", kv_dtype="fp32"):
     """40 greedy tokens of three prompts at once through the engine: paged KV in pages of
-    8 tokens, prompts prefilled in chunks of at most 16 tokens a step beside the others'
+    8 tokens (16 on a GPU), prompts prefilled in chunks of at most 16 tokens a step beside the others'
     decodes, every sequence's window cut from the pages."""
     from gpu_node.config import EngineConfig
     from gpu_node.engine.llm_engine import LLMEngine
@@ -187,9 +187,10 @@ def engine_greedy(directory, hf_expected, *, device="cpu", weights="fp32", kv_dt
     model = load_hf_model(HFCheckpoint(directory), dtype, device, int4=weights == "int4")
     if device == "cuda":
         model = fuse_projections(model)
+    page_size = 16 if device == "cuda" else 8  # the GPU's kernels take pages of 16 tokens
     config = EngineConfig(
-        model=str(directory), weights=weights, device=device, kv_dtype=kv_dtype, page_size=8,
-        num_pages=64, max_num_batched_tokens=16, long_prefill_tokens=0,
+        model=str(directory), weights=weights, device=device, kv_dtype=kv_dtype,
+        page_size=page_size, num_pages=64, max_num_batched_tokens=16, long_prefill_tokens=0,
     )  # fmt: skip
     engine = LLMEngine(config, model, ChatTokenizer.from_directory(directory))
     prompts = {name: ids for name, ids in hf_expected}
