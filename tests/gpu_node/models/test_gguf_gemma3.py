@@ -147,10 +147,10 @@ def test_greedy_tokens_match_transformers(model, tokenizer, hf_model):
     assert ours == hf_greedy(hf_model, ids, 24)
 
 
-# Of the last 64 prompt rows, how many pick fp32's next token, at least; and how close their
-# logits stay. INT4 re-quantizes weights the file holds in 5, 6 and 8 bits (group 32), so it
-# strays further than bf16's rounding.
-LOW_PRECISION_BOUNDS = {"bf16": (0.95, 0.999), "int4": (0.8, 0.85)}
+# Over the last 64 prompt rows: the least share that picks fp32's next token, and the least
+# cosine similarity of a row's logits to fp32's. INT4 re-quantizes weights the file holds in
+# 4 to 8 bits (group 32), so it strays further than bf16's rounding.
+LOW_PRECISION_BOUNDS = {"bf16": (0.9, 0.999), "int4": (0.75, 0.85)}
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
