@@ -216,24 +216,38 @@ def test_the_engine_decodes_what_transformers_does(family_checkpoint):
     assert engine_greedy(directory, PROMPTS) == transformers_greedy(hf, PROMPTS)
 
 
+def greedy_shortfall(hf, prompts, ours) -> float:
+    """How far below transformers' best logit our worst chosen token lies, transformers
+    reading our own answers (teacher forcing): 0 when every token is its greedy choice."""
+    worst = 0.0
+    with torch.no_grad():
+        for name, ids in prompts:
+            logits = hf(torch.tensor([ids + ours[name]])).logits[0, len(ids) - 1 : -1].float()
+            chosen = logits.gather(1, torch.tensor(ours[name])[:, None])[:, 0]
+            worst = max(worst, float((logits.max(-1).values - chosen).max()))
+    return worst
+
+
+# The GPU multiplies fp32 in TF32 inside the Triton kernels (attention, MoE experts), so a
+# near-tie between two tokens may fall the other way: each token we choose must be
+# transformers' greedy choice to within these logits (the tiny models' logits span ~1-5).
+GPU_SHORTFALL = {"fp32": 1e-2, "bf16": 0.15, "int4": 0.6}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_engine_on_a_gpu_decodes_what_transformers_does(family_checkpoint):
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int4"])
+def test_the_engine_on_a_gpu_chooses_transformers_tokens(family_checkpoint, weights):
     """The GPU's paths (decode kernels and graphs, fused projections, q/k norm and MoE
-    kernels, sliding layers past their window) at fp32, against transformers on the CPU."""
-    _, directory, hf = family_checkpoint
-    assert engine_greedy(directory, PROMPTS, device="cuda") == transformers_greedy(hf, PROMPTS)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_the_engine_on_a_gpu_serves_bf16_and_int4(family_checkpoint, weights):
-    """bf16 and INT4 on load run every family's GPU path; greedy answers stay close to
-    fp32's (the first tokens, before rounding differences compound)."""
-    _, directory, hf = family_checkpoint
-    ours = engine_greedy(directory, PROMPTS, device="cuda", weights=weights, kv_dtype="bf16")
-    theirs = transformers_greedy(hf, PROMPTS)
+    kernels, sliding layers past their window, INT4 kernels) against transformers in fp32
+    on the CPU: 40 tokens of three prompts, each transformers' greedy choice up to a
+    near-tie of GPU_SHORTFALL."""
+    family, directory, hf = family_checkpoint
+    kv_dtype = "fp32" if weights == "fp32" else "bf16"
+    ours = engine_greedy(directory, PROMPTS, device="cuda", weights=weights, kv_dtype=kv_dtype)
     assert {name: len(ids) for name, ids in ours.items()} == {"a": 40, "b": 40, "c": 40}
-    assert sum(ours[n][0] == theirs[n][0] for n in ours) >= 2
+    shortfall = greedy_shortfall(hf, PROMPTS, ours)
+    print(f"{family} {weights}: worst shortfall {shortfall:.4f}")
+    assert shortfall <= GPU_SHORTFALL[weights]
 
 
 # Already-quantized checkpoints (quant/checkpoint_formats.py), written by each format's spec.
