@@ -39,9 +39,10 @@ class ModelConfig:
     window), "qwen2" (q/k/v bias), "qwen3" (q/k norms), "gemma3" (its own decoder layer,
     models/gemma3.py), "qwen3_moe", "mixtral", "moe" (seeded benchmark weights).
 
-    `rope_interleaved`: GGUF conversion permutes Q/K rows so that rotary pairs are
-    adjacent dims (2i, 2i+1) rather than HF's halves (i, i + d/2); we keep the
-    GGUF rows as they are and rotate adjacent pairs.
+    `rope_interleaved`: llama.cpp's conversion of llama-architecture models permutes Q/K
+    rows so that rotary pairs are adjacent dims (2i, 2i+1) rather than HF's halves
+    (i, i + d/2); we keep those GGUF rows as they are and rotate adjacent pairs. Gemma's
+    GGUF rows are not permuted (False, as for safetensors checkpoints).
     """
 
     architecture: str

@@ -4,9 +4,9 @@ What Gemma 3 changes on llama's decoder: each sublayer's output is normalised be
 joins the residual ("sandwich" norms: four per layer), the MLP gates with tanh-GELU, the
 embedding is scaled by sqrt(D), queries and keys are normalised per head, and five of
 every six layers attend through a sliding window with their own RoPE base
-(ModelConfig.layer_types, sliding_rope_theta). Gemma's norm weights are stored as an
-offset from 1 (it multiplies by 1 + w); the loaders add the 1 once, so RMSNorm here is
-llama's.
+(ModelConfig.layer_types, sliding_rope_theta). Gemma's checkpoints store norm weights as
+an offset from 1 (it multiplies by 1 + w); the safetensors loader adds the 1 once, and a
+GGUF holds them with the 1 added already, so RMSNorm here is llama's.
 """
 
 from __future__ import annotations
