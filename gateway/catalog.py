@@ -80,6 +80,14 @@ DEFAULT_MODELS = (
         sampling=SamplingDefaults(temperature=0.0),
     ),
     CatalogModel(
+        name="@cf/google/gemma-3-270m",
+        node_model="gemma3-270m",
+        id="5e2f7a1c-9b3d-4f60-8c21-7a4d0e6b9f03",
+        description="Gemma 3 270M: a small base model with interleaved sliding-window layers.",
+        aliases=("gemma3-270m",),
+        context_window=32768,
+    ),
+    CatalogModel(
         name="@cf/edgeserve/moe-small",
         node_model="moe-small",
         id="0b6c8f7e-2f0d-4c55-8f42-1d9e3b7a6c02",

@@ -29,6 +29,14 @@ def test_only_served_models_are_listed_in_catalog_order_then_local_ones():
     assert windows["@cf/local/gemma.q4_k_m"] == 8192  # a node that states none
 
 
+def test_gemma3_is_listed_under_its_workers_ai_name_when_served():
+    catalog = ModelCatalog()
+    served = [ServedModel("gemma3-270m", {}), ServedModel("smollm2", {})]
+    assert [m.name for m in catalog.served(served)] == [SMOLLM2, "@cf/google/gemma-3-270m"]
+    gemma = catalog.resolve("gemma3-270m", served)
+    assert (gemma.author, gemma.context_window) == ("google", 32768)
+
+
 def test_a_local_entry_is_stable_and_answers_to_its_short_name_and_path():
     entry = local_entry("/srv/My Models/Llama-3.1-8B-Instruct/", 131072)
     assert entry.name == "@cf/local/llama-3.1-8b-instruct"
