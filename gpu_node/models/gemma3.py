@@ -62,3 +62,22 @@ class Gemma3Model(LlamaModel):
 def model_class(config: ModelConfig) -> type[LlamaModel]:
     """The model class of `config`'s family."""
     return Gemma3Model if config.architecture == "gemma3" else LlamaModel
+
+
+# Gemma 3's GGUF tensor names -> our parameter names, per layer. llama.cpp stores Gemma's
+# norm weights with the 1 of its (1 + w) already added: what our RMSNorm multiplies by.
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}

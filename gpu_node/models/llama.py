@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -379,12 +379,15 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_parameter_names(config: ModelConfig) -> dict[str, str]:
-    """Maps each GGUF tensor name to the parameter it fills."""
+def gguf_parameter_names(
+    config: ModelConfig, layer_names: Mapping[str, str] = _GGUF_LAYER_NAMES
+) -> dict[str, str]:
+    """Maps each GGUF tensor name to the parameter it fills; `layer_names`: a layer's
+    tensors, GGUF's name -> ours (llama's by default; gemma3.GGUF_LAYER_NAMES)."""
     names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
     if not config.tie_word_embeddings:
         names["output.weight"] = "lm_head.weight"
     for i in range(config.num_layers):
-        for src, dst in _GGUF_LAYER_NAMES.items():
+        for src, dst in layer_names.items():
             names[f"blk.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
     return names

@@ -13,6 +13,7 @@ from gpu_node.config import ACTIVATIONS
 from gpu_node.errors import ModelNotFoundError
 from gpu_node.kernels import launch
 from gpu_node.models.config import ModelConfig
+from gpu_node.models.gemma3 import GGUF_LAYER_NAMES as GEMMA3_GGUF_LAYER_NAMES
 from gpu_node.models.gemma3 import model_class
 from gpu_node.models.gguf_loader import GGUFModel
 from gpu_node.models.llama import LlamaModel, fuse_projections, gguf_parameter_names
@@ -39,11 +40,10 @@ def load_llama(
     config = gguf.config()
     with torch.device("meta"):
         model = model_class(config)(config)
-    names = (
-        gemma3_gguf_names(config)
-        if config.architecture == "gemma3"
-        else gguf_parameter_names(config)
-    )
+    if config.architecture == "gemma3":
+        names = gguf_parameter_names(config, GEMMA3_GGUF_LAYER_NAMES)
+    else:
+        names = gguf_parameter_names(config)
     missing = [name for name in names if not gguf.has(name)]
     if missing:
         raise ModelNotFoundError(f"{gguf.path} lacks tensors: {', '.join(missing[:5])}")
@@ -73,36 +73,6 @@ def load_llama(
     model.reset_rotary_tables(device)
     _assert_materialized(model)
     return model.eval()
-
-
-# Gemma 3's GGUF tensor names -> our parameter names, per layer. llama.cpp stores Gemma's
-# norm weights with the 1 of its (1 + w) already added: what our RMSNorm multiplies by.
-_GEMMA3_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-
-
-def gemma3_gguf_names(config: ModelConfig) -> dict[str, str]:
-    """Maps each tensor name of a Gemma 3 GGUF to the parameter it fills."""
-    names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
-    if not config.tie_word_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(config.num_layers):
-        for src, dst in _GEMMA3_GGUF_LAYER_NAMES.items():
-            names[f"blk.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
-    return names
 
 
 def _is_projection(module_name: str) -> bool:
