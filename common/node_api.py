@@ -70,6 +70,23 @@ class GenerateRequest(GenerateParams):
     prefill_from: str | None = Field(default=None, pattern=r"^https?://[^\s]+$", max_length=300)
 
 
+class EmbedRequest(_Wire):
+    """Texts, or token arrays, to embed: what the gateway sends a node serving an encoder.
+    Exactly one of `texts` and `token_ids`."""
+
+    request_id: str = Field(min_length=1, max_length=200)
+    account_id: str = ""
+    model: str
+    texts: list[str] | None = Field(default=None, min_length=1, max_length=2048)
+    token_ids: list[list[int]] | None = Field(default=None, min_length=1, max_length=2048)
+    truncate: bool = False  # cut a text past the model's positions instead of refusing it
+
+
+class EmbedResponse(_Wire):
+    vectors: list[list[float]]  # one a text, in their order
+    prompt_tokens: int  # the tokens encoded: what is billed
+
+
 class TokenChunk(_Wire):
     """Text and the tokens it decodes from. The first chunk also carries what billing
     counts should the stream end early: the prompt's tokens, those served from the prefix

@@ -11,6 +11,9 @@
                                         its KV comes here (gpu_node/engine/handoff.py); this node decodes
     POST   /internal/v1/prefill         the same JSON in; out the prompt's KV handoff (octet-stream):
                                         the prompt and its first token, run for a decode node
+    POST   /internal/v1/embed           {"model", "texts" | "token_ids", "truncate"} in; out
+                                        {"vectors", "prompt_tokens"} from the encoder served
+                                        beside the engine (gpu_node/engine/embedder.py)
     DELETE /internal/v1/requests/{id}   cancel a request (its pages are freed at once); one
                                         not here yet is refused when it comes (409 cancelled)
     GET    /internal/v1/health          200 once the model is loaded, 503 before and while draining
@@ -26,6 +29,7 @@ drain (SIGTERM) deregisters it first, refuses new work, and lets what runs finis
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -44,6 +48,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from billing.errors import InvalidUsageEvent
 from billing.events import Status, UsageEvent
 from common.node_api import (
+    EmbedRequest,
+    EmbedResponse,
     ErrorEvent,
     Finish,
     GenerateRequest,
@@ -215,6 +221,37 @@ async def prefill(request: Request) -> Response:
         return error_response("internal", f"prefill failed: {message}")
     span.finish(final)
     return Response(final.handoff.to_bytes(), media_type="application/octet-stream")
+
+
+async def embed(request: Request) -> Response:
+    """The vectors of a request's texts (or token arrays) from the encoder served here."""
+    service: NodeService = request.app.state.service
+    embedder = service.embedder
+    if embedder is None or not service.is_ready:
+        why = "it serves no encoder" if embedder is None else "not accepting requests"
+        return error_response("over_capacity", f"node cannot embed: {why}")
+    try:
+        body = EmbedRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        return error_response("invalid_request", _describe(exc))
+    if body.model != embedder.name:
+        return error_response(
+            "model_not_found", f"this node embeds with {embedder.name!r}, not {body.model!r}"
+        )
+    if (body.texts is None) == (body.token_ids is None):
+        return error_response("invalid_request", "give exactly one of texts, token_ids")
+    try:
+        if body.texts is not None:
+            ids = embedder.tokenize(body.texts, truncate=body.truncate)
+        else:
+            ids = body.token_ids or []
+            embedder.check_ids(ids)
+        result = await asyncio.to_thread(embedder.embed, ids)
+    except EngineError as exc:
+        code = next(_CODE_OF[cls] for cls in type(exc).__mro__ if cls in _CODE_OF)
+        return error_response(code, str(exc))
+    response = EmbedResponse(vectors=result.vectors.tolist(), prompt_tokens=result.num_tokens)
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 async def generate(request: Request) -> Response:
@@ -421,6 +458,7 @@ def create_node_app(service: NodeService, telemetry: Telemetry | None = None) ->
         routes=[
             Route("/internal/v1/generate", generate, methods=["POST"]),
             Route("/internal/v1/prefill", prefill, methods=["POST"]),
+            Route("/internal/v1/embed", embed, methods=["POST"]),
             Route("/internal/v1/requests/{request_id}", cancel, methods=["DELETE"]),
             Route("/internal/v1/health", health, methods=["GET"]),
             Route("/internal/v1/capacity", capacity, methods=["GET"]),

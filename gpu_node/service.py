@@ -22,6 +22,7 @@ from scheduler.sequence import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_node.engine.async_engine import AsyncEngine
+    from gpu_node.engine.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,11 @@ class NodeService:
         engine: AsyncEngine | None = None,
         engine_factory: Callable[[], AsyncEngine] | None = None,
         usage_sink: UsageSink | None = None,
+        embedder: Embedder | None = None,
     ) -> None:
         self.settings = settings
+        # An encoder served beside the engine (its name in the capacity record's models).
+        self.embedder = embedder
         # Where the node records what each request consumed here (a fleet's usage stream):
         # the record billing completes a stream from when its gateway died mid-answer.
         self.usage_sink = usage_sink
@@ -129,7 +133,10 @@ class NodeService:
             node_id=self.settings.node_id,
             address=self.settings.address,
             role=self.settings.role,
-            models=(self.engine.model_name,),
+            models=(
+                self.engine.model_name,
+                *([self.embedder.name] if self.embedder is not None else []),
+            ),
             num_pages=stats.num_pages,
             num_free_pages=stats.num_free_pages,
             page_size=stats.page_size,

@@ -404,3 +404,86 @@ def test_the_token_rate_covers_the_last_seconds() -> None:
     assert rate.update(150, 103.0) == 50.0  # 150 tokens in 3 s
     assert rate.update(150, 106.0) == 20.0  # since 101.0, the newest sample 5 s old
     assert rate.update(150, 112.0) == 0.0  # nothing ran in the last 6 s
+
+
+@pytest.fixture(scope="module")
+def embed_node(engine, minilm_path):
+    """A node serving SmolLM2 and, beside it, all-MiniLM-L6-v2 as `minilm`."""
+    from gpu_node.engine.embedder import Embedder
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import LocalCapacityRegistry
+
+    embedder = Embedder(*_minilm_parts(minilm_path), name="minilm")
+    port = free_port()
+    service = NodeService(
+        NodeSettings("node-e", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.1),
+        LocalCapacityRegistry(),
+        engine=engine,
+        embedder=embedder,
+    )
+    server = ServerThread(create_node_app(service), port).start()
+    server.embedder = embedder  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+def _minilm_parts(path):
+    from tokenizers import Tokenizer
+
+    from gpu_node.models.bert import load_encoder
+
+    return load_encoder(path), Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def embed(node, **body) -> httpx.Response:
+    payload = {"request_id": f"e-{time.monotonic_ns()}", "model": "minilm"} | body
+    return httpx.post(f"{node.url}/internal/v1/embed", json=payload, headers=AUTH, timeout=60)
+
+
+@pytest.mark.slow
+def test_embed_answers_the_encoders_vectors_and_the_tokens_it_read(embed_node) -> None:
+    import torch
+
+    texts = ["The capital of France is Paris.", "A man is eating food."]
+    response = embed(embed_node, texts=texts)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    ids = embed_node.embedder.tokenize(texts)
+    expected = embed_node.embedder.embed(ids).vectors
+    assert body["prompt_tokens"] == sum(len(i) for i in ids) == 17
+    assert torch.tensor(body["vectors"]).equal(expected)
+    by_ids = embed(embed_node, token_ids=ids).json()
+    assert by_ids == body
+    capacity = httpx.get(f"{embed_node.url}/internal/v1/capacity", headers=AUTH).json()
+    assert capacity["models"] == ["smollm2", "minilm"]
+
+
+@pytest.mark.slow
+def test_embed_refuses_what_it_cannot_encode(embed_node, node) -> None:
+    long = "word " * 600
+    too_long = embed(embed_node, texts=["ok", long])
+    assert (too_long.status_code, too_long.json()) == (
+        413,
+        {"error": {"code": "request_too_large", "message": (
+            "input[1] is 602 tokens; this model takes at most 512 (ask for truncation to cut it)"
+        )}},
+    )  # fmt: skip
+    cut = embed(embed_node, texts=["ok", long], truncate=True).json()
+    assert cut["prompt_tokens"] == 3 + 512
+    for body, status, code, message in [
+        ({"texts": ["a"], "token_ids": [[101]]}, 400, "invalid_request",
+         "give exactly one of texts, token_ids"),
+        ({"token_ids": [[101, 30522]]}, 400, "invalid_request",
+         "input[0] holds a token id outside 0..30521"),
+        ({"texts": ["a"], "model": "bge"}, 404, "model_not_found",
+         "this node embeds with 'minilm', not 'bge'"),
+    ]:  # fmt: skip
+        refused = embed(embed_node, **body)
+        assert (refused.status_code, refused.json()["error"]) == (
+            status, {"code": code, "message": message}
+        )  # fmt: skip
+    assert embed(embed_node, texts=[]).status_code == 400
+    without = embed(node, texts=["a"])
+    assert (without.status_code, without.json()["error"]["message"]) == (
+        503, "node cannot embed: it serves no encoder"
+    )  # fmt: skip
