@@ -36,14 +36,14 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_default_table_prices_both_shipped_models() -> None:
+def test_default_table_prices_every_shipped_model() -> None:
     """Under the names usage events carry: the gateway catalog's public names (an entry
     named "moe-small" had never matched an event, so moe-small usage went unpriced)."""
     from gateway.catalog import DEFAULT_MODELS
 
     table = PriceTable.default()
     assert table.currency == "USD"
-    assert table.models == ["@cf/edgeserve/moe-small", SMOL]
+    assert table.models == ["@cf/edgeserve/moe-small", "@cf/google/gemma-3-270m", SMOL]
     assert table.models == sorted(m.name for m in DEFAULT_MODELS)
     assert table.price_for(SMOL, date(2026, 11, 30)) == Price(
         SMOL, date(2026, 1, 1), Decimal("0.027"), Decimal("0.0135"), Decimal("0.201")
