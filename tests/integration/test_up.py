@@ -88,3 +88,57 @@ def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_serves_a_checkpoint_directory_by_its_name_with_its_own_sampling(tmp_path) -> None:
+    """`up --model DIR`: the checkpoint is listed as @cf/local/<dir name>, answers to its
+    short name, and a request naming no temperature samples as its generation_config.json
+    says (temperature 0 here: two such answers equal the greedy one token for token; at the
+    catalog's 0.6, a random model's 16 tokens would differ)."""
+    import json
+
+    from tests.gpu_node.models.hf_tiny import write_checkpoint
+
+    directory = tmp_path / "Tiny-Qwen3"
+    directory.mkdir()
+    write_checkpoint("qwen3", directory)
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps(generation | {"temperature": 0.0}))
+    port = free_port()
+    env = os.environ | {
+        "EDGESERVE_HOME": str(tmp_path / "home"),
+        "EDGESERVE_API_KEY": "es-up-dir",
+        "EDGESERVE_INTERNAL_TOKEN": "internal-up-dir-token",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from edgeserve.cli import main; main()", "up", "--port", str(port),
+         "--model", str(directory), "--device", "cpu", "--kv-memory-mb", "16"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base, headers = f"http://127.0.0.1:{port}", {"authorization": "Bearer es-up-dir"}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        listed = httpx.get(f"{base}/v1/models", headers=headers).json()["data"]
+        assert [m["id"] for m in listed] == ["@cf/local/tiny-qwen3"]
+
+        def answer(**sampling: float) -> str:
+            body = {"model": "tiny-qwen3", "prompt": "The capital of France is",
+                    "max_tokens": 16} | sampling  # fmt: skip
+            response = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 16
+            return response.json()["choices"][0]["text"]
+
+        greedy = answer(temperature=0)
+        assert answer() == answer() == greedy
+        assert answer(temperature=1.0, seed=7) != greedy
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
