@@ -36,9 +36,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -75,6 +75,8 @@ from scheduler.sequence import SamplingParams
 __all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
 log = logging.getLogger(__name__)
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -140,16 +142,23 @@ class _Call:
     prompt_ids: list[int]
 
 
+async def _parsed(request: Request, schema: type[Body]) -> Body | Response:
+    """The request's JSON body as `schema`; an invalid_request answer naming what is wrong."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as exc:
+        return error_response("invalid_request", _describe(exc))
+
+
 async def _checked(request: Request) -> _Call | Response:
     """The body parsed and checked, the prompt tokenized; an error response otherwise."""
     service: NodeService = request.app.state.service
     if service.engine is None or service.is_draining:
         why = "draining" if service.is_draining else "the model is still loading"
         return error_response("over_capacity", f"node not accepting requests: {why}")
-    try:
-        body = GenerateRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        return error_response("invalid_request", _describe(exc))
+    body = await _parsed(request, GenerateRequest)
+    if isinstance(body, Response):
+        return body
     if body.model != service.model_name:
         return error_response(
             "model_not_found", f"this node serves {service.model_name!r}, not {body.model!r}"
@@ -182,10 +191,16 @@ async def _checked(request: Request) -> _Call | Response:
     return _Call(service, body, params, prompt_ids)
 
 
+def _refusal(exc: EngineError) -> tuple[NodeErrorCode, str]:
+    """The code and the words the engine's refusal `exc` is answered with."""
+    code = next(_CODE_OF[cls] for cls in type(exc).__mro__ if cls in _CODE_OF)
+    return code, _REFUSALS[code].words or str(exc)
+
+
 def _refused(exc: EngineError, span: NodeSpan, code: NodeErrorCode | None = None) -> Response:
     """The answer to a request the engine refused (`code` in place of its own)."""
-    own = next(_CODE_OF[cls] for cls in type(exc).__mro__ if cls in _CODE_OF)
-    code, message = code or own, _REFUSALS[own].words or str(exc)
+    own, message = _refusal(exc)
+    code = code or own
     span.fail(code, message)
     return error_response(code, message)
 
@@ -230,10 +245,9 @@ async def embed(request: Request) -> Response:
     if embedder is None or not service.is_ready:
         why = "it serves no encoder" if embedder is None else "not accepting requests"
         return error_response("over_capacity", f"node cannot embed: {why}")
-    try:
-        body = EmbedRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        return error_response("invalid_request", _describe(exc))
+    body = await _parsed(request, EmbedRequest)
+    if isinstance(body, Response):
+        return body
     if body.model != embedder.name:
         return error_response(
             "model_not_found", f"this node embeds with {embedder.name!r}, not {body.model!r}"
@@ -248,8 +262,7 @@ async def embed(request: Request) -> Response:
             embedder.check_ids(ids)
         result = await asyncio.to_thread(embedder.embed, ids)
     except EngineError as exc:
-        code = next(_CODE_OF[cls] for cls in type(exc).__mro__ if cls in _CODE_OF)
-        return error_response(code, str(exc))
+        return error_response(*_refusal(exc))
     response = EmbedResponse(vectors=result.vectors.tolist(), prompt_tokens=result.num_tokens)
     return Response(response.model_dump_json(), media_type="application/json")
 

@@ -52,13 +52,19 @@ class Embedder:
 
     @classmethod
     def from_directory(
-        cls, directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        name: str | None = None,
     ) -> Embedder:
+        """The encoder of a checkpoint directory, served as `name` (default: the path)."""
         path = Path(directory)
         return cls(
             load_encoder(path, dtype, device),
             Tokenizer.from_file(str(path / "tokenizer.json")),
-            name=str(directory),
+            name=str(directory) if name is None else name,
         )
 
     def tokenize(self, texts: list[str], *, truncate: bool = False) -> list[list[int]]:

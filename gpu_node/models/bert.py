@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_node.errors import ModelNotFoundError
+from gpu_node.models.hf_tokenizer import read_json_object
 
 Pooling = Literal["mean", "cls"]
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
@@ -62,7 +63,7 @@ def is_encoder_directory(directory: Path) -> bool:
 def encoder_config(directory: Path) -> EncoderConfig:
     """The encoder's shape from config.json, its pooling and normalization from the
     sentence-transformers files; ModelNotFoundError for what we do not serve."""
-    raw = _json(directory / "config.json")
+    raw = read_json_object(directory / "config.json", required=True)
     if raw.get("model_type") != "bert":
         raise ModelNotFoundError(
             f"{directory}: model_type {raw.get('model_type')!r} is not an encoder we serve "
@@ -86,16 +87,6 @@ def encoder_config(directory: Path) -> EncoderConfig:
     )
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ModelNotFoundError(f"{path}: not a JSON object")
-    return value
-
-
 def _modules(directory: Path) -> list[dict[str, Any]]:
     path = directory / "modules.json"
     if not path.is_file():
@@ -108,7 +99,9 @@ def _pooling(directory: Path) -> Pooling:
     pooling = next((m for m in _modules(directory) if m.get("type", "").endswith("Pooling")), None)
     if pooling is None:
         return "mean"
-    config = _json(directory / str(pooling.get("path", "1_Pooling")) / "config.json")
+    config = read_json_object(
+        directory / str(pooling.get("path", "1_Pooling")) / "config.json", required=True
+    )
     modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
     if modes == ["pooling_mode_mean_tokens"]:
         return "mean"

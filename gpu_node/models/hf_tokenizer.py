@@ -47,9 +47,9 @@ def read_directory(directory: Path) -> tuple[Tokenizer, TokenizerMeta]:
         tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
         raise ModelNotFoundError(f"{path}: unreadable tokenizer ({exc})") from exc
-    config = _json(directory / "tokenizer_config.json")
-    generation = _json(directory / "generation_config.json")
-    model_config = _json(directory / "config.json")
+    config = read_json_object(directory / "tokenizer_config.json")
+    generation = read_json_object(directory / "generation_config.json")
+    model_config = read_json_object(directory / "config.json")
 
     special = {
         name: spelling
@@ -81,8 +81,12 @@ def read_directory(directory: Path) -> tuple[Tokenizer, TokenizerMeta]:
     return tok, meta
 
 
-def _json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, *, required: bool = False) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; {} for a missing one unless `required`.
+    ModelNotFoundError for a file that is missing and required, unreadable, or no object."""
     if not path.is_file():
+        if required:
+            raise ModelNotFoundError(f"{path}: missing")
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))

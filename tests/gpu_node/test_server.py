@@ -413,7 +413,7 @@ def embed_node(engine, minilm_path):
     from gpu_node.server import NodeService, NodeSettings, create_node_app
     from scheduler.capacity import LocalCapacityRegistry
 
-    embedder = Embedder(*_minilm_parts(minilm_path), name="minilm")
+    embedder = Embedder.from_directory(minilm_path, name="minilm")
     port = free_port()
     service = NodeService(
         NodeSettings("node-e", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.1),
@@ -425,14 +425,6 @@ def embed_node(engine, minilm_path):
     server.embedder = embedder  # type: ignore[attr-defined]
     yield server
     server.stop()
-
-
-def _minilm_parts(path):
-    from tokenizers import Tokenizer
-
-    from gpu_node.models.bert import load_encoder
-
-    return load_encoder(path), Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
 def embed(node, **body) -> httpx.Response:
