@@ -1,5 +1,5 @@
-"""The autoscaling gauges on a real gateway's /metrics (gateway/dashboard/fleet.py), and the
-KEDA example (infra/k8s/autoscaling.yaml) that acts on them.
+"""The autoscaling gauges on a real gateway's /metrics (gateway/dashboard/fleet.py); the KEDA
+example that acts on them: tests/infra/test_k8s.py.
 
 Nodes are capacity records published to the registry, as a node publishes them; the one
 serving smollm2 is full (no room to reserve), so the requests sent wait in the gateway's
@@ -9,14 +9,11 @@ capacity queue until their deadline.
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
@@ -30,7 +27,6 @@ from tests.conftest import SMOLLM2, ServerThread, free_port
 KEY = "es-autoscaling-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 RUN_SMOL = f"/client/v4/accounts/acct/ai/run/{SMOLLM2}"
-YAML = Path(__file__).parents[2] / "infra" / "k8s" / "autoscaling.yaml"
 GAUGES = (
     "edgeserve_queue_waiting_requests",
     "edgeserve_model_waiting_requests",
@@ -133,22 +129,3 @@ def test_the_gauges_say_what_the_records_and_the_queue_hold() -> None:
         assert 'edgeserve_admission_rejections_total{reason="no_capacity"} 3.0' in text
     finally:
         server.stop()
-
-
-def test_the_keda_example_parses_and_queries_only_gauges_the_gateway_exports() -> None:
-    (scaled,) = list(yaml.safe_load_all(YAML.read_text()))
-    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
-    assert scaled["spec"]["scaleTargetRef"]["name"] == "edgeserve-node"
-    triggers = scaled["spec"]["triggers"]
-    assert {t["type"] for t in triggers} == {"prometheus"}
-    queried = {
-        name for t in triggers for name in re.findall(r"edgeserve_[a-z_]+", t["metadata"]["query"])
-    }
-    assert queried == {
-        "edgeserve_queue_waiting_requests",
-        "edgeserve_model_waiting_requests",
-        "edgeserve_model_kv_utilization_ratio",
-    }
-    assert queried <= set(GAUGES)
-    for t in triggers:
-        float(t["metadata"]["threshold"])  # KEDA takes the threshold as a string of a number
