@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 # Debian's packages some tests drive: Chromium for the dashboard's browser test
 # (tests/integration/test_dashboard.py), docker-compose to check the compose file
-# (tests/infra/test_deployment.py); without them those tests skip and say why.
+# (tests/infra/test_compose.py); without them those tests skip and say why.
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)

@@ -1,70 +1,26 @@
-"""The deployment files are checked by the tools built for them, and the gateway image
-carries no engine.
-
-    compose file        docker-compose config (Debian's docker-compose; no engine needed)
-    k8s manifests       kubernetes-validate, against the Kubernetes schemas it ships
-    Dockerfile          hadolint
-    gateway image       installs the service's own dependencies only, and a gateway
-                        process with every engine module blocked serves
-"""
+"""infra/Dockerfile: it passes hadolint, copies every package the project installs, and its
+gateway image carries no engine: it installs the service's own dependencies only, and a
+gateway process with every engine module blocked serves."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
 import tomllib
 import uuid
-from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.conftest import INTERNAL_TOKEN, REDIS_URL, free_port
+from tests.infra.files import BIN, DOCKERFILE, ROOT, run_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-INFRA = ROOT / "infra"
-BIN = Path(sys.executable).parent
 # What only the engine imports: a gateway that needed any of them would fail without it.
 ENGINE_MODULES = ("torch", "triton", "numpy", "gguf", "tokenizers", "jinja2", "transformers")
 
 
-def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ | env
-    )
-
-
-def test_the_compose_file_is_one_docker_compose_reads() -> None:
-    compose = shutil.which("docker-compose")
-    if compose is None:
-        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
-    checked = _run(
-        compose, "-f", str(INFRA / "compose.yaml"), "config", "--quiet",
-        EDGESERVE_INTERNAL_TOKEN="0123456789abcdef0123",
-    )  # fmt: skip
-    assert checked.returncode == 0, checked.stderr
-    unset = _run(compose, "-f", str(INFRA / "compose.yaml"), "config", "--quiet")
-    assert unset.returncode != 0  # the internal token is required, not defaulted
-    assert "set a shared internal token" in unset.stderr
-
-
-def test_the_k8s_manifests_pass_the_kubernetes_schemas() -> None:
-    manifests = sorted(str(path) for path in (INFRA / "k8s").glob("*.yaml"))
-    checked = _run(str(BIN / "kubernetes-validate"), *manifests)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    passed = [line for line in checked.stdout.splitlines() if " passed for resource " in line]
-    assert len(passed) >= 5, checked.stdout  # the gateways, their services, nodes, billing
-    # KEDA's ScaledObject is a custom resource: no built-in schema, so its own test
-    # (tests/gateway/test_autoscaling_metrics.py) checks it.
-    unknown = [line for line in checked.stdout.splitlines() if "Couldn't find schema" in line]
-    assert all("ScaledObject" in line for line in unknown), unknown
-
-
 def test_the_dockerfile_passes_hadolint() -> None:
-    checked = _run(str(BIN / "hadolint"), str(INFRA / "Dockerfile"))
+    checked = run_tool(str(BIN / "hadolint"), str(DOCKERFILE))
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
@@ -73,7 +29,7 @@ def test_the_gateway_image_installs_no_engine() -> None:
     names = {dep.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip()
              for dep in project["dependencies"]}  # fmt: skip
     assert names.isdisjoint(ENGINE_MODULES)
-    dockerfile = (INFRA / "Dockerfile").read_text()
+    dockerfile = DOCKERFILE.read_text()
     gateway_stage = dockerfile.split("FROM source AS gateway", 1)[1].split("FROM ", 1)[0]
     assert "RUN pip install --no-cache-dir .\n" in gateway_stage
     assert "torch" not in gateway_stage and "[engine" not in gateway_stage
@@ -112,3 +68,14 @@ def test_a_gateway_process_serves_with_every_engine_module_blocked() -> None:
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
+
+
+def test_the_image_copies_every_package_the_project_installs() -> None:
+    """A package left out of the image installs nothing and fails at import."""
+    import tomllib
+
+    dockerfile = DOCKERFILE.read_text()
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {name.rstrip("*") for name in packages} <= copied
