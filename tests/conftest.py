@@ -255,6 +255,13 @@ def chat_prompt_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
     return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
 
 
+def sse_data(stream: bytes) -> list[str]:
+    """The `data` of each event of an SSE stream as the official openai client decodes it."""
+    from openai._streaming import SSEDecoder
+
+    return [event.data for event in SSEDecoder().iter_bytes(iter([stream]))]
+
+
 @dataclass
 class Stack:
     """One node and one gateway on loopback sharing an in-process registry (the `edgeserve up` shape)."""
