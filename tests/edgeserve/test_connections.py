@@ -1,15 +1,20 @@
-"""Connection limits: the servers `edgeserve` builds (`_server`), on loopback, against raw sockets."""
+"""Connection limits: the servers `edgeserve` builds (`_server`), on loopback, against raw
+sockets; and a real `edgeserve gateway` process with its connection flags."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,7 @@ from edgeserve.connections import (
     ConnectionLimits,
     default_max_connections,
 )
+from tests.conftest import INTERNAL_TOKEN, REDIS_URL, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -441,3 +447,124 @@ def test_the_default_cap_is_a_third_of_the_descriptors_left_at_most_10000() -> N
     assert default_max_connections(20_000) == 6581
     assert default_max_connections(1 << 20) == 10_000
     assert default_max_connections(100) == 1
+
+
+# -- a real gateway process: huge heads, connections past its cap, a trickled body ---------
+
+EDGESERVE = [sys.executable, "-c", "from edgeserve.cli import main; main()"]
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    """The process's peak resident memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def _get(port: int, path: str = "/openapi.json") -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n" % path.encode())
+        return read_response(sock)[0]
+
+
+def _fill(port: int, cap: int) -> list[socket.socket]:
+    """`cap` idle connections, all accepted: the server is at its cap. (A refused client's
+    close reaches the server a moment after its answer: until then it still counts.)"""
+    deadline = time.monotonic() + 10
+    while True:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(cap)]
+        if not select.select(idle, [], [], 0.3)[0]:  # nothing to read: none refused
+            return idle
+        for sock in idle:
+            sock.close()
+        assert time.monotonic() < deadline, "the server kept refusing below its cap"
+
+
+@pytest.fixture
+def gateway(redis_prefix: str, tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*EDGESERVE, "gateway", "--port", str(port), "--redis-url", REDIS_URL,
+         "--prefix", redis_prefix, "--internal-token", INTERNAL_TOKEN,
+         "--header-timeout-s", "2", "--keep-alive-timeout-s", "2", "--max-connections", "4"],
+        env=os.environ | {"EDGESERVE_HOME": str(tmp_path)},
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "gateway.log").open("wb"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                assert _get(port) == "HTTP/1.1 200 OK"
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the gateway never listened"
+                time.sleep(0.1)
+        yield port, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(600)  # a gateway process of its own
+def test_a_gateway_refuses_huge_heads_without_growing_and_connections_past_its_cap(
+    gateway,
+) -> None:
+    port, proc = gateway
+    peak_before = _vm_hwm_kib(proc.pid)
+    answers: list[tuple[str, str, bytes]] = []
+
+    def unfinished_64_mib_head() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+
+            def send() -> None:
+                sock.sendall(b"GET /openapi.json HTTP/1.1\r\nX-Big: ")
+                try:
+                    for _ in range(64):
+                        sock.sendall(b"a" * (1 << 20))
+                except OSError:
+                    pass  # cut off
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            answers.append(refusal(sock))
+            sender.join(timeout=10)
+
+    clients = [threading.Thread(target=unfinished_64_mib_head) for _ in range(3)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(timeout=30)
+    assert answers == 3 * [(
+        "HTTP/1.1 431 Request Header Fields Too Large", "close",
+        b"request line and headers exceed 65536 bytes",
+    )]  # fmt: skip
+    assert _vm_hwm_kib(proc.pid) - peak_before < 16 * 1024  # not 3 x 64 MiB
+
+    idle = _fill(port, 4)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as excess:
+        started = time.monotonic()
+        assert refusal(excess) == (
+            "HTTP/1.1 503 Service Unavailable",
+            "close",
+            b"too many connections",
+        )
+        assert time.monotonic() - started < 1.0
+    for sock in idle:
+        sock.close()
+    time.sleep(0.2)
+    assert _get(port) == "HTTP/1.1 200 OK"
+
+
+@pytest.mark.timeout(600)  # a gateway process of its own
+def test_a_keyless_body_sent_a_byte_at_a_time_reads_401_and_its_connection_closes(gateway) -> None:
+    port, _ = gateway
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{"
+        )
+        assert read_response(sock)[0] == "HTTP/1.1 401 Unauthorized"
+        # A byte every half second: never idle for --body-timeout-s, and never done.
+        assert seconds_until_gone(sock, limit_s=LINGER_S + 3.0, every_s=0.5) < LINGER_S + 1.5

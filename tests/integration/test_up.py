@@ -1,16 +1,20 @@
-"""`edgeserve up` as a newcomer runs it: one command, 503 while loading, then answers; SIGTERM stops it."""
+"""`edgeserve up` as a newcomer runs it: one command, 503 while loading, then answers; SIGTERM
+stops it; and the API keys a restarted `up --redis-url` leaves in Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import redis.asyncio as aioredis
 
-from tests.conftest import free_port
+from tests.conftest import REDIS_URL, free_port
 
 
 def test_up_answers_503_while_loading_then_serves_and_stops_on_sigterm(
@@ -142,3 +146,79 @@ def test_up_serves_a_checkpoint_directory_by_its_name_with_its_own_sampling(tmp_
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+# -- the API key of `up --redis-url` -------------------------------------------------------
+
+EDGESERVE = [sys.executable, "-c", "from edgeserve.cli import main; main()"]
+
+
+class Up:
+    """`edgeserve up --redis-url` as a process, stopped once it has printed its API key."""
+
+    def __init__(self, port: int, prefix: str, tmp_path: Path, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [*EDGESERVE, "up", "--port", str(port), "--device", "cpu", "--redis-url", REDIS_URL,
+             "--prefix", prefix, "--ledger", str(tmp_path / "ledger.sqlite3")],
+            env=os.environ | {"EDGESERVE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"} | env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        lines = []
+        while not lines or not lines[-1].startswith("  API key:"):
+            line = self.proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        self.api_key = lines[-1].split()[-1]
+        deadline = time.monotonic() + 60
+        while True:  # serving (503 while the model loads): its signal handlers are set
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=10)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "up never listened"
+                time.sleep(0.05)
+
+    def stop(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=60)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def _account_keys(prefix: str, *keys: str) -> tuple[list[str], list[str | None]]:
+    """The ids of account `local`'s keys, and the account each of `keys` resolves to."""
+    from gateway.keys import RedisKeyStore
+
+    async def read() -> tuple[list[str], list[str | None]]:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            store = RedisKeyStore(client, prefix)
+            listed = [info.key_id for info in await store.list("local")]
+            return listed, [await store.lookup(key) for key in keys]
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def test_a_restarted_up_leaves_one_generated_key_in_redis(
+    smollm2_path, redis_prefix: str, tmp_path: Path
+) -> None:
+    from gateway.keys import key_id_of
+
+    port = free_port()
+    crashed = Up(port, redis_prefix, tmp_path)
+    crashed.stop(signal.SIGKILL)  # no chance to revoke its key
+    assert _account_keys(redis_prefix, crashed.api_key) == ([key_id_of(crashed.api_key)], ["local"])
+    restarted = Up(port, redis_prefix, tmp_path)
+    assert _account_keys(redis_prefix, crashed.api_key, restarted.api_key) == (
+        [key_id_of(restarted.api_key)], [None, "local"],
+    )  # fmt: skip
+    restarted.stop(signal.SIGTERM)
+    assert _account_keys(redis_prefix, restarted.api_key) == ([], [None])
+    chosen = Up(port, redis_prefix, tmp_path, EDGESERVE_API_KEY="es-chosen-by-the-operator")
+    chosen.stop(signal.SIGTERM)
+    assert _account_keys(redis_prefix, "es-chosen-by-the-operator") == (
+        [key_id_of("es-chosen-by-the-operator")], ["local"],
+    )  # fmt: skip

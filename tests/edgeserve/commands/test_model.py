@@ -1,11 +1,20 @@
-"""`edgeserve model list`: what is on disk, its size, family and format."""
+"""`edgeserve model list`: what is on disk, its size, family and format; `model pull`."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
 from edgeserve.cli import build_app
 from tests.gpu_node.models.hf_tiny import write_checkpoint
+
+
+def edgeserve(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "edgeserve", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_model_list_shows_size_family_and_format(tmp_path, monkeypatch, gemma3_path):
@@ -34,3 +43,12 @@ def test_model_list_shows_size_family_and_format(tmp_path, monkeypatch, gemma3_p
     # what is on disk first, then what could be pulled, then what is built in
     assert [row[0] for row in rows][:2] == ["gemma3-270m", "tiny-qwen3"]
     assert rows[-1][0] == "moe-small"
+
+
+def test_model_pull_is_idempotent(smollm2_path):
+    before = smollm2_path.stat().st_mtime_ns
+    result = edgeserve("model", "pull", "smollm2")
+    assert result.returncode == 0 and result.stdout.strip() == f"smollm2: {smollm2_path}"
+    assert smollm2_path.stat().st_mtime_ns == before
+    result = edgeserve("model", "pull", "llama-9000")
+    assert result.returncode == 1 and "unknown model 'llama-9000'" in result.stderr
