@@ -25,25 +25,37 @@ import uvicorn
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
-# Under pytest-xdist the workers share the machine's cores: each worker's torch (and
-# the servers it starts) takes its share of them rather than all, which would
-# oversubscribe the cores with spinning OpenMP threads.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    _share = (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
-# What the commands keep in the user's data dir (the embedded SQLite ledger of
-# `edgeserve up`) goes to a directory of this test process's own, never the user's.
-_DATA_HOME = tempfile.TemporaryDirectory(prefix="edgeserve-test-data-")
-os.environ["XDG_DATA_HOME"] = _DATA_HOME.name
+# The session's environment (`pytest_configure`), undone at its end.
+_SESSION_ENV = pytest.StashKey[tuple[pytest.MonkeyPatch, tempfile.TemporaryDirectory[str]]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Triton decides interpreted-or-compiled when a kernel is decorated: interpret unless
-    the caller chose (TRITON_INTERPRET=0 compiles on a GPU). pytest_configure runs before
-    any test module is imported, so every kernel is decorated after this; conftests that
-    pytest imports earlier (the initial ones) must not import kernel modules at import."""
+    """The test process's environment, set before any test module is imported.
+
+    Triton decides interpreted-or-compiled when a kernel is decorated: interpret unless
+    the caller chose (TRITON_INTERPRET=0 compiles on a GPU); every kernel is decorated
+    after this, so conftests that pytest imports earlier (the initial ones) must not
+    import kernel modules at import. What the commands keep in the user's data dir (the
+    embedded SQLite ledger of `edgeserve up`) goes to a directory of this test process's
+    own, never the user's. Under pytest-xdist the workers share the machine's cores: each
+    worker's torch (and the servers it starts) takes its share of them rather than all,
+    which would oversubscribe the cores with spinning OpenMP threads."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    env = pytest.MonkeyPatch()
+    data_home = tempfile.TemporaryDirectory(prefix="edgeserve-test-data-")
+    env.setenv("XDG_DATA_HOME", data_home.name)
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if num_workers and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        env.setenv("OMP_NUM_THREADS", str(max(1, (cores or 1) // num_workers)))
+    config.stash[_SESSION_ENV] = (env, data_home)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (session_env := config.stash.get(_SESSION_ENV, None)) is not None:
+        env, data_home = session_env
+        env.undo()
+        data_home.cleanup()
 
 
 def _port_slice() -> range:
