@@ -265,6 +265,7 @@ def create_app(
         routes += [
             Route(f"{base}/chat/completions", openai_api.chat_completions, methods=["POST"]),
             Route(f"{base}/completions", openai_api.completions, methods=["POST"]),
+            Route(f"{base}/embeddings", openai_api.embeddings, methods=["POST"]),
             Route(f"{base}/models", openai_api.list_models, methods=["GET"]),
             Route(f"{base}/models/{{model_id:path}}", openai_api.retrieve_model, methods=["GET"]),
         ]

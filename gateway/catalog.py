@@ -16,6 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import PurePath
 from typing import Any
 
+TEXT_GENERATION = "Text Generation"
+TEXT_EMBEDDINGS = "Text Embeddings"
+
 
 @dataclass(frozen=True)
 class SamplingDefaults:
@@ -42,10 +45,15 @@ class CatalogModel:
     id: str  # stable id shown in the catalog
     description: str
     aliases: tuple[str, ...] = ()
-    task: str = "Text Generation"
-    context_window: int = 8192
+    task: str = TEXT_GENERATION  # Workers AI's task name
+    context_window: int = 8192  # of an embedding model: the tokens it takes per input
+    dimensions: int = 0  # an embedding model's vector size (0: not stated)
     is_experimental: bool = False  # Workers AI search's hide_experimental leaves it out
     sampling: SamplingDefaults = SamplingDefaults()
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.task == TEXT_EMBEDDINGS
 
     @property
     def author(self) -> str:
@@ -88,6 +96,17 @@ DEFAULT_MODELS = (
         context_window=32768,
     ),
     CatalogModel(
+        name="@cf/sentence-transformers/all-minilm-l6-v2",
+        node_model="minilm",
+        id="3f1c9e52-7a0b-4d8e-b6a4-2c5d8f0e1a74",
+        description="all-MiniLM-L6-v2: 384-dimensional sentence embeddings, mean-pooled and "
+        "normalized.",
+        aliases=("minilm", "all-minilm-l6-v2"),
+        task=TEXT_EMBEDDINGS,
+        context_window=512,
+        dimensions=384,
+    ),
+    CatalogModel(
         name="@cf/edgeserve/moe-small",
         node_model="moe-small",
         id="0b6c8f7e-2f0d-4c55-8f42-1d9e3b7a6c02",
@@ -98,10 +117,12 @@ DEFAULT_MODELS = (
 )
 
 
-def local_entry(node_model: str, context_window: int = 8192) -> CatalogModel:
+def local_entry(
+    node_model: str, context_window: int = 8192, task: str = TEXT_GENERATION
+) -> CatalogModel:
     """The entry of a model the catalog does not know, served from a path: named
-    `@cf/local/<file or directory name>`, with that short name and the path as aliases, and
-    the window its nodes take."""
+    `@cf/local/<file or directory name>`, with that short name and the path as aliases, the
+    window its nodes take and its task."""
     short = re.sub(r"[^a-z0-9._-]+", "-", PurePath(node_model).name.lower()).strip("-.")
     short = short.removesuffix(".gguf") or "model"
     return CatalogModel(
@@ -110,6 +131,7 @@ def local_entry(node_model: str, context_window: int = 8192) -> CatalogModel:
         id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"edgeserve:{node_model}")),
         description=f"Served from {PurePath(node_model).name}.",
         aliases=tuple(dict.fromkeys((short, node_model))),
+        task=task,
         context_window=context_window,
     )
 
@@ -121,6 +143,13 @@ class ServedModel:
     node_model: str
     generation_defaults: Mapping[str, float]
     max_request_tokens: int = 0  # the largest a node serving it takes; 0: none says
+    embedding_tokens: int = 0  # an encoder's tokens per input; 0: the model generates text
+
+
+def _local_entry(served: ServedModel) -> CatalogModel:
+    if served.embedding_tokens:
+        return local_entry(served.node_model, served.embedding_tokens, TEXT_EMBEDDINGS)
+    return local_entry(served.node_model, served.max_request_tokens or 8192)
 
 
 class ModelCatalog:
@@ -147,9 +176,9 @@ class ModelCatalog:
         node_models = {s.node_model for s in served}
         known = [m for m in self.models if m.node_model in node_models]
         known_node_models = {m.node_model for m in self.models}
-        windows = {s.node_model: s.max_request_tokens or 8192 for s in served}
-        local = sorted(node_models - known_node_models)
-        entries = [*known, *(local_entry(m, windows[m]) for m in local)]
+        local = node_models - known_node_models
+        unknown = sorted((s for s in served if s.node_model in local), key=lambda s: s.node_model)
+        entries = [*known, *(_local_entry(s) for s in unknown)]
         return [self._with_defaults(e, served) for e in entries]
 
     @staticmethod

@@ -15,14 +15,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import httpx
 from starlette.types import Receive
 
 from common.node_api import (
+    EmbedRequest,
+    EmbedResponse,
     ErrorEvent,
-    GenerateParams,
     GenerateRequest,
     TokenChunk,
     read_event,
@@ -40,6 +41,7 @@ from gateway.errors import (
     NotServedError,
     UpstreamError,
 )
+from gateway.jobs import EmbeddingJob, GenerationJob, Job
 from gateway.liveness import NODE_GONE, NodeWatch
 from gateway.metering import Meter, UsageSinkLike, estimate_tokens
 from gateway.tracing import GenAISpan, GenAITracer
@@ -64,18 +66,6 @@ UPSTREAM_RETRY_S = 1.0  # a request no node could start: a dead node's record so
 # A client that leaves while the node starts its request: how long the node may take to
 # answer the cancel (it acts between engine steps) before the gateway stops waiting.
 CANCEL_GRACE_S = 10.0
-
-
-@dataclass(frozen=True)
-class GenerationJob:
-    request_id: str
-    account_id: str
-    model: CatalogModel
-    payload: GenerateParams  # what the node is asked to generate
-    estimated_tokens: int  # prompt estimate + max_tokens: what admission and placement reserve
-    reject_if_busy: bool = False  # Workers AI options.rejectIfBusy: never wait for a node
-    stream: bool = False  # the client reads the answer as it comes (gen_ai.request.stream)
-    max_tokens_name: str = "max_tokens"  # the field the client named it in, for its errors
 
 
 # Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.
@@ -152,6 +142,103 @@ class Dispatcher:
                 raise
         return upstream
 
+    async def embed(
+        self, job: EmbeddingJob, receive: Receive | None = None
+    ) -> tuple[EmbedResponse, dict[str, str]]:
+        """`job`'s vectors from a node serving its encoder, and admission's headers for the
+        client: admitted, placed (waiting in the capacity queue as a generation does), run,
+        retried once on another node when its node fails, and metered at the tokens the
+        node encoded."""
+        started_at = time.time()
+        trace = self._tracer.start(job)
+        try:
+            headers = await self._meter.admit(job, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        try:
+            placement = await self._placed(job, trace, receive)
+            try:
+                response = await self._embed_on(placement, job, trace)
+            except UpstreamError as exc:
+                log.warning("embeddings %s: %s", job.request_id, exc.detail)
+                retry = await self._place_elsewhere(job, placement.node_ids, trace)
+                if retry is None:
+                    exc.retry_after_s = exc.retry_after_s or UPSTREAM_RETRY_S
+                    raise
+                placement = retry
+                response = await self._embed_on(placement, job, trace)
+        except GatewayError as exc:
+            exc.headers = headers | exc.headers
+            await self._meter.release(job, 0)
+            trace.fail(exc)
+            raise
+        except BaseException as exc:
+            await self._meter.release(job, 0)
+            trace.fail(exc)
+            raise
+        if response.vectors:
+            trace.span.set_attribute("gen_ai.embeddings.dimension.count", len(response.vectors[0]))
+        await self._meter.settle_embedding(
+            job, placement.node_id, started_at, response.prompt_tokens, trace
+        )
+        return response, headers
+
+    async def _embed_on(
+        self, placement: Placement, job: EmbeddingJob, trace: GenAISpan
+    ) -> EmbedResponse:
+        """The node's answer to `job`, its placement given back whatever happens;
+        UpstreamError when the node is at fault (unreachable, failing, unresponsive)."""
+        body = EmbedRequest(
+            request_id=job.request_id,
+            account_id=job.account_id,
+            model=job.model.node_model,
+            texts=job.texts,
+            token_ids=job.token_ids,
+            truncate=job.truncate,
+        )
+        sent_at = time.monotonic()
+        call = asyncio.ensure_future(
+            self._client.post(
+                f"{placement.address}/internal/v1/embed",
+                content=body.model_dump_json(exclude_defaults=True).encode(),
+                headers=self._auth | {"content-type": "application/json"} | trace.traceparent(),
+            )
+        )
+        watch = asyncio.ensure_future(self.watch.until_unresponsive(placement, lambda: sent_at))
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                detail = f"node {placement.node_id} {self.watch.silence}"
+                raise UpstreamError(NODE_FAILED, detail=detail)
+            response = call.result()
+        except (httpx.HTTPError, OSError) as exc:
+            if isinstance(exc, NODE_GONE):
+                await self._placer.mark_down(placement.node_id)
+            raise UpstreamError(
+                NODE_UNREACHABLE, detail=f"node {placement.node_id} unreachable: {exc!r}"
+            ) from None
+        finally:
+            for task in (call, watch):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(call, watch, return_exceptions=True)
+            await self.release_placement(placement)
+        if response.status_code != 200:
+            code, message = _node_error(response)
+            if code in _CLIENT_ERRORS:
+                raise _CLIENT_ERRORS[code](message)
+            raise UpstreamError(
+                NODE_FAILED,
+                detail=f"node {placement.node_id} answered {response.status_code}: {message}",
+            )
+        try:
+            return EmbedResponse.model_validate_json(response.content)
+        except ValueError as exc:
+            raise UpstreamError(
+                NODE_FAILED, detail=f"node {placement.node_id} answered no vectors: {exc}"
+            ) from None
+
     async def _fit_window(self, job: GenerationJob) -> GenerationJob:
         """`job` with a default max_tokens shortened to what the window leaves; refused
         (ContextWindowError) when the client's own max_tokens leaves no room for a prompt:
@@ -180,18 +267,23 @@ class Dispatcher:
             served = await self._placer.served()
         except StoreAway:
             return []
-        return [
-            ServedModel(
-                model,
-                records[0].generation_defaults,
-                max(r.max_request_tokens for r in records),
-            )
-            for model, records in served.items()
-        ]
+        models = []
+        for model, records in served.items():
+            # An encoder's window is per input; the record's window and sampling defaults
+            # are its node's generation model's.
+            embedding_tokens = max(r.embedding_models.get(model, 0) for r in records)
+            if embedding_tokens:
+                models.append(ServedModel(model, {}, embedding_tokens, embedding_tokens))
+            else:
+                window = max(r.max_request_tokens for r in records)
+                models.append(ServedModel(model, records[0].generation_defaults, window))
+        return models
 
     async def context_window(self, model: CatalogModel) -> int:
         """`model`'s context window as the fleet serves it now: the catalog's, or less where
         the largest live node serving it takes no longer a request (its KV pool is smaller)."""
+        if model.is_embedding:  # tokens per input, the model's own
+            return model.context_window
         largest = await self._placer.max_request_tokens(model.node_model)
         return model.context_window if largest is None else min(model.context_window, largest)
 
@@ -203,16 +295,7 @@ class Dispatcher:
         trace: GenAISpan,
         receive: Receive | None = None,
     ) -> Upstream:
-        with trace.step("placement"):
-            try:
-                placement = await self._first_placement(job, receive)
-            except NoCapacityError:
-                trace.rejected("no_capacity")
-                raise
-            except NotServedError:
-                trace.rejected("not_served")
-                raise
-        trace.placed(placement)
+        placement = await self._placed(job, trace, receive)
         tried = set(placement.node_ids)  # a disaggregated placement's prefill node too
         retried = False
         while True:  # the first node, then one retry elsewhere
@@ -234,9 +317,21 @@ class Dispatcher:
                 await self.release_placement(placement)
                 raise
 
-    async def _first_placement(
-        self, job: GenerationJob, receive: Receive | None = None
-    ) -> Placement:
+    async def _placed(self, job: Job, trace: GenAISpan, receive: Receive | None) -> Placement:
+        """`_first_placement` under its span, a refusal counted as admission's."""
+        with trace.step("placement"):
+            try:
+                placement = await self._first_placement(job, receive)
+            except NoCapacityError:
+                trace.rejected("no_capacity")
+                raise
+            except NotServedError:
+                trace.rejected("not_served")
+                raise
+        trace.placed(placement)
+        return placement
+
+    async def _first_placement(self, job: Job, receive: Receive | None = None) -> Placement:
         """A node now, or after a fair wait in the capacity queue; NoCapacityError when every
         node serving the model stays full, NotServedError when none serves it, and
         ClientClosedError when the client (its `receive`) leaves while queued."""
@@ -316,7 +411,7 @@ class Dispatcher:
             raise
 
     async def _place_elsewhere(
-        self, job: GenerationJob, exclude: frozenset[str], trace: GenAISpan
+        self, job: Job, exclude: frozenset[str], trace: GenAISpan
     ) -> Placement | None:
         """A placement for `job` on none of the nodes in `exclude`, or None."""
         with trace.step("placement"):

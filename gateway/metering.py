@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from billing.events import Status, UsageEvent
 from common.node_api import GenerateParams
@@ -36,11 +36,9 @@ from gateway.errors import (
     TokenLimitError,
     UnavailableError,
 )
+from gateway.jobs import EmbeddingJob, Job
 from gateway.tracing import GenAISpan
 from gateway.upstream import Upstream
-
-if TYPE_CHECKING:
-    from gateway.dispatch import GenerationJob
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +114,7 @@ class Meter:
         self._limiter = limiter
         self._usage_sink = usage_sink
 
-    async def admit(self, job: GenerationJob, trace: GenAISpan) -> dict[str, str]:
+    async def admit(self, job: Job, trace: GenAISpan) -> dict[str, str]:
         """Reserves `job`'s estimated tokens; admission's headers for the client. Raises the
         client's error when refused (RateLimitedError, TokenLimitError, ...)."""
         if self._limiter is None:
@@ -124,9 +122,7 @@ class Meter:
         with trace.step("admission"):
             return await self._admit(self._limiter, job, trace)
 
-    async def _admit(
-        self, limiter: Limiter, job: GenerationJob, trace: GenAISpan
-    ) -> dict[str, str]:
+    async def _admit(self, limiter: Limiter, job: Job, trace: GenAISpan) -> dict[str, str]:
         try:
             admission = await limiter.acquire(
                 job.account_id, job.model.node_model, job.request_id, job.estimated_tokens
@@ -159,7 +155,7 @@ class Meter:
             )
         return dict(admission.headers)
 
-    async def release(self, job: GenerationJob, num_tokens: int) -> None:
+    async def release(self, job: Job, num_tokens: int) -> None:
         """Gives `job`'s admission back, counting `num_tokens` against its account."""
         if self._limiter is None:
             return
@@ -188,6 +184,23 @@ class Meter:
             num_cached_tokens=usage.cached_tokens,
             error_type={"ok": None, "error": "UpstreamError"}.get(usage.status, usage.status),
         )
+        await self._record(job, upstream.node_id, upstream.started_at, usage)
+
+    async def settle_embedding(
+        self, job: EmbeddingJob, node_id: str, started_at: float, num_tokens: int, trace: GenAISpan
+    ) -> None:
+        """Ends an embedding's trace, gives its admission back at the `num_tokens` its node
+        encoded and appends its usage event (input tokens only)."""
+        trace.finish(
+            finish_reason=None,
+            num_input_tokens=num_tokens,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            error_type=None,
+        )
+        await self._record(job, node_id, started_at, BilledUsage("ok", num_tokens, 0, 0))
+
+    async def _record(self, job: Job, node_id: str, started_at: float, usage: BilledUsage) -> None:
         await self.release(job, usage.input_tokens + usage.output_tokens)
         if self._usage_sink is None:
             return
@@ -196,12 +209,12 @@ class Meter:
                 request_id=job.request_id,
                 account_id=job.account_id,
                 model=job.model.name,
-                node_id=upstream.node_id,
+                node_id=node_id,
                 input_tokens=usage.input_tokens,
                 output_tokens=usage.output_tokens,
                 cached_tokens=usage.cached_tokens,
-                started_at=upstream.started_at,
-                ended_at=max(time.time(), upstream.started_at),
+                started_at=started_at,
+                ended_at=max(time.time(), started_at),
                 status=usage.status,
             )
         )

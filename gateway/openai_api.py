@@ -1,7 +1,10 @@
-"""The OpenAI-compatible dialect: /v1/chat/completions, /v1/completions, /v1/models."""
+"""The OpenAI-compatible dialect: /v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/models."""
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from typing import Any
 
@@ -9,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.catalog import CatalogModel
-from gateway.dispatch import GenerationJob
 from gateway.errors import ContextWindowError, GatewayError, error_body
 from gateway.http import (
     JSONBytes,
@@ -21,9 +23,15 @@ from gateway.http import (
     require_ready,
     resolve_model,
 )
+from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
 from gateway.relay import SSE_DONE, RelayResponse, sse
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingsRequest,
+    check_generation_model,
+)
 from gateway.upstream import Finished, Upstream, collect
 
 
@@ -110,6 +118,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
     body = await parse_body(request, model_cls)
     body.check_supported()
     model = await resolve_model(request, body.model)
+    check_generation_model(model)
     payload = body.node_payload(default_max_tokens, model.sampling)
     job = GenerationJob(
         request_id_of(request),
@@ -178,6 +187,49 @@ async def completions(request: Request) -> Response:
     return _answer(
         "text_completion", completion_id, upstream.job.model.name, choice, finished, upstream
     )
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as OpenAI sends it: floats, or base64 of its little-endian float32 bytes."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+@endpoint("openai")
+async def embeddings(request: Request) -> Response:
+    """POST /v1/embeddings."""
+    account_id = await authenticate(request)
+    require_ready(request)
+    body = await parse_body(request, EmbeddingsRequest)
+    model = await resolve_model(request, body.model)
+    body.check_for(model)
+    texts, token_ids = body.inputs()
+    job = EmbeddingJob(
+        request_id_of(request),
+        account_id,
+        model,
+        texts,
+        token_ids,
+        estimate_input_tokens(texts, token_ids, model.context_window),
+    )
+    try:
+        answer, headers = await gateway_of(request).dispatcher.embed(job, request.receive)
+    except ContextWindowError as exc:
+        exc.param = exc.param or "input"
+        raise
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+        for i, v in enumerate(answer.vectors)
+    ]
+    tokens = answer.prompt_tokens
+    result = {
+        "object": "list",
+        "data": data,
+        "model": model.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return JSONBytes(result, headers=headers)
 
 
 async def _model_object(request: Request, model: CatalogModel) -> dict[str, Any]:

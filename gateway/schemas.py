@@ -17,12 +17,15 @@ from pydantic import (
     Strict,
     StrictBool,
     StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
 from common.node_api import GenerateParams
-from gateway.catalog import SamplingDefaults
+from gateway.catalog import CatalogModel, SamplingDefaults
 from gateway.errors import BadRequestError, UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
@@ -322,6 +325,138 @@ class CompletionRequest(_OpenAIBase):
         payload["prompt"] = self.prompt_text()
         payload["raw"] = True
         return GenerateParams.model_validate(payload)
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit on one request's inputs
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+EmbeddingText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+
+
+class EmbeddingsRequest(BaseModel):
+    """OpenAI `POST /v1/embeddings`: a string, a list of strings, a token array or a list
+    of token arrays."""
+
+    model_config = ConfigDict(extra="ignore", title="EmbeddingsRequest")
+
+    model: str = Field(min_length=1)
+    input: (
+        EmbeddingText
+        | Annotated[list[EmbeddingText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[TokenIds, Field(min_length=1)]
+        | Annotated[
+            list[Annotated[TokenIds, Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+        ]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1, description="the model's own size only")
+    user: str | None = None
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _one_problem(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One error that says what is wrong, not one per shape the input could take."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(embedding_input_problem(value)) from None
+
+    def inputs(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        """(texts, token arrays): exactly one of them."""
+        given = self.input
+        if isinstance(given, str):
+            return [given], None
+        texts = [one for one in given if isinstance(one, str)]
+        if texts:
+            return texts, None
+        ids = [one for one in given if isinstance(one, int)]
+        if ids:
+            return None, [ids]
+        return None, [list(one) for one in given if isinstance(one, list)]
+
+    def check_for(self, model: CatalogModel) -> None:
+        check_embedding_model(model)
+        if self.dimensions is not None and self.dimensions != model.dimensions:
+            raise UnsupportedError(
+                f"{model.name} does not shorten its vectors: 'dimensions' may only be its own "
+                f"size" + (f", {model.dimensions}" if model.dimensions else ""),
+                param="dimensions",
+            )
+
+
+def embedding_input_problem(value: Any) -> str:
+    """What is wrong with an embedding input that matches none of its shapes."""
+    if value == "" or value == []:
+        return "must not be empty"
+    if not isinstance(value, (str, list)):
+        return "must be a string, a list of strings, a token array or a list of token arrays"
+    if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
+        return f"takes at most {MAX_EMBEDDING_INPUTS} inputs, got {len(value)}"
+    if isinstance(value, str) or any(isinstance(one, str) for one in value):
+        if not all(isinstance(one, str) for one in value):
+            return "mixes strings with other values"
+        if any(not one for one in value):
+            return "holds an empty string"
+        return f"holds a string longer than {MAX_PROMPT_CHARS} characters"
+    rows = value if all(isinstance(one, list) for one in value) else [value]
+    if any(not row for row in rows):
+        return "holds an empty token array"
+    return "token arrays hold token ids: integers of 0 or more"
+
+
+class WorkersAIEmbeddingRequest(BaseModel):
+    """Workers AI text embeddings: `text`, one string or a list of them."""
+
+    model_config = ConfigDict(extra="ignore", title="WorkersAIEmbeddings")
+
+    text: (
+        EmbeddingText
+        | Annotated[list[EmbeddingText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+
+    @field_validator("text", mode="wrap")
+    @classmethod
+    def _one_problem(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, (str, list)) or any(not isinstance(one, str) for one in value):
+                raise ValueError("must be a string or a list of strings") from None
+            raise ValueError(embedding_input_problem(value)) from None
+
+    truncate_inputs: StrictBool = Field(
+        False, description="cut an input past the model's positions instead of refusing it"
+    )
+    pooling: Any = Field(None, description="not accepted: the model's checkpoint sets it")
+    options: WorkersAIOptions | None = None
+
+    def texts(self) -> list[str]:
+        return [self.text] if isinstance(self.text, str) else list(self.text)
+
+    def check_supported(self) -> None:
+        if self.pooling is not None:
+            raise UnsupportedError(
+                "'pooling' is not supported: the model pools as its checkpoint says",
+                param="pooling",
+            )
+
+    @property
+    def reject_if_busy(self) -> bool:
+        return self.options is not None and self.options.reject_if_busy
+
+
+def check_embedding_model(model: CatalogModel) -> None:
+    if not model.is_embedding:
+        raise BadRequestError(
+            f"{model.name} generates text; embeddings take an embedding model", param="model"
+        )
+
+
+def check_generation_model(model: CatalogModel) -> None:
+    if model.is_embedding:
+        raise BadRequestError(
+            f"{model.name} is an embedding model: it does not generate text", param="model"
+        )
 
 
 # top_p and top_k at these values sample from every token: a default equal to them says

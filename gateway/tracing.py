@@ -41,9 +41,9 @@ from common.telemetry import (
     Telemetry,
     current_request_id,
 )
+from gateway.jobs import EmbeddingJob, GenerationJob, Job
 
 if TYPE_CHECKING:
-    from gateway.dispatch import GenerationJob
     from scheduler.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -157,11 +157,6 @@ class TracingMiddleware:
         return None
 
 
-def operation_name(payload: GenerateParams) -> str:
-    """`chat` for a conversation, `text_completion` for a bare prompt (templated or raw)."""
-    return "chat" if payload.messages is not None else "text_completion"
-
-
 class GenAITracer:
     """Starts the GenAI span of each generation; one per gateway (it owns the admission counter)."""
 
@@ -169,7 +164,7 @@ class GenAITracer:
         self.telemetry = telemetry
         self._admission = AdmissionMetrics(telemetry.registry)
 
-    def start(self, job: GenerationJob) -> GenAISpan:
+    def start(self, job: Job) -> GenAISpan:
         return GenAISpan(self.telemetry, self._admission, job)
 
 
@@ -180,12 +175,10 @@ class GenAISpan:
     children and the forwarded `traceparent` take their parent from `self.context`.
     """
 
-    def __init__(
-        self, telemetry: Telemetry, admission: AdmissionMetrics, job: GenerationJob
-    ) -> None:
+    def __init__(self, telemetry: Telemetry, admission: AdmissionMetrics, job: Job) -> None:
         self._telemetry = telemetry
         self._admission = admission
-        operation = operation_name(job.payload)
+        operation = job.operation_name
         model = job.model.name
         self._labels = GenAILabels(operation, PROVIDER_NAME, model, model)
         self._started_at = time.perf_counter()
@@ -194,8 +187,8 @@ class GenAISpan:
         self._is_ended = False
         attributes: dict[str, Any] = {}
         if telemetry.is_tracing:
-            attributes = _request_attributes(job, operation)
-            if telemetry.record_content:
+            attributes = _request_attributes(job)
+            if telemetry.record_content and isinstance(job, GenerationJob):
                 attributes["gen_ai.input.messages"] = _input_messages(job.payload)
         self.span = telemetry.tracer.start_span(
             f"{operation} {model}", kind=SpanKind.CLIENT, attributes=attributes
@@ -301,19 +294,22 @@ class GenAISpan:
         self.span.end()
 
 
-def _request_attributes(job: GenerationJob, operation: str) -> dict[str, Any]:
-    payload = job.payload
+def _request_attributes(job: Job) -> dict[str, Any]:
     attributes: dict[str, Any] = {
-        "gen_ai.operation.name": operation,
+        "gen_ai.operation.name": job.operation_name,
         "gen_ai.provider.name": PROVIDER_NAME,
         "gen_ai.request.model": job.model.name,
-        "gen_ai.request.max_tokens": payload.max_tokens,
-        "gen_ai.request.stream": job.stream,
         "gen_ai.response.id": job.request_id,
         "edgeserve.account_id": job.account_id,
         "edgeserve.request_id": job.request_id,
         "edgeserve.node_model": job.model.node_model,
     }
+    if isinstance(job, EmbeddingJob):
+        attributes["edgeserve.embeddings.inputs"] = job.num_inputs
+        return attributes
+    payload = job.payload
+    attributes["gen_ai.request.max_tokens"] = payload.max_tokens
+    attributes["gen_ai.request.stream"] = job.stream
     for key in ("temperature", "top_p", "top_k", "seed"):
         if key in payload.model_fields_set and (value := getattr(payload, key)) is not None:
             attributes[f"gen_ai.request.{key}"] = value

@@ -28,7 +28,8 @@ from gateway.tracing import GenAISpan
 from scheduler.placement import Placement
 
 if TYPE_CHECKING:
-    from gateway.dispatch import Dispatcher, GenerationJob
+    from gateway.dispatch import Dispatcher
+    from gateway.jobs import GenerationJob
 
 T = TypeVar("T")
 

