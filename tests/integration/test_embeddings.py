@@ -34,13 +34,6 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def minilm_path() -> Any:
-    from gpu_node.models.model_store import pull
-
-    return pull("minilm", quiet=True)
-
-
-@pytest.fixture(scope="module")
 def node(engine: Any, minilm_path: Path) -> Iterator[Node]:
     """One node serving SmolLM2 and all-MiniLM-L6-v2 (as `edgeserve up` does by default)."""
     from gpu_node.engine.embedder import Embedder

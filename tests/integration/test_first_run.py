@@ -117,7 +117,7 @@ def _billed(env: dict[str, str], *ledger: str, num_requests: int) -> dict[str, A
         time.sleep(0.2)
 
 
-@pytest.mark.usefixtures("smollm2_path")
+@pytest.mark.usefixtures("smollm2_path", "minilm_path")
 def test_up_says_ready_answers_the_readme_and_run_and_keeps_to_its_home(tmp_path: Path) -> None:
     env = _env(tmp_path / "home", tmp_path / "outside")
     up = Up(env)
@@ -161,7 +161,23 @@ def test_up_says_ready_answers_the_readme_and_run_and_keeps_to_its_home(tmp_path
         assert chat.returncode == 0, chat.stderr
         first, second = chat.stdout.splitlines()
         assert "Paris" in first and "Berlin" in second  # the second needs the first turn
-        _billed(env, num_requests=5)
+        before = _billed(env, num_requests=5)["total"]
+
+        # The embedding model is served beside the chat model, where the banner says.
+        embeddings_url = up.banner("embeddings")
+        assert embeddings_url == f"{url}/v1/embeddings"
+        assert "  embeddings: minilm at " in "".join(up.lines)
+        embedded = httpx.post(
+            embeddings_url,
+            json={"model": "minilm", "input": ["Paris", "Berlin"]},
+            headers={"authorization": f"Bearer {up.banner('API key')}"},
+            timeout=60,
+        )
+        assert embedded.status_code == 200, embedded.text
+        assert [len(d["embedding"]) for d in embedded.json()["data"]] == [384, 384]
+        after = _billed(env, num_requests=6)["total"]
+        billed = (after["input_tokens"] - before["input_tokens"], after["output_tokens"])
+        assert billed == (embedded.json()["usage"]["prompt_tokens"], before["output_tokens"])
         assert (tmp_path / "home" / "up.json").stat().st_mode & 0o777 == 0o600
     finally:
         console = up.stop()
