@@ -2,8 +2,11 @@
 
     POST /internal/v1/generate   GenerateRequest in; NDJSON out, one NodeEvent a line:
                                  TokenChunk ... then Finish, or ErrorEvent on a failure
-                                 after the first line
+                                 after the first line; with n > 1, the n choices'
+                                 TokenChunks interleave, each event tagged with its
+                                 `index`, and the stream ends after n Finish lines
     any refusal before the stream  ErrorEvent as the body, with the code's status
+                                 (an invalid grammar: invalid_request, naming the problem)
 
 The gateway builds `GenerateParams` from a client's request, completes it into a
 `GenerateRequest` for the node it places on, and reads the node's answer with
@@ -38,8 +41,41 @@ class ChatMessage(_Wire):
     content: str
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag"]
+
+
+class GrammarSpec(_Wire):
+    """What the answer must match, enforced token by token (constrained decoding).
+
+    kind            value
+    json_schema     the JSON Schema, as JSON text; strict: properties the schema does not
+                    name are refused unless it says `additionalProperties`
+    json_object     unused: any JSON object
+    regex           the pattern the whole answer matches
+    choice          unused: `choices` lists the answers allowed, verbatim
+    ebnf            a GBNF grammar (llama.cpp's EBNF dialect), its start rule `root`
+    structural_tag  xgrammar's structural tag, as JSON text ({"type": "structural_tag",
+                    "format": ...}): free text with triggered, constrained sections, as
+                    common/tool_grammar.py builds for tool calls
+
+    JSON is written compactly unless the schema's own text asks otherwise: no whitespace
+    between tokens (`{"a":1}`), which keeps a small model from looping on blanks.
+    """
+
+    kind: GrammarKind
+    value: str = ""
+    choices: list[str] = Field(default_factory=list)
+
+
 class GenerateParams(_Wire):
-    """What to generate: the prompt (exactly one of the three forms) and how to sample."""
+    """What to generate: the prompt (exactly one of the three forms) and how to sample.
+
+    `grammar`: the answer is constrained to it; it ends (finish_reason "stop") when the
+    grammar is complete. `logprobs`: every TokenChunk carries `logprobs`, one entry per
+    token, with the `top_logprobs` most likely alternatives. `n`: that many answers to the
+    one prompt (its prefill shared), their events tagged with `index` (0..n-1); a seed
+    gives choice i the seed `seed + i`.
+    """
 
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
@@ -57,6 +93,10 @@ class GenerateParams(_Wire):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    grammar: GrammarSpec | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    n: int = Field(default=1, ge=1, le=16)
 
 
 class GenerateRequest(GenerateParams):
@@ -87,17 +127,39 @@ class EmbedResponse(_Wire):
     prompt_tokens: int  # the tokens encoded: what is billed
 
 
+class TopLogprob(_Wire):
+    token_id: int
+    token: str  # the token's text alone (U+FFFD for a part of a UTF-8 character)
+    logprob: float
+
+
+class TokenLogprob(_Wire):
+    """One generated token's log-probability under the distribution it was sampled from
+    (gpu_node/engine/sampler.py says which), and the most likely tokens of that
+    distribution, most likely first (`top_logprobs` of them, fewer where fewer were
+    possible)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class TokenChunk(_Wire):
     """Text and the tokens it decodes from. The first chunk also carries what billing
     counts should the stream end early: the prompt's tokens, those served from the prefix
     cache, and those computed by then (fewer than the prompt's only when a cancel stops
-    the prompt midway)."""
+    the prompt midway). With n > 1, the first chunk of each choice carries them, the
+    prompt's counts alike in each (bill the prompt once). `logprobs`: when asked for, one
+    entry per token of `token_ids`, in order. `index`: the choice (n > 1)."""
 
     text: str
     token_ids: list[int]
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     prefilled_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    index: int = 0
 
 
 class Usage(_Wire):
@@ -107,8 +169,13 @@ class Usage(_Wire):
 
 
 class Finish(_Wire):
+    """The end of one choice: `usage` counts the prompt (alike in every choice) and this
+    choice's completion tokens. finish_reason: stop (EOS, a stop string or the grammar
+    complete), length, cancelled."""
+
     finish_reason: str
     usage: Usage
+    index: int = 0
 
 
 class NodeError(_Wire):
@@ -125,8 +192,9 @@ _EVENT: TypeAdapter[NodeEvent] = TypeAdapter(NodeEvent)
 
 
 def event_line(event: NodeEvent) -> bytes:
-    """One NDJSON line of the node's stream (JSON escapes every `\\n` inside it)."""
-    return event.model_dump_json(exclude_none=True).encode() + b"\n"
+    """One NDJSON line of the node's stream (JSON escapes every `\\n` inside it); fields at
+    their defaults are left out, so a reader that predates one still reads the line."""
+    return event.model_dump_json(exclude_defaults=True).encode() + b"\n"
 
 
 def read_event(line: str | bytes) -> NodeEvent:
