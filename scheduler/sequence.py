@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 # What a seed may be: the range torch.Generator.manual_seed takes (int64's least value to
 # uint64's largest); the OpenAI schema takes int64, the Workers AI schema its own cap.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_TOP_LOGPROBS = 20
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +44,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     ignore_eos: bool = False
+    logprobs: bool = False  # report each sampled token's log-probability
+    top_logprobs: int = 0  # and this many of the most likely tokens beside it
 
     @property
     def is_greedy(self) -> bool:
@@ -70,6 +73,12 @@ class SamplingParams:
                 found.append(f"{name} must be finite, got {getattr(self, name)}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             found.append(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            found.append(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            found.append("top_logprobs needs logprobs")
         if any(not s for s in self.stop):
             found.append("stop strings must not be empty")
         return found

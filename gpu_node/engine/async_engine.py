@@ -20,10 +20,12 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from common.node_api import GrammarSpec
 from gpu_node.config import EngineConfig
+from gpu_node.engine.grammar import Grammar
 from gpu_node.engine.handoff import KVHandoff
 from gpu_node.engine.llm_engine import LLMEngine
-from gpu_node.engine.outputs import EngineStats, RequestOutput
+from gpu_node.engine.outputs import EngineStats, RequestOutput, ends_request
 from gpu_node.errors import EngineError, EngineStoppedError, RequestCancelledError
 from gpu_node.models.weights import Progress
 from scheduler.sequence import SamplingParams
@@ -42,6 +44,8 @@ class _Submit:
     sink: _Sink
     prefill_only: bool = False
     handoff: KVHandoff | None = None
+    grammar: Grammar | None = None
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,11 @@ class _Abort:
 class _Sink:
     """Delivers outputs from the engine thread to one request's event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1):
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.num_choices = n
+        self.num_finished = 0  # choices finished (engine thread)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         # RuntimeError: the request's loop is closed, so nobody is listening.
@@ -98,6 +104,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar for `spec` (cached), on the caller's thread: call it off
+        the event loop (asyncio.to_thread). InvalidRequestError naming what is wrong."""
+        return self.engine.grammars.compile(spec)
+
     async def generate(
         self,
         request_id: str,
@@ -107,28 +118,34 @@ class AsyncEngine:
         *,
         prefill_only: bool = False,
         handoff: KVHandoff | None = None,
+        grammar: Grammar | None = None,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last has `finished=True`.
 
         Raises InvalidRequestError before the first output on bad input.
-        `prefill_only` and `handoff`: as LLMEngine.add_request.
+        `prefill_only`, `handoff`, `grammar` (from `compile_grammar`) and `n`: as
+        LLMEngine.add_request; with n > 1 the choices' outputs interleave, each finishing
+        in turn, and the stream ends after the request's last (outputs.ends_request).
         """
         if self._stopped.is_set():
             raise EngineStoppedError("the engine is shutting down")
-        sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(
-            _Submit(
-                request_id, list(prompt_token_ids), params, cache_salt, sink, prefill_only, handoff
-            )
-        )
+        sink = _Sink(asyncio.get_running_loop(), n)
+        submit = _Submit(
+            request_id, list(prompt_token_ids), params, cache_salt, sink, prefill_only,
+            handoff, grammar, n,
+        )  # fmt: skip
+        self._commands.put(submit)
         finished = False
+        num_finished = 0
         try:
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine refused it or dropped it: nothing to abort
                     raise item
-                if item.finished:
+                num_finished += item.finished
+                if ends_request(item, num_finished, n):
                     finished = True
                 yield item
                 if finished:
@@ -158,7 +175,8 @@ class AsyncEngine:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     sink.put(out)
-                    if out.finished:
+                    sink.num_finished += out.finished
+                    if ends_request(out, sink.num_finished, sink.num_choices):
                         del self._sinks[out.request_id]
             self._stats = engine.stats()
 
@@ -187,6 +205,8 @@ class AsyncEngine:
                     command.cache_salt,
                     prefill_only=command.prefill_only,
                     handoff=command.handoff,
+                    grammar=command.grammar,
+                    n=command.n,
                 )
             except EngineError as exc:
                 command.sink.put(exc)

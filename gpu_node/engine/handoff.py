@@ -16,7 +16,11 @@ Wire format (`to_bytes` / `from_bytes`), all little-endian:
 
     header: {"version", "spec": {kv_dtype, num_layers, num_kv_heads, head_dim, activations},
              "prompt_token_ids", "first_token", "generator_state" (base64 or null),
+             "first_logprob" ([logprob, [[token, logprob], ...]]; only when asked for),
              "tensors": [{"name", "dtype", "shape"}, ...]}
+
+A request with a grammar carries it in its parameters to both nodes: the decode node
+replays the first token into a fresh matcher, and goes on from there.
     tensors: k, v  [layers, prompt tokens, kv heads, head dim]  (uint8 for fp8 pools)
              k_scale, v_scale  [layers, prompt tokens, kv heads]  (bf16; fp8 pools only)
 """
@@ -32,6 +36,7 @@ import torch
 
 from gpu_node.cache.kv_cache import KVCache, raw_storage
 from gpu_node.cache.kv_quant import DTYPE_NAMES
+from gpu_node.engine.outputs import SampledLogprob
 
 VERSION = 2  # 2: the spec names the activations' dtype
 _DTYPES = {
@@ -76,6 +81,7 @@ class KVHandoff:
     v: torch.Tensor
     k_scale: torch.Tensor | None  # [L, T, H] bf16: fp8 pools only
     v_scale: torch.Tensor | None
+    first_logprob: SampledLogprob | None = None  # the first token's, for a request asking
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         named = [("k", self.k), ("v", self.v)]
@@ -93,6 +99,16 @@ class KVHandoff:
             "generator_state": None
             if self.generator_state is None
             else base64.b64encode(self.generator_state).decode(),
+            **(
+                {}
+                if self.first_logprob is None
+                else {
+                    "first_logprob": [
+                        self.first_logprob.logprob,
+                        [list(pair) for pair in self.first_logprob.top],
+                    ]
+                }
+            ),
             "tensors": [
                 {"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)}
                 for name, t in tensors
@@ -131,6 +147,13 @@ class KVHandoff:
             if offset != len(data):
                 raise ValueError(f"{len(data) - offset} bytes past the last tensor")
             state = header["generator_state"]
+            first_logprob = None
+            if (entry := header.get("first_logprob")) is not None:
+                first_logprob = SampledLogprob(
+                    int(header["first_token"]),
+                    float(entry[0]),
+                    tuple((int(t), float(lp)) for t, lp in entry[1]),
+                )
             return cls(
                 spec=spec,
                 prompt_token_ids=tuple(int(t) for t in header["prompt_token_ids"]),
@@ -140,6 +163,7 @@ class KVHandoff:
                 v=tensors["v"],
                 k_scale=tensors.get("k_scale"),
                 v_scale=tensors.get("v_scale"),
+                first_logprob=first_logprob,
             )
         except (struct.error, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a KV handoff: {type(exc).__name__}: {exc}") from None

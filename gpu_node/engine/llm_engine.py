@@ -20,11 +20,12 @@ from gpu_node.cache.kv_cache import KVCache, bytes_per_page
 from gpu_node.cache.kv_quant import DTYPE_NAMES
 from gpu_node.config import EngineConfig
 from gpu_node.engine.decode_graphs import DecodeGraphs, capturable
+from gpu_node.engine.grammar import Grammar, GrammarCompiler, GrammarMasks, Matcher
 from gpu_node.engine.handoff import KVHandoff, KVSpec, export_rows, import_rows
 from gpu_node.engine.model_runner import ModelRunner
-from gpu_node.engine.outputs import EngineEvent, EngineStats, RequestOutput
+from gpu_node.engine.outputs import EngineEvent, EngineStats, RequestOutput, SampledLogprob
 from gpu_node.engine.prefix_cache import PrefixCache
-from gpu_node.engine.sampler import apply_penalties, sample
+from gpu_node.engine.sampler import apply_penalties, draw
 from gpu_node.engine.step_graphs import StepGraphs
 from gpu_node.errors import InvalidRequestError, RequestTooLargeError
 from gpu_node.models.llama import LlamaModel
@@ -38,9 +39,10 @@ log = logging.getLogger(__name__)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with no penalty: the token is its logits' argmax."""
+    """Greedy with no penalty nor logprobs: the token is its logits' argmax."""
     return (
         params.is_greedy
+        and not params.logprobs
         and params.repetition_penalty == 1.0
         and not params.frequency_penalty
         and not params.presence_penalty
@@ -66,9 +68,29 @@ class _RequestState:
     # Prompt tokens whose KV this request has had, computed or from the prefix cache or a
     # handoff (the most at any time: a preemption recomputes them, it does not undo them).
     num_prefilled: int = 0
+    matcher: Matcher | None = None  # where the output stands in the request's grammar
+    logprobs: list[SampledLogprob] = field(default_factory=list)  # one per output token
+    index: int = 0  # the choice, of a request with n > 1
+    parent_id: str = ""  # the request's id, of a choice past the first (n > 1)
+    # Choices still to fork from this one once its prompt is computed (n > 1).
+    fork: _Fork | None = None
 
     def record(self, name: str) -> None:
         self.events.append(EngineEvent(name, time.time_ns(), self.seq.num_held_pages))
+
+
+@dataclass(frozen=True)
+class _Fork:
+    """What choices 1..n-1 of a request start from: its grammar and how many."""
+
+    num_choices: int
+    grammar: Grammar | None
+    cache_salt: str
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id of choice `index` of a request with n > 1 (choice 0: its own)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 class LLMEngine:
@@ -142,6 +164,10 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._rng = torch.Generator().manual_seed(config.seed)
+        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size)
+        self._masks = GrammarMasks(mc.vocab_size)
+        self._choices: dict[str, list[str]] = {}  # a request's choice ids (n > 1)
+        self._parent_of: dict[str, str] = {}  # a choice's request
 
     def _records_graphs(self) -> bool:
         """Whether CUDA graphs may record this engine's steps: on a GPU, for a model whose
@@ -186,6 +212,8 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         handoff: KVHandoff | None = None,
+        grammar: Grammar | None = None,
+        n: int = 1,
     ) -> None:
         """Queues a request. Raises InvalidRequestError, changing nothing, on bad input.
 
@@ -193,11 +221,31 @@ class LLMEngine:
         "handoff", its output carrying the prompt's KV (`RequestOutput.handoff`) for a
         decode node. `handoff`: such a prefilled prompt; the request starts from its
         first token, its KV imported into this pool when the request is admitted.
+        `grammar` (compiled by `self.grammars`, off this thread): the output is held to
+        it, and ends when it is complete. `n`: that many choices of the one prompt,
+        computed once: once choice 0 has its first token, choices 1..n-1 (ids
+        `choice_id(request_id, i)`, outputs with `index` i) draw theirs from the same
+        logits and start from a copy of its prompt's KV.
         """
         self.validate(request_id, prompt_token_ids, params)
+        if n > 1:
+            taken = [choice_id(request_id, i) for i in range(1, n)]
+            if any(c in self._requests for c in taken):
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            if prefill_only or handoff is not None:
+                raise InvalidRequestError("n > 1 cannot be combined with a KV handoff")
         if handoff is not None:
             self._validate_handoff(handoff, prompt_token_ids, params, prefill_only)
-        self._refuse_whole_prompt_kv(len(prompt_token_ids), prefill_only or handoff is not None)
+        self._refuse_whole_prompt_kv(
+            len(prompt_token_ids), prefill_only or handoff is not None or n > 1
+        )
+        matcher = grammar.matcher() if grammar is not None else None
+        if (
+            matcher is not None
+            and handoff is not None
+            and not matcher.replay([handoff.first_token])
+        ):
+            raise InvalidRequestError("KV handoff refused: its first token breaks the grammar")
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -220,9 +268,17 @@ class LLMEngine:
             if generator is not None and handoff.generator_state is not None:
                 state_bytes = bytearray(handoff.generator_state)
                 generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8).clone())
-        state = _RequestState(seq, generator, prefill_only=prefill_only, handoff=handoff)
+        state = _RequestState(
+            seq, generator, prefill_only=prefill_only, handoff=handoff, matcher=matcher
+        )
         if handoff is not None:
             state.num_prefilled = seq.num_prompt_tokens
+            if handoff.first_logprob is not None and params.logprobs:
+                state.logprobs.append(handoff.first_logprob)
+        if n > 1:
+            state.fork = _Fork(n, grammar, cache_salt)
+            self._choices[request_id] = [choice_id(request_id, i) for i in range(n)]
+            self._parent_of.update((c, request_id) for c in self._choices[request_id])
         state.record("queued")
         self._requests[request_id] = state
         self.scheduler.add(seq)
@@ -278,6 +334,8 @@ class LLMEngine:
         problems = handoff.problems(self.kv_spec, prompt_token_ids)
         if prefill_only:
             problems.append("a request cannot both be prefilled here and arrive prefilled")
+        if params.logprobs and handoff.first_logprob is None:
+            problems.append("a request asking for logprobs needs its first token's")
         if not 0 <= handoff.first_token < self.model.config.vocab_size:
             problems.append(f"the first token must be in [0, {self.model.config.vocab_size})")
         if not params.is_greedy:
@@ -294,8 +352,15 @@ class LLMEngine:
             raise InvalidRequestError("KV handoff refused: " + "; ".join(problems))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancels a request at once, freeing its pages; returns its final output."""
+        """Cancels a request (all its choices) at once, freeing its pages; returns its
+        final output (choice 0's)."""
+        for other in self._choices.get(request_id, [])[1:]:
+            self._abort_one(other)
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         state = self._requests.pop(request_id, None)
+        self._forget_choice(request_id)
         if state is None:
             return None
         state.seq.finish_reason = FinishReason.CANCELLED
@@ -352,6 +417,7 @@ class LLMEngine:
                 return outputs
         result = self.runner.run(chunks, tables)
         self.num_computed_tokens += sum(c.num_new_tokens for c in chunks)
+        self._mask(chunks, result.logits)
         greedy = (
             self._greedy_tokens(result.logits)
             if any(_plain_greedy(c.seq.params) for c in chunks)
@@ -379,6 +445,9 @@ class LLMEngine:
                     if _plain_greedy(seq.params)
                     else self._sample(state, result.logits[row])
                 )
+                if state.matcher is not None and not state.matcher.accept(token):
+                    raise AssertionError(f"token {token} is outside the grammar's mask")
+                forks = self._fork(state, result.logits[row]) if state.fork is not None else []
             except Exception as exc:  # a bug in one request's sampling: it fails alone
                 log.exception("sampling failed for request %s", seq.request_id)
                 outputs.append(self._fail(seq, f"sampling failed: {type(exc).__name__}"))
@@ -388,11 +457,90 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.num_output_tokens == 1:
                 state.record("first_token")
+            for fork in forks:
+                self._requests[fork.seq.request_id] = fork
+                self.scheduler.add(fork.seq)
             if state.prefill_only:
                 outputs.append(self._hand_off(state))
                 continue
             outputs.append(self._advance(state, token))
         return outputs
+
+    def _mask(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Holds the rows of requests with a grammar to it (-inf outside), in place; a
+        step without one pays nothing."""
+        rows: list[int] = []
+        matchers: list[Matcher] = []
+        row = 0
+        for chunk in chunks:
+            if not chunk.completes_sequence:
+                continue
+            matcher = self._requests[chunk.seq.request_id].matcher
+            if matcher is not None:
+                rows.append(row)
+                matchers.append(matcher)
+            row += 1
+        if rows:
+            self._masks.apply(logits, rows, matchers)
+
+    def _fork(self, state: _RequestState, logits: torch.Tensor) -> list[_RequestState]:
+        """Choices 1..n-1 of `state`'s request, now that its prompt is computed and
+        `logits` [V] (masked) are its last position's: each draws its first token from
+        them with its own generator and takes a copy of the prompt's KV, imported into
+        its own pages when it is admitted, as a handed-off request's is."""
+        seq, fork = state.seq, state.fork
+        assert fork is not None
+        state.fork = None
+        k, v, k_scale, v_scale = export_rows(self.kv_cache, seq.block_table, seq.num_prompt_tokens)
+        forks = []
+        for index in range(1, fork.num_choices):
+            params = seq.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + index)
+            child = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=choice_id(seq.request_id, index),
+                prompt_token_ids=list(seq.prompt_token_ids),
+                params=params,
+                cache_salt=fork.cache_salt,
+                arrival=time.monotonic(),
+            )
+            generator = (
+                None
+                if params.is_greedy
+                else torch.Generator().manual_seed(
+                    params.seed
+                    if params.seed is not None
+                    else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+                )
+            )
+            matcher = fork.grammar.matcher() if fork.grammar is not None else None
+            forked = _RequestState(
+                child, generator, matcher=matcher, index=index, parent_id=seq.request_id
+            )
+            token = self._sample(forked, logits)
+            if matcher is not None and not matcher.accept(token):
+                raise AssertionError(f"token {token} is outside the grammar's mask")
+            child.output_token_ids.append(token)
+            child.num_computed_tokens = child.num_prompt_tokens
+            forked.handoff = KVHandoff(
+                self.kv_spec, tuple(child.prompt_token_ids), token, None, k, v, k_scale, v_scale
+            )
+            forked.num_prefilled = child.num_prompt_tokens
+            forked.record("queued")
+            forks.append(forked)
+        return forks
+
+    def _forget_choice(self, request_id: str) -> None:
+        """Forgets a request's choices once none of them is here any more."""
+        parent = self._parent_of.get(request_id)
+        if parent is None:
+            return
+        choices = self._choices[parent]
+        if not any(c in self._requests for c in choices):
+            del self._choices[parent]
+            for c in choices:
+                del self._parent_of[c]
 
     def _load_cached_prefix(self, seq: Sequence) -> bool:
         """Copies the cached blocks of `seq`'s prompt into its first pages (at least one
@@ -431,7 +579,7 @@ class LLMEngine:
         )
         handoff = KVHandoff(
             self.kv_spec, tuple(seq.prompt_token_ids), seq.output_token_ids[0], generator_state,
-            k, v, k_scale, v_scale,
+            k, v, k_scale, v_scale, state.logprobs[0] if state.logprobs else None,
         )  # fmt: skip
         seq.finish_reason = FinishReason.HANDOFF
         state.record("finished")
@@ -439,6 +587,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         del self._requests[seq.request_id]
         out = self._output(state, tuple(seq.output_token_ids), "", finished=True)
+        out = dataclasses.replace(out, logprobs=tuple(state.logprobs) or None)
         return dataclasses.replace(out, handoff=handoff)
 
     def _import_handoff(self, state: _RequestState) -> RequestOutput:
@@ -471,6 +620,7 @@ class LLMEngine:
         seq.error = error
         seq.finish_reason = FinishReason.ERROR
         state = self._requests.pop(seq.request_id)
+        self._forget_choice(seq.request_id)
         state.record("finished")
         self.scheduler.finish(seq)
         return self._output(state, (), "", finished=True)
@@ -501,16 +651,21 @@ class LLMEngine:
         return logits.argmax(dim=-1).tolist() if len(logits) else []
 
     def _sample(self, state: _RequestState, logits: torch.Tensor) -> int:
-        seq = state.seq
-        logits = apply_penalties(logits, seq.params, seq.prompt_token_ids, seq.output_token_ids)
-        return sample(logits, seq.params, state.generator)
+        seq, params = state.seq, state.seq.params
+        logits = apply_penalties(logits, params, seq.prompt_token_ids, seq.output_token_ids)
+        token, logprob = draw(
+            logits, params, state.generator, params.top_logprobs if params.logprobs else None
+        )
+        if logprob is not None:
+            state.logprobs.append(logprob)
+        return token
 
     def _advance(self, state: _RequestState, token: int) -> RequestOutput:
         """Applies stop conditions after `token`; returns this step's output for the request."""
         seq, params = state.seq, state.seq.params
         reason: FinishReason | None = None
         is_eos = token in self.tokenizer.stop_token_ids and not params.ignore_eos
-        if is_eos:
+        if is_eos or (state.matcher is not None and state.matcher.is_terminated):
             reason = FinishReason.STOP
         tail = self.tokenizer.decode(seq.output_token_ids[state.settled_tokens :])
         state.text = state.text[: state.settled_chars] + tail
@@ -544,6 +699,7 @@ class LLMEngine:
         delta = state.text[state.text_sent : max(end, state.text_sent)]
         state.text_sent = max(end, state.text_sent)
         new_tokens = tuple(seq.output_token_ids[state.tokens_sent :])
+        logprobs = tuple(state.logprobs[state.tokens_sent :]) if params.logprobs else None
         state.tokens_sent = seq.num_output_tokens
         if finished:
             seq.finish_reason = reason
@@ -551,14 +707,17 @@ class LLMEngine:
             self._remember_prompt(seq)
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
-        return self._output(state, new_tokens, delta, finished)
+            self._forget_choice(seq.request_id)
+        return dataclasses.replace(
+            self._output(state, new_tokens, delta, finished), logprobs=logprobs
+        )
 
     def _output(
         self, state: _RequestState, tokens: tuple[int, ...], text: str, finished: bool
     ) -> RequestOutput:
         seq = state.seq
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=state.parent_id or seq.request_id,
             token_ids=tokens,
             text=text,
             finished=finished,
@@ -569,6 +728,7 @@ class LLMEngine:
             num_prefilled_tokens=state.num_prefilled,
             error=seq.error,
             events=tuple(state.events) if finished else (),
+            index=state.index,
         )
 
     def stats(self) -> EngineStats:

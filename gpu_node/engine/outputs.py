@@ -19,6 +19,16 @@ class EngineEvent:
 
 
 @dataclass(frozen=True)
+class SampledLogprob:
+    """A sampled token's log-probability and the most likely tokens beside it (most likely
+    first), under the distribution it was drawn from (sampler.py says which)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The new tokens one request produced in one engine step.
 
@@ -41,6 +51,21 @@ class RequestOutput:
     # Prompt tokens whose KV the request had by now (all of them once it has a token; fewer
     # for one cancelled while its prompt ran, none for one that never left the queue).
     num_prefilled_tokens: int = 0
+    logprobs: tuple[SampledLogprob, ...] | None = None  # one per token of `token_ids`, if asked
+    # The choice, for a request with n > 1: every choice's outputs carry the request's id.
+    # The request is over when all n have finished, or when choice 0 finished cancelled (a
+    # cancel ends every choice) or with no token (no other choice began).
+    index: int = 0
+
+
+def ends_request(out: RequestOutput, num_finished: int, n: int) -> bool:
+    """Whether `out`, with `num_finished` of the request's `n` choices finished by now (it
+    included), is the request's last output."""
+    if not out.finished:
+        return False
+    if num_finished >= n:
+        return True
+    return out.index == 0 and (out.finish_reason == "cancelled" or not out.num_completion_tokens)
 
 
 @dataclass(frozen=True)

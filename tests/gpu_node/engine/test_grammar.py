@@ -1,0 +1,237 @@
+"""Constrained decoding on the real SmolLM2 weights (CPU): every answer under a grammar
+matches it, whatever the sampling, batch, preemption or handoff."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from common.node_api import GrammarSpec
+from gpu_node.engine.grammar import GrammarMasks
+from gpu_node.engine.handoff import KVHandoff
+from gpu_node.errors import InvalidRequestError
+from scheduler.sequence import SamplingParams
+
+# Nested objects, arrays, enums and required fields; strings bounded so that an answer
+# completes well inside max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "pets": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "kind": {"enum": ["cat", "dog", "fish"]},
+                    "legs": {"type": "integer", "minimum": 0, "maximum": 8},
+                },
+                "required": ["kind"],
+                "additionalProperties": False,
+            },
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "role", "address", "pets"],
+    "additionalProperties": False,
+}
+PERSON_SPEC = GrammarSpec(kind="json_schema", value=json.dumps(PERSON))
+ASK = "Describe a made-up person as JSON with name, age, role, address and pets."
+
+
+def run(engine, requests: dict, *, grammar=None, per_request=None) -> dict:
+    """Runs {id: (ids, params)} to the end; {id: final text and tokens}."""
+    for rid, (ids, params) in requests.items():
+        g = per_request.get(rid) if per_request is not None else grammar
+        engine.add_request(rid, ids, params, grammar=g)
+    got: dict = {rid: {"text": "", "tokens": [], "finish": None} for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id]["text"] += out.text
+            got[out.request_id]["tokens"] += out.token_ids
+            if out.finished:
+                got[out.request_id]["finish"] = out.finish_reason
+    return got
+
+
+def assert_valid_person(answer: dict) -> None:
+    assert answer["finish"] == "stop", answer
+    jsonschema.validate(json.loads(answer["text"]), PERSON)
+
+
+def test_twenty_sampled_answers_at_temperature_one_validate(make_engine, chat_ids) -> None:
+    engine = make_engine(max_num_seqs=20)
+    grammar = engine.grammars.compile(PERSON_SPEC)
+    ids = chat_ids(ASK)
+    requests = {
+        str(i): (ids, SamplingParams(max_tokens=200, temperature=1.0, seed=i)) for i in range(20)
+    }
+    got = run(engine, requests, grammar=grammar)
+    for answer in got.values():
+        assert_valid_person(answer)
+    assert len({a["text"] for a in got.values()}) > 10  # sampled, not one answer twenty times
+    assert engine.stats().num_free_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=120),
+        SamplingParams(max_tokens=120, temperature=0.8, top_k=40, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=120, temperature=1.2, repetition_penalty=1.3, seed=4),
+    ],
+    ids=["greedy", "top-k-top-p", "penalized"],
+)
+def test_every_sampling_mode_is_held_to_the_grammar(make_engine, chat_ids, params) -> None:
+    engine = make_engine()
+    got = run(
+        engine,
+        {"a": (chat_ids(ASK), params)},
+        grammar=engine.grammars.compile(PERSON_SPEC),
+    )
+    assert_valid_person(got["a"])
+
+
+def test_a_grammar_request_changes_none_of_its_batch_mates_tokens(make_engine, chat_ids) -> None:
+    plain = {
+        "greedy": (chat_ids("Name three colours."), SamplingParams(max_tokens=24)),
+        "seeded": (
+            chat_ids("Write a haiku about rain."),
+            SamplingParams(max_tokens=24, temperature=0.9, seed=11),
+        ),
+    }
+    alone = run(make_engine(), plain)
+    engine = make_engine()
+    grammar = engine.grammars.compile(PERSON_SPEC)
+    both = run(
+        engine,
+        {**plain, "json": (chat_ids(ASK), SamplingParams(max_tokens=120))},
+        per_request={"json": grammar},
+    )
+    for rid in plain:
+        assert both[rid]["tokens"] == alone[rid]["tokens"]
+    assert_valid_person(both["json"])
+
+
+def test_regex_choice_ebnf_and_json_object(make_engine, chat_ids) -> None:
+    engine = make_engine()
+    specs = {
+        "regex": GrammarSpec(kind="regex", value=r"[0-9]{3}-[A-Z]{2}"),
+        "choice": GrammarSpec(kind="choice", choices=["yes", "no", "maybe not"]),
+        "ebnf": GrammarSpec(kind="ebnf", value='root ::= "(" [a-z]+ ")"'),
+        "object": GrammarSpec(kind="json_object"),
+    }
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=5)
+    ids = chat_ids("Answer in the format asked.")
+    got = run(
+        engine,
+        dict.fromkeys(specs, (ids, params)),
+        per_request={k: engine.grammars.compile(s) for k, s in specs.items()},
+    )
+    assert all(a["finish"] == "stop" for a in got.values()), got
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}-[A-Z]{2}", got["regex"]["text"])
+    assert got["choice"]["text"] in {"yes", "no", "maybe not"}
+    assert re.fullmatch(r"\([a-z]+\)", got["ebnf"]["text"])
+    assert isinstance(json.loads(got["object"]["text"]), dict)
+
+
+def test_preempted_mid_grammar_still_ends_valid(make_engine, chat_ids) -> None:
+    engine = make_engine(num_pages=14)
+    grammar = engine.grammars.compile(PERSON_SPEC)
+    ids = chat_ids(ASK)
+    requests = {
+        str(i): (ids, SamplingParams(max_tokens=200, temperature=1.0, seed=100 + i))
+        for i in range(5)
+    }
+    got = run(engine, requests, grammar=grammar)
+    assert engine.stats().num_preemptions > 0
+    for answer in got.values():
+        assert_valid_person(answer)
+
+
+def test_a_handed_off_request_resumes_its_grammar(make_engine, chat_ids) -> None:
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=21)
+    ids = chat_ids(ASK)
+    one = make_engine()
+    alone = run(one, {"r": (ids, params)}, grammar=one.grammars.compile(PERSON_SPEC))
+    prefill_node, decode_node = make_engine(), make_engine()
+    prefill_node.add_request(
+        "r", ids, params, prefill_only=True, grammar=prefill_node.grammars.compile(PERSON_SPEC)
+    )
+    (out,) = [o for _ in range(8) for o in prefill_node.step()]
+    assert out.finish_reason == "handoff" and out.handoff is not None
+    handoff = KVHandoff.from_bytes(out.handoff.to_bytes())
+    decode_node.add_request(
+        "r", ids, params, handoff=handoff, grammar=decode_node.grammars.compile(PERSON_SPEC)
+    )
+    text = ""
+    tokens: list[int] = []
+    while decode_node.has_unfinished():
+        for o in decode_node.step():
+            text, tokens = text + o.text, tokens + list(o.token_ids)
+    assert tokens == alone["r"]["tokens"]
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_handoff_whose_first_token_breaks_the_grammar_is_refused(make_engine, chat_ids):
+    ids = chat_ids(ASK)
+    params = SamplingParams(max_tokens=8)
+    prefill_node = make_engine()
+    prefill_node.add_request("r", ids, params, prefill_only=True)  # no grammar there
+    (out,) = [o for _ in range(8) for o in prefill_node.step()]
+    decode_node = make_engine()
+    digits = decode_node.grammars.compile(GrammarSpec(kind="regex", value="[0-9]+"))
+    assert not decode_node.tokenizer.decode([out.handoff.first_token]).isdigit()
+    with pytest.raises(InvalidRequestError, match="breaks the grammar"):
+        decode_node.add_request("r", ids, params, handoff=out.handoff, grammar=digits)
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (GrammarSpec(kind="json_schema", value='{"type": "objec"}'), "objec"),
+        (GrammarSpec(kind="json_schema", value='{"type": '), "not JSON"),
+        (GrammarSpec(kind="regex", value="[a-"), "Unclosed"),
+        (GrammarSpec(kind="ebnf", value="root ::= missing"), "missing"),
+        (GrammarSpec(kind="choice"), "at least one choice"),
+    ],
+)
+def test_an_invalid_grammar_is_refused_naming_the_problem(make_engine, spec, words) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match=words):
+        engine.grammars.compile(spec)
+
+
+def test_compilation_is_cached_per_spec(make_engine) -> None:
+    engine = make_engine()
+    first = engine.grammars.compile(PERSON_SPEC)
+    again = engine.grammars.compile(GrammarSpec.model_validate_json(PERSON_SPEC.model_dump_json()))
+    assert again is first
+    assert (engine.grammars.num_compiled, engine.grammars.num_hits) == (1, 1)
+
+
+def test_masks_touch_only_the_rows_named() -> None:
+    class AllowOdd:
+        def fill(self, bitmask: torch.Tensor, row: int) -> None:
+            bitmask[row] = int.from_bytes(b"\xaa\xaa\xaa\xaa", "little", signed=True)
+
+    logits = torch.zeros(3, 40)
+    GrammarMasks(40).apply(logits, [1], [AllowOdd()])  # type: ignore[list-item]
+    assert torch.equal(logits[0], torch.zeros(40)) and torch.equal(logits[2], torch.zeros(40))
+    assert torch.isinf(logits[1, 0::2]).all() and (logits[1, 1::2] == 0).all()
