@@ -29,7 +29,6 @@ drain (SIGTERM) deregisters it first, refuses new work, and lets what runs finis
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -241,8 +240,8 @@ async def prefill(request: Request) -> Response:
 async def embed(request: Request) -> Response:
     """The vectors of a request's texts (or token arrays) from the encoder served here."""
     service: NodeService = request.app.state.service
-    embedder = service.embedder
-    if embedder is None or not service.is_ready:
+    embedder, queue = service.embedder, service.embed_queue()
+    if embedder is None or queue is None or not service.is_ready:
         why = "it serves no encoder" if embedder is None else "not accepting requests"
         return error_response("over_capacity", f"node cannot embed: {why}")
     body = await _parsed(request, EmbedRequest)
@@ -260,7 +259,7 @@ async def embed(request: Request) -> Response:
         else:
             ids = body.token_ids or []
             embedder.check_ids(ids)
-        result = await asyncio.to_thread(embedder.embed, ids)
+        result = await queue.embed(ids)
     except EngineError as exc:
         return error_response(*_refusal(exc))
     response = EmbedResponse(vectors=result.vectors.tolist(), prompt_tokens=result.num_tokens)

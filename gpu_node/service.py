@@ -22,7 +22,7 @@ from scheduler.sequence import SamplingParams
 
 if TYPE_CHECKING:
     from gpu_node.engine.async_engine import AsyncEngine
-    from gpu_node.engine.embedder import Embedder
+    from gpu_node.engine.embedder import Embedder, EmbedQueue
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class NodeService:
         # handed in or loaded with the engine.
         self.embedder = embedder
         self._embedder_factory = embedder_factory
+        self._embed_queue: EmbedQueue | None = None
         # Where the node records what each request consumed here (a fleet's usage stream):
         # the record billing completes a stream from when its gateway died mid-answer.
         self.usage_sink = usage_sink
@@ -105,6 +106,16 @@ class NodeService:
     @property
     def is_ready(self) -> bool:
         return self.engine is not None and not self.is_draining
+
+    def embed_queue(self) -> EmbedQueue | None:
+        """Where requests for the encoder wait to run together; None without one."""
+        if self.embedder is None:
+            return None
+        if self._embed_queue is None:
+            from gpu_node.engine.embedder import EmbedQueue
+
+            self._embed_queue = EmbedQueue(self.embedder)
+        return self._embed_queue
 
     @property
     def model_name(self) -> str:

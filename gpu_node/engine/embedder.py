@@ -5,12 +5,17 @@ when the caller asks), then run with every other text waiting, shortest first, i
 batches whose padded size (texts x longest) stays within `max_batch_tokens`: as prefill is
 budgeted, so one long text never pads a batch of short ones to its length. Nothing is kept
 after a pass.
+
+`EmbedQueue` is how a node serves requests: what arrives while a pass runs waits, and
+every request waiting then runs together in the next pass (one `Embedder.embed`), so
+concurrent single-text requests fill batches as one request of many texts does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -121,3 +126,53 @@ class Embedder:
         with self._lock:
             out = self.model(input_ids.to(self.device), mask.to(self.device))
         return out.float().cpu()
+
+
+@dataclass
+class _Waiting:
+    ids: list[list[int]]
+    answer: asyncio.Future[Embeddings] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class EmbedQueue:
+    """Requests' inputs for one `Embedder`, run together: each pass takes every request
+    waiting when it starts (see the module docstring)."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = embedder
+        self._waiting: list[_Waiting] = []
+        self._runner: asyncio.Task[None] | None = None
+        self.num_passes = 0  # passes run: fewer than requests when they were batched
+
+    async def embed(self, ids: list[list[int]]) -> Embeddings:
+        """`ids`' vectors, from the first pass that starts after they arrive."""
+        waiting = _Waiting(ids)
+        self._waiting.append(waiting)
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run())
+        return await waiting.answer
+
+    async def _run(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, []
+            batch = [w for w in batch if not w.answer.done()]  # a caller that left: skipped
+            if not batch:
+                continue
+            every = [one for w in batch for one in w.ids]
+            self.num_passes += 1
+            try:
+                result = await asyncio.to_thread(self.embedder.embed, every)
+            except Exception as exc:  # every request of the pass fails with it
+                for w in batch:
+                    if not w.answer.done():
+                        w.answer.set_exception(exc)
+                continue
+            start = 0
+            for w in batch:
+                end = start + len(w.ids)
+                tokens = sum(len(one) for one in w.ids)
+                if not w.answer.done():
+                    w.answer.set_result(Embeddings(result.vectors[start:end], tokens))
+                start = end

@@ -59,3 +59,47 @@ def test_token_arrays_are_checked(embedder):
         embedder.check_ids([[101, 30522]])
     with pytest.raises(RequestTooLargeError, match=r"input\[0\] is 513 tokens"):
         embedder.check_ids([[1] * 513])
+
+
+def test_requests_waiting_together_run_in_one_pass_each_getting_its_own_vectors(embedder):
+    import asyncio
+
+    from gpu_node.engine.embedder import EmbedQueue
+
+    requests = [embedder.tokenize([text]) for text in TEXTS] + [embedder.tokenize(TEXTS[:2])]
+
+    async def concurrently() -> tuple[list, int]:
+        queue = EmbedQueue(embedder)
+        # The first request starts a pass at once; the rest arrive while it runs.
+        first = asyncio.ensure_future(queue.embed(requests[0]))
+        await asyncio.sleep(0)
+        rest = [asyncio.ensure_future(queue.embed(ids)) for ids in requests[1:]]
+        return list(await asyncio.gather(first, *rest)), queue.num_passes
+
+    answers, num_passes = asyncio.run(concurrently())
+    assert num_passes == 2
+    for ids, answer in zip(requests, answers, strict=True):
+        alone = embedder.embed(ids)
+        assert answer.num_tokens == alone.num_tokens == sum(len(one) for one in ids)
+        assert answer.vectors.shape == (len(ids), 384)
+        assert (answer.vectors - alone.vectors).abs().max() < 1e-5
+
+
+def test_a_failed_pass_fails_its_requests_and_the_queue_goes_on(embedder):
+    import asyncio
+
+    from gpu_node.engine.embedder import EmbedQueue
+
+    async def run() -> tuple[BaseException | None, int]:
+        queue = EmbedQueue(embedder)
+        failing = queue.embed([[101, 10**9, 102]])  # past the vocabulary: the model raises
+        try:
+            await failing
+            error = None
+        except (IndexError, RuntimeError) as exc:
+            error = exc
+        after = await queue.embed(embedder.tokenize(["fine"]))
+        return error, after.vectors.shape[0]
+
+    error, num_after = asyncio.run(run())
+    assert error is not None and num_after == 1
