@@ -58,6 +58,11 @@ class MoeConfig:
     scoring: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True
     routed_scaling: float = 1.0  # multiplies routed weights after renormalisation (DeepSeek-V3)
+    # Group-limited routing (DeepSeek-V2's "group_limited_greedy"): the experts split into
+    # `num_groups` groups and a token picks its top-k from its `topk_groups` best groups
+    # (moe_routing.limit_to_groups); 1: one group, plain top-k.
+    num_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "expert_hidden_size"):
@@ -72,6 +77,15 @@ class MoeConfig:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(
                 f"MoeConfig.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}"
+            )
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"MoeConfig.num_groups {self.num_groups} does not divide num_experts "
+                f"{self.num_experts}"
+            )
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"MoeConfig.topk_groups {self.topk_groups} not in 1..{self.num_groups}"
             )
 
 
@@ -120,16 +134,20 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, num_always_on: int = 0) -> Routing:  # [T, H]
         """Routing [T, K + num_always_on]: the top-k, then experts E .. E + num_always_on - 1
-        with weight 1 (folded shared experts). On CUDA in one launch (moe/router.py)."""
+        with weight 1 (folded shared experts). On CUDA in one launch (moe/router.py), but
+        for group-limited routing, which the kernel does not do: that runs in torch."""
         c = self.config
-        if x.is_cuda:
+        if x.is_cuda and c.num_groups == 1:
             from gpu_node.kernels.moe import router as moe_router
             from gpu_node.kernels.w4a16.dot import is_interpreted
 
             if not is_interpreted(x) and c.num_experts <= moe_router.MAX_EXPERTS:
                 return moe_router.route_fused(x, self.weight, c, num_always_on)
         logits = x.float() @ self.weight.float().T  # [T, E]
-        routing = route(logits, c.top_k, c.scoring, c.renormalize, c.routed_scaling)
+        routing = route(
+            logits, c.top_k, c.scoring, c.renormalize, c.routed_scaling, c.num_groups,
+            c.topk_groups,
+        )  # fmt: skip
         if num_always_on:
             routing = with_always_on(routing, c.num_experts, num_always_on)
         return routing

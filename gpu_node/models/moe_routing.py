@@ -28,8 +28,11 @@ def route(
     scoring: str = "softmax",
     renormalize: bool = True,
     routed_scaling: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
 ) -> Routing:
-    """Top-k experts of each token from router logits [T, E].
+    """Top-k experts of each token from router logits [T, E]; with `num_groups` > 1, only
+    from the experts of its `topk_groups` best groups (`limit_to_groups`).
 
     Ties break towards the lower expert id (a stable descending sort), so the
     choice never depends on the device or the sort algorithm.
@@ -45,11 +48,27 @@ def route(
         scores = logits.sigmoid()
     else:
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if num_groups > 1:
+        scores = limit_to_groups(scores, num_groups, topk_groups)
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     weights = sorted_scores[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(topk_ids=order[:, :top_k].contiguous(), topk_weights=weights * routed_scaling)
+
+
+def limit_to_groups(scores: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Scores [T, E] with the experts outside each token's `topk_groups` best groups set to 0
+    (DeepSeek-V2's group-limited routing): the experts split into `num_groups` runs of
+    consecutive ids, a group ranked by its best expert's score, ties towards the lower group."""
+    t, e = scores.shape
+    if e % num_groups or not 0 < topk_groups <= num_groups:
+        raise ValueError(f"{e} experts do not split into {num_groups} groups, top {topk_groups}")
+    grouped = scores.view(t, num_groups, e // num_groups)  # [T, G, E/G]
+    best = grouped.amax(dim=-1)  # [T, G]
+    chosen = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)  # [T, G]
+    return grouped.masked_fill(~kept[..., None], 0.0).view(t, e)
 
 
 @dataclass(frozen=True)
