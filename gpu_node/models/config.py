@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from gpu_node.models.deepseek_v2 import MlaConfig
     from gpu_node.models.moe import MoeConfig
 
 # The layer kinds of `ModelConfig.layer_types` (the names of transformers' configs).
@@ -20,14 +21,24 @@ class RopeScaling:
 
     "linear" divides every frequency by `factor`; "llama3" (Llama 3.1+) keeps the high
     frequencies, divides the low ones by `factor` and blends the band between, the
-    wavelengths measured against `original_max_position_embeddings`.
+    wavelengths measured against `original_max_position_embeddings`. "yarn" (YaRN, as
+    transformers computes it) keeps the dims that turn more than `beta_fast` times over
+    the original length, divides those turning fewer than `beta_slow` times by `factor`,
+    ramps linearly between, and multiplies cos and sin by `attention_factor` (None: from
+    `mscale` and `mscale_all_dim`, llama.rope_attention_factor).
     """
 
-    kind: Literal["linear", "llama3"]
+    kind: Literal["linear", "llama3", "yarn"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True  # yarn's ramp ends rounded out to whole dims
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,8 @@ class ModelConfig:
 
     `architecture` names the family: "llama" (also Mistral's, which is llama with a sliding
     window), "qwen2" (q/k/v bias), "qwen3" (q/k norms), "gemma3" (its own decoder layer,
-    models/gemma3.py), "qwen3_moe", "mixtral", "moe" (seeded benchmark weights).
+    models/gemma3.py), "qwen3_moe", "mixtral", "deepseek_v2" (multi-head latent attention,
+    models/deepseek_v2.py), "moe" (seeded benchmark weights).
 
     `rope_interleaved`: llama.cpp's conversion of llama-architecture models permutes Q/K
     rows so that rotary pairs are adjacent dims (2i, 2i+1) rather than HF's halves
@@ -76,6 +88,8 @@ class ModelConfig:
     moe: MoeConfig | None = None
     # Which layers carry the MoE MLP (the rest a dense one); None: all of them when `moe`.
     moe_layers: tuple[int, ...] | None = None
+    # Multi-head latent attention (DeepSeek-V2); `head_dim` is then the cache's head dim.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -93,6 +107,18 @@ class ModelConfig:
                 raise ValueError(f"unknown layer types {sorted(unknown)}")
             if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding layers need a sliding_window")
+        if self.mla is not None and (
+            self.head_dim != self.mla.cache_head_dim or self.num_kv_heads != self.num_heads
+        ):
+            raise ValueError(
+                f"MLA caches {self.num_heads} heads of {self.mla.cache_head_dim} dims, "
+                f"not {self.num_kv_heads} of {self.head_dim}"
+            )
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The dims of a head that RoPE rotates: all of them, or MLA's rope part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def attention_scale(self) -> float:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gpu_node.models.config import ModelConfig
+from gpu_node.models.deepseek_v2 import DeepseekV2Model
 from gpu_node.models.llama import (
     AttentionBackend,
     LlamaAttention,
@@ -61,6 +62,8 @@ class Gemma3Model(LlamaModel):
 
 def model_class(config: ModelConfig) -> type[LlamaModel]:
     """The model class of `config`'s family."""
+    if config.architecture == "deepseek_v2":
+        return DeepseekV2Model
     return Gemma3Model if config.architecture == "gemma3" else LlamaModel
 
 

@@ -74,7 +74,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE; `interleaved` rotates adjacent pairs (GGUF's row order), else halves (HF's).
+    """RoPE; `interleaved` rotates adjacent pairs (GGUF's row order, and DeepSeek's, which
+    rotates complex pairs), else halves (HF's). YaRN scaling also multiplies cos and sin by
+    its attention factor.
 
     Within `at(positions)` (a model's forward) every layer's call at those positions
     reuses one cos and sin instead of computing them twice a layer.
@@ -89,11 +91,14 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if scaling is not None:
+        if scaling is not None and scaling.kind == "yarn":
+            inv_freq = yarn_frequencies(head_dim, theta, scaling)
+        elif scaling is not None:
             inv_freq = scaled_frequencies(inv_freq, scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.interleaved = interleaved
+        self.attention_factor = 1.0 if scaling is None else rope_attention_factor(scaling)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +107,10 @@ class RotaryEmbedding(nn.Module):
         if step is not None and step[0] is positions:
             return step[1], step[2]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, E/2]
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
     @contextlib.contextmanager
     def at(self, positions: torch.Tensor) -> Iterator[None]:
@@ -156,6 +164,46 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Te
     blended = (1 - smooth) * divided + smooth * inv_freq
     out = torch.where(wavelen > low_wavelen, divided, inv_freq)
     return torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, out)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched by `factor` (Eq. 21 of the
+    paper): 0.1 * mscale * ln(factor) + 1, and 1 where nothing is stretched."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, 1 for other scalings."""
+    if scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies [E/2] (RopeScaling): each dim's frequency blends the interpolated
+    (divided by `factor`) and the original one by a linear ramp over the dims between
+    those that turn `beta_fast` and `beta_slow` times in the original context."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    extrapolated = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    interpolated = extrapolated / scaling.factor
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return interpolated * ramp + extrapolated * (1 - ramp)
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -306,7 +354,7 @@ class LlamaModel(nn.Module):
 def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
     """The global layers' RoPE, and the sliding layers' where theirs differs (Gemma 3)."""
     rope = RotaryEmbedding(
-        config.head_dim, config.rope_theta, config.rope_interleaved, config.rope_scaling
+        config.rope_head_dim, config.rope_theta, config.rope_interleaved, config.rope_scaling
     )
     sliding = None
     if config.sliding_rope_theta is not None:
@@ -325,8 +373,10 @@ def fuse_projections(model: LlamaModel) -> LlamaModel:
     wider product's kernel may sum in another order). Returns `model`."""
     for layer in model.layers:
         attn = layer.self_attn
-        if attn.qkv_proj is None and (
-            fused := _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        if (
+            isinstance(attn, LlamaAttention)
+            and attn.qkv_proj is None
+            and (fused := _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj))
         ):
             attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None
         mlp = layer.mlp
