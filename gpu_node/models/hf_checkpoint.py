@@ -22,7 +22,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from gpu_node.quant.checkpoint_formats import (
 )
 from gpu_node.quant.int4 import Int4Weight, quantize_int4
 from gpu_node.quant.linear import Int4Linear
+
+if TYPE_CHECKING:
+    from gpu_node.models.moe import SharedExperts
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors total)
 
@@ -63,6 +66,9 @@ _EXPERT_MODULE = re.compile(
 _FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
 _ROUTER_MODULE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate")
+_SHARED_EXPERTS = re.compile(
+    r"layers\.(\d+)\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight"
+)
 _EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -270,6 +276,8 @@ class _ExpertStacks:
             self.parts[int(m[1])][m[2]] = tensor.to(self.dtype)
         elif m := _ROUTER.fullmatch(name):
             self.parts[int(m[1])]["router"] = tensor.float()
+        elif m := _SHARED_EXPERTS.fullmatch(name):
+            self.parts[int(m[1])][f"shared.{m[2]}"] = tensor.to(self.dtype)
         else:
             return False
         self._build_if_complete(int(m[1]))
@@ -292,8 +300,12 @@ class _ExpertStacks:
         moe, parts = self.config.moe, self.parts[layer]
         assert moe is not None
         n = moe.num_experts
+        shared = [f"shared.{p}" for p in _EXPERT_PROJECTIONS] if moe.num_shared_experts else []
         fused = "gate_up_proj" in parts and "down_proj" in parts
-        if "router" not in parts or not (fused or len(parts) == 3 * n + 1):
+        routed = len(parts) - 1 - len(shared)
+        if "router" not in parts or any(s not in parts for s in shared):
+            return
+        if not (fused or routed == 3 * n):
             return
         per_expert = (
             [] if fused else [parts[f"{p}.{e}"] for p in _EXPERT_PROJECTIONS for e in range(n)]
@@ -306,7 +318,8 @@ class _ExpertStacks:
             raise ModelNotFoundError(f"MoE layer {layer}: only some experts are quantized")
         else:
             experts = self._experts(parts, n, fused)
-        mlp = MoeMLP(moe, Router(moe, parts["router"]), experts, None)
+        shared_experts = self._shared_experts(*(parts[s] for s in shared)) if shared else None
+        mlp = MoeMLP(moe, Router(moe, parts["router"]), experts, shared_experts)
         self.model.layers[layer].mlp = mlp
         del self.parts[layer]
 
@@ -325,6 +338,19 @@ class _ExpertStacks:
             if group is not None:
                 return MoeExperts(w13.float(), w2.float()).to_int4(group)
         return MoeExperts(w13, w2)
+
+    def _shared_experts(
+        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> SharedExperts:
+        """The shared experts as one SwiGLU MLP (DeepSeek's `shared_experts`), each of its
+        projections quantized on load like any other."""
+        from gpu_node.models.moe import SharedExperts
+
+        shared = SharedExperts(gate, up, down)
+        if self.int4:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                _quantize_into(shared, name, getattr(shared, name).weight.data)
+        return shared
 
     def finish(self) -> None:
         if self.parts:
