@@ -216,6 +216,129 @@ def mixtral(raw: Mapping[str, Any]) -> ModelConfig:
     return _base(raw, "mixtral", moe=moe, **_sliding(raw))
 
 
+def _deepseek_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of a DeepSeek-V2 config: YaRN's read here as transformers reads it,
+    any other kind by `_rope`."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta, scaling = float(params["rope_theta"]), dict(params)
+    else:
+        theta, scaling = float(raw.get("rope_theta", 10000.0)), dict(raw.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", "linear", "llama3"):
+        return _rope(raw)
+    if kind != "yarn":
+        raise ModelNotFoundError(
+            f"RoPE scaling {kind!r} is not supported (default, linear, llama3 and yarn are)"
+        )
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelNotFoundError("YaRN with a partial_rotary_factor is not supported")
+    original = int(
+        scaling.get("original_max_position_embeddings") or _need(raw, "max_position_embeddings")
+    )
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else int(raw["max_position_embeddings"]) / original
+
+    def optional(key: str) -> float | None:
+        return None if scaling.get(key) is None else float(scaling[key])
+
+    return theta, RopeScaling(
+        "yarn",
+        factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=bool(scaling.get("truncate", True)),
+    )
+
+
+DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def deepseek_v2(raw: Mapping[str, Any]) -> ModelConfig:
+    """DeepSeek-V2 (V2-Lite, V2.5): multi-head latent attention (models/deepseek_v2.py),
+    `first_k_dense_replace` dense layers, then an MoE MLP every `moe_layer_freq` layers
+    (DeepSeek's rule; transformers ignores the frequency, which is 1 in every released
+    checkpoint) with shared experts and softmax routing, greedy or group-limited."""
+    from gpu_node.models.deepseek_v2 import MlaConfig
+    from gpu_node.models.llama import yarn_mscale
+
+    if raw.get("quantization_config") is not None:
+        raise ModelNotFoundError(
+            "quantized DeepSeek-V2 checkpoints are not imported; serve the bf16 checkpoint "
+            "with --weights int4 to quantize it on load"
+        )
+    _no_attention_bias(raw)
+    if raw.get("norm_topk_prob"):
+        raise ModelNotFoundError(
+            "DeepSeek-V2 with norm_topk_prob is not supported: DeepSeek's code renormalises "
+            "the top-k weights and then drops routed_scaling_factor, transformers' does "
+            "neither, so there is no one reference to match (released checkpoints set it false)"
+        )
+    if raw.get("scoring_func", "softmax") != "softmax":
+        raise ModelNotFoundError(
+            f"DeepSeek-V2 routing scoring_func {raw['scoring_func']!r} is not supported (softmax)"
+        )
+    method = raw.get("topk_method") or "greedy"
+    if method not in DEEPSEEK_TOPK_METHODS:
+        raise ModelNotFoundError(
+            f"DeepSeek-V2 topk_method {method!r} is not supported "
+            f"({', '.join(DEEPSEEK_TOPK_METHODS)} are)"
+        )
+    layers, heads = int(_need(raw, "num_hidden_layers")), int(_need(raw, "num_attention_heads"))
+    try:
+        mla = MlaConfig(
+            kv_lora_rank=int(_need(raw, "kv_lora_rank")),
+            qk_nope_head_dim=int(_need(raw, "qk_nope_head_dim")),
+            qk_rope_head_dim=int(_need(raw, "qk_rope_head_dim")),
+            v_head_dim=int(_need(raw, "v_head_dim")),
+            q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
+        )
+        moe, moe_layers = None, None
+        if raw.get("n_routed_experts") is not None:
+            grouped = method == "group_limited_greedy"
+            moe = MoeConfig(
+                hidden_size=int(_need(raw, "hidden_size")),
+                num_experts=int(raw["n_routed_experts"]),
+                top_k=int(_need(raw, "num_experts_per_tok")),
+                expert_hidden_size=int(_need(raw, "moe_intermediate_size")),
+                num_shared_experts=int(raw.get("n_shared_experts") or 0),
+                renormalize=False,
+                routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
+                num_groups=int(_need(raw, "n_group")) if grouped else 1,
+                topk_groups=int(_need(raw, "topk_group")) if grouped else 1,
+            )
+            first, step = (
+                int(raw.get("first_k_dense_replace", 0)),
+                int(raw.get("moe_layer_freq", 1)),
+            )
+            moe_layers = tuple(i for i in range(layers) if i >= first and i % step == 0)
+    except ValueError as exc:
+        raise ModelNotFoundError(f"config.json: {exc}") from exc
+    theta, scaling = _deepseek_rope(raw)
+    scale = mla.qk_head_dim**-0.5
+    if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim:
+        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    # _base reads the llama line's fields; the RoPE it cannot read is passed in here.
+    plain = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    plain["rope_theta"] = theta
+    return _base(
+        plain,
+        "deepseek_v2",
+        num_kv_heads=heads,  # kv_b_proj gives every head its own K and V
+        head_dim=mla.cache_head_dim,
+        rope_scaling=scaling,
+        rope_interleaved=True,  # DeepSeek rotates complex pairs, adjacent dims
+        query_scale=scale,
+        moe=moe,
+        moe_layers=moe_layers,
+        mla=mla,
+    )
+
+
 # `architectures[0]` of config.json -> its reader.
 FAMILIES: Mapping[str, Reader] = {
     "LlamaForCausalLM": llama,
@@ -226,6 +349,7 @@ FAMILIES: Mapping[str, Reader] = {
     "Gemma3ForConditionalGeneration": gemma3,
     "Qwen3MoeForCausalLM": qwen3_moe,
     "MixtralForCausalLM": mixtral,
+    "DeepseekV2ForCausalLM": deepseek_v2,
 }
 
 
