@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sentences", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="both sides'")
     parser.add_argument("--smoke", action="store_true", help="a tiny BERT on the CPU, seconds")
     args = parser.parse_args()
     if args.smoke:
@@ -95,17 +96,17 @@ def main() -> None:
         from gpu_node.models.model_store import pull
 
         args.model = pull("minilm")
-    dtype = torch.float32
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     embedder = Embedder.from_directory(args.model, dtype=dtype, device=args.device)
     try:
         from sentence_transformers import SentenceTransformer
 
-        peer = SentenceTransformer(str(args.model), device=args.device)
+        peer = SentenceTransformer(str(args.model), device=args.device).to(dtype)
     except ImportError:
         peer = None
     texts = sentences(args.sentences)
     tokens = sum(len(t) for t in embedder.tokenize(texts))
-    print(f"{args.model.name} on {args.device} ({torch.get_num_threads()} threads), "
+    print(f"{args.model.name} {args.dtype} on {args.device} ({torch.get_num_threads()} threads), "
           f"{len(texts)} sentences, {tokens / len(texts):.1f} tokens each")  # fmt: skip
     for batch in (1, 64):
         ours_runs, peer_runs = [], []
