@@ -152,7 +152,7 @@ def test_regex_choice_ebnf_and_json_object(make_engine, chat_ids) -> None:
 
 
 def test_preempted_mid_grammar_still_ends_valid(make_engine, chat_ids) -> None:
-    engine = make_engine(num_pages=14)
+    engine = make_engine(num_pages=20)
     grammar = engine.grammars.compile(PERSON_SPEC)
     ids = chat_ids(ASK)
     requests = {
@@ -235,3 +235,74 @@ def test_masks_touch_only_the_rows_named() -> None:
     GrammarMasks(40).apply(logits, [1], [AllowOdd()])  # type: ignore[list-item]
     assert torch.equal(logits[0], torch.zeros(40)) and torch.equal(logits[2], torch.zeros(40))
     assert torch.isinf(logits[1, 0::2]).all() and (logits[1, 1::2] == 0).all()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                    "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def test_twenty_sampled_required_calls_name_a_tool_and_carry_valid_arguments(
+    make_engine, chat_ids
+) -> None:
+    from common.tool_grammar import parse_tool_calls, tool_call_grammar
+
+    engine = make_engine(max_num_seqs=20)
+    spec = tool_call_grammar(TOOLS, "required", parallel_tool_calls=False)
+    assert spec is not None
+    grammar = engine.grammars.compile(spec)
+    ids = chat_ids("What is the weather in Paris, and what is 2 + 3?")
+    requests = {
+        str(i): (ids, SamplingParams(max_tokens=80, temperature=1.0, seed=i)) for i in range(20)
+    }
+    got = run(engine, requests, grammar=grammar)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for answer in got.values():
+        assert answer["finish"] == "stop", answer
+        text, calls = parse_tool_calls(answer["text"])
+        assert text == "" and len(calls) == 1, answer
+        jsonschema.validate(calls[0].arguments, schemas[calls[0].name])
+
+
+def test_auto_lets_the_model_answer_in_text(make_engine, chat_ids) -> None:
+    from common.tool_grammar import parse_tool_calls, tool_call_grammar
+
+    engine = make_engine()
+    spec = tool_call_grammar(TOOLS, "auto")
+    assert spec is not None
+    got = run(
+        engine,
+        {"a": (chat_ids("Say hello."), SamplingParams(max_tokens=30))},
+        grammar=engine.grammars.compile(spec),
+    )
+    text, calls = parse_tool_calls(got["a"]["text"])
+    assert text and not calls
