@@ -33,7 +33,13 @@ from gpu_node.models.tokenizer import ChatTokenizer
 from gpu_node.models.weights import Progress, activation_dtype, build_model
 from scheduler.block_manager import BlockManager, pages_for, release_window, sequence_tag
 from scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from scheduler.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from scheduler.sequence import (
+    SEED_RANGE,
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +259,8 @@ class LLMEngine:
             params=params,
             cache_salt=cache_salt,
             arrival=time.monotonic(),
-            keeps_pages=prefill_only,
+            # A prompt handed off, or forked into n choices, is read whole from its pages.
+            keeps_pages=prefill_only or n > 1,
         )
         seed = (
             params.seed
@@ -492,11 +499,15 @@ class LLMEngine:
         assert fork is not None
         state.fork = None
         k, v, k_scale, v_scale = export_rows(self.kv_cache, seq.block_table, seq.num_prompt_tokens)
+        seq.keeps_pages = False  # read: its pages past a window may go from here on
         forks = []
         for index in range(1, fork.num_choices):
             params = seq.params
             if params.seed is not None:
-                params = dataclasses.replace(params, seed=params.seed + index)
+                seed = params.seed + index
+                params = dataclasses.replace(
+                    params, seed=seed if seed <= SEED_RANGE[1] else seed - 2**64
+                )
             child = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=choice_id(seq.request_id, index),
