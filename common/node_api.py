@@ -17,7 +17,7 @@ inside an event); any other character, U+2028 included, is text.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -36,9 +36,22 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class FunctionCall(_Wire):
+    """A tool call an assistant turn made: the function's name and its arguments' JSON."""
+
+    name: str
+    arguments: str  # JSON text of an object, as the model wrote it
+    id: str | None = None  # what a tool turn's tool_call_id names
+
+
 class ChatMessage(_Wire):
+    """One turn. An assistant turn may carry the tool calls it made; a `tool` turn is the
+    result of one (`tool_call_id` names the call)."""
+
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[FunctionCall] | None = None
+    tool_call_id: str | None = None
 
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag"]
@@ -94,6 +107,10 @@ class GenerateParams(_Wire):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     grammar: GrammarSpec | None = None
+    # OpenAI function tools offered to the model ({"type": "function", "function": {...}}),
+    # rendered into the prompt: by the chat template where it knows tools, else as
+    # gpu_node/models/chat_tools.py writes them
+    tools: list[dict[str, Any]] | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     n: int = Field(default=1, ge=1, le=16)

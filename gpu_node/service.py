@@ -266,7 +266,8 @@ class NodeService:
         if body.prompt_token_ids is not None:
             return body.prompt_token_ids
         if body.messages is not None:
-            return tokenizer.encode_chat([m.model_dump() for m in body.messages])
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            return tokenizer.encode_chat(messages, tools=body.tools)
         if body.raw:  # the client's own text, control tokens and all
             return tokenizer.encode(body.prompt or "")
         return tokenizer.encode_chat([{"role": "user", "content": body.prompt or ""}])

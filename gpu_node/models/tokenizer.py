@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gpu_node.errors import InvalidRequestError
+from gpu_node.models.chat_tools import for_template
 from gpu_node.models.tokenizer_meta import TokenizerMeta
 
 if TYPE_CHECKING:
@@ -71,20 +72,29 @@ class ChatTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of `messages` in the chat template, a message's text being only text.
+        """Token ids of `messages` (and the `tools` offered, models/chat_tools.py) in the
+        chat template, a message's text being only text.
 
         A special token spelled out inside a message (`<|im_end|>`, `<|im_start|>system`) is
         encoded as its characters, never as the special token, so a message cannot end its
-        own turn or open another. Messages without such spellings (nearly all) take the
-        plain path: the rendered template encoded in one piece.
+        own turn or open another; tools and calls a template renders itself may spell none.
+        Messages without such spellings (nearly all) take the plain path: the rendered
+        template encoded in one piece.
         """
+        messages, extra = for_template(messages, tools, self.chat_template)
+        structured = json.dumps([extra, [m.get("tool_calls") for m in messages]])
+        if any(s in structured for s in self._special_spellings):
+            raise InvalidRequestError("a tool or tool call spells a special token of the model")
         contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
         if not any(
             isinstance(c, str) and any(s in c for s in self._special_spellings) for c in contents
         ):
-            rendered = self.apply_chat_template(messages, add_generation_prompt)
+            rendered = self.apply_chat_template(messages, add_generation_prompt, **extra)
             return self._with_bos(self._pieces(rendered))
         # Render with a mark in place of each message's text, then encode the template's own
         # text with special tokens and each message's text without them.
@@ -93,7 +103,7 @@ class ChatTokenizer:
             m | {"content": mark} if isinstance(m, dict) else m
             for m, mark in zip(messages, marks, strict=True)
         ]
-        rest = self.apply_chat_template(marked, add_generation_prompt)
+        rest = self.apply_chat_template(marked, add_generation_prompt, **extra)
         ids: list[int] = []
         for mark, content in zip(marks, contents, strict=True):
             before, found, after = rest.partition(mark)
@@ -119,9 +129,10 @@ class ChatTokenizer:
         return clean_up_tokenization(text) if self.meta.clean_up_spaces else text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
-        """Renders messages ({"role", "content"}) as the model expects them."""
+        """Renders messages ({"role", "content"}) as the model expects them; `extra` are
+        further names the template reads (`tools`)."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise InvalidRequestError(f"messages[{i}] needs 'role' and 'content'")
@@ -130,6 +141,7 @@ class ChatTokenizer:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **self.meta.special_tokens,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template: {exc}") from exc
