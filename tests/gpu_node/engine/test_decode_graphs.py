@@ -1,8 +1,10 @@
-"""Decode steps from CUDA graphs (decode_graphs.py), what a CPU can check: the buckets,
+"""Decode steps from CUDA graphs (decode_graphs.py). What a CPU can check: the buckets,
 the padding, which steps a graph takes, and, with the static step run eagerly
 (`capture=False`), that the padded step gives the engine's own tokens and writes
-nothing but its own tokens' slots. The captured graphs run in
-tests/gpu_node/engine/test_decode_graphs_gpu.py."""
+nothing but its own tokens' slots. On a GPU, the captured graphs replayed: the same
+tokens as eager steps (in bf16 and fp16), bit for bit the same logits as the same padded
+step launched eagerly, and the ownership check inside the captured kernels (seeded
+weights: the GGUF does not reach the GPU machine)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,15 @@ from gpu_node.engine.decode_graphs import (
 from gpu_node.models.moe import MoeExperts
 from gpu_node.models.weights import moe_model
 from scheduler.sequence import SamplingParams
+from tests.gpu_node.helpers import (
+    SEEDED_MAX_TOKENS,
+    SEEDED_PROMPTS,
+    needs_cuda,
+    record_logits,
+    seeded_engine,
+    seeded_int4_model,
+    seeded_model,
+)
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = [
@@ -198,3 +209,180 @@ def test_float_moe_experts_off_cuda_cannot_be_captured_and_int4_ones_can() -> No
     assert not capturable(model)
     quantize_model(model, group_size=32, skip=("lm_head", "embed_tokens", "router"))
     assert capturable(model)
+
+
+# -- captured graphs on a GPU ----------------------------------------------------------
+
+
+def _generate(engine):
+    for rid, ids in SEEDED_PROMPTS.items():
+        engine.add_request(
+            rid, ids, SamplingParams(max_tokens=SEEDED_MAX_TOKENS[rid], ignore_eos=True)
+        )
+    tokens = {rid: [] for rid in SEEDED_PROMPTS}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    return tokens
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("weights", ["bf16", "int4 g32", "int4 g128"])
+def test_graph_steps_give_the_eager_tokens(weights, kv_dtype):
+    model = seeded_model(weights)
+    eager = _generate(seeded_engine(model, kv_dtype, 0))
+    engine = seeded_engine(model, kv_dtype, 8)
+    assert engine.runner.graphs is not None
+    assert _generate(engine) == eager
+    assert [len(eager[r]) for r in SEEDED_PROMPTS] == list(SEEDED_MAX_TOKENS.values())
+    # buckets 8, 4, 2 and 1, all within the first context bucket (256 tokens)
+    assert engine.runner.graphs.captured == [(1, 256), (2, 256), (4, 256), (8, 256)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_a_replay_equals_the_same_padded_step_launched_eagerly(kv_dtype):
+    from gpu_node.engine.decode_graphs import DecodeGraphs
+
+    model = seeded_model("int4 g32")
+    logits = []
+    for capture in (False, True):
+        engine = seeded_engine(model, kv_dtype, 0)
+        runner = engine.runner
+        runner.graphs = DecodeGraphs.for_runner(runner, 8, engine.max_model_len, capture=capture)
+        for rid, ids in list(SEEDED_PROMPTS.items())[:3]:
+            engine.add_request(rid, ids, SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.step()  # the prompts
+        steps = record_logits(runner)
+        for _ in range(4):
+            engine.step()
+        logits.append(torch.cat(steps))
+        assert len(runner.graphs.captured) == (1 if capture else 0)
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_cuda
+@pytest.mark.parametrize("weights", ["int4 g128", "bf16"])
+def test_small_kernels_releasing_the_next_change_no_bit(weights):
+    """RMSNorm, silu-and-multiply and the attention merge let the next kernel launch from
+    their start (the INT4 GEMV then waits before it reads their output): the replayed
+    steps' logits are the same bits as with every launch in order."""
+    from gpu_node.kernels import launch
+
+    model = seeded_model(weights)
+    logits = []
+    try:
+        for release in (False, True):
+            launch.SMALL_KERNELS_RELEASE_NEXT = release
+            engine = seeded_engine(model, "bf16", 8)
+            for rid, ids in list(SEEDED_PROMPTS.items())[:3]:
+                engine.add_request(rid, ids, SamplingParams(max_tokens=12, ignore_eos=True))
+            engine.step()  # the prompts
+            steps = record_logits(engine.runner)
+            for _ in range(8):
+                engine.step()
+            assert engine.runner.graphs.captured == [(4, 256)]
+            logits.append(torch.cat(steps))
+    finally:
+        launch.SMALL_KERNELS_RELEASE_NEXT = True
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_cuda
+def test_the_captured_kernels_refuse_a_foreign_page():
+    """The host check is bypassed, so only the kernels inside the graph can see that r1's
+    table points at r0's page; r1 is aborted, the others finish with the eager tokens."""
+    import random
+
+    from gpu_node.faults import FaultInjector
+
+    model = seeded_model("int4 g32")
+    expected = _generate(seeded_engine(model, "fp8", 0))
+    engine = seeded_engine(model, "fp8", 8)
+    engine.runner.find_violations = lambda chunks, tables=None: [False] * len(chunks)
+    for rid, ids in SEEDED_PROMPTS.items():
+        engine.add_request(
+            rid, ids, SamplingParams(max_tokens=SEEDED_MAX_TOKENS[rid], ignore_eos=True)
+        )
+    tokens = {rid: [] for rid in SEEDED_PROMPTS}
+    finals = {}
+    for step in range(1000):
+        if step == 3:  # the graphs of the first bucket were captured and replayed by now
+            assert len(engine.runner.graphs.captured) == 1
+            FaultInjector(engine, random.Random(0)).point_at_foreign_page("r1", "r0")
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+    assert finals == {"r0": "length", "r1": "error", "r2": "length", "r3": "length", "r4": "length"}
+    assert engine.num_integrity_violations == 1
+    assert {r: t for r, t in tokens.items() if r != "r1"} == {
+        r: t for r, t in expected.items() if r != "r1"
+    }
+
+
+@needs_cuda
+def test_graphs_replayed_after_others_and_past_the_first_context_bucket():
+    """A 300-token context (bucket 512) decodes alone, then beside five more (the bucket of
+    6, a cap that is no power of two), then alone again: the graph of one row replays
+    after another graph was captured into the shared pool, with the eager logits."""
+    from gpu_node.engine.decode_graphs import DecodeGraphs
+
+    model = seeded_model("int4 g32")
+    long_ids = [(11 * j) % 4000 + 1 for j in range(300)]
+    runs = []
+    for capture in (False, True):
+        engine = seeded_engine(model, "fp8", 0)
+        runner = engine.runner
+        runner.graphs = DecodeGraphs.for_runner(runner, 6, engine.max_model_len, capture=capture)
+        steps = record_logits(runner)
+        engine.add_request("long", long_ids, SamplingParams(max_tokens=16, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        for i in range(5):
+            ids = [(5 * i + j) % 4000 + 1 for j in range(20)]
+            engine.add_request(f"s{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        runs.append((torch.cat(steps), runner.graphs.captured))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[1][1] == [(1, 512), (6, 512)]
+
+
+@needs_cuda
+def test_float_moe_graph_steps_give_the_eager_tokens():
+    """bf16 MoE experts on CUDA run kernels/moe/dense.py, which waits for nothing on the
+    host, so their decode steps are recorded too and give the eager steps' tokens."""
+    from gpu_node.models.llama import fuse_projections
+    from gpu_node.models.weights import moe_model
+
+    model = fuse_projections(moe_model("moe-small", device="cuda").to(torch.bfloat16))
+    eager = _generate(seeded_engine(model, "fp8", 0))
+    engine = seeded_engine(model, "fp8", 8)
+    assert engine.runner.graphs is not None
+    assert _generate(engine) == eager
+    assert engine.runner.graphs.captured == [(1, 256), (2, 256), (4, 256), (8, 256)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["fp16", "fp8"])
+def test_fp16_graph_steps_give_the_eager_tokens(kv_dtype):
+    model = seeded_int4_model(torch.float16)
+    tokens = []
+    for graphs in (0, 8):
+        engine = seeded_engine(model, kv_dtype, graphs, activations="fp16")
+        for rid, ids in SEEDED_PROMPTS.items():
+            engine.add_request(
+                rid, ids, SamplingParams(max_tokens=SEEDED_MAX_TOKENS[rid], ignore_eos=True)
+            )
+        out = {rid: [] for rid in SEEDED_PROMPTS}
+        while engine.has_unfinished():
+            for step in engine.step():
+                out[step.request_id].extend(step.token_ids)
+        tokens.append(out)
+        assert (engine.runner.graphs is not None) == bool(graphs)
+    assert tokens[0] == tokens[1]
+    assert [len(tokens[0][r]) for r in SEEDED_PROMPTS] == list(SEEDED_MAX_TOKENS.values())
