@@ -29,13 +29,14 @@ drain (SIGTERM) deregisters it first, refuses new work, and lets what runs finis
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -55,11 +56,14 @@ from common.node_api import (
     NodeError,
     NodeErrorCode,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     event_line,
 )
 from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from common.window import Window
+from gpu_node.engine.outputs import SampledLogprob, ends_request
 from gpu_node.errors import (
     EngineError,
     EngineStoppedError,
@@ -70,6 +74,10 @@ from gpu_node.errors import (
 from gpu_node.service import NodeService, NodeSettings, sampling_params
 from gpu_node.telemetry import NodeSpan, NodeTelemetry
 from scheduler.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_node.engine.grammar import Grammar
+    from gpu_node.models.tokenizer import ChatTokenizer
 
 __all__ = ["NodeService", "NodeSettings", "create_node_app"]
 
@@ -139,6 +147,7 @@ class _Call:
     body: GenerateRequest
     params: SamplingParams
     prompt_ids: list[int]
+    grammar: Grammar | None = None  # compiled off the event loop and the engine thread
 
 
 async def _parsed(request: Request, schema: type[Body]) -> Body | Response:
@@ -187,7 +196,15 @@ async def _checked(request: Request) -> _Call | Response:
     )
     if refusal is not None:
         return error_response("request_too_large", refusal)
-    return _Call(service, body, params, prompt_ids)
+    if body.n > 1 and body.prefill_from is not None:
+        return error_response("invalid_request", "n > 1 cannot be prefilled on another node")
+    grammar = None
+    if body.grammar is not None:
+        try:
+            grammar = await asyncio.to_thread(engine.compile_grammar, body.grammar)
+        except InvalidRequestError as exc:
+            return error_response("invalid_request", str(exc))
+    return _Call(service, body, params, prompt_ids, grammar)
 
 
 def _refusal(exc: EngineError) -> tuple[NodeErrorCode, str]:
@@ -222,8 +239,9 @@ async def prefill(request: Request) -> Response:
     try:
         final = None
         async for out in service.engine.generate(
-            body.request_id, call.prompt_ids, call.params, body.account_id, prefill_only=True
-        ):
+            body.request_id, call.prompt_ids, call.params, body.account_id, prefill_only=True,
+            grammar=call.grammar,
+        ):  # fmt: skip
             final = out
     except REFUSALS as exc:
         return _refused(exc, span)
@@ -286,8 +304,9 @@ async def generate(request: Request) -> Response:
             return error_response(code, message)
         handoff = fetched
     outputs = engine.generate(
-        body.request_id, prompt_ids, params, cache_salt=body.account_id, handoff=handoff
-    )
+        body.request_id, prompt_ids, params, cache_salt=body.account_id, handoff=handoff,
+        grammar=call.grammar, n=body.n,
+    )  # fmt: skip
     service.num_in_flight += 1
     try:
         # The engine validates before yielding anything: pull the first output here so its
@@ -321,14 +340,21 @@ async def _stream(
     engine = service.engine
     request_id = body.request_id
     finished = False
-    is_first = True
+    started: set[int] = set()  # the choices whose first chunk is out
+    num_finished = 0  # choices finished
     status: Status = "cancelled"
     num_sent = 0  # tokens written toward the gateway
     out = first
     try:
         while True:
+            is_first = out.index not in started
             if out.token_ids or out.text or is_first:
-                chunk = TokenChunk(text=out.text, token_ids=list(out.token_ids))
+                chunk = TokenChunk(
+                    text=out.text,
+                    token_ids=list(out.token_ids),
+                    logprobs=_token_logprobs(engine.tokenizer, out.logprobs),
+                    index=out.index,
+                )
                 if is_first:
                     # What the gateway bills if the stream ends early, before the final usage.
                     chunk = chunk.model_copy(
@@ -338,14 +364,15 @@ async def _stream(
                             "prefilled_tokens": out.num_prefilled_tokens,
                         }
                     )
-                    is_first = False
+                    started.add(out.index)
                 yield event_line(chunk)
                 num_sent += len(out.token_ids)
             if out.finished:
-                finished = True
-                status = "error" if out.finish_reason == "error" else "ok"
-                span.finish(out)
+                num_finished += 1
                 if out.finish_reason == "error":
+                    finished = num_finished == body.n  # the other choices are aborted below
+                    status = "error"
+                    span.finish(out)
                     yield _error_line(out.error or "engine error")
                     return
                 usage = Usage(
@@ -353,8 +380,14 @@ async def _stream(
                     completion_tokens=out.num_completion_tokens,
                     cached_tokens=out.num_cached_tokens,
                 )
-                yield event_line(Finish(finish_reason=out.finish_reason, usage=usage))
-                return
+                yield event_line(
+                    Finish(finish_reason=out.finish_reason, usage=usage, index=out.index)
+                )
+                if ends_request(out, num_finished, body.n):
+                    finished = True
+                    status = "ok"
+                    span.finish(out)
+                    return
             out = await anext(outputs)
     except StopAsyncIteration:
         status = "error"
@@ -373,6 +406,27 @@ async def _stream(
         if not finished:
             # The client went away (or the stream broke): free the pages now, not at GC time.
             engine.abort(request_id)
+
+
+def _token_logprobs(
+    tokenizer: ChatTokenizer, logprobs: tuple[SampledLogprob, ...] | None
+) -> list[TokenLogprob] | None:
+    """The engine's log-probabilities on the wire, each token with its text."""
+    if logprobs is None:
+        return None
+
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    return [
+        TokenLogprob(
+            token_id=lp.token_id,
+            token=text(lp.token_id),
+            logprob=lp.logprob,
+            top=[TopLogprob(token_id=t, token=text(t), logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
 
 
 def _error_line(message: str) -> bytes:

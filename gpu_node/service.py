@@ -285,4 +285,6 @@ def sampling_params(params: GenerateParams) -> SamplingParams:
         repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty,
         presence_penalty=params.presence_penalty,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
     )

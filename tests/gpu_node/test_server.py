@@ -479,3 +479,75 @@ def test_embed_refuses_what_it_cannot_encode(embed_node, node) -> None:
     assert (without.status_code, without.json()["error"]["message"]) == (
         503, "node cannot embed: it serves no encoder"
     )  # fmt: skip
+
+
+# -- constrained decoding, logprobs, n (the engine side of issue 41) ----------------------
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "role", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "grammar, words",
+    [
+        ({"kind": "json_schema", "value": '{"type": "strnig"}'}, "strnig"),
+        ({"kind": "json_schema", "value": "{not json"}, "not JSON"),
+        ({"kind": "regex", "value": "(a"}, "invalid regex grammar"),
+        ({"kind": "lark", "value": "start: 'a'"}, "grammar.kind"),
+    ],
+)
+def test_an_invalid_grammar_is_a_400_naming_the_problem(node, grammar, words) -> None:
+    response = generate(node, messages=MESSAGES, grammar=grammar)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and words in error["message"], error
+
+
+def test_a_grammar_holds_the_streamed_answer_with_its_logprobs(node) -> None:
+    import jsonschema
+
+    response = generate(
+        node,
+        messages=[{"role": "user", "content": "Give a user as JSON."}],
+        grammar={"kind": "json_schema", "value": json.dumps(PERSON_SCHEMA)},
+        temperature=1.0,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=80,
+    )
+    assert response.status_code == 200
+    events = lines(response)
+    chunks, finish = events[:-1], events[-1]
+    assert finish["finish_reason"] == "stop"
+    jsonschema.validate(json.loads("".join(c["text"] for c in chunks)), PERSON_SCHEMA)
+    for chunk in chunks:
+        assert [lp["token_id"] for lp in chunk.get("logprobs", [])] == chunk["token_ids"]
+        for lp in chunk.get("logprobs", []):
+            assert lp["logprob"] <= 0.0 and 1 <= len(lp["top"]) <= 2
+            assert lp["top"][0]["logprob"] >= lp["top"][-1]["logprob"]
+
+
+def test_n_choices_stream_tagged_and_end_after_the_last(node) -> None:
+    response = generate(node, messages=MESSAGES, temperature=1.0, seed=5, n=3, max_tokens=12)
+    assert response.status_code == 200
+    events = lines(response)
+    finishes = [e for e in events if "finish_reason" in e]
+    assert sorted(f.get("index", 0) for f in finishes) == [0, 1, 2]
+    assert events[-1] in finishes
+    texts = {
+        i: "".join(e["text"] for e in events if "text" in e and e.get("index", 0) == i)
+        for i in range(3)
+    }
+    assert len(set(texts.values())) > 1
+    firsts = [e for e in events if "prompt_tokens" in e]
+    assert sorted(e.get("index", 0) for e in firsts) == [0, 1, 2]
+    wait_all_pages_free(node)
