@@ -1,10 +1,10 @@
-"""FP8 KV in the engine: capacity arithmetic and answers on the real weights."""
+"""The KV pool (kv_cache.py): the pages a memory budget buys in each KV dtype, and the
+pool's head-major layout, written in place."""
 
 import torch
 
 from gpu_node.cache.kv_cache import KVCache, bytes_per_page
 from gpu_node.cache.kv_quant import pool_strides
-from scheduler.sequence import SamplingParams
 
 
 def test_fp8_pool_holds_1_94x_the_tokens_of_bf16_at_one_budget(make_engine):
@@ -18,42 +18,6 @@ def test_fp8_pool_holds_1_94x_the_tokens_of_bf16_at_one_budget(make_engine):
     assert bytes_per_page("fp8", 30, 16, 3, 64) == 190_080
     assert (bf16.num_pages, fp8.num_pages) == (182, 353)
     assert fp8.num_pages * 16 / (bf16.num_pages * 16) >= 1.9
-
-
-def test_fp8_kv_still_answers_paris(make_engine, chat_ids):
-    engine = make_engine(kv_dtype="fp8")
-    out = engine.generate(
-        {"q": chat_ids("What is the capital of France?")}, SamplingParams(max_tokens=20)
-    )
-    assert "Paris" in engine.tokenizer.decode(out["q"])
-    assert (
-        engine.kv_cache.k_cache[0].dtype.is_floating_point
-        and engine.kv_cache.k_scale[0] is not None
-    )
-
-
-def perplexity(engine, ids):
-    """Every position attends to K/V as the cache stores them: one prefill through the pages."""
-    import torch
-
-    from tests.gpu_node.models.test_parity import prompt_logits
-
-    logits = prompt_logits(engine, ids)  # [T, V]
-    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
-    return float(torch.exp(nll))
-
-
-def test_fp8_kv_perplexity_increase_stays_under_the_measured_bound(make_engine, smollm2_parts):
-    from pydoc_data.topics import topics
-
-    _, tokenizer = smollm2_parts
-    text = "\n".join(topics[k] for k in sorted(topics))
-    ids = tokenizer.encode(text)[:1024]
-    fp32 = perplexity(make_engine(kv_dtype="fp32"), ids)
-    fp8 = perplexity(make_engine(kv_dtype="fp8"), ids)
-    # Measured on these 1024 tokens: 12.721 (fp32 KV) -> 12.815 (fp8 KV), +0.74%;
-    # bench_paged_attention.py accuracy: +1.04% over 4 x 512 tokens. The bound leaves 2.5x room.
-    assert 1.0 < fp8 / fp32 < 1.025, (fp32, fp8)
 
 
 def test_the_pool_is_head_major_and_written_in_place():
