@@ -190,25 +190,21 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self._width = -(-vocab_size // 32)
         self._bitmask = torch.empty((0, self._width), dtype=torch.int32)
-        self._shifts: dict[torch.device, torch.Tensor] = {}
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
         """Sets to -inf, in place, each token that `matchers[i]` does not allow next in
-        row `rows[i]` of `logits` [N, V]; the other rows are not touched."""
+        row `rows[i]` of `logits` [N, V]; the other rows are not touched. The bitmasks are
+        filled on the host and applied on the logits' device (xgrammar's kernel: C++ on
+        the CPU, Triton on a GPU)."""
         if not rows:
             return
-        if len(self._bitmask) < len(rows):
-            self._bitmask = torch.empty((len(rows), self._width), dtype=torch.int32)
-        bitmask = self._bitmask[: len(rows)]
-        for i, matcher in enumerate(matchers):
-            matcher.fill(self._bitmask, i)
-        device = logits.device
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        words = bitmask.to(device, non_blocking=True)  # [R, W]
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        picked = logits.index_select(0, index)  # [R, V]
-        logits.index_copy_(0, index, picked.masked_fill(allowed == 0, float("-inf")))
+        xgr = _import_xgrammar()
+        if len(self._bitmask) < len(logits):
+            self._bitmask = torch.empty((len(logits), self._width), dtype=torch.int32)
+        bitmask = self._bitmask[: len(logits)]  # [N, W]; rows not named are never read
+        for row, matcher in zip(rows, matchers, strict=True):
+            matcher.fill(bitmask, row)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=rows
+        )

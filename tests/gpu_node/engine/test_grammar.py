@@ -235,6 +235,13 @@ def test_masks_touch_only_the_rows_named() -> None:
     GrammarMasks(40).apply(logits, [1], [AllowOdd()])  # type: ignore[list-item]
     assert torch.equal(logits[0], torch.zeros(40)) and torch.equal(logits[2], torch.zeros(40))
     assert torch.isinf(logits[1, 0::2]).all() and (logits[1, 1::2] == 0).all()
+    logits = torch.zeros(3, 40)
+    GrammarMasks(40).apply(logits, [0, 2], [AllowOdd(), AllowOdd()])  # type: ignore[list-item]
+    assert torch.equal(logits[1], torch.zeros(40)) and torch.isinf(logits[2, 0::2]).all()
+    logits = torch.zeros(3, 40)
+    GrammarMasks(40).apply(logits, [1], [AllowOdd()])  # type: ignore[list-item]
+    assert torch.equal(logits[0], torch.zeros(40)) and torch.equal(logits[2], torch.zeros(40))
+    assert torch.isinf(logits[1, 0::2]).all() and (logits[1, 1::2] == 0).all()
 
 
 TOOLS = [
