@@ -24,6 +24,7 @@ SCRIPTS = (
     "bench_embeddings.py",
     "bench_engine.py",
     "bench_gateway.py",
+    "bench_grammar.py",
     "bench_handoff.py",
     "bench_moe.py",
     "bench_paged_attention.py",
