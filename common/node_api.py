@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 NodeErrorCode = Literal[
     "unauthorized",
     "invalid_request",
+    "invalid_grammar",  # a response format or tools no grammar can be built from
     "request_too_large",
     "model_not_found",
     "over_capacity",

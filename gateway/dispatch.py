@@ -37,6 +37,7 @@ from gateway.errors import (
     ClientClosedError,
     ContextWindowError,
     GatewayError,
+    GrammarError,
     NoCapacityError,
     NotServedError,
     UpstreamError,
@@ -71,6 +72,7 @@ CANCEL_GRACE_S = 10.0
 # Node error codes that mean "this request is wrong", answered as is; the rest are node trouble.
 _CLIENT_ERRORS: dict[str, type[GatewayError]] = {
     "invalid_request": BadRequestError,
+    "invalid_grammar": GrammarError,
     "request_too_large": ContextWindowError,
 }
 

@@ -84,6 +84,10 @@ class UnsupportedError(BadRequestError):
     pass
 
 
+class GrammarError(BadRequestError):
+    """A response format or tools no grammar can be built from (the node said why)."""
+
+
 class ModelNotFoundError(GatewayError):
     pass
 

@@ -14,6 +14,7 @@ computed and the output tokens that reached the client, at no cost when the node
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -52,11 +53,16 @@ _REFUSAL_REASONS = {
 
 
 def estimate_tokens(payload: GenerateParams) -> int:
-    """Prompt tokens guessed from characters (about 3.5 per token in English, rounded up) + max_tokens."""
+    """Prompt tokens guessed from characters (about 3.5 per token in English, rounded up),
+    the tools offered among them, + max_tokens for each of the n answers."""
     chars = len(payload.prompt or "")
     for message in payload.messages or ():
         chars += len(message.content) + 16  # the template's role markers
-    return chars // 3 + 8 + payload.max_tokens
+        for call in message.tool_calls or ():
+            chars += len(call.name) + len(call.arguments) + 32
+    if payload.tools:
+        chars += len(json.dumps(payload.tools)) + 256  # a template's words around them
+    return chars // 3 + 8 + payload.max_tokens * payload.n
 
 
 class UsageSinkLike(Protocol):

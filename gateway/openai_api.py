@@ -6,13 +6,15 @@ from __future__ import annotations
 import base64
 import struct
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from common.node_api import TokenLogprob
 from gateway.catalog import CatalogModel
-from gateway.errors import ContextWindowError, GatewayError, error_body
+from gateway.errors import ContextWindowError, GatewayError, GrammarError, error_body
 from gateway.http import (
     JSONBytes,
     authenticate,
@@ -32,7 +34,8 @@ from gateway.schemas import (
     EmbeddingsRequest,
     check_generation_model,
 )
-from gateway.upstream import Finished, Upstream, collect
+from gateway.tool_calls import CallStart, Content, Piece, ToolCallReader
+from gateway.upstream import Choice, ChoiceEnd, Finished, TextChunk, Upstream, collect
 
 
 def usage(finished: Finished) -> dict[str, Any]:
@@ -44,16 +47,52 @@ def usage(finished: Finished) -> dict[str, Any]:
     }
 
 
-def finish_reason(finished: Finished) -> str:
-    return "length" if finished.finish_reason == "length" else "stop"
+def finish_reason(node_reason: str, has_calls: bool = False) -> str:
+    if node_reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content`: each token with its bytes and its top alternatives."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return [
+        entry(t.token, t.logprob) | {"top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
+        for t in logprobs
+    ]
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A completion's `logprobs`: tokens, their log-probabilities, the alternatives and
+    where each token begins in the text (from `offset`)."""
+    offsets = []
+    for t in logprobs:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [t.logprob for t in logprobs],
+        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def tool_call_id(request_id: str, choice: int, call: int) -> str:
+    return f"call_{request_id}_{choice}_{call}"
 
 
 class _OpenAIStream:
-    """Chunks with one id throughout; a usage chunk with `choices: []` when asked; then [DONE]."""
+    """Chunks with one id throughout, each choice's under its index; a usage chunk with
+    `choices: []` when asked; then [DONE]."""
 
     object_name = ""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, completion_id: str, model: str, include_usage: bool, num_choices: int = 1
+    ) -> None:
         self._head = {
             "id": completion_id,
             "object": self.object_name,
@@ -61,6 +100,8 @@ class _OpenAIStream:
             "model": model,
         }
         self._include_usage = include_usage
+        self._num_choices = num_choices
+        self._ended: set[int] = set()
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body = self._head | {"choices": choices}
@@ -68,17 +109,26 @@ class _OpenAIStream:
             body["usage"] = None
         return sse(body | extra)
 
-    def _choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        raise NotImplementedError
-
     def start(self) -> bytes:
         return b""
 
-    def chunk(self, text: str) -> bytes:
-        return self._event([self._choice(text, None)])
+    def chunk(self, chunk: TextChunk) -> bytes:
+        raise NotImplementedError
+
+    def _last(self, index: int, node_reason: str) -> bytes:
+        """The closing chunk of choice `index`."""
+        raise NotImplementedError
+
+    def end_choice(self, end: ChoiceEnd) -> bytes:
+        self._ended.add(end.index)
+        return self._last(end.index, end.finish_reason)
 
     def finish(self, finished: Finished) -> bytes:
-        out = self._event([self._choice("", finish_reason(finished))])
+        out = b"".join(
+            self._last(i, finished.reason_of(i))
+            for i in range(self._num_choices)
+            if i not in self._ended
+        )
         if self._include_usage:
             out += sse(self._head | {"choices": [], "usage": usage(finished)})
         return out + SSE_DONE
@@ -88,27 +138,111 @@ class _OpenAIStream:
 
 
 class ChatStream(_OpenAIStream):
+    """Chat chunks: `delta.content`; with tools offered, calls as `delta.tool_calls` (the
+    function's name once whole, then its arguments as they come) and finish_reason
+    `tool_calls`; with logprobs, each chunk's tokens' under `logprobs.content`."""
+
     object_name = "chat.completion.chunk"
 
-    def start(self) -> bytes:
-        first = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return self._event([first])
+    def __init__(
+        self,
+        completion_id: str,
+        model: str,
+        include_usage: bool,
+        num_choices: int = 1,
+        *,
+        request_id: str = "",
+        reads_tools: bool = False,
+        has_logprobs: bool = False,
+    ) -> None:
+        super().__init__(completion_id, model, include_usage, num_choices)
+        self._request_id = request_id
+        self._readers = [ToolCallReader() for _ in range(num_choices)] if reads_tools else None
+        self._has_logprobs = has_logprobs
+        self._pending: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
 
-    def _choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if reason is None else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def start(self) -> bytes:
+        return b"".join(
+            self._event([self._choice(i, {"role": "assistant", "content": ""}, None)])
+            for i in range(self._num_choices)
+        )
+
+    def _choice(self, index: int, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+        logprobs = None
+        if self._has_logprobs:
+            pending, self._pending[index] = self._pending[index], []
+            logprobs = {"content": chat_logprobs(pending), "refusal": None}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _deltas(self, index: int, pieces: list[Piece]) -> bytes:
+        out = b""
+        for piece in pieces:
+            if isinstance(piece, Content):
+                delta: dict[str, Any] = {"content": piece.text}
+            elif isinstance(piece, CallStart):
+                call = {
+                    "index": piece.index,
+                    "id": tool_call_id(self._request_id, index, piece.index),
+                    "type": "function",
+                    "function": {"name": piece.name, "arguments": ""},
+                }
+                delta = {"tool_calls": [call]}
+            else:
+                call = {"index": piece.index, "function": {"arguments": piece.text}}
+                delta = {"tool_calls": [call]}
+            out += self._event([self._choice(index, delta, None)])
+        return out
+
+    def chunk(self, chunk: TextChunk) -> bytes:
+        self._pending[chunk.index] += chunk.logprobs
+        if self._readers is None:
+            pieces: list[Piece] = [Content(chunk.text)] if chunk.text else []
+        else:
+            pieces = self._readers[chunk.index].feed(chunk.text)
+        if not pieces and self._pending[chunk.index]:
+            pieces = [Content("")]  # the tokens' logprobs go now, their text later
+        return self._deltas(chunk.index, pieces)
+
+    def _last(self, index: int, node_reason: str) -> bytes:
+        reader = None if self._readers is None else self._readers[index]
+        out = b"" if reader is None else self._deltas(index, reader.finish())
+        has_calls = reader is not None and reader.num_calls > 0
+        reason = finish_reason(node_reason, has_calls)
+        return out + self._event([self._choice(index, {}, reason)])
 
 
 class CompletionStream(_OpenAIStream):
     object_name = "text_completion"
 
-    def _choice(self, text: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def __init__(
+        self,
+        completion_id: str,
+        model: str,
+        include_usage: bool,
+        num_choices: int = 1,
+        *,
+        has_logprobs: bool = False,
+    ) -> None:
+        super().__init__(completion_id, model, include_usage, num_choices)
+        self._has_logprobs = has_logprobs
+        self._offsets = [0] * num_choices
+
+    def _choice(
+        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: str | None
+    ) -> dict[str, Any]:
+        listed = None
+        if self._has_logprobs:
+            listed = completion_logprobs(logprobs, self._offsets[index])
+        self._offsets[index] += len(text)
+        return {"index": index, "text": text, "logprobs": listed, "finish_reason": reason}
+
+    def chunk(self, chunk: TextChunk) -> bytes:
+        if not chunk.text and not chunk.logprobs:
+            return b""
+        return self._event([self._choice(chunk.index, chunk.text, chunk.logprobs, None)])
+
+    def _last(self, index: int, node_reason: str) -> bytes:
+        return self._event([self._choice(index, "", (), finish_reason(node_reason))])
 
 
 async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tuple[Any, Any]:
@@ -134,26 +268,62 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
     except ContextWindowError as exc:  # the node's count of the prompt: past the window
         exc.param = exc.param or body.prompt_field
         raise
+    except GrammarError as exc:  # the tools' schemas, else the response format's
+        exc.param = "tools" if getattr(body, "offers_tools", False) else "response_format"
+        raise
 
 
 def _answer(
     object_name: str,
     completion_id: str,
     model: str,
-    choice: dict[str, Any],
+    choices: list[dict[str, Any]],
     finished: Finished,
     upstream: Upstream,
 ) -> Response:
-    """A non-streamed completion: one choice, its finish reason, the usage."""
+    """A non-streamed completion: its choices and the usage."""
     result = {
         "id": completion_id,
         "object": object_name,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice | {"finish_reason": finish_reason(finished)}],
+        "choices": choices,
         "usage": usage(finished),
     }
     return JSONBytes(result, headers=upstream.headers)
+
+
+def chat_message(choice: Choice, request_id: str, index: int, reads_tools: bool) -> dict[str, Any]:
+    """One whole chat choice: its message (text, tool calls), logprobs and finish reason."""
+    text, calls = choice.text, []
+    if reads_tools:
+        reader = ToolCallReader()
+        pieces = reader.feed(choice.text) + reader.finish()
+        text = "".join(p.text for p in pieces if isinstance(p, Content))
+        calls = [
+            {
+                "id": tool_call_id(request_id, index, i),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for i, (name, arguments) in enumerate(zip(reader.names, reader.arguments, strict=True))
+        ]
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text if text or not calls else None,
+        "refusal": None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    logprobs = None
+    if choice.logprobs is not None:
+        logprobs = {"content": chat_logprobs(choice.logprobs), "refusal": None}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(choice.finish_reason, bool(calls)),
+    }
 
 
 @endpoint("openai")
@@ -161,16 +331,18 @@ async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     settings = gateway_of(request).settings
     body, upstream = await _open(request, ChatCompletionRequest, settings.default_chat_max_tokens)
-    completion_id = f"chatcmpl-{request_id_of(request)}"
+    request_id = request_id_of(request)
+    completion_id = f"chatcmpl-{request_id}"
+    model = upstream.job.model.name
     if body.stream:
-        stream = ChatStream(completion_id, upstream.job.model.name, body.include_usage)
+        stream = ChatStream(
+            completion_id, model, body.include_usage, body.num_choices, request_id=request_id,
+            reads_tools=body.offers_tools, has_logprobs=bool(body.logprobs),
+        )  # fmt: skip
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    text, finished = await collect(upstream, request.receive)
-    message = {"role": "assistant", "content": text, "refusal": None}
-    choice = {"index": 0, "message": message, "logprobs": None}
-    return _answer(
-        "chat.completion", completion_id, upstream.job.model.name, choice, finished, upstream
-    )
+    choices, finished = await collect(upstream, request.receive)
+    answers = [chat_message(c, request_id, i, body.offers_tools) for i, c in enumerate(choices)]
+    return _answer("chat.completion", completion_id, model, answers, finished, upstream)
 
 
 @endpoint("openai")
@@ -179,14 +351,24 @@ async def completions(request: Request) -> Response:
     settings = gateway_of(request).settings
     body, upstream = await _open(request, CompletionRequest, settings.default_completion_max_tokens)
     completion_id = f"cmpl-{request_id_of(request)}"
+    model = upstream.job.model.name
     if body.stream:
-        stream = CompletionStream(completion_id, upstream.job.model.name, body.include_usage)
+        stream = CompletionStream(
+            completion_id, model, body.include_usage, body.num_choices,
+            has_logprobs=body.logprobs is not None,
+        )  # fmt: skip
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    text, finished = await collect(upstream, request.receive)
-    choice = {"index": 0, "text": text, "logprobs": None}
-    return _answer(
-        "text_completion", completion_id, upstream.job.model.name, choice, finished, upstream
-    )
+    choices, finished = await collect(upstream, request.receive)
+    answers = [
+        {
+            "index": i,
+            "text": c.text,
+            "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
+            "finish_reason": finish_reason(c.finish_reason),
+        }
+        for i, c in enumerate(choices)
+    ]
+    return _answer("text_completion", completion_id, model, answers, finished, upstream)
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

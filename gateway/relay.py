@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, UpstreamError
 from gateway.json_body import json_bytes
-from gateway.upstream import Finished, TextChunk, Upstream, until_client_leaves
+from gateway.upstream import ChoiceEnd, Finished, TextChunk, Upstream, until_client_leaves
 
 # The request scope's state key under which a stream that failed after its 200 leaves its
 # error (gateway/dashboard/recent.py lists it).
@@ -33,7 +33,13 @@ SSE_DONE = b"data: [DONE]\n\n"
 class StreamRenderer(Protocol):
     def start(self) -> bytes: ...
 
-    def chunk(self, text: str) -> bytes: ...
+    def chunk(self, chunk: TextChunk) -> bytes:
+        """The events of a chunk of one choice's answer (b"" while its text is held back)."""
+        ...
+
+    def end_choice(self, end: ChoiceEnd) -> bytes:
+        """The end of one choice of several, before the request's end."""
+        ...
 
     def finish(self, finished: Finished) -> bytes:
         """The closing events, `data: [DONE]` included."""
@@ -87,9 +93,12 @@ class RelayResponse:
             async for event in self.upstream.events():
                 if isinstance(event, TextChunk):
                     pending += event.num_tokens
-                    if event.text and await body(self.renderer.chunk(event.text)):
+                    data = self.renderer.chunk(event)
+                    if data and await body(data):
                         self.upstream.mark_delivered(pending)
                         pending = 0
+                elif isinstance(event, ChoiceEnd):
+                    await body(self.renderer.end_choice(event))
                 else:
                     await body(self.renderer.finish(event))
         except UpstreamError as exc:

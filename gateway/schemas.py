@@ -7,6 +7,7 @@ values the client left out taken from the model's `SamplingDefaults` (the catalo
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -24,11 +25,15 @@ from pydantic import (
     model_validator,
 )
 
-from common.node_api import GenerateParams
+from common.node_api import GenerateParams, GrammarSpec
+from common.tool_grammar import ToolGrammarError, tool_call_grammar
 from gateway.catalog import CatalogModel, SamplingDefaults
 from gateway.errors import BadRequestError, UnsupportedError
 
 MAX_PROMPT_CHARS = 1_000_000  # past this a request is refused before any tokenizing
+MAX_CHOICES = 16  # `n`: answers to one prompt
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # a completion's `logprobs`: OpenAI's own limit
 
 # JSON's own types, not coerced: "stream": "yes", "max_tokens": "4" or 4.0, "temperature":
 # "0.5" are 400s, as in the APIs we speak (an integer is still a number).
@@ -42,17 +47,60 @@ NullableFlag = Annotated[StrictBool, BeforeValidator(lambda v: False if v is Non
 _MODEL_DEFAULT = "left out: the model's own default (its generation config, else the catalog's)"
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str | dict[str, Any] = Field(description="a JSON object, or its text")
+
+    def arguments_text(self) -> str:
+        if isinstance(self.arguments, dict):
+            return json.dumps(self.arguments, ensure_ascii=False)
+        return self.arguments
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant turn made: OpenAI's shape ({"id", "type": "function",
+    "function": {"name", "arguments"}}) or Workers AI's ({"name", "arguments"})."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction | None = None
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> MessageToolCall:
+        if self.function is None:
+            if self.name is None:
+                raise ValueError("a tool call needs 'function' (or 'name' and 'arguments')")
+            self.function = CalledFunction(name=self.name, arguments=self.arguments or {})
+        return self
+
+    def node_call(self) -> dict[str, Any]:
+        assert self.function is not None
+        call = {"name": self.function.name, "arguments": self.function.arguments_text()}
+        return call | ({"id": self.id} if self.id is not None else {})
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = Field(
-        description="text, or OpenAI content parts of type text (null only for an assistant)"
+        None,
+        description="text, or OpenAI content parts of type text (null only for an assistant)",
     )
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
     @model_validator(mode="after")
     def _content_given(self) -> Message:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content'")
+        if self.content is None and not self.tool_calls and "content" not in self.model_fields_set:
+            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries 'tool_calls'")
         return self
 
     def text(self) -> str:
@@ -67,9 +115,154 @@ class Message(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
-    def node_message(self) -> dict[str, str]:
+    def node_message(self) -> dict[str, Any]:
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.node_call() for call in self.tool_calls]
+        if self.tool_call_id is not None and role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema under `schema`, with its name."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: NullableFlag = Field(
+        False, description="answers always match the schema exactly, strict or not"
+    )
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs 'json_schema'")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema an answer must match; None for text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return self.json_schema.schema_
+        return None
+
+
+class WorkersAIResponseFormat(BaseModel):
+    """Workers AI's JSON mode: `{"type": "json_schema", "json_schema": <the schema>}` (or
+    OpenAI's shape, the schema under `schema`), or `{"type": "json_object"}`."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> WorkersAIResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs 'json_schema'")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            wrapped = self.json_schema.get("schema")
+            if isinstance(wrapped, dict) and "name" in self.json_schema:
+                return wrapped
+            return self.json_schema
+        return None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of an object")
+    strict: NullableFlag = False
+
+
+class ToolSpec(BaseModel):
+    """A function the model may call: OpenAI's `{"type": "function", "function": {...}}`,
+    or Workers AI's `{"name", "description", "parameters"}`."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionSpec | None = None
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> ToolSpec:
+        if self.function is None:
+            if self.name is None:
+                raise ValueError("a tool needs 'function' (or 'name')")
+            self.function = FunctionSpec(
+                name=self.name, description=self.description, parameters=self.parameters
+            )
+        return self
+
+    def node_tool(self) -> dict[str, Any]:
+        """OpenAI's shape, as the node renders it."""
+        assert self.function is not None
+        function: dict[str, Any] = {"name": self.function.name}
+        if self.function.description is not None:
+            function["description"] = self.function.description
+        function["parameters"] = self.function.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def structured_output(
+    schema: dict[str, Any] | None,
+    tools: list[ToolSpec] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool,
+) -> tuple[GrammarSpec | None, list[dict[str, Any]] | None]:
+    """(the grammar an answer is held to, the tools offered to the model) for a JSON
+    schema response format and function tools (common/tool_grammar.py)."""
+    offered = [t.node_tool() for t in tools] if tools and tool_choice != "none" else None
+    if offered:
+        choice: str | dict[str, Any]
+        if isinstance(tool_choice, NamedToolChoice):  # that function, called once
+            choice, parallel_tool_calls = tool_choice.model_dump(), False
+        else:
+            choice = tool_choice or "auto"
+        try:
+            grammar = tool_call_grammar(offered, choice, parallel_tool_calls, schema)
+        except ToolGrammarError as exc:
+            param = "tool_choice" if "tool_choice" in str(exc) else "tools"
+            raise BadRequestError(str(exc), param=param) from None
+        return grammar, offered
+    if schema is None:
+        return None, None
+    if schema == {"type": "object"}:
+        return GrammarSpec(kind="json_object"), None
+    return GrammarSpec(kind="json_schema", value=json.dumps(schema)), None
 
 
 class WorkersAIOptions(BaseModel):
@@ -102,11 +295,13 @@ class WorkersAITextRequest(BaseModel):
     stream: StrictBool = False
     raw: StrictBool = False
     options: WorkersAIOptions | None = None
+    tools: list[ToolSpec] | None = Field(None, description="functions the model may call")
+    response_format: WorkersAIResponseFormat | None = Field(
+        None, description="JSON mode: answers match the schema"
+    )
     # Workers AI options these models cannot honour: refused, never silently dropped.
     lora: Any = None
-    tools: Any = None
     functions: Any = None
-    response_format: Any = None
 
     @property
     def reject_if_busy(self) -> bool:
@@ -115,16 +310,14 @@ class WorkersAITextRequest(BaseModel):
     def check_supported(self) -> None:
         if self.lora is not None:
             raise UnsupportedError("'lora' is not supported: no adapters are served", param="lora")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedError(f"'{name}' is not supported", param=name)
-        if self.response_format is not None and (
-            not isinstance(self.response_format, dict)
-            or self.response_format.get("type", "text") != "text"
-        ):
-            raise UnsupportedError(
-                "only the 'text' response_format is supported", param="response_format"
-            )
+        if self.functions:
+            raise UnsupportedError("'functions' is not supported: use 'tools'", param="functions")
+        if self.tools is not None and self.messages is None:
+            raise BadRequestError("'tools' needs 'messages'", param="tools")
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkersAITextRequest:
@@ -141,6 +334,9 @@ class WorkersAITextRequest(BaseModel):
         else:
             payload["prompt"] = self.prompt
             payload["raw"] = self.raw
+        schema = None if self.response_format is None else self.response_format.answer_schema()
+        grammar, tools = structured_output(schema, self.tools, "auto", True)
+        payload |= {"grammar": grammar, "tools": tools}
         return GenerateParams.model_validate(
             payload
             | _optional(
@@ -173,7 +369,7 @@ class _OpenAIBase(BaseModel):
     frequency_penalty: Float | None = Field(None, ge=-2, le=2)
     presence_penalty: Float | None = Field(None, ge=-2, le=2)
     n: Int | None = Field(None, ge=1)
-    logprobs: Any = None
+    logprobs: Any = Field(None, description="chat: true or false; a completion: 0 to 5")
     user: str | None = None
     logit_bias: Any = None
 
@@ -196,21 +392,14 @@ class _OpenAIBase(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_supported(self) -> None:
-        if self.n is not None and self.n > 1:
-            raise UnsupportedError("'n' > 1 is not supported", param="n")
-        if self.wants_logprobs():
-            raise UnsupportedError("'logprobs' is not supported", param="logprobs")
+        if self.n is not None and self.n > MAX_CHOICES:
+            raise UnsupportedError(f"'n' is at most {MAX_CHOICES}", param="n")
         if self.logit_bias:  # null and {} change nothing
             raise UnsupportedError("'logit_bias' is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedError(
                 "'stream_options' requires 'stream': true", param="stream_options"
             )
-
-    def wants_logprobs(self) -> bool:
-        """Chat's `logprobs` is a flag; a completion's a count, where 0 still asks for the
-        sampled tokens' own."""
-        return self.logprobs is not None and self.logprobs is not False
 
     @property
     def max_tokens_name(self) -> str:
@@ -221,10 +410,15 @@ class _OpenAIBase(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
     def _sampling(self, default_max_tokens: int, sampling: SamplingDefaults) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "max_tokens": self.max_tokens or default_max_tokens,
             "stop": self.stop_strings(),
+            "n": self.num_choices,
         } | _sampled(self, sampling)
         if self.max_tokens is None:  # the node may shorten it to what the context leaves
             payload["max_tokens_is_default"] = True
@@ -238,12 +432,13 @@ class ChatCompletionRequest(_OpenAIBase):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = Field(None, description="left out: true")
     functions: list[Any] | None = None  # the API's older spelling of tools
     function_call: Any = None
-    top_logprobs: Int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
     # Outputs of other kinds, or ways of making them, that these models have none of:
     # refused, as OpenAI refuses them for a model without them, never answered in text.
     modalities: list[Any] | None = None
@@ -252,9 +447,6 @@ class ChatCompletionRequest(_OpenAIBase):
     reasoning_effort: Any = None
 
     prompt_field: ClassVar[str] = "messages"
-
-    def wants_logprobs(self) -> bool:
-        return self.logprobs not in (None, False)
 
     @property
     def max_tokens_name(self) -> str:
@@ -267,20 +459,22 @@ class ChatCompletionRequest(_OpenAIBase):
         for name in ("audio", "web_search_options", "reasoning_effort"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"'{name}' is not supported", param=name)
-        if self.tools:
-            raise UnsupportedError("'tools' is not supported", param="tools")
         if self.functions:
-            raise UnsupportedError("'functions' is not supported", param="functions")
+            raise UnsupportedError("'functions' is not supported: use 'tools'", param="functions")
         if self.function_call not in (None, "none"):
-            raise UnsupportedError("'function_call' is not supported", param="function_call")
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedError("'tool_choice' is not supported", param="tool_choice")
-        if self.top_logprobs:
-            raise UnsupportedError("'top_logprobs' is not supported", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
             raise UnsupportedError(
-                "only the 'text' response_format is supported", param="response_format"
+                "'function_call' is not supported: use 'tool_choice'", param="function_call"
             )
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise BadRequestError("'tool_choice' needs 'tools'", param="tool_choice")
+        if self.logprobs not in (None, True, False):
+            raise BadRequestError("'logprobs' is true or false", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def node_payload(self, default_max_tokens: int, sampling: SamplingDefaults) -> GenerateParams:
         payload = self._sampling(default_max_tokens, sampling)
@@ -288,6 +482,12 @@ class ChatCompletionRequest(_OpenAIBase):
             payload["max_tokens"] = self.max_completion_tokens
             payload.pop("max_tokens_is_default", None)
         payload["messages"] = [m.node_message() for m in self.messages]
+        schema = None if self.response_format is None else self.response_format.answer_schema()
+        parallel = self.parallel_tool_calls is not False
+        grammar, tools = structured_output(schema, self.tools, self.tool_choice, parallel)
+        payload |= {"grammar": grammar, "tools": tools}
+        if self.logprobs:
+            payload |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         return GenerateParams.model_validate(payload)
 
 
@@ -316,6 +516,14 @@ class CompletionRequest(_OpenAIBase):
             raise UnsupportedError("'suffix' is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise UnsupportedError("'best_of' is not supported", param="best_of")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS
+        ):
+            raise BadRequestError(
+                f"'logprobs' is an integer from 0 to {MAX_COMPLETION_LOGPROBS}", param="logprobs"
+            )
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -324,6 +532,8 @@ class CompletionRequest(_OpenAIBase):
         payload = self._sampling(default_max_tokens, sampling)
         payload["prompt"] = self.prompt_text()
         payload["raw"] = True
+        if self.logprobs is not None:  # the sampled tokens' own, and this many alternatives
+            payload |= {"logprobs": True, "top_logprobs": self.logprobs}
         return GenerateParams.model_validate(payload)
 
 

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from starlette.types import Receive
 
-from common.node_api import ErrorEvent, Finish, NodeEvent, TokenChunk, read_event
+from common.node_api import (
+    ErrorEvent,
+    Finish,
+    NodeEvent,
+    TokenChunk,
+    TokenLogprob,
+    read_event,
+)
 from gateway.errors import ClientClosedError, UpstreamError
 from gateway.liveness import NODE_GONE
 from gateway.tracing import GenAISpan
@@ -64,14 +71,35 @@ async def _split_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
 class TextChunk:
     text: str
     num_tokens: int
+    index: int = 0  # the choice it belongs to (a request for n > 1 answers)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one a token, when the request asked for them
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """One choice of a request for n > 1 answers has ended (all but the last; the last
+    ends with the request's `Finished`)."""
+
+    index: int
+    finish_reason: str
 
 
 @dataclass(frozen=True)
 class Finished:
+    """The request's end: choice 0's finish reason (each choice's in `finish_reasons`), the
+    prompt's tokens once, and the completion tokens of every choice."""
+
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    finish_reasons: tuple[str, ...] = ()
+
+    def reason_of(self, index: int) -> str:
+        return self.finish_reasons[index] if self.finish_reasons else self.finish_reason
+
+
+Event = TextChunk | ChoiceEnd | Finished
 
 
 class Upstream:
@@ -142,7 +170,7 @@ class Upstream:
         self._is_unresponsive = True
         await self._response.aclose()
 
-    async def events(self) -> AsyncIterator[TextChunk | Finished]:
+    async def events(self) -> AsyncIterator[Event]:
         """The node's events in order; raises UpstreamError if the node fails mid-stream."""
         watchdog = asyncio.ensure_future(self._watch())
         try:
@@ -151,7 +179,8 @@ class Upstream:
         finally:
             watchdog.cancel()
 
-    async def _events(self) -> AsyncIterator[TextChunk | Finished]:
+    async def _events(self) -> AsyncIterator[Event]:
+        ends: dict[int, Finish] = {}
         while True:
             if self._first is not None:
                 event, self._first = self._first, None
@@ -180,12 +209,18 @@ class Upstream:
                 self._failed = True
                 raise self._failure(f"failed mid-stream: {event.error.message}")
             if isinstance(event, Finish):
-                usage = event.usage
+                ends[event.index] = event
+                if len(ends) < self.job.payload.n:
+                    yield ChoiceEnd(event.index, event.finish_reason)
+                    continue
+                usage = event.usage  # the prompt's counts are alike in every choice
+                reasons = tuple(ends[i].finish_reason for i in sorted(ends))
                 self._finished = Finished(
-                    event.finish_reason,
+                    ends[min(ends)].finish_reason,
                     usage.prompt_tokens,
-                    usage.completion_tokens,
+                    sum(end.usage.completion_tokens for end in ends.values()),
                     usage.cached_tokens,
+                    reasons if len(reasons) > 1 else (),
                 )
                 # Read to the end of the body so the connection goes back to the pool.
                 with contextlib.suppress(httpx.HTTPError):
@@ -194,7 +229,9 @@ class Upstream:
                 yield self._finished
                 return
             self.trace.output(event.text, len(event.token_ids))
-            yield TextChunk(event.text, len(event.token_ids))
+            yield TextChunk(
+                event.text, len(event.token_ids), event.index, tuple(event.logprobs or ())
+            )
 
     async def restart(self) -> bool:
         """Starts this request again on another node, once, after its node failed before
@@ -317,23 +354,37 @@ async def until_client_leaves(
     return task
 
 
-async def collect(upstream: Upstream, receive: Receive) -> tuple[str, Finished]:
-    """Read a whole generation (non-streaming answers); always closes the upstream. A node
-    that fails midway is replaced once by another (`Upstream.restart`).
+@dataclass
+class Choice:
+    """One answer of a whole (not streamed) generation."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str = ""
+
+
+async def collect(upstream: Upstream, receive: Receive) -> tuple[list[Choice], Finished]:
+    """Read a whole generation (non-streaming answers): its choices, in order, and its
+    end; always closes the upstream. A node that fails midway is replaced once by another
+    (`Upstream.restart`).
 
     `receive` is the client's ASGI channel, its body already read. A client that leaves
     before the answer is whole ends the generation there: it is billed as cancelled, with
     none of its output delivered, and ClientClosedError is raised."""
+    payload = upstream.job.payload
 
-    async def read() -> tuple[str, Finished]:
+    async def read() -> tuple[list[Choice], Finished]:
         while True:
-            parts: list[str] = []
+            choices = [Choice(logprobs=[] if payload.logprobs else None) for _ in range(payload.n)]
+            parts: list[list[str]] = [[] for _ in range(payload.n)]
             finished: Finished | None = None
             try:
                 async for event in upstream.events():
                     if isinstance(event, TextChunk):
-                        parts.append(event.text)
-                    else:
+                        parts[event.index].append(event.text)
+                        if choices[event.index].logprobs is not None:
+                            choices[event.index].logprobs.extend(event.logprobs)  # type: ignore[union-attr]
+                    elif isinstance(event, Finished):
                         finished = event
             except UpstreamError:
                 # Nothing of it reached the client: a second node answers it whole.
@@ -341,7 +392,10 @@ async def collect(upstream: Upstream, receive: Receive) -> tuple[str, Finished]:
                     continue
                 raise
             assert finished is not None  # events() ends with Finished or raises
-            return "".join(parts), finished
+            for i, choice in enumerate(choices):
+                choice.text = "".join(parts[i])
+                choice.finish_reason = finished.reason_of(i)
+            return choices, finished
 
     reading = await until_client_leaves(upstream, read(), receive)
     if reading.cancelled():

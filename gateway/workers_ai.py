@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -23,7 +24,8 @@ from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
 from gateway.relay import SSE_DONE, RelayResponse, sse
 from gateway.schemas import WorkersAIEmbeddingRequest, WorkersAITextRequest
-from gateway.upstream import Finished, collect
+from gateway.tool_calls import CallStart, Content, ToolCallReader
+from gateway.upstream import ChoiceEnd, Finished, TextChunk, collect
 
 
 def envelope(result: Any) -> dict[str, Any]:
@@ -38,17 +40,45 @@ def usage(finished: Finished) -> dict[str, int]:
     }
 
 
+def tool_calls(reader: ToolCallReader) -> list[dict[str, Any]]:
+    """Workers AI's `tool_calls`: each call's name and its arguments as an object."""
+    calls = []
+    for name, arguments in zip(reader.names, reader.arguments, strict=True):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:  # cut short by max_tokens: its text as far as it went
+            parsed = arguments
+        calls.append({"name": name, "arguments": parsed})
+    return calls
+
+
 class WorkersAIStream:
-    """`data: {"response": "..."}` per chunk, a last chunk with `usage`, then `data: [DONE]`."""
+    """`data: {"response": "..."}` per chunk, a last chunk with `usage` (and, with tools
+    offered, the `tool_calls` made), then `data: [DONE]`."""
+
+    def __init__(self, reads_tools: bool = False) -> None:
+        self._reader = ToolCallReader() if reads_tools else None
 
     def start(self) -> bytes:
         return b""
 
-    def chunk(self, text: str) -> bytes:
-        return sse({"response": text})
+    def chunk(self, chunk: TextChunk) -> bytes:
+        if self._reader is None:
+            return sse({"response": chunk.text}) if chunk.text else b""
+        pieces = self._reader.feed(chunk.text)
+        return b"".join(sse({"response": p.text}) for p in pieces if isinstance(p, Content))
+
+    def end_choice(self, end: ChoiceEnd) -> bytes:
+        return b""  # one choice only
 
     def finish(self, finished: Finished) -> bytes:
-        return sse({"response": "", "usage": usage(finished)}) + SSE_DONE
+        last: dict[str, Any] = {"response": "", "usage": usage(finished)}
+        if self._reader is not None:
+            pieces = self._reader.finish()
+            last["response"] = "".join(p.text for p in pieces if isinstance(p, Content))
+            if self._reader.num_calls or any(isinstance(p, CallStart) for p in pieces):
+                last["tool_calls"] = tool_calls(self._reader)
+        return sse(last) + SSE_DONE
 
     def error(self, error: GatewayError) -> bytes:
         return sse(error_body(error, "workers_ai"))
@@ -77,11 +107,17 @@ async def run_model(request: Request) -> Response:
     )
     upstream = await gateway_of(request).dispatcher.open(job, request.receive)
     if body.stream:
-        return RelayResponse(upstream, WorkersAIStream(), upstream.headers)  # type: ignore[return-value]
-    text, finished = await collect(upstream, request.receive)
-    return JSONBytes(
-        envelope({"response": text, "usage": usage(finished)}), headers=upstream.headers
-    )
+        stream = WorkersAIStream(body.offers_tools)
+        return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
+    (choice,), finished = await collect(upstream, request.receive)
+    result: dict[str, Any] = {"response": choice.text}
+    if body.offers_tools:
+        reader = ToolCallReader()
+        pieces = reader.feed(choice.text) + reader.finish()
+        result["response"] = "".join(p.text for p in pieces if isinstance(p, Content))
+        if reader.names:
+            result["tool_calls"] = tool_calls(reader)
+    return JSONBytes(envelope(result | {"usage": usage(finished)}), headers=upstream.headers)
 
 
 async def _embed(request: Request, account_id: str, model: CatalogModel) -> Response:

@@ -4,8 +4,9 @@
     EngineError
     ├── ModelNotFoundError        unknown model name, missing or unreadable GGUF
     ├── InvalidRequestError       empty prompt, bad sampling params      invalid_request
-    │   └── RequestTooLargeError  prompt + max_tokens past the window    request_too_large
-    │                             (common.window: the context, or the KV pool where smaller)
+    │   ├── RequestTooLargeError  prompt + max_tokens past the window    request_too_large
+    │   │                         (common.window: the context, or the KV pool where smaller)
+    │   └── InvalidGrammarError   a grammar that does not compile        invalid_grammar
     ├── EngineStoppedError        submit after shutdown                  over_capacity
     └── RequestCancelledError     submit of a request already cancelled  cancelled
                                   (its cancel came first)
@@ -27,6 +28,10 @@ class InvalidRequestError(EngineError):
 
 
 class RequestTooLargeError(InvalidRequestError):
+    pass
+
+
+class InvalidGrammarError(InvalidRequestError):
     pass
 
 

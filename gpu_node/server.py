@@ -67,6 +67,7 @@ from gpu_node.engine.outputs import SampledLogprob, ends_request
 from gpu_node.errors import (
     EngineError,
     EngineStoppedError,
+    InvalidGrammarError,
     InvalidRequestError,
     RequestCancelledError,
     RequestTooLargeError,
@@ -98,6 +99,7 @@ class _Refusal:
 _REFUSALS: dict[NodeErrorCode, _Refusal] = {
     "unauthorized": _Refusal(401),
     "invalid_request": _Refusal(400, InvalidRequestError),
+    "invalid_grammar": _Refusal(400, InvalidGrammarError),
     "request_too_large": _Refusal(413, RequestTooLargeError),
     "model_not_found": _Refusal(404),
     "over_capacity": _Refusal(503, EngineStoppedError, "the engine is stopping"),
@@ -203,7 +205,7 @@ async def _checked(request: Request) -> _Call | Response:
         try:
             grammar = await asyncio.to_thread(engine.compile_grammar, body.grammar)
         except InvalidRequestError as exc:
-            return error_response("invalid_request", str(exc))
+            return error_response(*_refusal(exc))
     return _Call(service, body, params, prompt_ids, grammar)
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.node_api import GrammarSpec
-from gpu_node.errors import InvalidRequestError
+from gpu_node.errors import InvalidGrammarError
 
 if TYPE_CHECKING:
     from gpu_node.models.tokenizer import ChatTokenizer
@@ -103,7 +103,7 @@ class GrammarCompiler:
         self.num_hits = 0
 
     def compile(self, spec: GrammarSpec) -> Grammar:
-        """The grammar `spec` describes; InvalidRequestError naming the problem when it
+        """The grammar `spec` describes; InvalidGrammarError naming the problem when it
         is not one."""
         key = spec.model_dump_json()
         with self._lock:
@@ -119,7 +119,7 @@ class GrammarCompiler:
             grammar = Grammar(spec, _compile(compiler, spec))
         except (RuntimeError, ValueError, TypeError) as exc:
             message = _LOCATION.sub("", str(exc)).strip().splitlines()[0] if str(exc) else ""
-            raise InvalidRequestError(
+            raise InvalidGrammarError(
                 f"invalid {spec.kind} grammar: {message or type(exc).__name__}"
             ) from None
         with self._lock:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gateway.json_body import json_bytes
 from gateway.openai_api import ChatStream
-from gateway.upstream import Finished
+from gateway.upstream import Finished, TextChunk
 from gateway.workers_ai import WorkersAIStream
 from tests.conftest import SMOLLM2, sse_data
 
@@ -31,11 +31,12 @@ def test_gateway_json_and_sse_carry_any_text_on_one_line(text: str) -> None:
 
     finished = Finished("stop", 3, 1, 0)
     workers_ai = WorkersAIStream()
-    data = sse_data(workers_ai.chunk(text) + workers_ai.finish(finished))
+    data = sse_data(workers_ai.chunk(TextChunk(text, 1)) + workers_ai.finish(finished))
     assert data[-1] == "[DONE]"
-    assert [json.loads(d)["response"] for d in data[:-1]] == [text, ""]
+    sent = [text] if text else []  # a chunk with no text sends nothing
+    assert [json.loads(d)["response"] for d in data[:-1]] == [*sent, ""]
     chat = ChatStream("chatcmpl-1", SMOLLM2, include_usage=True)
-    data = sse_data(chat.start() + chat.chunk(text) + chat.finish(finished))
+    data = sse_data(chat.start() + chat.chunk(TextChunk(text, 1)) + chat.finish(finished))
     assert data[-1] == "[DONE]"
     deltas = [json.loads(d)["choices"] for d in data[:-1]]
-    assert [c[0]["delta"].get("content") for c in deltas if c] == ["", text, None]
+    assert [c[0]["delta"].get("content") for c in deltas if c] == ["", *sent, None]

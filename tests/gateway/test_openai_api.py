@@ -258,25 +258,25 @@ def test_another_accounts_path_is_403_in_openai_shape(stack) -> None:
             "model_not_found",
         ),
         (
-            {"model": SMOLLM2, "messages": MESSAGES, "n": 2},
+            {"model": SMOLLM2, "messages": MESSAGES, "n": 17},
             400,
-            "'n' > 1 is not supported",
+            "'n' is at most 16",
             "n",
             "unsupported_parameter",
         ),
         (
             {"model": SMOLLM2, "messages": MESSAGES, "tools": [{"type": "function"}]},
             400,
-            "'tools' is not supported",
-            "tools",
-            "unsupported_parameter",
+            "invalid request: tools.0: a tool needs 'function' (or 'name')",
+            "tools.0",
+            None,
         ),
         (
-            {"model": SMOLLM2, "messages": MESSAGES, "logprobs": True},
+            {"model": SMOLLM2, "messages": MESSAGES, "logprobs": 2},
             400,
-            "'logprobs' is not supported",
+            "'logprobs' is true or false",
             "logprobs",
-            "unsupported_parameter",
+            None,
         ),
         (
             {"model": SMOLLM2, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]},
@@ -440,3 +440,21 @@ def test_unknown_route_and_method_in_openai_shape(stack) -> None:
         },
     )
     assert error_of(httpx.get(f"{stack.url}/v1/chat/completions"))[0] == 405
+
+
+def test_an_invalid_json_schema_is_a_400_naming_the_problem(stack) -> None:
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+    }
+    response = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json={"model": SMOLLM2, "messages": MESSAGES, "response_format": response_format},
+        headers=headers,
+        timeout=30,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "response_format")
+    assert "nonsense" in error["message"]

@@ -496,19 +496,19 @@ PERSON_SCHEMA = {
 
 
 @pytest.mark.parametrize(
-    "grammar, words",
+    "grammar, code, words",
     [
-        ({"kind": "json_schema", "value": '{"type": "strnig"}'}, "strnig"),
-        ({"kind": "json_schema", "value": "{not json"}, "not JSON"),
-        ({"kind": "regex", "value": "(a"}, "invalid regex grammar"),
-        ({"kind": "lark", "value": "start: 'a'"}, "grammar.kind"),
+        ({"kind": "json_schema", "value": '{"type": "strnig"}'}, "invalid_grammar", "strnig"),
+        ({"kind": "json_schema", "value": "{not json"}, "invalid_grammar", "not JSON"),
+        ({"kind": "regex", "value": "(a"}, "invalid_grammar", "invalid regex grammar"),
+        ({"kind": "lark", "value": "start: 'a'"}, "invalid_request", "grammar.kind"),
     ],
 )
-def test_an_invalid_grammar_is_a_400_naming_the_problem(node, grammar, words) -> None:
+def test_an_invalid_grammar_is_a_400_naming_the_problem(node, grammar, code, words) -> None:
     response = generate(node, messages=MESSAGES, grammar=grammar)
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["code"] == "invalid_request" and words in error["message"], error
+    assert error["code"] == code and words in error["message"], error
 
 
 def test_a_grammar_holds_the_streamed_answer_with_its_logprobs(node) -> None:
