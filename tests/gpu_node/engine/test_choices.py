@@ -45,3 +45,28 @@ def test_a_cancel_ends_every_choice(make_engine, chat_ids):
     assert final is not None and final.finish_reason == "cancelled"
     assert not engine.has_unfinished()
     assert engine.stats().num_free_pages == engine.block_manager.num_pages
+
+
+def test_every_choice_is_held_to_the_grammar(make_engine, chat_ids):
+    from common.node_api import GrammarSpec
+
+    engine = make_engine()
+    colours = ["red", "green", "blue", "dark purple"]
+    grammar = engine.grammars.compile(GrammarSpec(kind="choice", choices=colours))
+    engine.add_request(
+        "r",
+        chat_ids("Name a colour."),
+        SamplingParams(max_tokens=10, temperature=1.5, seed=1),
+        grammar=grammar,
+        n=4,
+    )
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.index] = texts.get(out.index, "") + out.text
+            if out.finished:
+                reasons[out.index] = out.finish_reason
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert all(t in colours for t in texts.values()), texts
+    assert set(reasons.values()) == {"stop"}

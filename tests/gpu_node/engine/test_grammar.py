@@ -313,3 +313,21 @@ def test_auto_lets_the_model_answer_in_text(make_engine, chat_ids) -> None:
     )
     text, calls = parse_tool_calls(got["a"]["text"])
     assert text and not calls
+
+
+def test_a_prompt_from_the_prefix_cache_starts_its_grammar_afresh(make_engine, chat_ids):
+    engine = make_engine(prefix_cache_blocks=32)
+    grammar = engine.grammars.compile(PERSON_SPEC)
+    ids = chat_ids(ASK)
+    params = SamplingParams(max_tokens=150)
+    first = run(engine, {"a": (ids, params)}, grammar=grammar)
+    engine.add_request("b", ids, params, grammar=grammar)
+    tokens: list[int] = []
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.token_ids
+            cached = out.num_cached_tokens
+    assert cached > 0
+    assert tokens == first["a"]["tokens"]
+    assert_valid_person(first["a"])
