@@ -8,7 +8,8 @@
                                         cached_tokens}}; a failure after the first line is one
                                         {"error": {"code", "message"}} line. With "prefill_from"
                                         (a prefill node's base URL) the prompt runs there and
-                                        its KV comes here (gpu_node/engine/handoff.py); this node decodes
+                                        its KV comes here (gpu_node/engine/handoff.py); this node decodes.
+                                        "grammar", "logprobs" and "n": common/node_api.py
     POST   /internal/v1/prefill         the same JSON in; out the prompt's KV handoff (octet-stream):
                                         the prompt and its first token, run for a decode node
     POST   /internal/v1/embed           {"model", "texts" | "token_ids", "truncate"} in; out
@@ -206,6 +207,8 @@ async def _checked(request: Request) -> _Call | Response:
             grammar = await asyncio.to_thread(engine.compile_grammar, body.grammar)
         except InvalidRequestError as exc:
             return error_response(*_refusal(exc))
+        except EngineError as exc:  # no grammar library on this node
+            return error_response("internal", str(exc))
     return _Call(service, body, params, prompt_ids, grammar)
 
 

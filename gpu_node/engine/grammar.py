@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.node_api import GrammarSpec
-from gpu_node.errors import InvalidGrammarError
+from gpu_node.errors import EngineError, InvalidGrammarError
 
 if TYPE_CHECKING:
     from gpu_node.models.tokenizer import ChatTokenizer
@@ -133,8 +133,13 @@ class GrammarCompiler:
         """xgrammar's compiler over the tokenizer's vocabulary, built on first use (most
         of a second for a 49K vocabulary)."""
         if self._compiler is None:
-            xgr = _import_xgrammar()
-            from transformers import PreTrainedTokenizerFast
+            try:
+                xgr = _import_xgrammar()
+                from transformers import PreTrainedTokenizerFast
+            except ImportError as exc:
+                raise EngineError(
+                    f"constrained decoding needs xgrammar, which this node cannot import: {exc}"
+                ) from None
 
             # The tokenizers.Tokenizer the ChatTokenizer wraps (it exposes no accessor).
             backend = self._tokenizer._tok
