@@ -25,7 +25,7 @@ from billing.http import ADMIN, Principal, usage_endpoint
 from billing.ledger import Ledger
 from billing.prices import PriceTable
 from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
-from gateway import openai_api, workers_ai
+from gateway import openai_api, responses_api, workers_ai
 from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
 from gateway.admission.admin import AdminToken, LimitsAdmin
 from gateway.catalog import ModelCatalog
@@ -266,6 +266,7 @@ def create_app(
             Route(f"{base}/chat/completions", openai_api.chat_completions, methods=["POST"]),
             Route(f"{base}/completions", openai_api.completions, methods=["POST"]),
             Route(f"{base}/embeddings", openai_api.embeddings, methods=["POST"]),
+            Route(f"{base}/responses", responses_api.create_response, methods=["POST"]),
             Route(f"{base}/models", openai_api.list_models, methods=["GET"]),
             Route(f"{base}/models/{{model_id:path}}", openai_api.retrieve_model, methods=["GET"]),
         ]

@@ -24,6 +24,7 @@ from gateway.http import (
     request_id_of,
     require_ready,
     resolve_model,
+    session_id_of,
 )
 from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
@@ -245,7 +246,9 @@ class CompletionStream(_OpenAIStream):
         return self._event([self._choice(index, "", (), finish_reason(node_reason))])
 
 
-async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tuple[Any, Any]:
+async def open_generation(
+    request: Request, model_cls: Any, default_max_tokens: int
+) -> tuple[Any, Any]:
     """Authenticates, validates and admits one generation; returns the body and its upstream."""
     account_id = await authenticate(request)
     require_ready(request)
@@ -262,6 +265,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
         estimate_tokens(payload),
         stream=body.stream,
         max_tokens_name=body.max_tokens_name,
+        session_id=session_id_of(request),
     )
     try:
         return body, await gateway_of(request).dispatcher.open(job, request.receive)
@@ -269,7 +273,7 @@ async def _open(request: Request, model_cls: Any, default_max_tokens: int) -> tu
         exc.param = exc.param or body.prompt_field
         raise
     except GrammarError as exc:  # the tools' schemas, else the response format's
-        exc.param = "tools" if getattr(body, "offers_tools", False) else "response_format"
+        exc.param = "tools" if getattr(body, "offers_tools", False) else body.format_field
         raise
 
 
@@ -330,7 +334,9 @@ def chat_message(choice: Choice, request_id: str, index: int, reads_tools: bool)
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     settings = gateway_of(request).settings
-    body, upstream = await _open(request, ChatCompletionRequest, settings.default_chat_max_tokens)
+    body, upstream = await open_generation(
+        request, ChatCompletionRequest, settings.default_chat_max_tokens
+    )
     request_id = request_id_of(request)
     completion_id = f"chatcmpl-{request_id}"
     model = upstream.job.model.name
@@ -349,7 +355,9 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     """POST /v1/completions (raw prompt, no chat template)."""
     settings = gateway_of(request).settings
-    body, upstream = await _open(request, CompletionRequest, settings.default_completion_max_tokens)
+    body, upstream = await open_generation(
+        request, CompletionRequest, settings.default_completion_max_tokens
+    )
     completion_id = f"cmpl-{request_id_of(request)}"
     model = upstream.job.model.name
     if body.stream:
@@ -394,6 +402,7 @@ async def embeddings(request: Request) -> Response:
         texts,
         token_ids,
         estimate_input_tokens(texts, token_ids, model.context_window),
+        session_id=session_id_of(request),
     )
     try:
         answer, headers = await gateway_of(request).dispatcher.embed(job, request.receive)

@@ -284,6 +284,10 @@ class WorkersAITextRequest(BaseModel):
 
     prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[Message] | None = Field(None, min_length=1)
+    input: list[ResponseInputItem] | None = Field(
+        None, description="Responses-style input: a string, or messages and function items"
+    )
+    instructions: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     max_tokens: Int = Field(256, ge=1)
     temperature: Float | None = Field(None, ge=0, le=5, description=_MODEL_DEFAULT)
     top_p: Float | None = Field(None, gt=0, le=1, description=_MODEL_DEFAULT)
@@ -312,17 +316,24 @@ class WorkersAITextRequest(BaseModel):
             raise UnsupportedError("'lora' is not supported: no adapters are served", param="lora")
         if self.functions:
             raise UnsupportedError("'functions' is not supported: use 'tools'", param="functions")
-        if self.tools is not None and self.messages is None:
-            raise BadRequestError("'tools' needs 'messages'", param="tools")
+        if self.tools is not None and self.prompt is not None:
+            raise BadRequestError("'tools' needs 'messages' or 'input'", param="tools")
 
     @property
     def offers_tools(self) -> bool:
         return bool(self.tools)
 
+    _input = field_validator("input", mode="before")(
+        lambda value: None if value is None else input_text_or_items(value)
+    )
+
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkersAITextRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        given = [self.prompt, self.messages, self.input]
+        if sum(one is not None for one in given) != 1:
+            raise ValueError("give exactly one of 'prompt', 'messages' or 'input'")
+        if self.instructions is not None and self.input is None:
+            raise ValueError("'instructions' goes with 'input'")
         return self
 
     def node_payload(self, sampling: SamplingDefaults) -> GenerateParams:
@@ -331,6 +342,8 @@ class WorkersAITextRequest(BaseModel):
             payload["max_tokens_is_default"] = True
         if self.messages is not None:
             payload["messages"] = [m.node_message() for m in self.messages]
+        elif self.input is not None:
+            payload["messages"] = input_messages(self.instructions, self.input)
         else:
             payload["prompt"] = self.prompt
             payload["raw"] = self.raw
@@ -373,8 +386,10 @@ class _OpenAIBase(BaseModel):
     user: str | None = None
     logit_bias: Any = None
 
-    # Where a context-window refusal points: the field that holds the prompt.
+    # Where a context-window refusal points: the field that holds the prompt; where a
+    # grammar refusal points: the field that asks for the answer's format.
     prompt_field: ClassVar[str] = "prompt"
+    format_field: ClassVar[str] = "response_format"
 
     @field_validator("stop")
     @classmethod
@@ -488,6 +503,185 @@ class ChatCompletionRequest(_OpenAIBase):
         payload |= {"grammar": grammar, "tools": tools}
         if self.logprobs:
             payload |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
+        return GenerateParams.model_validate(payload)
+
+
+class ResponseInputContent(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text"]
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class ResponseInputItem(BaseModel):
+    """One item of a Responses `input`: a message, a function call the model made, or a
+    function call's output."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[ResponseInputContent] | None = None
+    call_id: str | None = Field(None, max_length=200)
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ResponseInputItem:
+        needs = {
+            "message": ("role", "content"),
+            "function_call": ("call_id", "name", "arguments"),
+            "function_call_output": ("call_id", "output"),
+        }[self.type]
+        missing = [name for name in needs if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.type} item needs {', '.join(repr(m) for m in missing)}")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content or ())
+
+
+def input_text_or_items(value: Any) -> Any:
+    """Responses' `input` before validation: a string is one user message; anything else
+    must be a list of items."""
+    if value == "" or value == []:
+        raise ValueError("must not be empty")
+    if isinstance(value, str):
+        if len(value) > MAX_PROMPT_CHARS:
+            raise ValueError(f"is longer than {MAX_PROMPT_CHARS} characters")
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of input items")
+    return value
+
+
+def input_messages(
+    instructions: str | None, items: list[ResponseInputItem]
+) -> list[dict[str, Any]]:
+    """Responses' instructions and input as chat turns: instructions first, function calls
+    on the assistant turn that made them, their outputs as tool turns."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    for item in items:
+        if item.type == "message":
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text()})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "name": item.name, "arguments": item.arguments}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+    return messages
+
+
+class ResponseFormatText(BaseModel):
+    """Responses' `text.format`: text, JSON, or JSON matching a schema (flat, with its name)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: NullableFlag = False
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatText:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("type 'json_schema' needs 'schema'")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.schema_ if self.type == "json_schema" else None
+
+
+class ResponseTextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: ResponseFormatText = Field(
+        default_factory=lambda: ResponseFormatText.model_validate({})
+    )
+
+
+class ResponsesNamedTool(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI `POST /v1/responses`, stateless: the conversation comes whole in `input`."""
+
+    model_config = ConfigDict(extra="ignore", title="ResponsesRequest")
+
+    model: str = Field(min_length=1)
+    input: list[ResponseInputItem] = Field(
+        description="a string (one user message), or messages, function calls and outputs"
+    )
+    instructions: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0, le=2)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    stream: NullableFlag = False
+    text: ResponseTextConfig | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = Field(None, description="accepted; no response is kept")
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    reasoning: Any = None
+    background: Any = None
+
+    _input = field_validator("input", mode="before")(input_text_or_items)
+
+    prompt_field: ClassVar[str] = "input"
+    max_tokens_name: ClassVar[str] = "max_output_tokens"
+    format_field: ClassVar[str] = "text"
+
+    def check_supported(self) -> None:
+        if self.previous_response_id is not None:
+            raise UnsupportedError(
+                "'previous_response_id' is not supported: no response is kept here; send the "
+                "whole conversation in 'input'",
+                param="previous_response_id",
+            )
+        if self.reasoning is not None:
+            raise UnsupportedError("'reasoning' is not supported", param="reasoning")
+        if self.background:
+            raise UnsupportedError("'background' is not supported", param="background")
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def node_messages(self) -> list[dict[str, Any]]:
+        return input_messages(self.instructions, self.input)
+
+    def node_payload(self, default_max_tokens: int, sampling: SamplingDefaults) -> GenerateParams:
+        payload: dict[str, Any] = {
+            "max_tokens": self.max_output_tokens or default_max_tokens,
+            "messages": self.node_messages(),
+        } | _sampled(self, sampling)
+        if self.max_output_tokens is None:
+            payload["max_tokens_is_default"] = True
+        schema = None if self.text is None else self.text.format.answer_schema()
+        tool_choice: ToolChoice | None
+        if isinstance(self.tool_choice, ResponsesNamedTool):
+            tool_choice = NamedToolChoice(
+                type="function", function=NamedFunction(name=self.tool_choice.name)
+            )
+        else:
+            tool_choice = self.tool_choice
+        parallel = self.parallel_tool_calls is not False
+        grammar, tools = structured_output(schema, self.tools, tool_choice, parallel)
+        payload |= {"grammar": grammar, "tools": tools}
         return GenerateParams.model_validate(payload)
 
 

@@ -349,7 +349,7 @@ NOT_SERVED = (503, "no node serves @cf/huggingface/smollm2-135m-instruct now")
          (400, "invalid request: tools.0: a tool needs 'function' (or 'name')",
           5004)),
         (RUN_SMOL, {"prompt": "hi", "tools": [{"name": "f"}]},
-         (400, "'tools' needs 'messages'", 5004)),
+         (400, "'tools' needs 'messages' or 'input'", 5004)),
         (RUN_SMOL, {"prompt": "hi", "response_format": {"type": "json_schema"}},
          (400, "invalid request: response_format: type 'json_schema' needs "
           "'json_schema'", 5004)),

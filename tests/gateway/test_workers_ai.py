@@ -90,6 +90,16 @@ def test_raw_prompt_and_messages(stack, engine) -> None:
     got = post(stack, {"messages": messages, "max_tokens": 5, "temperature": 0}).json()
     assert got["result"]["response"] == chat.text
     assert got["result"]["usage"]["prompt_tokens"] == chat.prompt_tokens
+    # Responses-style input: instructions and input are the same two turns
+    same = post(
+        stack, {"instructions": "Be brief.", "input": "Hi", "max_tokens": 5, "temperature": 0}
+    ).json()
+    assert same["result"]["response"] == chat.text
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
+    again = post(
+        stack, {"instructions": "Be brief.", "input": items, "max_tokens": 5, "temperature": 0}
+    ).json()
+    assert again["result"]["usage"] == same["result"]["usage"]
 
 
 def test_streaming_sends_chunks_then_usage_then_done(stack, engine) -> None:
@@ -207,7 +217,7 @@ def test_missing_wrong_and_foreign_keys(stack) -> None:
             RUN,
             400,
             5004,
-            "invalid request: give exactly one of 'prompt' or 'messages'",
+            "invalid request: give exactly one of 'prompt', 'messages' or 'input'",
         ),
         (
             {"prompt": "hi"},
