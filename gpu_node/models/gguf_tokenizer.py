@@ -11,7 +11,7 @@ GGUF stores the vocabulary (`tokenizer.ggml.tokens`, `token_type`, and `merges` 
 Control tokens (type 3) become special tokens, so `<|im_start|>` in a chat template is one
 token, never split; user-defined tokens (type 4: Gemma's runs of newlines, `\\t`) are
 matched whole too, but are not special. The result reads as transformers' tokenizer of
-the same file does (tests/gpu_node/models/test_gguf_gemma3.py, test_tokenizer.py).
+the same file does (tests/gpu_node/models/test_gemma3.py, test_tokenizer.py).
 """
 
 from __future__ import annotations
