@@ -352,7 +352,11 @@ class Dispatcher:
 
         async def try_place() -> Placement | None:
             return await self._placer.place(
-                job.model.node_model, job.request_id, num_tokens, account_id=job.account_id
+                job.model.node_model,
+                job.request_id,
+                num_tokens,
+                account_id=job.account_id,
+                session_id=job.session_id,
             )
 
         # Some node serves the model and may free up: with a queue, wait in it fairly.
@@ -423,6 +427,7 @@ class Dispatcher:
                 job.estimated_tokens,
                 exclude=exclude,
                 account_id=job.account_id,
+                session_id=job.session_id,
             )
         if placement is not None:
             trace.placed(placement)

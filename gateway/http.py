@@ -59,6 +59,15 @@ def request_id_of(request: Request) -> str:
     return request.scope["state"]["request_id"]  # type: ignore[no-any-return]
 
 
+SESSION_HEADER = "x-session-affinity"
+
+
+def session_id_of(request: Request) -> str | None:
+    """The client's session (`x-session-affinity`), whose requests placement sends back to
+    the node holding its prefix; None without one."""
+    return request.headers.get(SESSION_HEADER, "").strip() or None
+
+
 class JSONBytes(Response):
     media_type = "application/json"
 

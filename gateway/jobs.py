@@ -5,7 +5,7 @@ tracing take either (`Job`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.node_api import GenerateParams
 from gateway.catalog import CatalogModel
@@ -21,6 +21,9 @@ class GenerationJob:
     reject_if_busy: bool = False  # Workers AI options.rejectIfBusy: never wait for a node
     stream: bool = False  # the client reads the answer as it comes (gen_ai.request.stream)
     max_tokens_name: str = "max_tokens"  # the field the client named it in, for its errors
+    # x-session-affinity: placement's key to the node holding the session's prefix (never
+    # logged: the client's own words)
+    session_id: str | None = field(default=None, repr=False)
 
     @property
     def operation_name(self) -> str:
@@ -41,6 +44,7 @@ class EmbeddingJob:
     estimated_tokens: int  # the inputs' tokens, guessed from characters: what is reserved
     truncate: bool = False  # cut an input past the model's positions instead of refusing it
     reject_if_busy: bool = False
+    session_id: str | None = field(default=None, repr=False)  # as GenerationJob's
     operation_name = "embeddings"
     stream = False
 

@@ -19,6 +19,7 @@ from gateway.http import (
     request_id_of,
     require_ready,
     resolve_model,
+    session_id_of,
 )
 from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
@@ -104,6 +105,7 @@ async def run_model(request: Request) -> Response:
         estimate_tokens(payload),
         reject_if_busy=body.reject_if_busy,
         stream=body.stream,
+        session_id=session_id_of(request),
     )
     upstream = await gateway_of(request).dispatcher.open(job, request.receive)
     if body.stream:
@@ -134,6 +136,7 @@ async def _embed(request: Request, account_id: str, model: CatalogModel) -> Resp
         estimate_input_tokens(texts, None, model.context_window),
         truncate=body.truncate_inputs,
         reject_if_busy=body.reject_if_busy,
+        session_id=session_id_of(request),
     )
     answer, headers = await gateway_of(request).dispatcher.embed(job, request.receive)
     vectors = answer.vectors

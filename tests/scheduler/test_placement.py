@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,8 @@ from scheduler.placement import (
     Placer,
     RedisAffinities,
     RedisReservations,
+    affinity_key,
+    session_key,
 )
 
 
@@ -311,10 +314,130 @@ async def test_gateways_sharing_redis_send_an_account_where_its_last_prompt_went
     assert 0 < await redis_client.pttl(key) <= 60_000
 
 
-async def test_local_affinities_keep_the_most_recent_accounts() -> None:
+async def test_local_affinities_keep_the_most_recent_keys() -> None:
     affinities = LocalAffinities(max_entries=2)
-    for account, node in (("a", "n1"), ("b", "n2"), ("a", "n3"), ("c", "n1")):
-        await affinities.remember(account, "smollm2", node)
+    for key, node in (("a", "n1"), ("b", "n2"), ("a", "n3"), ("c", "n1")):
+        await affinities.remember([key], node)
     # "b" was the least recently placed when "c" came
-    assert [await affinities.get(a, "smollm2") for a in "abc"] == ["n3", None, "n1"]
-    assert await affinities.get("a", "other-model") is None
+    assert await affinities.get(["a", "b", "c", "d"]) == ["n3", None, "n1", None]
+
+
+def test_session_keys_are_salted_by_account_and_as_long_whatever_the_id() -> None:
+    key = session_key("acct-x", "smollm2", "chat-1")
+    assert key.startswith("session:smollm2:") and "chat-1" not in key
+    assert key == session_key("acct-x", "smollm2", "chat-1")
+    assert key != session_key("acct-y", "smollm2", "chat-1")  # another account's session
+    assert key != session_key("acct-x", "other", "chat-1")
+    # the account and the id cannot be shifted into one another
+    assert session_key("ab", "m", "c") != session_key("a", "m", "bc")
+    assert len(session_key("acct-x", "smollm2", "s" * 100_000)) == len(key)
+    assert affinity_key("acct-x", "smollm2") == "affinity:smollm2:acct-x"
+
+
+async def test_a_session_comes_back_to_its_node_while_that_node_can_take_it(affinities) -> None:
+    registry = LocalCapacityRegistry()
+    await registry.publish(record("node-a"))  # 1024 free tokens
+    await registry.publish(record("node-b", free_pages=60))  # 960
+    view = CapacityView(registry, max_age_s=0.0)  # every placement reads the records anew
+    placer = Placer(view, LocalReservations(), overcommit=1.0, affinities=affinities)
+    first = await placer.place("smollm2", "r1", 300, account_id="acct-x", session_id="s1")
+    assert first is not None and first.node_id == "node-a"  # 1024 + its draw > 960 + its
+    # node-a fills up (its record says 128 free): no bonus would keep the session there,
+    # the session does, while node-a can hold the request (724 + 300 <= 1024 reserved)
+    await registry.publish(record("node-a", free_pages=8))
+    again = await placer.place("smollm2", "r2", 300, account_id="acct-x", session_id="s1")
+    assert again is not None and again.node_id == "node-a"
+    # the same session id in another account names another session: placed by score
+    other = await placer.place("smollm2", "r3", 10, account_id="acct-y", session_id="s1")
+    assert other is not None and other.node_id == "node-b"
+    # node-a cannot take 500 more (600 + 500 > 1024): node-b does, and the session follows
+    third = await placer.place("smollm2", "r4", 500, account_id="acct-x", session_id="s1")
+    assert third is not None and third.node_id == "node-b"
+    await placer.release(first)
+    fourth = await placer.place("smollm2", "r5", 10, account_id="acct-x", session_id="s1")
+    assert fourth is not None and fourth.node_id == "node-b"
+    # its node excluded (a retry) or marked down: the best other node, and the session moves
+    retry = await placer.place(
+        "smollm2", "r6", 10, exclude=frozenset({"node-b"}), account_id="acct-x", session_id="s1"
+    )
+    assert retry is not None and retry.node_id == "node-a"
+    await placer.mark_down("node-a")
+    moved = await placer.place("smollm2", "r7", 10, account_id="acct-x", session_id="s1")
+    assert moved is not None and moved.node_id == "node-b"
+    # a request without the session keeps the account's own affinity, apart from it
+    assert await affinities.get([affinity_key("acct-x", "smollm2")]) == [None]
+
+
+async def test_new_sessions_spread_over_nodes_of_equal_scores(affinities) -> None:
+    registry = LocalCapacityRegistry()
+    for node_id in ("node-a", "node-b", "node-c"):
+        await registry.publish(record(node_id))
+    placer = Placer(
+        CapacityView(registry, max_age_s=1.0), LocalReservations(), affinities=affinities
+    )
+
+    async def place(request_id: str, session_id: str | None) -> str:
+        placement = await placer.place(
+            "smollm2", request_id, 100, account_id="acct-x", session_id=session_id
+        )
+        assert placement is not None
+        await placer.release(placement)  # one at a time: the nodes' scores stay equal
+        return placement.node_id
+
+    firsts = {f"s{i}": await place(f"r{i}", f"s{i}") for i in range(30)}
+    assert Counter(firsts.values()) == {"node-a": 9, "node-b": 8, "node-c": 13}
+    # and each comes back to its node
+    assert {s: await place(f"again-{s}", s) for s in firsts} == firsts
+    # without a session, the account's requests stay together (its prefix affinity)
+    assert {await place(f"plain-{i}", None) for i in range(5)} == {"node-a"}
+
+
+async def test_a_split_requests_session_keeps_its_prefill_node(affinities) -> None:
+    registry = LocalCapacityRegistry()
+    for r in [
+        record("dec-a", role="decode"),
+        record("pre-a", role="prefill", free_pages=16),
+        record("pre-b", role="prefill", free_pages=20),
+    ]:
+        await registry.publish(r)
+    view = CapacityView(registry, max_age_s=0.0)
+    placer = Placer(view, LocalReservations(), affinities=affinities)
+    first = await placer.place("smollm2", "r1", 10, account_id="acct-x", session_id="s1")
+    assert first is not None and first.prefill_node_id == "pre-b"  # 320 > 256
+    await registry.publish(record("pre-b", role="prefill", free_pages=1))  # 16 now
+    again = await placer.place("smollm2", "r2", 10, account_id="acct-x", session_id="s1")
+    assert again is not None and again.prefill_node_id == "pre-b"
+    new = await placer.place("smollm2", "r3", 10, account_id="acct-x", session_id="s2")
+    assert new is not None and new.prefill_node_id == "pre-a"
+
+
+async def test_gateways_sharing_redis_send_a_session_to_its_node(
+    redis_client, redis_prefix
+) -> None:
+    registry = LocalCapacityRegistry()
+    await registry.publish(record("node-a"))
+    await registry.publish(record("node-b"))
+
+    def gateway() -> Placer:
+        return Placer(
+            CapacityView(registry, max_age_s=1.0),
+            RedisReservations(redis_client, redis_prefix),
+            affinities=RedisAffinities(redis_client, redis_prefix, ttl_s=60),
+        )
+
+    gateways = [gateway(), gateway()]
+    placed: dict[str, list[str]] = {}
+    for i in range(8):
+        for g, placer in enumerate(gateways):  # each session through both gateways in turn
+            session = f"chat-{i}"
+            placement = await placer.place(
+                "smollm2", f"r{i}-{g}", 200, account_id="acct-x", session_id=session
+            )
+            assert placement is not None
+            placed.setdefault(session, []).append(placement.node_id)
+    # every session on one node through either gateway, while others' reservations pile up
+    assert all(len(set(nodes)) == 1 for nodes in placed.values()), placed
+    assert {nodes[0] for nodes in placed.values()} == {"node-a", "node-b"}
+    key = f"{redis_prefix}{session_key('acct-x', 'smollm2', 'chat-0')}"
+    assert await redis_client.get(key) in (placed["chat-0"][0].encode(), placed["chat-0"][0])
+    assert 0 < await redis_client.pttl(key) <= 60_000
