@@ -4,6 +4,19 @@ The layout of the pools and of their scales is drawn once, in `gpu_node/cache/kv
 per layer, K and V [P, S, H, D] (P pages, S page size, H kv heads, D head dim) and, for fp8,
 one bf16 scale per (token, head) row in [P, H, S].
 
+What an fp8 pool's bytes hold (figures in docs/benchmarks.md, "FP8 KV accuracy"):
+
+- V rows: float8_e4m3fn values, value = fp8 * scale.
+- K rows: int8 codes of the row rotated by the Hadamard matrix H_D (entries +-1, D a
+  power of two), key = H_D (codes * scale) / D. Keys carry outlier channels that e4m3's
+  3 mantissa bits cannot resolve around; the rotation spreads every row evenly over the
+  D dims, where a uniform 8-bit grid beats e4m3 (mean KL to fp32 KV on SmolLM2 ~12x
+  lower than e4m3 keys, unrotated or rotated). Attention needs no inverse: q . k =
+  (H_D q / D) . (H_D k), so the decode kernels take queries rotated once
+  (`rotate_queries`) and read K as stored; the CPU path dequantizes and rotates K back
+  (`dequantize_keys`). The rotation is a fixed butterfly of adds and subtracts
+  (`hadamard`), the same in torch and Triton bit for bit.
+
 Why one bf16 scale per token and head (figures in docs/benchmarks.md):
 
 - A token's K/V are written once, when the token is computed, and never change. A scale
@@ -20,11 +33,15 @@ Why one bf16 scale per token and head (figures in docs/benchmarks.md):
   scale would give 1.88x).
 
 Arithmetic, shared bit for bit by the torch reference and the Triton kernels:
-scale = bf16_rne(max(amax / 448, 2**-126)); q = fp8_rne(clamp(x / scale, +-448)) with
+V: scale = bf16_rne(max(amax / 448, 2**-126)); q = fp8_rne(clamp(x / scale, +-448)) with
 IEEE division; dequantized value = fp32(q) * fp32(scale), which is exact.
+K: y = hadamard(fp32(x)); scale = bf16_rne(max(amax(y) / 127, 2**-126));
+code = rne(clamp(y / scale, +-127)) with IEEE division, stored as int8 bytes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -32,6 +49,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_DTYPE = torch.bfloat16  # one scale per (token, head) row
 MIN_SCALE = 2.0**-126  # an all-zero row still gets a finite, non-zero scale
+KEY_CODE_MAX = 127.0  # K rows: int8 codes in [-127, 127]
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -131,8 +149,64 @@ def row_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
 
 
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """H_D x over the last dim (D a power of two; entries +-1, unnormalised), fp32 in and
+    out: log2(D) butterfly stages (a + b, a - b) at strides 1, 2, .., D / 2, the order the
+    KV write kernel uses, so the two agree bit for bit."""
+    *lead, dim = x.shape
+    half = 1
+    while half < dim:
+        pairs = x.reshape(*lead, dim // (2 * half), 2, half)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, dim)
+        half *= 2
+    return x
+
+
+def check_head_dim(head_dim: int) -> None:
+    """fp8 pools rotate keys by H_D, which needs a power-of-two head dim."""
+    if head_dim <= 0 or head_dim & (head_dim - 1):
+        raise ValueError(f"fp8 KV needs a power-of-two head dim, got {head_dim}")
+
+
+def rotate_queries(q: torch.Tensor) -> torch.Tensor:
+    """Queries `[..., D]` into the basis fp8 pools keep keys in: H_D q / D (the scores
+    against stored keys are then q . k), one matrix product in q's dtype (H_D / D is
+    exact in every float dtype)."""
+    return q @ _query_rotation(q.shape[-1], q.dtype, q.device)
+
+
+@functools.cache
+def _query_rotation(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    check_head_dim(dim)
+    return (hadamard(torch.eye(dim, device=device)) / dim).to(dtype)  # symmetric
+
+
+def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize K rows: `[..., D]` -> (int8 codes of H_D x as fp8-typed bytes `[..., D]`,
+    bf16 scale `[...]`). A bf16 scale may round below amax / 127; the clamp then saturates."""
+    y = hadamard(x.float())
+    amax = y.abs().amax(dim=-1)
+    scale = (amax / torch.full_like(amax, KEY_CODE_MAX)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    codes = (y / scale.float().unsqueeze(-1)).clamp(-KEY_CODE_MAX, KEY_CODE_MAX).round()
+    return codes.to(torch.int8).view(FP8_DTYPE), scale
+
+
+def dequantize_rotated_keys(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stored keys as the decode kernels see them, still rotated: codes * scale (exact)."""
+    return (codes.view(torch.int8).float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_keys`: (codes `[..., D]`, scale `[...]`) -> keys `[..., D]`."""
+    rotated = dequantize_rotated_keys(codes, scale, torch.float32)
+    return (hadamard(rotated) / codes.shape[-1]).to(dtype)
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows of K or V: `[..., D]` -> (fp8 `[..., D]`, bf16 scale `[...]`).
+    """Quantize V rows (e4m3): `[..., D]` -> (fp8 `[..., D]`, bf16 scale `[...]`).
 
     A bf16 scale may round below amax / 448; the clamp then saturates the row max at
     448 (an error of at most 2**-8 of it) instead of overflowing.
@@ -207,6 +281,7 @@ def validate_kv_layer(
         raise ValueError(_ORDERS)
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     if k_cache.dtype == FP8_DTYPE:
+        check_head_dim(head_dim)
         expected = scale_shape(num_pages, page_size, num_kv_heads)
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is None:

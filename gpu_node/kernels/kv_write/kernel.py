@@ -82,6 +82,29 @@ def _quantize_rows_tl(x, scale):
 
 
 @triton.jit
+def hadamard_tl(x, ROWS: tl.constexpr, DIM: tl.constexpr):
+    """Triton twin of `kv_quant.hadamard` on a [ROWS, DIM] fp32 tile: the same butterfly
+    stages (a + b, a - b) in the same order, so the results agree bit for bit."""
+    for stage in tl.static_range(0, DIM.bit_length() - 1):
+        half: tl.constexpr = 1 << stage
+        pairs = tl.reshape(x, [ROWS, DIM // (2 * half), 2, half])
+        a, b = tl.split(tl.permute(pairs, [0, 1, 3, 2]))  # [ROWS, DIM / 2h, h] each
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, DIM])
+    return x
+
+
+@triton.jit
+def _quantize_keys_tl(x):
+    # x [BLOCK_H, BLOCK_D] fp32, rotated -> (int8 codes, fp32 scale [BLOCK_H]); the add and
+    # subtract of 1.5 * 2**23 rounds to the nearest integer, ties to even, as torch.round.
+    amax = tl.reduce(tl.abs(x), 1, maximum_tl)
+    scale = round_to_bf16_tl(tl.maximum(tl.math.div_rn(amax, 127.0), 1.1754943508222875e-38))
+    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -127.0), 127.0)
+    codes = (scaled + 12582912.0) - 12582912.0
+    return codes.to(tl.int8), scale
+
+
+@triton.jit
 def _kv_write_kernel(
     key_ptr,
     value_ptr,
@@ -142,9 +165,11 @@ def _kv_write_kernel(
     if IS_FP8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        k_scale = row_scale_tl(tl.reduce(tl.abs(k), 1, maximum_tl))
+        # K: int8 codes of the rotated row (kv_quant.quantize_keys), through an int8 view
+        k_codes, k_scale = _quantize_keys_tl(hadamard_tl(k, BLOCK_H, BLOCK_D))
+        k_codes_ptr = k_cache_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        tl.store(k_codes_ptr + cache_offsets, k_codes, mask=mask)
         v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, maximum_tl))
-        tl.store(k_cache_ptr + cache_offsets, _quantize_rows_tl(k, k_scale), mask=mask)
         tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
         scale_offsets = scale_offset_tl(
             slot // PAGE_SIZE, slot % PAGE_SIZE, heads, NUM_KV_HEADS, PAGE_SIZE
@@ -171,7 +196,8 @@ def kv_write(
     """Write `key`/`value` [T, H, D] into the cache in place; return violations, bool [T].
 
     For an fp8 cache each (token, head) row is quantized with its own bf16 scale
-    (written to `k_scale`/`v_scale`). A flagged token was not written.
+    (written to `k_scale`/`v_scale`): K rows as int8 codes of their Hadamard rotation,
+    V rows as e4m3 (`kv_quant`). A flagged token was not written.
     `check_owner=False` skips the ownership check (benchmarks only); range checks stay.
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_write_inputs(

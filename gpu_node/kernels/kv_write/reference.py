@@ -9,6 +9,7 @@ from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
     FP8_MAX,
     quantize_fp8,
+    quantize_keys,
     set_scale_rows,
     validate_kv_layer,
 )
@@ -42,7 +43,7 @@ def kv_write_ref(
     pages, offsets = slots // page_size, slots % page_size  # indexing: either memory order
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
-        k_q, k_e = quantize_fp8(key[is_ok])
+        k_q, k_e = quantize_keys(key[is_ok])
         v_q, v_e = quantize_fp8(value[is_ok])
         k_cache[pages, offsets] = k_q
         v_cache[pages, offsets] = v_q

@@ -22,9 +22,9 @@ latency to the loads); the others are exact.
 The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs online
 softmax over one slice of the context for the G query heads of one kv head, then a
 second kernel merges the N partial results, so one long sequence still fills the GPU.
-fp8 tiles are multiplied in fp16 (converted in registers, exactly) with the per-row
-scales applied to scores and probabilities; `DotTuning(q_fp8=True)` instead multiplies the
-K tile as stored, against q split into three e4m3 parts. Measurements: docs/benchmarks.md.
+fp8 tiles (K as int8 codes of the rotated keys, q rotated to match, V as e4m3: kv_quant)
+are multiplied in fp16 (converted in registers, exactly) with the per-row scales applied
+to scores and probabilities. Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides
+from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides, rotate_queries
 from gpu_node.kernels.combine import add_tl, maximum_tl
 from gpu_node.kernels.kv_write.kernel import round_to_e4m3_tl, scale_offset_tl
 from gpu_node.kernels.launch import launches_early
@@ -79,6 +79,17 @@ def _kv_to_dot_tl(x, DOT_KIND: tl.constexpr):
         )
     else:
         y = _to_dot_tl(x, DOT_KIND)
+    return y
+
+
+@triton.jit
+def _k_to_dot_tl(k, IS_FP8: tl.constexpr, DOT_KIND: tl.constexpr):
+    # A K tile as an MMA operand: fp8 pools hold K as int8 codes (kv_quant), which every
+    # dot dtype holds exactly.
+    if IS_FP8:  # noqa: SIM108 (a Triton constexpr branch)
+        y = _to_dot_tl(k.to(tl.int8, bitcast=True), DOT_KIND)
+    else:
+        y = _kv_to_dot_tl(k, DOT_KIND)
     return y
 
 
@@ -172,9 +183,9 @@ def _attend_block_tl(
         scores = tl.dot(k, q_lo_t, tl.dot(k, q_mid_t, tl.dot(k, q_hi_t)))
         scores = tl.trans(scores) * score_scale[:, None]
     elif TOKENS_M:
-        scores = tl.trans(tl.dot(_kv_to_dot_tl(k, DOT_KIND), q_t)) * qk_scale
+        scores = tl.trans(tl.dot(_k_to_dot_tl(k, IS_FP8, DOT_KIND), q_t)) * qk_scale
     else:
-        scores = tl.dot(q, tl.trans(_kv_to_dot_tl(k, DOT_KIND))) * qk_scale  # [G, BLOCK_N]
+        scores = tl.dot(q, tl.trans(_k_to_dot_tl(k, IS_FP8, DOT_KIND))) * qk_scale  # [G, BLOCK_N]
     if IS_FP8:
         if IS_PARTIAL:
             k_scale = tl.load(k_scale_ptr + scale_offsets, mask=is_loadable, other=0.0)
@@ -578,8 +589,11 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
-    if tuning.q_fp8 and not is_fp8:
-        raise ValueError("q_fp8 multiplies fp8 K pages as stored: it needs fp8 pages")
+    if is_fp8:
+        q = rotate_queries(q)  # into the basis fp8 pools keep K in (kv_quant)
+    if tuning.q_fp8:
+        # fp8 pools hold K as int8 codes, which an e4m3 MMA cannot take as stored.
+        raise ValueError("q_fp8 multiplies e4m3 K pages as stored; no pool holds them")
     if is_fp8 and not _converts_e4m3(q.device):
         raise ValueError("fp8 KV pages need a GPU with e4m3 conversions (sm_89 or newer)")
     tile = decode_tile_config(is_fp8, head_dim)

@@ -14,10 +14,11 @@ Lane 4g + t (g = 0..7, t = 0..3: the mma fragments' group and thread) works on q
 head g. Per 32-token step, in two 16-token halves (a half never straddles a page,
 S % 16 == 0), all mma.sync.m16n8k16 with fp32 sums:
 
-    S = q K^T        A = q in fp16 (head g in row g; rows 8-15 hold -q, their scores
-                     dropped; q times a power of two per head that puts max |q| in
-                     (8192, 16384]); B = K as stored,
-                     converted e4m3 -> fp16 in registers: the k slots of lane t are its
+    S = q K^T        A = q in fp16, rotated into the keys' basis (kv_quant; head g in
+                     row g; rows 8-15 hold -q, their scores dropped; q times a power of
+                     two per head that puts max |q| in (8192, 16384]); B = K as stored,
+                     int8 codes converted to fp16 in registers (exactly, by byte
+                     permutes and one f16x2 subtract): the k slots of lane t are its
                      own D / 4 contiguous dims, and column n of the two n-tiles is token
                      pi(n) and pi(n) + 2 of the half, pi(n) = 4 (n // 2) + n % 2, so a
                      lane loads D / 4 bytes of two tokens (16-byte loads), and the scores
@@ -64,7 +65,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides
+from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides, rotate_queries
 from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.paged_attention import mma_asm as asm
@@ -880,6 +881,7 @@ def paged_decode_attention_mma(
         )
     if k_scale is None or v_scale is None:  # validate_decode_inputs refused this already
         raise ValueError("fp8 pages need k_scale and v_scale")
+    q = rotate_queries(q)  # into the basis the pages keep K in (kv_quant)
     batch, num_heads, _ = q.shape
     out = torch.empty_like(q)
     violations = torch.empty(batch, dtype=torch.bool, device=q.device)  # merge_splits sets all

@@ -106,7 +106,7 @@ P_CONSTRAINTS = _constraints("r", ["f"])
 
 def _qk_asm(head_dim: int) -> str:
     """S = q K^T for one 16-token half: fp16 m16n8k16 with q's head g in row g (rows
-    8-15 -q, their scores dropped) and K, converted from e4m3 in registers, as the B operand: column n of
+    8-15 -q, their scores dropped) and K, converted from int8 codes in registers, as the B operand: column n of
     the two n-tiles is token pi(n) and pi(n) + 2 of the half.
 
     Inputs: the lane's A fragments of q, one tensor per k step (Q_QUADS' outputs: D / 16
@@ -115,16 +115,21 @@ def _qk_asm(head_dim: int) -> str:
     """
     words = head_dim // 16
     ka, kb = 4 + 4 * words, 4 + 5 * words
-    lines = ["{", ".reg .f32 c<8>;", ".reg .b32 b0, b1;", ".reg .b16 l, h;"]
+    lines = ["{", ".reg .f32 c<8>;", ".reg .b32 b0, b1, u, bias;"]
     lines += [f"mov.f32 c{i}, 0f00000000;" for i in range(8)]
+    lines += ["mov.b32 bias, 0x64806480;"]  # (1152, 1152) in fp16
     for step in range(words):
         a = ", ".join(f"${4 + 4 * step + r}" for r in range(4))
         for tile, k_first in ((0, ka), (1, kb)):
             c = ", ".join(f"c{4 * tile + i}" for i in range(4))
+            # int8 codes -> fp16, exactly: c + 128 as a byte under the exponent of 1024
+            # is the fp16 1152 + c; the bias comes off in one f16x2 subtract.
             lines += [
-                f"mov.b32 {{l, h}}, ${k_first + step};",
-                "cvt.rn.f16x2.e4m3x2 b0, l;",
-                "cvt.rn.f16x2.e4m3x2 b1, h;",
+                f"xor.b32 u, ${k_first + step}, 0x80808080;",
+                "prmt.b32 b0, u, 0x64646464, 0x4140;",
+                "prmt.b32 b1, u, 0x64646464, 0x4342;",
+                "sub.rn.f16x2 b0, b0, bias;",
+                "sub.rn.f16x2 b1, b1, bias;",
                 f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{c}}}, {{{a}}}, {{b0, b1}}, {{{c}}};",
             ]
     lines += ["mov.b32 $0, c0;", "mov.b32 $1, c1;", "mov.b32 $2, c4;", "mov.b32 $3, c5;", "}"]

@@ -14,6 +14,7 @@ import torch
 from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
     dequantize_fp8,
+    dequantize_keys,
     scale_rows,
     scale_rows_at,
     validate_kv_layer,
@@ -84,7 +85,7 @@ def gather_kv(
         assert k_scale is not None and v_scale is not None  # validated by the caller
         k_e = scale_rows_at(k_scale, pages, offsets)
         v_e = scale_rows_at(v_scale, pages, offsets)
-        return dequantize_fp8(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
+        return dequantize_keys(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
     return k.to(dtype), v.to(dtype)
 
 
@@ -121,7 +122,7 @@ def paged_decode_attention_ref(
     v = v_cache[pages, offsets]
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
-        k = dequantize_fp8(k, scale_rows(k_scale, slots), torch.float32)
+        k = dequantize_keys(k, scale_rows(k_scale, slots), torch.float32)
         v = dequantize_fp8(v, scale_rows(v_scale, slots), torch.float32)
     k, v = k.float(), v.float()
     q_groups = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, H, G, D]

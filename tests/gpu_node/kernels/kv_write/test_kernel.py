@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import gpu_node.kernels.kv_write.kernel as kv_write_module
-from gpu_node.cache.kv_quant import FP8_DTYPE, kv_pool, pool_strides, scale_shape
+from gpu_node.cache.kv_quant import (
+    FP8_DTYPE,
+    dequantize_keys,
+    kv_pool,
+    pool_strides,
+    quantize_keys,
+    scale_shape,
+)
 from gpu_node.kernels.kv_write.reference import kv_write_ref
 
 kv_write = kv_write_module.kv_write
@@ -62,9 +69,12 @@ def hard_values(num_tokens, num_kv_heads, head_dim, dtype):
 
 def test_scales_are_stored_page_then_head_then_offset():
     """The [P, H, S] layout: token slot 2 * 16 + 5, head h -> k_scale[2, h, 5], nothing else."""
+    # A key along dim 0 rotates to a constant row (H_D's first column is all ones): its
+    # max maps onto 127 (K codes, scales 1, 2, 4); values' onto 448 (scales 0.5, 1, 2).
     key = torch.zeros(1, 3, 64)
-    key[0, :, 0] = torch.tensor([448.0, 2 * 448.0, 4 * 448.0])  # scales 1, 2, 4
-    value = key / 2  # scales 0.5, 1, 2
+    key[0, :, 0] = torch.tensor([127.0, 2 * 127.0, 4 * 127.0])
+    value = torch.zeros(1, 3, 64)
+    value[0, :, 0] = torch.tensor([224.0, 448.0, 2 * 448.0])
     slot = torch.tensor([2 * PAGE_SIZE + 5])
     for write in (kv_write, kv_write_ref):
         k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
@@ -83,7 +93,7 @@ def test_scales_are_stored_page_then_head_then_offset():
     ("cache_dtype", "input_dtype", "num_kv_heads", "head_dim"),
     [
         (FP8_DTYPE, torch.bfloat16, 3, 64),
-        (FP8_DTYPE, torch.float32, 2, 48),  # head_dim not a power of two
+        (FP8_DTYPE, torch.float32, 2, 32),
         (FP8_DTYPE, torch.float16, 1, 128),
         (torch.bfloat16, torch.bfloat16, 3, 64),
         (torch.float16, torch.float32, 4, 32),
@@ -112,6 +122,28 @@ def test_kernel_equals_reference_bit_for_bit(cache_dtype, input_dtype, num_kv_he
     rows = as_bits(k_cache).view(NUM_PAGES * PAGE_SIZE, -1)
     poison = 0x5A if cache_dtype == FP8_DTYPE else -7.0
     assert bool((rows[~written] == poison).all())
+
+
+def test_keys_are_int8_codes_of_the_rotated_row():
+    """K bytes are int8 codes of H_D k (kv_quant.quantize_keys), V bytes e4m3 values."""
+    key = hard_values(4, 2, 64, torch.float32)
+    slots = torch.tensor([0, 1, 2, 3])
+    k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 2, 64)
+    kv_write(key, key, k_cache, v_cache, slots, OWNER, torch.full((4,), 7), k_scale, v_scale)
+    codes, scales = quantize_keys(key)
+    assert torch.equal(as_bits(k_cache[0, :4]), as_bits(codes))
+    assert torch.equal(k_scale[0, :, :4], scales.T)
+    restored = dequantize_keys(k_cache[0, :4], k_scale[0, :, :4].T, torch.float32)
+    assert float((restored - key).norm() / key.norm()) < 0.01
+
+
+def test_fp8_pools_need_a_power_of_two_head_dim():
+    k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 2, 48)
+    key = torch.zeros(1, 2, 48)
+    for write in (kv_write, kv_write_ref):
+        with pytest.raises(ValueError, match="power-of-two head dim"):
+            write(key, key, k_cache, v_cache, torch.tensor([0]), OWNER, torch.tensor([7]),
+                  k_scale, v_scale)  # fmt: skip
 
 
 def test_ownership_violations_are_flagged_and_not_written():

@@ -344,7 +344,7 @@ def test_asm_operands_match_their_constraints(head_dim):
 
 
 # --- CPU: the QK^T and P.V asm blocks run on an emulated warp --------------------------
-# A few PTX instructions are interpreted per lane (mov, cvt, prmt) and mma.sync through
+# A few PTX instructions are interpreted per lane (mov, cvt, prmt, xor, sub) and mma.sync through
 # PTX's fragment tables for m16n8k16 (not through the kernel's code):
 #   A (16 x 16): register r of lane 4g + t holds A[g + 8 (r % 2)][2t + 8 (r // 2) + {0, 1}]
 #   B (16 x 8):  register h holds B[2t + 8h + {0, 1}][g]
@@ -407,7 +407,10 @@ def run_asm(
         regs.setdefault(f"${n}", torch.full((32,), -1, dtype=torch.int64))
 
     def val(name: str) -> torch.Tensor:
-        return regs[name.strip()]
+        name = name.strip()
+        if name.startswith("0x"):  # an immediate, the same in every lane
+            return torch.full((32,), int(name, 16), dtype=torch.int64)
+        return regs[name]
 
     def names(group: str) -> list[str]:
         return [x.strip() for x in group.strip("{} ").split(",")]
@@ -468,6 +471,9 @@ def run_asm(
                 if args[1] in ("0", "0f00000000")
                 else val(args[1])
             )
+        elif op == "sub.rn.f16x2":  # both halves, each rounded to fp16
+            diff = _f16_pairs(val(args[1])) - _f16_pairs(val(args[2]))
+            regs[args[0]] = _f16_bits(diff[:, 0]) | (_f16_bits(diff[:, 1]) << 16)
         elif op == "cvt.rn.f16x2.e4m3x2":
             regs[args[0]] = _e4m3_to_f16x2(val(args[1]))
         elif op == "cvt.rn.f16x2.f32":  # d = (hi: a, lo: b)
@@ -506,7 +512,10 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", asm.HEAD_DIMS)
 def test_emulated_warp_computes_q_k_and_p_v(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
-    keys = (torch.randn(16, head_dim, generator=gen) * 40).to(FP8_DTYPE)  # one half
+    # one half; K bytes are int8 codes (kv_quant.quantize_keys), the extremes included
+    keys = torch.randint(-128, 128, (16, head_dim), generator=gen, dtype=torch.int8)
+    keys[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    keys = keys.view(FP8_DTYPE)
     values = (torch.randn(16, head_dim, generator=gen) * 40).to(FP8_DTYPE)
     q = torch.randn(8, head_dim, generator=gen).to(torch.float16)  # rows: heads g
     # q pairs of lane t: dims t D/4 + 2p, + 1 -> operand tensor p // 4, element p % 4
@@ -537,7 +546,7 @@ def test_emulated_warp_computes_q_k_and_p_v(head_dim):
     for n, v in enumerate(flat):
         operands[4 + 4 * words + n] = v
     scores = run_asm(asm.QK[head_dim], operands)  # element j: token 4t + j, head g
-    want = q.float() @ keys.float().T  # [8 heads, 16 tokens]
+    want = q.float() @ keys.view(torch.int8).float().T  # [8 heads, 16 tokens]
     for j in range(4):
         torch.testing.assert_close(
             scores[j].float(), want[G_OF, 4 * T_OF + j], rtol=1e-5, atol=1e-3
@@ -591,7 +600,8 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded, he
     shape = (pages, page_size, kv_heads, head_dim)
     k_cache = kv_pool(pages, page_size, kv_heads, head_dim, FP8_DTYPE, head_major=head_major)
     v_cache = kv_pool(pages, page_size, kv_heads, head_dim, FP8_DTYPE, head_major=head_major)
-    k_cache.copy_((torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE))
+    codes = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    k_cache.copy_(codes.view(FP8_DTYPE))  # int8 codes, as kv_write stores K
     v_cache.copy_((torch.randn(shape, generator=gen) * 40).to(FP8_DTYPE))
     k_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
     v_scale = torch.rand(pages, kv_heads, page_size, generator=gen).add(0.5).bfloat16()
@@ -657,7 +667,7 @@ def test_emulated_loads_feed_the_products(head_dim, page_size, left, guarded, he
     for i, reg in enumerate(k_regs):  # load order: token a's vectors, then token b's
         operands[4 + head_dim // 4 + i] = reg
     scores = run_asm(asm.QK[head_dim], operands)
-    want = q.float() @ keys.float().T
+    want = q.float() @ keys.view(torch.int8).float().T
     for j in range(4):
         valid = 4 * T_OF + j < left
         torch.testing.assert_close(
