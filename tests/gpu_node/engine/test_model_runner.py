@@ -256,6 +256,6 @@ def test_fp8_kv_perplexity_increase_stays_under_the_measured_bound(make_engine, 
     ids = tokenizer.encode(text)[:1024]
     fp32 = perplexity(make_engine(kv_dtype="fp32"), ids)
     fp8 = perplexity(make_engine(kv_dtype="fp8"), ids)
-    # Measured on these 1024 tokens: 12.721 (fp32 KV) -> 12.815 (fp8 KV), +0.74%;
-    # bench_paged_attention.py accuracy: +1.04% over 4 x 512 tokens. The bound leaves 2.5x room.
-    assert 1.0 < fp8 / fp32 < 1.025, (fp32, fp8)
+    # Measured on these 1024 tokens: 12.721 (fp32 KV) -> 12.692 (fp8 KV), -0.23%;
+    # benchmarks/kv_accuracy.py has the figures. The bound is the target, 0.3% either way.
+    assert abs(fp8 / fp32 - 1) < 0.003, (fp32, fp8)
