@@ -196,7 +196,7 @@ def create_app(
     )
 
     async def openapi(request: Request) -> Response:
-        return JSONBytes(build_openapi())
+        return JSONBytes(build_openapi(request.app.routes))
 
     async def metrics(request: Request) -> Response:
         await fleet.refresh()
