@@ -87,3 +87,23 @@ def test_the_same_tokens_with_logprobs_as_without(make_engine, chat_ids):
             {"asked": ids}, SamplingParams(**{**params.__dict__, "logprobs": True})
         )["asked"]
         assert asked == plain
+
+
+def test_a_handed_off_request_keeps_its_first_tokens_logprob(make_engine, chat_ids):
+    from gpu_node.engine.handoff import KVHandoff
+
+    ids = chat_ids("Name a colour.")
+    params = SamplingParams(max_tokens=6, logprobs=True, top_logprobs=2)
+    engine = make_engine()
+    alone, _, _ = run_capturing_logits(engine, ids, params)
+    engine.add_request("p", ids, params, prefill_only=True)
+    (out,) = [o for _ in range(4) for o in engine.step()]
+    assert out.logprobs == (alone[0],)
+    handoff = KVHandoff.from_bytes(out.handoff.to_bytes())
+    assert handoff.first_logprob == alone[0]
+    engine.add_request("d", ids, params, handoff=handoff)
+    got = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            got += list(o.logprobs or ())
+    assert got == alone
