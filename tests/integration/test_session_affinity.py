@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -27,7 +27,7 @@ from gateway.settings import GatewaySettings
 from gateway.stores import redis_stores
 from gpu_node.server import NodeService, NodeSettings, create_node_app
 from scheduler.capacity import RedisCapacityRegistry
-from scheduler.placement import Candidate, RedisReservations
+from scheduler.placement import Candidate, Placement, Placer, RedisReservations
 from tests.conftest import (
     ACCOUNT_ID,
     INTERNAL_TOKEN,
@@ -198,3 +198,65 @@ def test_one_session_runs_on_one_node_through_either_gateway(fleet: Fleet) -> No
             assert {_run(fleet, i % 2, f"new-{held}-{i}") for i in range(4)} == {other}
         finally:
             hold_on(fleet.prefix, held, None)
+
+
+class RecordingPlacer(Placer):
+    """A real placer that also keeps the session of every placement asked for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sessions: list[str | None] = []
+
+    async def place(self, *args: Any, **kwargs: Any) -> Placement | None:
+        self.sessions.append(kwargs.get("session_id"))
+        return await super().place(*args, **kwargs)
+
+
+def test_every_route_that_places_a_request_carries_its_session() -> None:
+    """Generations and embeddings in both dialects hand the header to placement (the node,
+    at an address that answers nothing, fails each: placement is what is under test)."""
+    from gateway.keys import MemoryKeyStore
+    from scheduler.capacity import CapacityRecord, CapacityView, LocalCapacityRegistry
+    from scheduler.placement import LocalReservations
+
+    registry = LocalCapacityRegistry()
+    record = CapacityRecord(
+        node_id="nowhere", address=f"http://127.0.0.1:{free_port()}", role="mixed",
+        models=("smollm2", "minilm"), num_pages=64, num_free_pages=64, page_size=16,
+        kv_dtype="fp32", num_running=0, num_waiting=0, load=0.0, published_at=time.time(),
+        ttl_s=3600.0, activations="fp32", max_request_tokens=1024,
+        embedding_models={"minilm": 256},
+    )  # fmt: skip
+    asyncio.run(registry.publish(record))
+    keys = MemoryKeyStore()
+    asyncio.run(keys.add("es-session-key", ACCOUNT_ID))
+    # a fresh view each placement: a node marked down comes back on its next read
+    placer = RecordingPlacer(CapacityView(registry, max_age_s=0.0), LocalReservations())
+    app = create_app(GatewaySettings(internal_token=INTERNAL_TOKEN), keys=keys, placer=placer)
+    server = ServerThread(app).start()
+    account_ai = f"/client/v4/accounts/{ACCOUNT_ID}/ai"
+    chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    calls = [
+        (f"{account_ai}/run/{SMOLLM2}", {"prompt": "Hi", "max_tokens": 1}),
+        (f"{account_ai}/run/minilm", {"text": "Hi"}),
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"model": SMOLLM2, "prompt": "Hi", "max_tokens": 1}),
+        ("/v1/embeddings", {"model": "minilm", "input": "Hi"}),
+    ]
+    try:
+        for i, (path, body) in enumerate(calls):
+            headers = {"authorization": "Bearer es-session-key", "x-session-affinity": f"s{i}"}
+            asyncio.run(registry.publish(replace(record, published_at=time.time())))
+            response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            assert response.status_code in (502, 503), (path, response.text)
+            assert placer.sessions[-1] == f"s{i}", path
+        # no header, or a blank one: no session
+        for value in (None, ""):
+            headers = {"authorization": "Bearer es-session-key"}
+            if value is not None:
+                headers["x-session-affinity"] = value
+            asyncio.run(registry.publish(replace(record, published_at=time.time())))
+            httpx.post(f"{server.url}{calls[0][0]}", json=calls[0][1], headers=headers, timeout=30)
+            assert placer.sessions[-1] is None
+    finally:
+        server.stop()
