@@ -203,6 +203,43 @@ def test_real_answers_match_their_documented_schemas(stack: Any) -> None:
     assert status_of("GET", "/healthz", "/healthz") == 200
 
 
+def test_real_embeddings_match_their_documented_schemas(engine: Any, minilm_path: Path) -> None:
+    """Both dialects' embeddings, from a real all-MiniLM-L6-v2 encoder, held to the document."""
+    from gateway.keys import MemoryKeyStore
+    from gpu_node.engine.embedder import Embedder
+    from gpu_node.server import NodeService, NodeSettings, create_node_app
+    from scheduler.capacity import LocalCapacityRegistry
+    from tests.conftest import start_local_gateway, wait_for_nodes
+
+    registry, port = LocalCapacityRegistry(), free_port()
+    settings = NodeSettings("node-1", f"http://127.0.0.1:{port}", INTERNAL_TOKEN, heartbeat_s=0.2)
+    embedder = Embedder.from_directory(minilm_path, name="minilm")
+    service = NodeService(settings, registry, engine=engine, embedder=embedder)
+    node = ServerThread(create_node_app(service), port).start()
+    keys = MemoryKeyStore()
+    asyncio.run(keys.add(API_KEY, ACCOUNT_ID))
+    gateway = start_local_gateway(registry, keys)
+    spec = build_openapi()
+    try:
+        wait_for_nodes(registry)
+        for path, template, body in [
+            (f"/client/v4/accounts/{ACCOUNT_ID}/ai/run/minilm", f"{ACCOUNT_AI}/run/{{model_name}}",
+             {"text": ["one", "two"]}),
+            ("/v1/embeddings", "/v1/embeddings", {"model": "minilm", "input": ["one", "two"]}),
+            ("/v1/embeddings", "/v1/embeddings",
+             {"model": "minilm", "input": "one", "encoding_format": "base64"}),
+        ]:  # fmt: skip
+            headers = {"authorization": f"Bearer {API_KEY}"}
+            response = httpx.post(f"{gateway.url}{path}", json=body, headers=headers, timeout=60)
+            assert response.status_code == 200, response.text
+            ok = spec["paths"][template]["post"]["responses"]["200"]
+            schema = ok["content"]["application/json"]["schema"]
+            jsonschema.validate(response.json(), {**schema, "components": spec["components"]})
+    finally:
+        gateway.stop()
+        node.stop()
+
+
 @pytest.fixture
 def gateway_url(tmp_path: Path) -> Iterator[str]:
     server = ServerThread(gateway_app(tmp_path)).start()
