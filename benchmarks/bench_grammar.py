@@ -3,6 +3,10 @@
     .venv/bin/python benchmarks/bench_grammar.py [--device cuda] [--batch 32] [--steps 48]
     .venv/bin/python benchmarks/bench_grammar.py --smoke    # batch 4, 6 steps (CI)
 
+    # a GPU machine without the GGUF: seeded weights of SmolLM2's shape, its tokenizer saved
+    .venv/bin/python benchmarks/bench_grammar.py --save-tokenizer .exp/smollm2-tokenizer
+    python3 benchmarks/bench_grammar.py --device cuda --seeded --tokenizer .exp/smollm2-tokenizer
+
 One engine, SmolLM2 (INT4). Two runs of `--batch` requests on one prompt, seeded sampling
 at temperature 1.0: plain (ignore_eos, so that it decodes as long), then every request held
 to a nested JSON Schema (compiled once, before the run). For each decode step with the
@@ -30,6 +34,8 @@ from common.node_api import GrammarSpec
 from gpu_node.config import EngineConfig
 from gpu_node.engine.grammar import Grammar
 from gpu_node.engine.llm_engine import LLMEngine
+from gpu_node.models.tokenizer import ChatTokenizer
+from gpu_node.models.weights import seeded_llama
 from scheduler.sequence import SamplingParams
 
 SCHEMA = {
@@ -105,6 +111,16 @@ def decode_steps(
     return step_ms, mask_ms
 
 
+def save_tokenizer(tokenizer: ChatTokenizer, directory: Path) -> None:
+    """Writes `tokenizer` as a checkpoint directory's tokenizer.json and
+    tokenizer_config.json (its special tokens and chat template)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(tokenizer._tok.to_str())
+    config = {**tokenizer.meta.special_tokens, "chat_template": tokenizer.chat_template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    print(f"wrote {directory}/tokenizer.json and tokenizer_config.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,13 +129,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--smoke", action="store_true", help="batch 4, 6 steps")
+    parser.add_argument("--seeded", action="store_true", help="seeded weights (--tokenizer)")
+    parser.add_argument("--tokenizer", type=Path, help="a directory with tokenizer.json")
+    parser.add_argument("--save-tokenizer", type=Path, help="write SmolLM2's tokenizer there")
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.steps = 4, 6
     config = EngineConfig(
         model="smollm2", device=args.device, num_pages=2048, max_num_seqs=max(args.batch, 1)
     )
-    engine = LLMEngine.from_config(config)
+    if args.save_tokenizer is not None:
+        save_tokenizer(LLMEngine.from_config(config).tokenizer, args.save_tokenizer)
+        return
+    if args.seeded:
+        from bench_engine import SMOLLM2
+
+        model = seeded_llama(SMOLLM2, seed=0, device=args.device)
+        if args.device != "cpu":
+            model = model.to(torch.bfloat16)
+        engine = LLMEngine(config, model, ChatTokenizer.from_directory(args.tokenizer))
+    else:
+        engine = LLMEngine.from_config(config)
     ids = engine.tokenizer.encode_chat(
         [{"role": "user", "content": "Describe a made-up person as JSON, with a long bio."}]
     )
@@ -134,7 +164,9 @@ def main() -> None:
     plain_ms, constrained_ms = statistics.median(plain), statistics.median(constrained)
     mask_ms = statistics.median(masks)
     where = f"cpu {torch.get_num_threads()} threads" if args.device == "cpu" else args.device
-    print(f"SmolLM2 int4, {where}; batch {args.batch}, decode steps timed: plain "
+    weights = "seeded bf16" if args.seeded and args.device != "cpu" else "int4"
+    weights = "seeded fp32" if args.seeded and args.device == "cpu" else weights
+    print(f"SmolLM2 {weights}, {where}; batch {args.batch}, decode steps timed: plain "
           f"{len(plain)}, constrained {len(constrained)}; first compile {compile_ms:.0f} ms")  # fmt: skip
     print(f"  step, plain:        {plain_ms:8.2f} ms")
     print(f"  step, constrained:  {constrained_ms:8.2f} ms")
