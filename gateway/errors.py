@@ -168,6 +168,7 @@ ERROR_TABLE: dict[type[GatewayError], ErrorShape] = {
         405, 7001, 405, "invalid_request_error", "method_not_allowed"
     ),
     UnsupportedError: ErrorShape(400, 5004, 400, "invalid_request_error", "unsupported_parameter"),
+    GrammarError: ErrorShape(400, 5004, 400, "invalid_request_error", None),
     BadRequestError: ErrorShape(400, 5004, 400, "invalid_request_error", None),
     ModelNotFoundError: ErrorShape(400, 5007, 404, "invalid_request_error", "model_not_found"),
     ContextWindowError: ErrorShape(

@@ -194,7 +194,7 @@ def load_hf_model(
         elif name.endswith("norm.weight") and norms_offset:
             state[name] = (tensor.float() + 1.0).to(dtype)
         elif quantize and _is_projection(name) and name.endswith(".weight"):
-            _quantize_into(model, name.removesuffix(".weight"), tensor)
+            _quantize_into(model, name.removesuffix(".weight"), tensor, dtype)
         elif quantize and _is_projection(name) and name.endswith(".bias"):
             biases[name] = tensor.to(dtype)
         else:
@@ -246,13 +246,15 @@ def _is_projection(name: str) -> bool:
     return module.rsplit(".", 1)[-1].endswith("_proj")
 
 
-def _quantize_into(model: nn.Module, module_name: str, weight: torch.Tensor) -> None:
+def _quantize_into(
+    model: nn.Module, module_name: str, weight: torch.Tensor, dtype: torch.dtype
+) -> None:
     group = int4_group_size(weight.shape[1])
-    if group is None:  # no group size divides its width: it stays in full precision
+    if group is None:  # no group size divides its width: it stays in the compute dtype
         linear = model.get_submodule(module_name)
         dense = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None,
-                          device=weight.device)  # fmt: skip
-        dense.weight = nn.Parameter(weight, requires_grad=False)
+                          device=weight.device, dtype=dtype)  # fmt: skip
+        dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         model.set_submodule(module_name, dense)
         return
     model.set_submodule(module_name, Int4Linear(quantize_int4(weight.float(), group)))
@@ -349,7 +351,7 @@ class _ExpertStacks:
         shared = SharedExperts(gate, up, down)
         if self.int4:
             for name in ("gate_proj", "up_proj", "down_proj"):
-                _quantize_into(shared, name, getattr(shared, name).weight.data)
+                _quantize_into(shared, name, getattr(shared, name).weight.data, self.dtype)
         return shared
 
     def finish(self) -> None:

@@ -44,5 +44,3 @@ def chat_ids(smollm2_parts):
         return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
     return ids
-
-

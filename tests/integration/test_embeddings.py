@@ -135,7 +135,9 @@ def test_token_arrays_and_base64_carry_the_same_vectors(
     id_vectors = [d["embedding"] for d in as_ids.json()["data"]]
     for a, b in zip(text_vectors, id_vectors, strict=True):
         assert cosine(a, torch.tensor(b)) >= 0.99999
-    assert cosine(one_array.json()["data"][0]["embedding"], torch.tensor(text_vectors[1])) >= 0.99999
+    assert (
+        cosine(one_array.json()["data"][0]["embedding"], torch.tensor(text_vectors[1])) >= 0.99999
+    )
     assert as_ids.json()["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
     for item, floats in zip(packed.json()["data"], text_vectors, strict=True):
         raw = base64.b64decode(item["embedding"])
@@ -248,9 +250,7 @@ def test_embeddings_are_billed_their_input_tokens_in_the_ledger(
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
         raw = client.embeddings.with_raw_response.create(model=MINILM, input=SENTENCES[:4])
-        workers = httpx.post(
-            f"{server.url}{RUN}", json={"text": SENTENCES[4]}, headers=AUTH
-        )
+        workers = httpx.post(f"{server.url}{RUN}", json={"text": SENTENCES[4]}, headers=AUTH)
         assert workers.status_code == 200
         expected = {
             raw.headers["x-request-id"]: num_tokens(minilm_path, SENTENCES[:4]),
@@ -300,7 +300,9 @@ def test_embedding_tokens_count_against_the_tokens_per_minute_limit(node: Node) 
             "rate limited: too many tokens for this account"
         )
         other = httpx.post(
-            f"{server.url}/v1/embeddings", json=body, headers={"authorization": f"Bearer {OTHER_KEY}"}
+            f"{server.url}/v1/embeddings",
+            json=body,
+            headers={"authorization": f"Bearer {OTHER_KEY}"},
         )
         assert other.status_code == 200  # another account's budget is its own
     finally:
