@@ -46,6 +46,7 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingsRequest,
+    ResponsesRequest,
     WorkersAIEmbeddingRequest,
     WorkersAITextRequest,
 )
@@ -236,6 +237,8 @@ def _openai_paths() -> dict[str, dict[str, Any]]:
             ("completions", "OpenAI completions (a raw prompt)", "CompletionRequest",
              _generation_ok("Completion")),
             ("embeddings", "OpenAI embeddings", "EmbeddingsRequest", _ok("EmbeddingList")),
+            ("responses", "OpenAI Responses (stateless)", "ResponsesRequest",
+             _generation_ok("ResponseObject")),
         ):  # fmt: skip
             paths[f"{base}/{path}"] = {
                 "post": _operation(summary, params, ok, errors, body=_ref(request))
@@ -345,6 +348,7 @@ def _document() -> dict[str, Any]:
         ChatCompletionRequest,
         CompletionRequest,
         EmbeddingsRequest,
+        ResponsesRequest,
         LimitsUpdate,
         *RESPONSE_MODELS,
     )

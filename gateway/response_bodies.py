@@ -219,6 +219,63 @@ class EmbeddingList(_Body):
     usage: EmbeddingUsage
 
 
+class ResponseOutputText(_Body):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseMessage(_Body):
+    type: Literal["message"]
+    id: str
+    status: Literal["completed", "in_progress"]
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(_Body):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["completed", "in_progress"]
+
+
+class ResponseUsage(_Body):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(_Body):
+    """An OpenAI Responses answer (gateway/responses_api.py)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    error: None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[ResponseMessage | ResponseFunctionCall]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    metadata: dict[str, str]
+    usage: ResponseUsage | None
+
+
 class Model(_Body):
     id: str
     object: Literal["model"]
@@ -341,6 +398,7 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletion,
     Completion,
     EmbeddingList,
+    ResponseObject,
     Model,
     ModelList,
     UsageResponse,

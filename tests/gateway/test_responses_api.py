@@ -162,3 +162,19 @@ def test_bad_responses_requests_are_400s_naming_the_field(stack, body, message, 
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["message"], error["param"]) == (message, param)
+
+
+def test_answers_match_the_documented_body(stack) -> None:
+    from gateway.response_bodies import ResponseObject
+
+    auth = {"authorization": f"Bearer {stack.api_key}"}
+    for body in (
+        {"input": "Hi", "max_output_tokens": 4},
+        {"input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required",
+         "parallel_tool_calls": False, "max_output_tokens": 60},
+    ):  # fmt: skip
+        response = httpx.post(
+            f"{stack.url}/v1/responses", json={"model": SMOLLM2, **body}, headers=auth, timeout=60
+        )
+        assert response.status_code == 200
+        ResponseObject.model_validate(response.json())
