@@ -24,12 +24,13 @@ class GatewayStores:
     def __init__(
         self, keys: Any, registry: Any, placer: Any, limiter: Any, limit_store: Any,
         policy: Any, sink: Any, ledger: Any, ledger_location: str, client: Any = None,
-        worker: Any = None, prefix: str = "",
+        worker: Any = None, prefix: str = "", batches: Any = None,
     ) -> None:  # fmt: skip
         self.keys, self.registry, self.placer = keys, registry, placer
         self.limiter, self.limit_store, self.policy = limiter, limit_store, policy
         self.sink, self.ledger, self.ledger_location = sink, ledger, ledger_location
         self._client, self._worker, self._prefix = client, worker, prefix
+        self.batches = batches  # None: the gateway keeps queued batches in its own process
         self._worker_task: asyncio.Task[None] | None = None
         self._up_key: tuple[str, str] | None = None  # (key id, marker) of a generated key
 
@@ -66,6 +67,7 @@ class GatewayStores:
             "usage_sink": self.sink, "ledger": self.ledger,
             "on_startup": self.start, "on_shutdown": self.close,
             "store_ping": self._client.ping if self._client is not None else None,
+            "batches": self.batches,
         }  # fmt: skip
 
     async def start(self) -> None:
@@ -148,5 +150,5 @@ async def gateway_stores(
     return GatewayStores(
         fleet.keys, fleet.registry, fleet.placer, fleet.limiter, fleet.limit_store, policy,
         RedisUsageSink(client, stream_key, journal_path(port)), ledger_db, shown_location,
-        client, worker, prefix,
+        client, worker, prefix, fleet.batches,
     )  # fmt: skip

@@ -28,6 +28,8 @@ from common.telemetry import Telemetry, TelemetrySettings, setup_telemetry
 from gateway import openai_api, responses_api, workers_ai
 from gateway.admission import CapacityQueue, Limiter, LimitPolicy, LimitStore
 from gateway.admission.admin import AdminToken, LimitsAdmin
+from gateway.batch.store import BatchStore, LocalBatchStore
+from gateway.batch.worker import BatchWorker, Headroom, InteractiveTraffic, WorkerSettings
 from gateway.catalog import ModelCatalog
 from gateway.dashboard import Dashboard, FleetGauges, RecentErrors, RecentErrorsMiddleware
 from gateway.dispatch import Dispatcher
@@ -150,6 +152,7 @@ def create_app(
     on_startup: Callable[[], Awaitable[object]] | None = None,
     on_shutdown: Callable[[], Awaitable[object]] | None = None,
     telemetry: Telemetry | None = None,
+    batches: BatchStore | None = None,
 ) -> ASGIApp:
     """The public gateway. `is_ready` gates requests (503 until it says yes: `edgeserve up` loading);
     `on_startup` / `on_shutdown` start and stop what the caller wired in (sinks, clients).
@@ -158,6 +161,8 @@ def create_app(
     mounts the limits admin API under /admin/v1; `ledger` mounts the usage report route.
     `telemetry` traces requests and backs /metrics (without it: metrics only, no spans).
     `settings.admin_token` also mounts the dashboard (/dashboard, gateway/dashboard/).
+    `batches` keeps Workers AI's queued batches (in this process without it); the app runs
+    their worker (gateway/batch/) while it serves.
     """
     if telemetry is None:
         telemetry = setup_telemetry(TelemetrySettings("edgeserve-gateway", is_tracing=False))
@@ -185,6 +190,8 @@ def create_app(
         node_silence_s=settings.node_silence_s,
         node_probe_timeout_s=settings.node_probe_timeout_s,
     )
+    if batches is None:
+        batches = LocalBatchStore(settings.batch_retention_s, settings.max_batch_queued_per_account)
     fleet = FleetGauges(placer, queue, telemetry.registry)
     recent_errors = RecentErrors()
     gateway = Gateway(
@@ -227,9 +234,11 @@ def create_app(
             await on_startup()
         await _start_limiter(limiter)
         await placer.start()
+        batch_worker.start()
         try:
             yield
         finally:
+            await batch_worker.aclose()  # a batch request in flight goes back to the queue
             await queue.aclose()
             await client.aclose()
             await placer.aclose()
@@ -283,6 +292,15 @@ def create_app(
     # redirect would answer an empty 307 to a URL built from the Host header.
     app.router.redirect_slashes = False
     app.state.gateway = gateway
+    app.state.batches = batches
+    traffic = InteractiveTraffic(app)
+    batch_worker = BatchWorker(
+        batches,
+        workers_ai.batch_runner(gateway),
+        workers_ai.batch_model_of(gateway),
+        Headroom(traffic, queue, placer, settings.batch_idle_s, settings.batch_max_node_load),
+        WorkerSettings(concurrency=settings.batch_concurrency, claim_s=settings.batch_claim_s),
+    )
     return RequestIdMiddleware(
-        RecentErrorsMiddleware(TracingMiddleware(app, telemetry, app.routes), recent_errors)
+        RecentErrorsMiddleware(TracingMiddleware(traffic, telemetry, app.routes), recent_errors)
     )

@@ -886,3 +886,22 @@ def _sampled(body: BaseModel, sampling: SamplingDefaults) -> dict[str, Any]:
 
 def _optional(model: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: getattr(model, name) for name in names if getattr(model, name) is not None}
+
+
+class WorkersAIBatchRequest(BaseModel):
+    """Workers AI's async batch (`?queueRequest=true`): `requests` to queue, or the
+    `request_id` of a batch to poll. Each request is a text generation body, validated when
+    it runs: one that is wrong is that request's error in the answers, not the batch's."""
+
+    model_config = ConfigDict(extra="ignore", title="WorkersAIBatchRequest")
+
+    requests: list[Any] | None = Field(
+        None, min_length=1, description="text generation bodies to run at low priority"
+    )
+    request_id: StrictStr | None = Field(None, description="a queued batch's id, to poll it")
+
+    @model_validator(mode="after")
+    def _one_intent(self) -> WorkersAIBatchRequest:
+        if (self.requests is None) == (self.request_id is None):
+            raise ValueError("give exactly one of 'requests' (to queue) or 'request_id' (to poll)")
+        return self

@@ -36,6 +36,20 @@ class GatewaySettings:
     # A node reservation lapses this long after its gateway last renewed it (every third of
     # it while the request runs): the most a crashed gateway's reservations outlive it.
     reservation_ttl_s: float = 6.0
+    # Workers AI's async batch (`queueRequest`, gateway/batch/): answers are kept this long
+    # past a batch's last one; a batch holds at most max_batch_requests, and an account's
+    # unanswered batch requests are at most max_batch_queued_per_account (429 past it).
+    batch_retention_s: float = 24 * 3600.0
+    max_batch_requests: int = 256
+    max_batch_queued_per_account: int = 1024
+    # A batch request starts only after batch_idle_s without an interactive request on this
+    # gateway, on a node with nobody waiting and a load under batch_max_node_load;
+    # batch_concurrency of them at a time. A claim a dead gateway stopped renewing lapses
+    # after batch_claim_s, and another gateway runs the request.
+    batch_idle_s: float = 0.5
+    batch_max_node_load: float = 0.5
+    batch_concurrency: int = 1
+    batch_claim_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.internal_token:
@@ -51,9 +65,17 @@ class GatewaySettings:
             "known_key_s",
             "store_outage_grace_s",
             "reservation_ttl_s",
+            "batch_retention_s",
+            "max_batch_requests",
+            "max_batch_queued_per_account",
+            "batch_max_node_load",
+            "batch_concurrency",
+            "batch_claim_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.batch_idle_s < 0:
+            raise ValueError(f"batch_idle_s must be >= 0, got {self.batch_idle_s}")
         if self.queue_deadline_s < 0:
             raise ValueError(f"queue_deadline_s must be >= 0, got {self.queue_deadline_s}")
         if self.admin_token is not None and len(self.admin_token) < 16:

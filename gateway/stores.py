@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.admission import AdmissionSettings, RedisLimiter, RedisLimitStore
+from gateway.batch.store import RedisBatchStore
 from gateway.keys import RedisKeyStore
 from gateway.settings import GatewaySettings
 from scheduler.capacity import CapacityView, RedisCapacityRegistry
@@ -22,7 +23,7 @@ from scheduler.store_watch import StoreWatch
 
 @dataclass(frozen=True)
 class RedisStores:
-    """What `create_app` takes for a fleet (keys, placer, limiter, limit_store)."""
+    """What `create_app` takes for a fleet (keys, placer, limiter, limit_store, batches)."""
 
     keys: RedisKeyStore
     placer: Placer
@@ -30,6 +31,7 @@ class RedisStores:
     limit_store: RedisLimitStore
     registry: RedisCapacityRegistry
     watch: StoreWatch
+    batches: RedisBatchStore
 
 
 def redis_stores(
@@ -61,4 +63,11 @@ def redis_stores(
         limit_store=limit_store,
         registry=registry,
         watch=watch,
+        batches=RedisBatchStore(
+            client,
+            prefix,
+            settings.batch_retention_s,
+            settings.max_batch_queued_per_account,
+            settings.batch_claim_s,
+        ),
     )

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Receive
 
+from gateway.batch.store import BatchStore
+from gateway.batch.worker import BatchRequest, ModelOf, Runner
 from gateway.catalog import CatalogModel
-from gateway.errors import BadRequestError, GatewayError, error_body
+from gateway.errors import (
+    BadRequestError,
+    GatewayError,
+    ModelNotFoundError,
+    NotFoundError,
+    RateLimitedError,
+    UnsupportedError,
+    error_body,
+)
 from gateway.http import (
+    Gateway,
     JSONBytes,
     authenticate,
     endpoint,
@@ -20,13 +34,20 @@ from gateway.http import (
     require_ready,
     resolve_model,
     session_id_of,
+    validation_error,
 )
 from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
 from gateway.relay import SSE_DONE, RelayResponse, sse
-from gateway.schemas import WorkersAIEmbeddingRequest, WorkersAITextRequest
+from gateway.schemas import (
+    WorkersAIBatchRequest,
+    WorkersAIEmbeddingRequest,
+    WorkersAITextRequest,
+)
 from gateway.tool_calls import CallStart, Content, ToolCallReader
 from gateway.upstream import ChoiceEnd, Finished, TextChunk, collect
+
+BATCH_FULL_RETRY_S = 30.0  # a full batch queue drains at the pace of low-priority work
 
 
 def envelope(result: Any) -> dict[str, Any]:
@@ -88,38 +109,131 @@ class WorkersAIStream:
 @endpoint("workers_ai")
 async def run_model(request: Request) -> Response:
     """POST /client/v4/accounts/{account_id}/ai/run/{model_name}: text generation, or text
-    embeddings for an embedding model."""
+    embeddings for an embedding model; with `?queueRequest=true`, the async batch API."""
     account_id = await authenticate(request)
     require_ready(request)
     model = await resolve_model(request, request.path_params["model_name"])
+    if _flag(request, "queueRequest"):
+        return await _batch(request, account_id, model)
     if model.is_embedding:
         return await _embed(request, account_id, model)
     body = await parse_body(request, WorkersAITextRequest)
     body.check_supported()
+    if body.stream:
+        upstream = await gateway_of(request).dispatcher.open(
+            _generation_job(request_id_of(request), account_id, model, body, request),
+            request.receive,
+        )
+        stream = WorkersAIStream(body.offers_tools)
+        return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
+    result, headers = await generate(
+        gateway_of(request),
+        _generation_job(request_id_of(request), account_id, model, body, request),
+        body.offers_tools,
+        request.receive,
+    )
+    return JSONBytes(envelope(result), headers=headers)
+
+
+def _generation_job(
+    request_id: str,
+    account_id: str,
+    model: CatalogModel,
+    body: WorkersAITextRequest,
+    request: Request | None = None,
+) -> GenerationJob:
     payload = body.node_payload(model.sampling)
-    job = GenerationJob(
-        request_id_of(request),
+    return GenerationJob(
+        request_id,
         account_id,
         model,
         payload,
         estimate_tokens(payload),
-        reject_if_busy=body.reject_if_busy,
-        stream=body.stream,
-        session_id=session_id_of(request),
+        # a batch request (no client request) never waits in the capacity queue
+        reject_if_busy=body.reject_if_busy or request is None,
+        stream=body.stream and request is not None,
+        session_id=None if request is None else session_id_of(request),
     )
-    upstream = await gateway_of(request).dispatcher.open(job, request.receive)
-    if body.stream:
-        stream = WorkersAIStream(body.offers_tools)
-        return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    (choice,), finished = await collect(upstream, request.receive)
+
+
+async def generate(
+    gateway: Gateway, job: GenerationJob, offers_tools: bool, receive: Receive
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A whole generation's `result` (response, tool calls, usage) and admission's headers."""
+    upstream = await gateway.dispatcher.open(job, receive)
+    (choice,), finished = await collect(upstream, receive)
     result: dict[str, Any] = {"response": choice.text}
-    if body.offers_tools:
+    if offers_tools:
         reader = ToolCallReader()
         pieces = reader.feed(choice.text) + reader.finish()
         result["response"] = "".join(p.text for p in pieces if isinstance(p, Content))
         if reader.names:
             result["tool_calls"] = tool_calls(reader)
-    return JSONBytes(envelope(result | {"usage": usage(finished)}), headers=upstream.headers)
+    return result | {"usage": usage(finished)}, upstream.headers
+
+
+async def _batch(request: Request, account_id: str, model: CatalogModel) -> Response:
+    """Queues a batch (`requests`) and answers its id at once, or answers a queued batch's
+    status, then its answers (`request_id`); another account's batch is not found."""
+    batches: BatchStore = request.app.state.batches
+    body = await parse_body(request, WorkersAIBatchRequest)
+    if body.request_id is not None:
+        view = await batches.get(account_id, body.request_id)
+        if view is None:
+            raise NotFoundError(f"no queued request {body.request_id!r} for this account")
+        return JSONBytes(envelope(view.result()))
+    assert body.requests is not None
+    if model.is_embedding:
+        raise UnsupportedError("queueRequest is served for text generation models only")
+    most = gateway_of(request).settings.max_batch_requests
+    if len(body.requests) > most:
+        raise BadRequestError(
+            f"a batch holds at most {most} requests, got {len(body.requests)}", param="requests"
+        )
+    batch_id = await batches.submit(account_id, model.name, body.requests)
+    if batch_id is None:
+        raise RateLimitedError(
+            "this account's batch queue is full; poll its batches and retry when they are done",
+            retry_after_s=BATCH_FULL_RETRY_S,
+        )
+    return JSONBytes(envelope({"status": "queued", "request_id": batch_id, "model": model.name}))
+
+
+async def _no_client() -> Message:
+    """A batch request's `receive`: nobody is there to leave."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def batch_runner(gateway: Gateway) -> Runner:
+    """Runs one request of a batch as `run_model` runs a whole answer (the worker's Runner)."""
+
+    async def run(request: BatchRequest) -> dict[str, Any]:
+        model = gateway.catalog.resolve(request.model, await gateway.dispatcher.served_models())
+        if model is None:
+            raise ModelNotFoundError(f"no such model: {request.model!r}", param="model")
+        if not isinstance(request.body, dict):
+            raise BadRequestError("each of 'requests' must be a JSON object")
+        try:
+            body = WorkersAITextRequest.model_validate(request.body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        body.check_supported()
+        job = _generation_job(request.request_id, request.account_id, model, body)
+        result, _ = await generate(gateway, job, body.offers_tools, _no_client)
+        return result
+
+    return run
+
+
+def batch_model_of(gateway: Gateway) -> ModelOf:
+    """The node model a batch's public model name runs on (None: no such model)."""
+
+    async def node_model(name: str) -> str | None:
+        model = gateway.catalog.resolve(name, await gateway.dispatcher.served_models())
+        return None if model is None else model.node_model
+
+    return node_model
 
 
 async def _embed(request: Request, account_id: str, model: CatalogModel) -> Response:
