@@ -103,28 +103,27 @@ def streamed_choices(stream: Any) -> dict[int, dict[str, Any]]:
 
 
 def test_json_schema_answers_all_validate_whole_and_streamed(client) -> None:
-    contents = []
-    for seed in (11, 12):  # 2 x 10 choices: twenty sampled answers
-        kwargs: dict[str, Any] = {
-            "model": SMOLLM2, "messages": ASK, "response_format": PERSON_FORMAT,
-            "temperature": 1.0, "seed": seed, "n": 10, "max_tokens": 200,
-        }  # fmt: skip
-        whole = client.chat.completions.create(**kwargs)
-        assert len(whole.choices) == 10
-        for choice in whole.choices:
-            assert choice.finish_reason == "stop"
-            jsonschema.validate(json.loads(choice.message.content), PERSON)
-        streamed = streamed_choices(client.chat.completions.create(**kwargs, stream=True))
-        assert sorted(streamed) == list(range(10))
-        for got in streamed.values():
-            assert got["finish_reason"] == "stop"
-            jsonschema.validate(json.loads(got["content"]), PERSON)
-        # One prompt, one seed: the stream carries the same answers, choice by choice.
-        assert [streamed[i]["content"] for i in range(10)] == [
-            c.message.content for c in whole.choices
-        ]
-        contents += [c.message.content for c in whole.choices]
-    assert len(set(contents)) > 10  # sampled, not one answer twenty times
+    kwargs: dict[str, Any] = {
+        "model": SMOLLM2, "messages": ASK, "response_format": PERSON_FORMAT,
+        "temperature": 1.0, "n": 10, "max_tokens": 200,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**kwargs, seed=11)  # ten answers whole
+    assert len(whole.choices) == 10
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    streamed = streamed_choices(client.chat.completions.create(**kwargs, seed=12, stream=True))
+    assert sorted(streamed) == list(range(10))  # and ten streamed
+    for got in streamed.values():
+        assert got["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(got["content"]), PERSON)
+    answers = [c.message.content for c in whole.choices] + [g["content"] for g in streamed.values()]
+    assert len(set(answers)) > 10  # sampled, not one answer twenty times
+    # One prompt, one seed: a stream carries the answers a whole request gets.
+    again = streamed_choices(
+        client.chat.completions.create(**kwargs | {"n": 2}, seed=11, stream=True)
+    )
+    assert [again[i]["content"] for i in range(2)] == [c.message.content for c in whole.choices[:2]]
 
 
 def test_workers_ai_json_mode_answers_validate_whole_and_streamed(stack) -> None:

@@ -73,17 +73,19 @@ def assert_valid_person(answer: dict) -> None:
     jsonschema.validate(json.loads(answer["text"]), PERSON)
 
 
-def test_twenty_sampled_answers_at_temperature_one_validate(make_engine, chat_ids) -> None:
-    engine = make_engine(max_num_seqs=20)
+def test_sampled_answers_at_temperature_one_validate(make_engine, chat_ids) -> None:
+    """Eight in one batch here; twenty through both APIs in
+    tests/integration/test_structured_outputs.py."""
+    engine = make_engine(max_num_seqs=8)
     grammar = engine.grammars.compile(PERSON_SPEC)
     ids = chat_ids(ASK)
     requests = {
-        str(i): (ids, SamplingParams(max_tokens=200, temperature=1.0, seed=i)) for i in range(20)
+        str(i): (ids, SamplingParams(max_tokens=200, temperature=1.0, seed=i)) for i in range(8)
     }
     got = run(engine, requests, grammar=grammar)
     for answer in got.values():
         assert_valid_person(answer)
-    assert len({a["text"] for a in got.values()}) > 10  # sampled, not one answer twenty times
+    assert len({a["text"] for a in got.values()}) > 4  # sampled, not one answer eight times
     assert engine.stats().num_free_pages == engine.block_manager.num_pages
 
 
