@@ -131,6 +131,9 @@ class WorkerSettings:
     claim_s: float = 30.0  # a claim its gateway stopped renewing lapses after this
     max_attempts: int = 5  # transient refusals before the refusal is the request's answer
     retry_s: float = 1.0  # back-off after a transient refusal or a store error
+    # On stop, a request running is given this long to finish: one cut short is billed as
+    # cancelled for the prompt its node ran, and runs (and is billed) again elsewhere.
+    drain_s: float = 10.0
 
 
 class BatchWorker:
@@ -151,41 +154,51 @@ class BatchWorker:
         self._settings = settings
         self.consumer = f"gateway-{uuid.uuid4().hex[:12]}"
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
 
     def start(self) -> None:
+        self._stopping.clear()
         self._tasks = [
             asyncio.create_task(self._loop(), name=f"batch-worker-{i}")
             for i in range(self._settings.concurrency)
         ]
 
     async def aclose(self) -> None:
-        """Stops the workers; a request in flight is cancelled on its node and released."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stops the workers: a request running gets `drain_s` to finish, then is cancelled
+        on its node and released; one waiting for room is released at once."""
+        self._stopping.set()
+        if self._tasks:
+            _, running = await asyncio.wait(self._tasks, timeout=self._settings.drain_s)
+            for task in running:
+                task.cancel()
+            for task in running:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._tasks = []
 
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 if not self._headroom.is_quiet():
-                    await asyncio.sleep(self._settings.poll_s)
+                    await self._pause(self._settings.poll_s)
                     continue
                 claim = await self._store.claim(self.consumer)
                 if claim is None:
-                    await asyncio.sleep(self._settings.poll_s)
+                    await self._pause(self._settings.poll_s)
                     continue
                 await self._serve(claim)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
                 log.warning("batch worker %s: the store failed: %s", self.consumer, exc)
-                await asyncio.sleep(self._settings.retry_s)
+                await self._pause(self._settings.retry_s)
             except Exception:
                 log.exception("batch worker %s failed", self.consumer)
-                await asyncio.sleep(self._settings.retry_s)
+                await self._pause(self._settings.retry_s)
 
     async def _serve(self, claim: Claim) -> None:
         renewing = asyncio.create_task(self._renew(claim))
@@ -200,7 +213,7 @@ class BatchWorker:
                 await renewing
         if response is None:
             await self._release(claim)
-            await asyncio.sleep(self._settings.retry_s)
+            await self._pause(self._settings.retry_s)
             return
         await self._store.complete(claim, response)
 
@@ -209,7 +222,9 @@ class BatchWorker:
         node_model = await self._model_of(claim.model)
         if node_model is not None:
             while not await self._headroom.has_room(node_model):
-                await asyncio.sleep(self._settings.poll_s)
+                if self._stopping.is_set():
+                    return None
+                await self._pause(self._settings.poll_s)
         request = BatchRequest(claim.request_id, claim.account_id, claim.model, claim.body)
         entry: dict[str, Any] = {"id": claim.index}
         if isinstance(claim.body, dict) and "external_reference" in claim.body:
