@@ -32,6 +32,12 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 GROUP = "batch-workers"
+# An account's count of unanswered requests goes down only while it exists: once lapsed
+# (its batches expired unanswered), a late answer must not leave it below zero.
+_DECR_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('DECRBY', KEYS[1], ARGV[1]) end
+return 0
+"""
 
 
 def new_batch_id() -> str:
@@ -237,6 +243,7 @@ class RedisBatchStore:
         self._max_queued = max_queued_per_account
         self._claim_ms = int(claim_s * 1000)
         self._has_group = False
+        self._decr_if_exists = client.register_script(_DECR_IF_EXISTS)
 
     def _batch_key(self, account_id: str, batch_id: str) -> str:
         return f"{self._prefix}batch:{account_id}:{batch_id}"
@@ -261,7 +268,15 @@ class RedisBatchStore:
         if num_queued > self._max_queued:
             await self._redis.decrby(queued_key, len(bodies))
             return None
+        try:
+            batch_id = await self._queue(account_id, model, bodies)
+        except BaseException:
+            await self._decr_if_exists(keys=[queued_key], args=[len(bodies)])
+            raise
         await self._redis.pexpire(queued_key, self._retention_ms)
+        return batch_id
+
+    async def _queue(self, account_id: str, model: str, bodies: list[Any]) -> str:
         batch_id = new_batch_id()
         key = self._batch_key(account_id, batch_id)
         fields: dict[FieldT, EncodableT] = {
@@ -383,5 +398,5 @@ class RedisBatchStore:
                 pipe.hincrby(key, "num_done", 1)
                 pipe.pexpire(key, self._retention_ms)
                 await pipe.execute()
-            await self._redis.decr(self._queued_key(claim.account_id))
+            await self._decr_if_exists(keys=[self._queued_key(claim.account_id)], args=[1])
         await self._drop(claim.entry_id)
