@@ -124,19 +124,62 @@ def text_windows(tokenizer: ChatTokenizer, num_windows: int, window: int) -> lis
     return [ids[i * window : (i + 1) * window] for i in range(num_windows)]
 
 
-def greedy(model, tokenizer: ChatTokenizer, kv_dtype: str, prompt: str, new_tokens: int):
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    ids = tokenizer.encode(chat)
-    sequence = OneSequence(model, kv_dtype, len(ids) + new_tokens)
-    logits = sequence.feed(ids)[-1]
-    out: list[int] = []
+@torch.inference_mode()
+def greedy_batch(model, kv_dtype: str, prompts: list[list[int]], new_tokens: int):
+    """Greedy answers of `new_tokens` tokens to every prompt, decoded as one batch (each
+    sequence on pages of its own, as the engine batches them; no stop at EOS here)."""
+    config, count = model.config, len(prompts)
+    pages_each = [math.ceil((len(p) + new_tokens) / PAGE_SIZE) for p in prompts]
+    first_page = [sum(pages_each[:i]) for i in range(count)]
+    kv = KVCache(
+        config.num_layers, sum(pages_each), PAGE_SIZE, config.num_kv_heads, config.head_dim,
+        kv_dtype,
+    )  # fmt: skip
+    tags = torch.tensor([owner_tag(i + 1, 0) for i in range(count)])
+    page_owner = torch.repeat_interleave(tags, torch.tensor(pages_each))
+    block_tables = torch.zeros(count, max(pages_each), dtype=torch.int32)
+    for i in range(count):
+        block_tables[i, : pages_each[i]] = torch.arange(
+            first_page[i], first_page[i] + pages_each[i]
+        )
+    lengths = [0] * count
+    chunks = [list(p) for p in prompts]
+    answers: list[list[int]] = [[] for _ in range(count)]
     for _ in range(new_tokens):
-        token = int(logits.argmax())
-        out.append(token)
-        if token == tokenizer.eos_token_id or len(out) == new_tokens:
-            break
-        logits = sequence.feed([token])[-1]
-    return out
+        positions = torch.cat(
+            [torch.arange(n, n + len(c)) for n, c in zip(lengths, chunks, strict=True)]
+        )
+        token_seq = torch.repeat_interleave(
+            torch.arange(count), torch.tensor([len(c) for c in chunks])
+        )
+        pages = block_tables[token_seq, positions // PAGE_SIZE].long()
+        metadata = StepMetadata(
+            query_lens=[len(c) for c in chunks],
+            context_lens=[n + len(c) for n, c in zip(lengths, chunks, strict=True)],
+            block_tables=block_tables,
+            slot_mapping=pages * PAGE_SIZE + positions % PAGE_SIZE,
+            seq_tags=tags,
+            token_seq=token_seq,
+            page_owner=page_owner,
+        )
+        attention = PagedAttention(
+            kv, metadata, config.attention_scale, windows=config.layer_windows
+        )
+        ids = torch.tensor([t for c in chunks for t in c])
+        logits = model(ids, positions, attention)
+        if bool((attention.violations > 0).any()):
+            raise RuntimeError("ownership violation in a batch whose pages are all owned")
+        last = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1
+        tokens = logits[last].argmax(-1).tolist()
+        for i, token in enumerate(tokens):
+            answers[i].append(token)
+            lengths[i] += len(chunks[i])
+        chunks = [[t] for t in tokens]
+    return answers
+
+
+def until_eos(answer: list[int], eos: int | None) -> list[int]:
+    return answer[: answer.index(eos) + 1] if eos in answer else answer
 
 
 def shared_share(answer: list[int], reference: list[int]) -> float:
@@ -165,13 +208,20 @@ def measure(name: str, num_windows: int, window: int, prompts, new_tokens: int) 
             nll -= float(log_probs.gather(1, targets[:, None]).sum())
             count += len(targets)
             if kv_dtype == "fp32":
-                reference.append(log_probs)
+                reference.append(log_probs.float())  # fp32: a window of 262k-token logits
             else:
-                ref = reference[index]
+                ref = reference[index].double()
                 kl += float((ref.exp() * (ref - log_probs)).sum())
         result[kv_dtype] = {"perplexity": math.exp(nll / count), "mean_kl": kl / count}
+    chats = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+        for p in prompts
+    ]
     answers = {
-        kv: [greedy(model, tokenizer, kv, p, new_tokens) for p in prompts] for kv in KV_DTYPES
+        kv: [
+            until_eos(a, tokenizer.eos_token_id) for a in greedy_batch(model, kv, chats, new_tokens)
+        ]
+        for kv in KV_DTYPES
     }
     for kv_dtype in KV_DTYPES:
         pairs = list(zip(answers[kv_dtype], answers["fp32"], strict=True))
