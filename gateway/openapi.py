@@ -47,6 +47,7 @@ from gateway.schemas import (
     CompletionRequest,
     EmbeddingsRequest,
     ResponsesRequest,
+    WorkersAIBatchRequest,
     WorkersAIEmbeddingRequest,
     WorkersAITextRequest,
 )
@@ -191,12 +192,24 @@ def _workers_ai_paths() -> dict[str, dict[str, Any]]:
             ("account_id", "another account, or * for all (admin token)"),
         )
     ]
-    run_body = {"oneOf": [_ref("WorkersAITextRequest"), _ref("WorkersAIEmbeddingRequest")]}
+    run_body = {
+        "oneOf": [
+            _ref("WorkersAITextRequest"),
+            _ref("WorkersAIEmbeddingRequest"),
+            _ref("WorkersAIBatchRequest"),
+        ]
+    }
+    queue_request = {
+        "name": "queueRequest", "in": "query", "required": False,
+        "description": "true: queue `requests` as an async batch, or poll `request_id`",
+        "schema": {"type": "string", "enum": ["true", "false"]},
+    }  # fmt: skip
     return {
         f"{ACCOUNT_AI}/run/{{model_name}}": {
             "post": _operation(
-                "Workers AI text generation, or text embeddings for an embedding model",
-                [_ACCOUNT, _MODEL],
+                "Workers AI text generation, text embeddings for an embedding model, or an "
+                "async batch (`queueRequest`)",
+                [_ACCOUNT, _MODEL, queue_request],
                 _generation_ok("WorkersAIRunResponse"),
                 _errors("workers_ai", _RUN, True),
                 body=run_body,
@@ -345,6 +358,7 @@ def _document() -> dict[str, Any]:
     models: tuple[type[BaseModel], ...] = (
         WorkersAITextRequest,
         WorkersAIEmbeddingRequest,
+        WorkersAIBatchRequest,
         ChatCompletionRequest,
         CompletionRequest,
         EmbeddingsRequest,

@@ -79,10 +79,36 @@ class WorkersAIEmbeddingResult(_Body):
     data: list[list[float]]
 
 
-class WorkersAIRunResponse(_Envelope):
-    """`ai/run`: generated text, or embeddings for an embedding model."""
+class WorkersAIBatchStatus(_Body):
+    """An async batch queued or running (`?queueRequest=true`)."""
 
-    result: WorkersAITextResult | WorkersAIEmbeddingResult
+    status: Literal["queued", "running"]
+    request_id: str
+    model: str
+
+
+class WorkersAIBatchAnswer(_Body):
+    id: int
+    result: WorkersAITextResult | None
+    success: bool
+    errors: list[WorkersAIMessage] = Field(default_factory=list)
+    external_reference: Any = None
+
+
+class WorkersAIBatchDone(_Body):
+    """An async batch's answers, in order, and their total usage."""
+
+    responses: list[WorkersAIBatchAnswer]
+    usage: Usage
+
+
+class WorkersAIRunResponse(_Envelope):
+    """`ai/run`: generated text, embeddings for an embedding model, or an async batch's
+    status or answers."""
+
+    result: (
+        WorkersAITextResult | WorkersAIEmbeddingResult | WorkersAIBatchStatus | WorkersAIBatchDone
+    )
 
 
 class SearchTask(_Body):

@@ -153,8 +153,10 @@ def test_request_bodies_are_the_request_models() -> None:
         "oneOf": [
             {"$ref": "#/components/schemas/WorkersAITextRequest"},
             {"$ref": "#/components/schemas/WorkersAIEmbeddingRequest"},
+            {"$ref": "#/components/schemas/WorkersAIBatchRequest"},
         ]
     }
+    assert [p["name"] for p in run["parameters"]] == ["account_id", "model_name", "queueRequest"]
     assert schemas["EmbeddingsRequest"]["properties"]["encoding_format"]["enum"] == [
         "float", "base64",
     ]  # fmt: skip

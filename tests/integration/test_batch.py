@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from billing.ledger import SqliteLedger
 from billing.sink import LocalUsageSink
 from gateway.batch.store import RedisBatchStore
+from gateway.response_bodies import WorkersAIRunResponse
 from tests.conftest import ACCOUNT_ID, OTHER_ACCOUNT_ID, REDIS_URL, SMOLLM2, ServerThread
 from tests.loopback import API_KEY, OTHER_KEY, Node, running_node, start_gateway
 
@@ -103,6 +104,8 @@ def test_a_batch_answers_as_interactive_requests_do_and_is_billed_per_request(
         done = wait_done(gateway.url, batch_id)
 
         responses = done["responses"]
+        # as /openapi.json declares it
+        WorkersAIRunResponse.model_validate(poll(gateway.url, batch_id).json())
         assert [r["id"] for r in responses] == [0, 1, 2, 3]
         assert responses[0] == {
             "id": 0, "external_reference": "a", "result": expected[0], "success": True,
