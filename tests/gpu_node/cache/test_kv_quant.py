@@ -179,7 +179,9 @@ def test_fp8_pools_refuse_head_dims_that_are_not_powers_of_two():
 
 # --- accuracy on the real SmolLM2 --------------------------------------------------------
 # Bounds from issue 43: fp8 KV within 0.3% perplexity of fp32 KV, and its greedy answers
-# at least 90% as close to fp32 KV's as bf16 KV's are. Full figures: benchmarks/kv_accuracy.py.
+# at least 90% as close to fp32 KV's as bf16 KV's are. Full figures: benchmarks/kv_accuracy.py;
+# over its 24 prompts x 32 tokens fp8 does not meet the greedy bound yet (76% of each answer
+# shared against bf16's 100%; docs/benchmarks.md), so the greedy test guards six of them.
 PAGE_SIZE = 16
 
 
