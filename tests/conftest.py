@@ -256,21 +256,6 @@ def run_on_engine(engine: Any, prompt_ids: list[int], **params: Any) -> Referenc
     return asyncio.run(go())
 
 
-def run_to_end(
-    engine: Any, request_id: str, ids: list[int], params: Any, **add: Any
-) -> tuple[list[int], Any]:
-    """One request through a sync LLMEngine (`add` goes to add_request): every token it
-    produced and its final output."""
-    engine.add_request(request_id, ids, params, **add)
-    tokens: list[int] = []
-    final = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.token_ids)
-            final = out if out.finished else final
-    return tokens, final
-
-
 def chat_prompt_ids(engine: Any, messages: list[dict[str, str]]) -> list[int]:
     return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
 

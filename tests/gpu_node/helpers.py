@@ -1,7 +1,8 @@
-"""What several gpu_node test modules share: the prompt's logits through the pages, the
-moe-small two-request check, and the seeded engines the GPU tests build (the GGUF does not
-reach the GPU machine). The gpu_node modules are imported inside the functions, so this
-module imports no kernel module and needs no fixture of the conftests."""
+"""What several gpu_node test modules share: a request run to its end (its logprobs and
+the logits the sampler saw, too), the prompt's logits through the pages, the moe-small
+two-request check, and the seeded engines the GPU tests build (the GGUF does not reach the
+GPU machine). The gpu_node modules are imported inside the functions, so this module
+imports no kernel module and needs no fixture of the conftests."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ class StubTokenizer:
         return ""
 
 
-def seeded_model(weights):
-    """A 4-layer seeded llama on CUDA in bf16, `weights` "bf16" or "int4 g<group size>"."""
+def seeded_model(weights, fuse=True):
+    """A 4-layer seeded llama on CUDA in bf16, `weights` "bf16" or "int4 g<group size>";
+    its projections fused as a GPU node serves it, unless `fuse` is False."""
     from gpu_node.models.config import ModelConfig
     from gpu_node.models.llama import fuse_projections
     from gpu_node.models.weights import seeded_llama
@@ -49,7 +51,7 @@ def seeded_model(weights):
         quantize_model(
             model, group_size=int(weights[len("int4 g") :]), skip=("lm_head", "embed_tokens")
         )
-    return fuse_projections(model)  # as a GPU node serves it
+    return fuse_projections(model) if fuse else model
 
 
 def seeded_int4_model(dtype, group_size=128):
@@ -80,6 +82,51 @@ def seeded_engine(model, kv_dtype, cuda_graph_batch=0, activations="auto"):
         num_pages=64, cuda_graph_batch=cuda_graph_batch, cuda_graph_tokens=0,  # decode graphs alone
     )  # fmt: skip
     return LLMEngine(config, model, StubTokenizer())
+
+
+def default_seeded_engine(model, kv_dtype, prefix_cache_blocks=0):
+    """An engine of 64 pages on CUDA around `model`, CUDA graphs as configured by default."""
+    from gpu_node.config import EngineConfig
+    from gpu_node.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model="seeded", device="cuda", kv_dtype=kv_dtype, num_pages=64,
+        prefix_cache_blocks=prefix_cache_blocks,
+    )  # fmt: skip
+    return LLMEngine(config, model, StubTokenizer())
+
+
+def run_to_end(engine, request_id, ids, params, **add):
+    """One request through a sync LLMEngine (`add` goes to add_request): every token it
+    produced and its final output."""
+    engine.add_request(request_id, ids, params, **add)
+    tokens: list[int] = []
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.token_ids)
+            final = out if out.finished else final
+    return tokens, final
+
+
+def run_capturing_logits(engine, ids, params, grammar=None):
+    """Runs one request; its outputs' logprobs, tokens and the logits row of each step
+    (as the sampler saw them: after the grammar's mask)."""
+    seen: list[torch.Tensor] = []
+    mask = engine._mask
+
+    def capture(chunks, logits):
+        mask(chunks, logits)
+        seen.append(logits[0].clone())
+
+    engine._mask = capture
+    engine.add_request("r", ids, params, grammar=grammar)
+    logprobs, tokens = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs += list(out.logprobs or ())
+            tokens += list(out.token_ids)
+    return logprobs, tokens, seen
 
 
 def record_logits(runner):

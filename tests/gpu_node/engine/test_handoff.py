@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation in the engine: a prompt prefilled on one engine and
-decoded on another gives exactly one engine's tokens (real SmolLM2 weights)."""
+decoded on another gives exactly one engine's tokens (real SmolLM2 weights; on a GPU,
+seeded weights, since the GGUF does not reach the GPU machine)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import torch
 from gpu_node.engine.handoff import KVHandoff
 from gpu_node.errors import InvalidRequestError
 from scheduler.sequence import SamplingParams
-from tests.conftest import run_to_end
+from tests.gpu_node.helpers import (
+    default_seeded_engine,
+    needs_cuda,
+    run_capturing_logits,
+    run_to_end,
+    seeded_model,
+)
 
 QUESTION = "Name three colours and say which one you like best."
 
@@ -62,6 +69,24 @@ def test_prefilled_on_one_engine_decoded_on_another_equals_one_engine(
     assert (final.num_prompt_tokens, final.num_completion_tokens) == (len(ids), len(alone))
     assert final.finish_reason == "length"
     assert decoder.stats().num_free_pages == decoder.stats().num_pages
+
+
+def test_a_handed_off_request_keeps_its_first_tokens_logprob(make_engine, chat_ids):
+    ids = chat_ids("Name a colour.")
+    params = SamplingParams(max_tokens=6, logprobs=True, top_logprobs=2)
+    engine = make_engine()
+    alone, _, _ = run_capturing_logits(engine, ids, params)
+    engine.add_request("p", ids, params, prefill_only=True)
+    (out,) = [o for _ in range(4) for o in engine.step()]
+    assert out.logprobs == (alone[0],)
+    handoff = KVHandoff.from_bytes(out.handoff.to_bytes())
+    assert handoff.first_logprob == alone[0]
+    engine.add_request("d", ids, params, handoff=handoff)
+    got = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            got += list(o.logprobs or ())
+    assert got == alone
 
 
 def test_a_decode_engine_refuses_a_handoff_it_cannot_continue(make_engine, chat_ids) -> None:
@@ -134,3 +159,20 @@ def test_a_handoff_of_another_version_is_refused_by_name() -> None:
     head = json.dumps({"version": 1}).encode()
     with pytest.raises(ValueError, match="handoff version 1, this node reads 2"):
         KVHandoff.from_bytes(struct.pack("<I", len(head)) + head)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prefilled_on_one_gpu_engine_decoded_on_another_equals_one_engine(kv_dtype, temperature):
+    """On a GPU: pools read and written by the Triton kernels."""
+    model = seeded_model("bf16", fuse=False)
+    ids = [(7 * j) % 4000 + 1 for j in range(45)]  # three pages of 16 and a part
+    params = SamplingParams(max_tokens=20, temperature=temperature, seed=3, ignore_eos=True)
+    alone, _ = run_to_end(default_seeded_engine(model, kv_dtype), "r", ids, params)
+    handoff = prefill(default_seeded_engine(model, kv_dtype), ids, params)
+    assert handoff.k.device.type == "cpu" and handoff.k.shape == (4, 45, 2, 64)
+    decoder = default_seeded_engine(model, kv_dtype)
+    tokens, _ = decode(decoder, ids, params, handoff)
+    assert tokens == alone and len(tokens) == 20
+    assert decoder.stats().num_free_pages == decoder.stats().num_pages

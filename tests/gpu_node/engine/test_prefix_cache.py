@@ -1,6 +1,7 @@
 """Prefix caching on the real SmolLM2: cached prompt pages give exactly the cold tokens,
 are counted as cached tokens, never cross accounts, and make room oldest first, the end of
-a prompt before its start."""
+a prompt before its start; on a GPU too, seeded weights in pools the Triton kernels read
+and write."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from gpu_node.config import EngineConfig
 from scheduler.sequence import SamplingParams
-from tests.conftest import run_to_end
+from tests.gpu_node.helpers import default_seeded_engine, needs_cuda, run_to_end, seeded_model
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 BASE = "Tell me about the sea, the moon and the stars, and how they move together."
@@ -128,3 +129,18 @@ def test_storing_a_prompt_never_makes_room_with_its_own_blocks() -> None:
     assert store.load([b"A1", b"A2"], [4, 5]) == 2
     assert store.copies[-1] == ([0, 1], [4, 5], True)
     assert store.load([b"B1"], [6]) == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_a_cached_prefix_on_the_gpu_gives_the_cold_tokens(kv_dtype):
+    model = seeded_model("bf16", fuse=False)
+    shared = [(5 * j) % 4000 + 1 for j in range(40)]
+    first, second = [*shared, 7, 8, 9], [*shared, 11, 12, 13, 14, 15]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cold, _ = run_to_end(default_seeded_engine(model, kv_dtype), "c", second, params)
+    warm = default_seeded_engine(model, kv_dtype, prefix_cache_blocks=8)
+    run_to_end(warm, "a", first, params)
+    tokens, final = run_to_end(warm, "b", second, params)
+    assert tokens == cold
+    assert final.num_cached_tokens == 32  # two full pages of the shared 40 tokens

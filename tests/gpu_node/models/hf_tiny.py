@@ -12,6 +12,10 @@ VOCAB = 320
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
+# prompts of token ids the parity tests run through our engine and through transformers
+PROMPT = [5, 77, 301, 12, 9, 250, 64, 3, 18, 140, 33, 7, 99, 210, 41, 2, 160, 88, 19, 270]
+PROMPTS = [("a", PROMPT), ("b", PROMPT[5:] + PROMPT[:3]), ("c", PROMPT[::-1] + PROMPT[:11])]
+
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,

@@ -15,9 +15,7 @@ from gpu_node.engine.attention import attend_ref
 from gpu_node.errors import ModelNotFoundError
 from gpu_node.models.families import config_from_hf
 from gpu_node.models.hf_checkpoint import HFCheckpoint, load_hf_model
-from tests.gpu_node.models.hf_tiny import FAMILIES, write_checkpoint
-
-PROMPT = [5, 77, 301, 12, 9, 250, 64, 3, 18, 140, 33, 7, 99, 210, 41, 2, 160, 88, 19, 270]
+from tests.gpu_node.models.hf_tiny import FAMILIES, PROMPT, PROMPTS, write_checkpoint
 
 
 class WholeContext:
@@ -209,9 +207,6 @@ def transformers_greedy(hf, prompts):
             )[0, len(ids) :].tolist()
             for name, ids in prompts
         }
-
-
-PROMPTS = [("a", PROMPT), ("b", PROMPT[5:] + PROMPT[:3]), ("c", PROMPT[::-1] + PROMPT[:11])]
 
 
 def test_the_engine_decodes_what_transformers_does(family_checkpoint):

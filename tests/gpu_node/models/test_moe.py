@@ -1,4 +1,6 @@
-"""The MoE family: router, grouping by expert, MoeMLP (float and INT4), GGUF loading."""
+"""The MoE family: router, grouping by expert, MoeMLP (float and INT4), GGUF loading, and
+the moe-small model through the engine in each weight format (INT4 computing in fp16 on a
+GPU too)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+import gpu_node.models.weights as weights_module
+from gpu_node.config import EngineConfig
 from gpu_node.models.moe import (
     MOE_CONFIGS,
     Int4MoeExperts,
@@ -19,6 +23,7 @@ from gpu_node.models.moe import (
     moe_mlp_from_gguf,
 )
 from gpu_node.models.moe_routing import expert_slots_ref, group_by_expert, route
+from gpu_node.models.weights import build_model
 from gpu_node.quant.int4 import (
     Int4ExpertsMMA,
     Int4Weight,
@@ -31,6 +36,7 @@ from gpu_node.quant.int4 import (
     to_mma,
 )
 from gpu_node.quant.linear import Int4Linear, ModelBytes, model_bytes, quantize_model
+from tests.gpu_node.helpers import check_moe_small_serves_two_requests, needs_cuda
 
 SMALL = MOE_CONFIGS["moe-small"]
 
@@ -346,3 +352,45 @@ def test_int4_experts_keep_their_tile_strides_through_a_memory_format_move() -> 
     assert mlp.experts.w13_packed.stride() == strides
     w13, _ = mlp.experts.weights_mma()  # would refuse tiles without a unit last stride
     assert w13.group_size == 32
+
+
+@pytest.mark.parametrize("weights", ["int4", "bf16", "fp32"])
+def test_moe_small_runs_through_the_engine(weights):
+    from gpu_node.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(model="moe-small", weights=weights, num_pages=32))
+    check_moe_small_serves_two_requests(engine)
+
+
+def test_moe_small_in_bf16_serves_the_codes_of_the_fp32_build(monkeypatch):
+    # As a GPU node builds it (bf16 activations), here on CPU: norms and embeddings in
+    # bf16, the INT4 codes, scales and mins exactly those quantized from the fp32 weights
+    # (checked on layer 0 against its own fp32 weights, quantized here).
+    monkeypatch.setattr(weights_module, "activation_dtype", lambda *args: torch.bfloat16)
+    model, _ = build_model("moe-small", "int4")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    fp32 = weights_module.moe_model("moe-small").layers[0]  # the same seeds, unquantized
+    q_proj = model.layers[0].self_attn.q_proj.weight_int4
+    expected = quantize_int4(fp32.self_attn.q_proj.weight, 32)
+    assert q_proj.scales.dtype == torch.float16
+    assert torch.equal(q_proj.packed, expected.packed)
+    assert torch.equal(q_proj.scales, expected.scales) and torch.equal(q_proj.mins, expected.mins)
+    w13, w2 = model.layers[0].mlp.experts.weights()
+    assert torch.equal(w13.packed, quantize_int4(fp32.mlp.experts.w13, 32).packed)
+    assert torch.equal(w2.scales, quantize_int4(fp32.mlp.experts.w2, 32).scales)
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    assert model.layers[0].mlp(x).dtype == torch.bfloat16
+
+
+@needs_cuda
+def test_moe_small_serves_int4_in_fp16_through_the_engine():
+    from gpu_node.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model="moe-small", weights="int4", activations="fp16", device="cuda", kv_dtype="fp16",
+        num_pages=32,
+    )  # fmt: skip
+    engine = LLMEngine.from_config(config)
+    assert engine.model.embed_tokens.weight.dtype == torch.float16
+    check_moe_small_serves_two_requests(engine)
