@@ -327,12 +327,10 @@ def part_check(results: dict, device: str, trials: int) -> bool:
     # (2**-8 relative rounding) and the kernel's dots run in TF32 on the GPU.
     cases = [  # shape, cache dtype, context lengths, dot dtype (None: the default), q_fp8
         ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], None, None),
-        ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], None, True),
         ("smollm2", FP8_DTYPE, [1, 17, 100, 4097, 33, 2000, 15, 16], torch.float32, None),
         ("smollm2", torch.bfloat16, [1, 17, 100, 4097, 33, 2000, 15, 16], None, None),
         ("smollm2", torch.float32, [300, 1, 5000], None, None),
         ("llama8b", FP8_DTYPE, [700, 1, 9000, 64], None, None),
-        ("llama8b", FP8_DTYPE, [700, 1, 9000, 64], None, True),
         ("llama8b", torch.bfloat16, [700, 1, 9000, 64], None, None),
     ]
     for seed, (shape_name, cache_dtype, lens, dot_dtype, q_fp8) in enumerate(cases):
