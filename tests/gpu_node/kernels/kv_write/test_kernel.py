@@ -18,9 +18,13 @@ from gpu_node.kernels.kv_write.reference import kv_write_ref
 
 kv_write = kv_write_module.kv_write
 
-# CPU tensors through the interpreter; on a GPU the engine's tests run the compiled kernel.
-pytestmark = pytest.mark.skipif(
+# CPU tensors through the interpreter; the compiled kernel on a GPU at the end of the file.
+interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only: CPU tensors"
+)
+compiled = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),
+    reason="needs a CUDA GPU, not interpreted",
 )
 
 NUM_PAGES, PAGE_SIZE = 6, 16
@@ -67,6 +71,7 @@ def hard_values(num_tokens, num_kv_heads, head_dim, dtype):
     return x.to(dtype)
 
 
+@interpreted
 def test_scales_are_stored_page_then_head_then_offset():
     """The [P, H, S] layout: token slot 2 * 16 + 5, head h -> k_scale[2, h, 5], nothing else."""
     # A key along dim 0 rotates to a constant row (H_D's first column is all ones): its
@@ -100,6 +105,7 @@ def test_scales_are_stored_page_then_head_then_offset():
         (torch.float32, torch.float32, 3, 64),
     ],
 )
+@interpreted
 def test_kernel_equals_reference_bit_for_bit(cache_dtype, input_dtype, num_kv_heads, head_dim):
     num_tokens = 13
     key = hard_values(num_tokens, num_kv_heads, head_dim, input_dtype)
@@ -124,6 +130,7 @@ def test_kernel_equals_reference_bit_for_bit(cache_dtype, input_dtype, num_kv_he
     assert bool((rows[~written] == poison).all())
 
 
+@interpreted
 def test_keys_are_int8_codes_of_the_rotated_row():
     """K bytes are int8 codes of H_D k (kv_quant.quantize_keys), V bytes e4m3 values."""
     key = hard_values(4, 2, 64, torch.float32)
@@ -137,6 +144,7 @@ def test_keys_are_int8_codes_of_the_rotated_row():
     assert float((restored - key).norm() / key.norm()) < 0.01
 
 
+@interpreted
 def test_fp8_pools_need_a_power_of_two_head_dim():
     k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 2, 48)
     key = torch.zeros(1, 2, 48)
@@ -146,6 +154,7 @@ def test_fp8_pools_need_a_power_of_two_head_dim():
                   k_scale, v_scale)  # fmt: skip
 
 
+@interpreted
 def test_ownership_violations_are_flagged_and_not_written():
     num_kv_heads, head_dim = 3, 64
     key = hard_values(8, num_kv_heads, head_dim, torch.bfloat16)
@@ -171,6 +180,7 @@ def test_ownership_violations_are_flagged_and_not_written():
         assert changed == [0, 83]
 
 
+@interpreted
 def test_ownership_check_off_writes_foreign_pages():
     key = hard_values(2, 3, 64, torch.bfloat16)
     k_cache, v_cache, _, _ = make_cache(torch.bfloat16, 3, 64)
@@ -188,6 +198,7 @@ def test_ownership_check_off_writes_foreign_pages():
     assert torch.equal(k_cache.view(-1, 3, 64)[40], key[0])
 
 
+@interpreted
 def test_no_tokens_is_a_no_op():
     k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
     empty = torch.empty(0, 3, 64, dtype=torch.bfloat16)
@@ -209,6 +220,7 @@ def test_no_tokens_is_a_no_op():
         ),
     ],
 )
+@interpreted
 def test_bad_input_raises_value_error(change, message):
     k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
     args = {
@@ -227,6 +239,7 @@ def test_bad_input_raises_value_error(change, message):
         kv_write(**args)
 
 
+@interpreted
 @pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16])
 def test_head_major_pools_hold_the_same_rows(cache_dtype):
     """A head-major pool (kv_pool(head_major=True): [P, H, S, D] in memory, indexed
@@ -257,6 +270,7 @@ def test_head_major_pools_hold_the_same_rows(cache_dtype):
         assert k_hm.permute(0, 2, 1, 3).is_contiguous()  # still head-major, written in place
 
 
+@interpreted
 def test_with_one_kv_head_both_orders_are_the_same_pool():
     """With one kv head the two orders are the same memory: either may be passed for K
     and V, and the rows land alike."""
@@ -275,6 +289,7 @@ def test_with_one_kv_head_both_orders_are_the_same_pool():
         assert torch.equal(k_cache[1, 1, 0], key[1, 0])
 
 
+@interpreted
 def test_a_pool_in_another_memory_order_is_refused():
     k_cache = make_cache(torch.bfloat16, 3, 64)[0]
     strided = torch.zeros(NUM_PAGES, 3, 64, PAGE_SIZE, dtype=torch.bfloat16).permute(0, 3, 1, 2)
@@ -287,3 +302,73 @@ def test_a_pool_in_another_memory_order_is_refused():
                 torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), bad_k, bad_v,
                 torch.tensor([0]), OWNER, torch.tensor([7]),
             )  # fmt: skip
+
+
+# The compiled kernel on a GPU: bit for bit its reference (fp8 pools' K rows as int8 codes
+# of the Hadamard-rotated row, V rows e4m3, both scales, in both memory orders).
+
+GPU_NUM_PAGES = 8
+
+
+def gpu_hard_values(num_tokens: int, num_kv_heads: int, head_dim: int, dtype, seed: int):
+    """Rows of every size (1e-3 .. 1e3), loud channels, an all-zero row, elements just
+    below powers of two."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    x *= torch.logspace(-3, 3, num_tokens).view(-1, 1, 1)
+    x[:, :, 5] = x[:, :, 5] * 3 - 13.5  # an outlier channel, as keys carry
+    x[0, 0, :8] = torch.tensor([31.88, -7.87, 1.9686, 0.2499, 447.9, 1e-3, -3e-4, 15.99])
+    x[1, -1] = 0.0
+    return x.to(dtype)
+
+
+@compiled
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize(
+    ("cache_dtype", "input_dtype", "num_kv_heads", "head_dim"),
+    [
+        (FP8_DTYPE, torch.bfloat16, 3, 64),  # SmolLM2
+        (FP8_DTYPE, torch.float16, 8, 128),  # Llama-8B
+        (FP8_DTYPE, torch.float32, 1, 256),  # Gemma 3 270M
+        (FP8_DTYPE, torch.bfloat16, 2, 32),
+        (torch.bfloat16, torch.bfloat16, 3, 64),
+    ],
+)
+def test_compiled_kernel_equals_reference_bit_for_bit(
+    cache_dtype, input_dtype, num_kv_heads, head_dim, head_major
+):
+    num_tokens = 40
+    key = gpu_hard_values(num_tokens, num_kv_heads, head_dim, input_dtype, seed=head_dim)
+    value = gpu_hard_values(num_tokens, num_kv_heads, head_dim, input_dtype, seed=head_dim + 1)
+    slots = torch.randperm(GPU_NUM_PAGES * PAGE_SIZE, generator=torch.Generator().manual_seed(3))
+    slots = slots[:num_tokens]
+    slots[7] = -1  # padding: skipped
+    tags = torch.full((num_tokens,), 7)
+    owner = torch.full((GPU_NUM_PAGES,), 7)
+    results = []
+    for write, device in ((kv_write, "cuda"), (kv_write_ref, "cpu")):
+        shape = (GPU_NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
+        k_cache = kv_pool(*shape, cache_dtype, device, head_major=head_major)
+        v_cache = kv_pool(*shape, cache_dtype, device, head_major=head_major)
+        scales = [None, None]
+        if cache_dtype == FP8_DTYPE:
+            sshape = scale_shape(GPU_NUM_PAGES, PAGE_SIZE, num_kv_heads)
+            scales = [torch.ones(sshape, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        flags = write(
+            key.to(device), value.to(device), k_cache, v_cache, slots.to(device),
+            owner.to(device), tags.to(device), *scales,
+        )  # fmt: skip
+        results.append([t.cpu() for t in (flags, k_cache, v_cache, *scales) if t is not None])
+    for got, want in zip(*results, strict=True):
+        bits = (lambda t: t.view(torch.uint8)) if got.dtype == FP8_DTYPE else (lambda t: t)
+        assert torch.equal(bits(got), bits(want))
+    if cache_dtype == FP8_DTYPE:  # and the keys come back close to what was written
+        _, k_cache, _, k_scale, _ = results[0]
+        written = slots >= 0
+        pages, offsets = slots[written] // PAGE_SIZE, slots[written] % PAGE_SIZE
+        restored = dequantize_keys(
+            k_cache[pages, offsets], k_scale[pages, :, offsets], torch.float32
+        )
+        want = key[written].float()
+        error = (restored - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+        assert float(error.max()) < 0.02
