@@ -12,6 +12,7 @@ releases the placement; gateway/metering.py settles its admission and usage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -118,19 +119,8 @@ class Dispatcher:
         except BaseException as exc:
             trace.fail(exc)
             raise
-        try:
+        async with self._unless_refused(job, headers, trace):
             upstream = await self._place_and_connect(job, started_at, headers, trace, receive)
-        except GatewayError as exc:
-            # Refused after admission (no node, bad input per the node, node failure): the
-            # client still learns where its limits stand.
-            exc.headers = headers | exc.headers
-            await self._meter.release(job, 0)
-            trace.fail(exc)
-            raise
-        except BaseException as exc:
-            await self._meter.release(job, 0)
-            trace.fail(exc)
-            raise
         if upstream.client_left:
             await upstream.close()  # billed as cancelled, its admission given back
             raise ClientClosedError(LEFT_BEFORE_ANSWER)
@@ -158,7 +148,7 @@ class Dispatcher:
         except BaseException as exc:
             trace.fail(exc)
             raise
-        try:
+        async with self._unless_refused(job, headers, trace):
             placement = await self._placed(job, trace, receive)
             try:
                 response = await self._embed_on(placement, job, trace)
@@ -170,15 +160,6 @@ class Dispatcher:
                     raise
                 placement = retry
                 response = await self._embed_on(placement, job, trace)
-        except GatewayError as exc:
-            exc.headers = headers | exc.headers
-            await self._meter.release(job, 0)
-            trace.fail(exc)
-            raise
-        except BaseException as exc:
-            await self._meter.release(job, 0)
-            trace.fail(exc)
-            raise
         if response.vectors:
             trace.span.set_attribute("gen_ai.embeddings.dimension.count", len(response.vectors[0]))
         await self._meter.settle_embedding(
@@ -240,6 +221,25 @@ class Dispatcher:
             raise UpstreamError(
                 NODE_FAILED, detail=f"node {placement.node_id} answered no vectors: {exc}"
             ) from None
+
+    @contextlib.asynccontextmanager
+    async def _unless_refused(
+        self, job: Job, headers: dict[str, str], trace: GenAISpan
+    ) -> AsyncIterator[None]:
+        """Around what follows admission: a refusal there (no node, bad input per the
+        node, node failure) gives the admission back and ends the trace; the client still
+        learns where its limits stand."""
+        try:
+            yield
+        except GatewayError as exc:
+            exc.headers = headers | exc.headers
+            await self._meter.release(job, 0)
+            trace.fail(exc)
+            raise
+        except BaseException as exc:
+            await self._meter.release(job, 0)
+            trace.fail(exc)
+            raise
 
     async def _fit_window(self, job: GenerationJob) -> GenerationJob:
         """`job` with a default max_tokens shortened to what the window leaves; refused

@@ -137,16 +137,16 @@ class JSONSchemaFormat(BaseModel):
     )
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema."""
+class _JSONFormat(BaseModel):
+    """A response format: text, any JSON object, or JSON matching a schema (`json_schema`,
+    in the shape of each dialect)."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
+    def _schema_given(self) -> _JSONFormat:
+        if self.type == "json_schema" and getattr(self, "json_schema", None) is None:
             raise ValueError("type 'json_schema' needs 'json_schema'")
         return self
 
@@ -154,36 +154,34 @@ class ResponseFormat(BaseModel):
         """The JSON Schema an answer must match; None for text."""
         if self.type == "json_object":
             return {"type": "object"}
-        if self.type == "json_schema":
-            assert self.json_schema is not None
-            return self.json_schema.schema_
-        return None
+        return self._schema() if self.type == "json_schema" else None
+
+    def _schema(self) -> dict[str, Any]:
+        raise NotImplementedError
 
 
-class WorkersAIResponseFormat(BaseModel):
+class ResponseFormat(_JSONFormat):
+    """OpenAI's `response_format`: the schema under `json_schema.schema`, with its name."""
+
+    json_schema: JSONSchemaFormat | None = None
+
+    def _schema(self) -> dict[str, Any]:
+        assert self.json_schema is not None
+        return self.json_schema.schema_
+
+
+class WorkersAIResponseFormat(_JSONFormat):
     """Workers AI's JSON mode: `{"type": "json_schema", "json_schema": <the schema>}` (or
     OpenAI's shape, the schema under `schema`), or `{"type": "json_object"}`."""
 
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _schema_given(self) -> WorkersAIResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs 'json_schema'")
-        return self
-
-    def answer_schema(self) -> dict[str, Any] | None:
-        if self.type == "json_object":
-            return {"type": "object"}
-        if self.type == "json_schema":
-            assert self.json_schema is not None
-            wrapped = self.json_schema.get("schema")
-            if isinstance(wrapped, dict) and "name" in self.json_schema:
-                return wrapped
-            return self.json_schema
-        return None
+    def _schema(self) -> dict[str, Any]:
+        assert self.json_schema is not None
+        wrapped = self.json_schema.get("schema")
+        if isinstance(wrapped, dict) and "name" in self.json_schema:
+            return wrapped
+        return self.json_schema
 
 
 class FunctionSpec(BaseModel):

@@ -14,41 +14,10 @@ import openai
 import pytest
 
 from tests.conftest import ACCOUNT_ID, SMOLLM2
+from tests.json_schemas import PERSON
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "pets": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "kind": {"enum": ["cat", "dog", "fish"]},
-                    "legs": {"type": "integer", "minimum": 0, "maximum": 8},
-                },
-                "required": ["kind"],
-                "additionalProperties": False,
-            },
-            "maxItems": 2,
-        },
-    },
-    "required": ["name", "role", "address", "pets"],
-    "additionalProperties": False,
-}
 ASK = [{"role": "user", "content": "Describe a made-up person as JSON."}]
 PERSON_FORMAT = {
     "type": "json_schema",

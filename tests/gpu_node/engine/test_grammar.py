@@ -14,41 +14,8 @@ from gpu_node.engine.grammar import GrammarMasks
 from gpu_node.engine.handoff import KVHandoff
 from gpu_node.errors import InvalidRequestError
 from scheduler.sequence import SamplingParams
+from tests.json_schemas import PERSON
 
-# Nested objects, arrays, enums and required fields; strings bounded so that an answer
-# completes well inside max_tokens.
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "pets": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "kind": {"enum": ["cat", "dog", "fish"]},
-                    "legs": {"type": "integer", "minimum": 0, "maximum": 8},
-                },
-                "required": ["kind"],
-                "additionalProperties": False,
-            },
-            "maxItems": 3,
-        },
-    },
-    "required": ["name", "role", "address", "pets"],
-    "additionalProperties": False,
-}
 PERSON_SPEC = GrammarSpec(kind="json_schema", value=json.dumps(PERSON))
 ASK = "Describe a made-up person as JSON with name, age, role, address and pets."
 
