@@ -8,8 +8,8 @@ Letters: P pages, S page size (tokens per page), H kv heads, D head dim.
                               │  │  └ grouped-query heads of one token
                               │  └ token offset inside the page
                               └ page id (what block tables hold)
-                     fp8 pools: V rows e4m3 values, K rows int8 codes (in the same bytes)
-                     of the Hadamard-rotated row (kv_quant)
+                     fp8 pools: K and V rows as int8 codes (in the same bytes) of the
+                     Hadamard-rotated row (kv_quant)
                      stored head-major, a contiguous [P, H, S, D] viewed as [P, S, H, D]
                      (kv_quant.kv_pool, pool_strides; token-major is a contiguous [P, S, H, D]):
                       ┌──────────────── page p ────────────────┐
@@ -17,8 +17,8 @@ Letters: P pages, S page size (tokens per page), H kv heads, D head dim.
                      so one kv head's share of a page is one run of S * D elements
                      (1 KiB for SmolLM2's fp8 pages), what a decode program reads
     k_scale[layer] : [P, H, S]   bf16, fp8 pools only: one scale per (token, head) row,
-                     V = e4m3 * scale, scale = bf16(max|row| / 448); K = H_D (code * scale)
-                     / D, scale = bf16(max|H_D row| / 127); a head's S scales
+                     row = H_D (code * scale) / D, scale = bf16(max|H_D row| / 127), for
+                     K and V alike; a head's S scales
                      of a page contiguous (32 bytes at S = 16: one read a page for a
                      decode program, where [P, S, H] would gather 2 bytes a token)
 

@@ -4,18 +4,17 @@ The layout of the pools and of their scales is drawn once, in `gpu_node/cache/kv
 per layer, K and V [P, S, H, D] (P pages, S page size, H kv heads, D head dim) and, for fp8,
 one bf16 scale per (token, head) row in [P, H, S].
 
-What an fp8 pool's bytes hold (figures in docs/benchmarks.md, "FP8 KV accuracy"):
-
-- V rows: float8_e4m3fn values, value = fp8 * scale.
-- K rows: int8 codes of the row rotated by the Hadamard matrix H_D (entries +-1, D a
-  power of two), key = H_D (codes * scale) / D. Keys carry outlier channels that e4m3's
-  3 mantissa bits cannot resolve around; the rotation spreads every row evenly over the
-  D dims, where a uniform 8-bit grid beats e4m3 (mean KL to fp32 KV on SmolLM2 ~12x
-  lower than e4m3 keys, unrotated or rotated). Attention needs no inverse: q . k =
-  (H_D q / D) . (H_D k), so the decode kernels take queries rotated once
-  (`rotate_queries`) and read K as stored; the CPU path dequantizes and rotates K back
-  (`dequantize_keys`). The rotation is a fixed butterfly of adds and subtracts
-  (`hadamard`), the same in torch and Triton bit for bit.
+What an fp8 pool's bytes hold (figures in docs/benchmarks.md, "FP8 KV accuracy"): K and V
+rows alike, the int8 codes of the row rotated by the Hadamard matrix H_D (entries +-1, D a
+power of two), row = H_D (codes * scale) / D. Keys carry outlier channels, and both K and V
+rows sit far below the max that sets their scale; the rotation spreads every row evenly
+over the D dims, where a uniform 8-bit grid beats e4m3's 3 mantissa bits. Attention needs
+no inverse per token: q . k = (H_D q / D) . (H_D k), so the decode kernels take queries
+rotated once (`rotate`) and read K as stored; and sum_i p_i v_i = H_D (sum_i p_i H_D v_i)
+/ D, so they sum stored V rows and the merge of their splits rotates each output row back
+once. The CPU path dequantizes and rotates both back (`dequantize_rows`). The rotation is
+a fixed butterfly of adds and subtracts (`hadamard`), the same in torch and Triton bit
+for bit.
 
 Why one bf16 scale per token and head (figures in docs/benchmarks.md):
 
@@ -25,18 +24,15 @@ Why one bf16 scale per token and head (figures in docs/benchmarks.md):
   a page's first token it clipped later tokens (attention-output error 0.99 on K/V with
   outliers), and only re-quantizing whole pages on every append would avoid that.
 - It had the lowest error of the granularities compared (per layer; per page and head;
-  per token and head with fp32, bf16 or power-of-two scales): the row max maps onto
-  448, so the loud channels that dominate K keep full precision. A power-of-two scale
-  (1 byte) left the max anywhere in (224, 448] and gave 1.5x the attention error.
-- Bytes: at SmolLM2's shape (3 kv heads, head dim 64) fp8 + a bf16 scale is 66 bytes a
-  row against bf16's 128, so a budget holds 1.94x the tokens (the target is 1.9x; an fp32
-  scale would give 1.88x).
+  per token and head with fp32, bf16 or power-of-two scales).
+- Bytes: at SmolLM2's shape (3 kv heads, head dim 64) 64 code bytes + a bf16 scale is 66
+  bytes a row against bf16's 128, so a budget holds 1.94x the tokens (the target is 1.9x;
+  an fp32 scale would give 1.88x).
 
-Arithmetic, shared bit for bit by the torch reference and the Triton kernels:
-V: scale = bf16_rne(max(amax / 448, 2**-126)); q = fp8_rne(clamp(x / scale, +-448)) with
-IEEE division; dequantized value = fp32(q) * fp32(scale), which is exact.
-K: y = hadamard(fp32(x)); scale = bf16_rne(max(amax(y) / 127, 2**-126));
-code = rne(clamp(y / scale, +-127)) with IEEE division, stored as int8 bytes.
+Arithmetic, shared bit for bit by the torch reference and the Triton write kernel:
+y = hadamard(fp32(x)); scale = bf16_rne(max(amax(y) / 127, 2**-126));
+code = rne(clamp(y / scale, +-127)) with IEEE division, stored as int8 bytes;
+codes * scale is exact in fp32.
 """
 
 from __future__ import annotations
@@ -45,11 +41,10 @@ import functools
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPE = torch.float8_e4m3fn  # the pools' element type: one byte, holding an int8 code
 SCALE_DTYPE = torch.bfloat16  # one scale per (token, head) row
 MIN_SCALE = 2.0**-126  # an all-zero row still gets a finite, non-zero scale
-KEY_CODE_MAX = 127.0  # K rows: int8 codes in [-127, 127]
+CODE_MAX = 127.0  # int8 codes in [-127, 127]
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -141,14 +136,6 @@ def tokens_for_budget(
     return num_pages * page_size
 
 
-def row_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The bf16 scale of rows whose absolute max is `amax` (any shape -> same shape)."""
-    amax = amax.float()
-    # Divide by a tensor: CUDA torch turns division by a Python scalar into a multiply by
-    # its reciprocal, which is not the IEEE quotient the kernels compute.
-    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
-
-
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """H_D x over the last dim (D a power of two; entries +-1, unnormalised), fp32 in and
     out: log2(D) butterfly stages (a + b, a - b) at strides 1, 2, .., D / 2, the order the
@@ -164,62 +151,46 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_head_dim(head_dim: int) -> None:
-    """fp8 pools rotate keys by H_D, which needs a power-of-two head dim."""
+    """fp8 pools rotate rows by H_D, which needs a power-of-two head dim."""
     if head_dim <= 0 or head_dim & (head_dim - 1):
         raise ValueError(f"fp8 KV needs a power-of-two head dim, got {head_dim}")
 
 
-def rotate_queries(q: torch.Tensor) -> torch.Tensor:
-    """Queries `[..., D]` into the basis fp8 pools keep keys in: H_D q / D (the scores
-    against stored keys are then q . k), one matrix product in q's dtype (H_D / D is
-    exact in every float dtype)."""
-    return q @ _query_rotation(q.shape[-1], q.dtype, q.device)
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """H_D x / D over the last dim `[..., D]`, one matrix product in x's dtype (H_D / D is
+    exact in every float dtype): queries into the basis fp8 pools keep rows in (their
+    scores against stored keys are then q . k), and sums of stored V rows out of it."""
+    return x @ _rotation(x.shape[-1], x.dtype, x.device)
 
 
 @functools.cache
-def _query_rotation(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _rotation(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     check_head_dim(dim)
     return (hadamard(torch.eye(dim, device=device)) / dim).to(dtype)  # symmetric
 
 
-def quantize_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize K rows: `[..., D]` -> (int8 codes of H_D x as fp8-typed bytes `[..., D]`,
-    bf16 scale `[...]`). A bf16 scale may round below amax / 127; the clamp then saturates."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize K or V rows: `[..., D]` -> (int8 codes of H_D x as fp8-typed bytes
+    `[..., D]`, bf16 scale `[...]`). A bf16 scale may round below amax / 127; the clamp
+    then saturates."""
     y = hadamard(x.float())
     amax = y.abs().amax(dim=-1)
-    scale = (amax / torch.full_like(amax, KEY_CODE_MAX)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
-    codes = (y / scale.float().unsqueeze(-1)).clamp(-KEY_CODE_MAX, KEY_CODE_MAX).round()
+    scale = (amax / torch.full_like(amax, CODE_MAX)).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    codes = (y / scale.float().unsqueeze(-1)).clamp(-CODE_MAX, CODE_MAX).round()
     return codes.to(torch.int8).view(FP8_DTYPE), scale
 
 
-def dequantize_rotated_keys(
+def dequantize_rotated(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Stored keys as the decode kernels see them, still rotated: codes * scale (exact)."""
+    """Stored rows as the decode kernels see them, still rotated: codes * scale (exact)."""
     return (codes.view(torch.int8).float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_keys`: (codes `[..., D]`, scale `[...]`) -> keys `[..., D]`."""
-    rotated = dequantize_rotated_keys(codes, scale, torch.float32)
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_rows`: (codes `[..., D]`, scale `[...]`) -> rows `[..., D]`."""
+    rotated = dequantize_rotated(codes, scale, torch.float32)
     return (hadamard(rotated) / codes.shape[-1]).to(dtype)
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize V rows (e4m3): `[..., D]` -> (fp8 `[..., D]`, bf16 scale `[...]`).
-
-    A bf16 scale may round below amax / 448; the clamp then saturates the row max at
-    448 (an error of at most 2**-8 of it) instead of overflowing.
-    """
-    x32 = x.float()
-    scale = row_scale(x32.abs().amax(dim=-1))
-    scaled = x32 / scale.float().unsqueeze(-1)
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_fp8`: (fp8 `[..., D]`, scale `[...]`) -> `[..., D]` in `dtype`."""
-    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
 def kv_pool(

@@ -38,7 +38,7 @@ from gpu_node.cache.kv_cache import KVCache, raw_storage
 from gpu_node.cache.kv_quant import DTYPE_NAMES
 from gpu_node.engine.outputs import SampledLogprob
 
-VERSION = 2  # 2: the spec names the activations' dtype
+VERSION = 3  # 2: the spec names the activations' dtype; 3: fp8 V rows are int8 codes (kv_quant)
 _DTYPES = {
     "uint8": torch.uint8,
     "float32": torch.float32,

@@ -44,44 +44,6 @@ def scale_offset_tl(page, offset, head, NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: t
 
 
 @triton.jit
-def row_scale_tl(amax):
-    """Triton twin of `kv_quant.row_scale`, as fp32: bf16(max(amax / 448, 2**-126))."""
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)  # 2**-126
-    return round_to_bf16_tl(scale)
-
-
-@triton.jit
-def round_to_e4m3_tl(y):
-    """Round fp32 values with |y| <= 448 to the nearest float8_e4m3fn value (ties to even).
-
-    The result is exactly representable, so the following cast is exact on every
-    backend; the Triton interpreter's own fp32 -> fp8 cast mis-rounds values just below
-    a power of two, and this keeps the kernel bit-exact with torch there too.
-    """
-    # Normal range: keep 3 of fp32's 23 mantissa bits; the carry may bump the exponent.
-    bits = y.to(tl.int32, bitcast=True)
-    bits = bits + 0x7FFFF + ((bits >> 20) & 1)
-    normal = (bits & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
-    # Subnormal range (|y| < 2**-6): multiples of 2**-9. Adding 1.5 * 2**14 puts y where
-    # fp32's spacing is 2**-9, so the add itself rounds to nearest even.
-    # The add loses the sign of values that round to zero; torch keeps it (-0.0). The sign
-    # bit is put back with integer ops (a float negate of 0.0 came back +0.0 on an H200).
-    magnitude = tl.abs((y + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
-    sign = y.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
-    subnormal = (magnitude | sign).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _quantize_rows_tl(x, scale):
-    # x [BLOCK_H, BLOCK_D] fp32, scale [BLOCK_H] fp32 -> fp8 [BLOCK_H, BLOCK_D]
-    # IEEE division, as torch does: `/` is an approximate divide on NVIDIA GPUs.
-    scaled = tl.math.div_rn(x, scale[:, None])
-    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    return round_to_e4m3_tl(scaled).to(tl.float8e4nv)
-
-
-@triton.jit
 def hadamard_tl(x, ROWS: tl.constexpr, DIM: tl.constexpr):
     """Triton twin of `kv_quant.hadamard` on a [ROWS, DIM] fp32 tile: the same butterfly
     stages (a + b, a - b) in the same order, so the results agree bit for bit."""
@@ -94,9 +56,11 @@ def hadamard_tl(x, ROWS: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
-def _quantize_keys_tl(x):
-    # x [BLOCK_H, BLOCK_D] fp32, rotated -> (int8 codes, fp32 scale [BLOCK_H]); the add and
-    # subtract of 1.5 * 2**23 rounds to the nearest integer, ties to even, as torch.round.
+def _quantize_rows_tl(x):
+    # x [BLOCK_H, BLOCK_D] fp32, rotated -> (int8 codes, fp32 scale [BLOCK_H]) as
+    # kv_quant.quantize_rows; IEEE division, as torch does (`/` is an approximate divide
+    # on NVIDIA GPUs); the add and subtract of 1.5 * 2**23 rounds to the nearest integer,
+    # ties to even, as torch.round.
     amax = tl.reduce(tl.abs(x), 1, maximum_tl)
     scale = round_to_bf16_tl(tl.maximum(tl.math.div_rn(amax, 127.0), 1.1754943508222875e-38))
     scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -127.0), 127.0)
@@ -163,14 +127,13 @@ def _kv_write_kernel(
     )
     cache_offsets = row[:, None] + dims[None, :]
     if IS_FP8:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        # K: int8 codes of the rotated row (kv_quant.quantize_keys), through an int8 view
-        k_codes, k_scale = _quantize_keys_tl(hadamard_tl(k, BLOCK_H, BLOCK_D))
+        # int8 codes of the rotated rows (kv_quant.quantize_rows), through int8 views
+        k_codes, k_scale = _quantize_rows_tl(hadamard_tl(k.to(tl.float32), BLOCK_H, BLOCK_D))
+        v_codes, v_scale = _quantize_rows_tl(hadamard_tl(v.to(tl.float32), BLOCK_H, BLOCK_D))
         k_codes_ptr = k_cache_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        v_codes_ptr = v_cache_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
         tl.store(k_codes_ptr + cache_offsets, k_codes, mask=mask)
-        v_scale = row_scale_tl(tl.reduce(tl.abs(v), 1, maximum_tl))
-        tl.store(v_cache_ptr + cache_offsets, _quantize_rows_tl(v, v_scale), mask=mask)
+        tl.store(v_codes_ptr + cache_offsets, v_codes, mask=mask)
         scale_offsets = scale_offset_tl(
             slot // PAGE_SIZE, slot % PAGE_SIZE, heads, NUM_KV_HEADS, PAGE_SIZE
         )  # [BLOCK_H]
@@ -195,9 +158,9 @@ def kv_write(
 ) -> torch.Tensor:
     """Write `key`/`value` [T, H, D] into the cache in place; return violations, bool [T].
 
-    For an fp8 cache each (token, head) row is quantized with its own bf16 scale
-    (written to `k_scale`/`v_scale`): K rows as int8 codes of their Hadamard rotation,
-    V rows as e4m3 (`kv_quant`). A flagged token was not written.
+    For an fp8 cache each (token, head) row of K and V is stored as the int8 codes of its
+    Hadamard rotation with its own bf16 scale (written to `k_scale`/`v_scale`;
+    `kv_quant`). A flagged token was not written.
     `check_owner=False` skips the ownership check (benchmarks only); range checks stay.
     """
     num_pages, page_size, num_kv_heads, head_dim = validate_write_inputs(

@@ -22,9 +22,10 @@ latency to the loads); the others are exact.
 The kernel is split-K ("flash decoding"): grid (B, H, N), each program runs online
 softmax over one slice of the context for the G query heads of one kv head, then a
 second kernel merges the N partial results, so one long sequence still fills the GPU.
-fp8 tiles (K as int8 codes of the rotated keys, q rotated to match, V as e4m3: kv_quant)
-are multiplied in fp16 (converted in registers, exactly) with the per-row scales applied
-to scores and probabilities. Measurements: docs/benchmarks.md.
+fp8 tiles (K and V as int8 codes of the rotated rows, kv_quant) are multiplied in fp16
+(converted in registers, exactly) with the per-row scales applied to scores and
+probabilities; q is rotated into the stored basis before the kernel and each output row
+rotated back out of it by the merge. Measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides, rotate_queries
+from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides, rotate
 from gpu_node.kernels.combine import add_tl, maximum_tl
-from gpu_node.kernels.kv_write.kernel import round_to_e4m3_tl, scale_offset_tl
+from gpu_node.kernels.kv_write.kernel import scale_offset_tl
 from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.paged_attention.mma import MmaTuning, paged_decode_attention_mma
 from gpu_node.kernels.paged_attention.mma import supports as supports_mma
@@ -62,41 +63,14 @@ def _to_dot_tl(x, DOT_KIND: tl.constexpr):
 
 
 @triton.jit
-def _kv_to_dot_tl(x, DOT_KIND: tl.constexpr):
-    # A K or V tile as an MMA operand. For fp8 -> fp16, a plain cast is moved past the
-    # tile's shared-memory load into the operand layout, where Triton then reads the tile
-    # one byte at a time; as opaque PTX it stays one cvt per two values in the load's
-    # own layout, and the fp16 tile goes to the MMA through ldmatrix like a 16-bit page.
-    if x.dtype == tl.float8e4nv and DOT_KIND == 2:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2;"
-            " cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r",
-            [x.to(tl.uint8, bitcast=True)],
-            dtype=tl.float16,
-            is_pure=False,  # a pure op would be moved like the cast
-            pack=4,
-        )
+def _tile_to_dot_tl(x, IS_FP8: tl.constexpr, DOT_KIND: tl.constexpr):
+    # A K or V tile as an MMA operand: fp8 pools hold int8 codes (kv_quant), which every
+    # dot dtype holds exactly.
+    if IS_FP8:  # noqa: SIM108 (a Triton constexpr branch)
+        y = _to_dot_tl(x.to(tl.int8, bitcast=True), DOT_KIND)
     else:
         y = _to_dot_tl(x, DOT_KIND)
     return y
-
-
-@triton.jit
-def _k_to_dot_tl(k, IS_FP8: tl.constexpr, DOT_KIND: tl.constexpr):
-    # A K tile as an MMA operand: fp8 pools hold K as int8 codes (kv_quant), which every
-    # dot dtype holds exactly.
-    if IS_FP8:  # noqa: SIM108 (a Triton constexpr branch)
-        y = _to_dot_tl(k.to(tl.int8, bitcast=True), DOT_KIND)
-    else:
-        y = _kv_to_dot_tl(k, DOT_KIND)
-    return y
-
-
-@triton.jit
-def _to_e4m3_dot_tl(x, DOT_KIND: tl.constexpr):
-    # e4m3 values as an fp8 MMA operand; fp32 (exact) where the dots run in fp32.
-    return x.to(tl.float32) if DOT_KIND == 0 else x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -112,10 +86,6 @@ def _attend_block_tl(
     full_v_scale,  # [BLOCK_N] bf16 its V scales
     q,
     q_t,
-    q_hi_t,
-    q_mid_t,
-    q_lo_t,
-    score_scale,
     qk_scale,
     seq,
     kv_head,
@@ -136,7 +106,6 @@ def _attend_block_tl(
     IS_FP8: tl.constexpr,
     DOT_KIND: tl.constexpr,
     TOKENS_M: tl.constexpr,
-    Q_FP8: tl.constexpr,
     IS_PARTIAL: tl.constexpr,
     SCALES_GIVEN: tl.constexpr,  # full blocks: the caller loaded the scales (a block ahead)
 ):
@@ -173,19 +142,14 @@ def _attend_block_tl(
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
         v = tl.load(v_cache_ptr + kv_offsets)
-    # fp8 converts exactly to every dot dtype; the row scales are applied to the
+    # fp8 codes convert exactly to every dot dtype; the row scales are applied to the
     # score columns and to the probabilities instead of to every K/V element.
-    v = _kv_to_dot_tl(v, DOT_KIND)
-    if Q_FP8:
-        # S^T = K q^T: the tokens are the MMA's M side and the fp8 K tile its
-        # row-major A operand, which sm_90 multiplies as it is (an e4m3 wgmma).
-        k = _to_e4m3_dot_tl(k, DOT_KIND)
-        scores = tl.dot(k, q_lo_t, tl.dot(k, q_mid_t, tl.dot(k, q_hi_t)))
-        scores = tl.trans(scores) * score_scale[:, None]
-    elif TOKENS_M:
-        scores = tl.trans(tl.dot(_k_to_dot_tl(k, IS_FP8, DOT_KIND), q_t)) * qk_scale
+    k = _tile_to_dot_tl(k, IS_FP8, DOT_KIND)
+    v = _tile_to_dot_tl(v, IS_FP8, DOT_KIND)
+    if TOKENS_M:  # noqa: SIM108 (a Triton constexpr branch)
+        scores = tl.trans(tl.dot(k, q_t)) * qk_scale
     else:
-        scores = tl.dot(q, tl.trans(_k_to_dot_tl(k, IS_FP8, DOT_KIND))) * qk_scale  # [G, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [G, BLOCK_N]
     if IS_FP8:
         if IS_PARTIAL:
             k_scale = tl.load(k_scale_ptr + scale_offsets, mask=is_loadable, other=0.0)
@@ -308,7 +272,6 @@ def _paged_decode_split_kernel(
     CHECK_OWNER: tl.constexpr,
     DOT_KIND: tl.constexpr,
     TOKENS_M: tl.constexpr,
-    Q_FP8: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,  # fp8 full blocks: page ids one block ahead
     PREFETCH_SCALES: tl.constexpr,  # fp8 full blocks: page ids two ahead, scales one ahead
     HELD_BLOCK: tl.constexpr,  # block-table columns checked across the attention loop
@@ -346,27 +309,8 @@ def _paged_decode_split_kernel(
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
     )
-    if Q_FP8:
-        # q as three e4m3 parts, q = (q_hi + q_mid + q_lo) * q_scale (about fp16's
-        # precision), so QK^T reads the fp8 K tile as it is, with no conversion.
-        q = q.to(tl.float32)
-        q_scale = tl.maximum(tl.reduce(tl.abs(q), 1, maximum_tl), 1e-30) / 448.0  # [BLOCK_G]
-        q = tl.minimum(tl.maximum(q / q_scale[:, None], -448.0), 448.0)
-        q_hi = round_to_e4m3_tl(q)
-        q_mid = round_to_e4m3_tl(q - q_hi)
-        q_lo = round_to_e4m3_tl(q - q_hi - q_mid)
-        q_hi_t = tl.trans(_to_e4m3_dot_tl(q_hi, DOT_KIND))  # [BLOCK_D, BLOCK_G]
-        q_mid_t = tl.trans(_to_e4m3_dot_tl(q_mid, DOT_KIND))
-        q_lo_t = tl.trans(_to_e4m3_dot_tl(q_lo, DOT_KIND))
-        score_scale = q_scale * qk_scale  # [BLOCK_G]
-        q_t = q_hi_t  # unused
-    else:
-        q = _to_dot_tl(q, DOT_KIND)  # [BLOCK_G, BLOCK_D]
-        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_G], for TOKENS_M
-        q_hi_t = q_t  # unused
-        q_mid_t = q_t
-        q_lo_t = q_t
-        score_scale = qk_scale
+    q = _to_dot_tl(q, DOT_KIND)  # [BLOCK_G, BLOCK_D]
+    q_t = tl.trans(q)  # [BLOCK_D, BLOCK_G], for TOKENS_M
 
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -426,28 +370,26 @@ def _paged_decode_split_kernel(
                 block_start=block_start, end=end, running_max=running_max,
                 running_sum=running_sum, acc=acc, num_bad=num_bad, full_pages=pages,
                 full_k_scale=k_block_scales, full_v_scale=v_block_scales, q=q,
-                q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
-                score_scale=score_scale, qk_scale=qk_scale, seq=seq, kv_head=kv_head,
+                q_t=q_t, qk_scale=qk_scale, seq=seq, kv_head=kv_head,
                 k_cache_ptr=k_head_ptr, v_cache_ptr=v_head_ptr, k_scale_ptr=k_scale_ptr,
                 v_scale_ptr=v_scale_ptr,
                 block_tables_ptr=block_tables_ptr, num_pages=num_pages,
                 max_pages=max_pages, stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS,
                 HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE,
                 BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IS_FP8=IS_FP8, DOT_KIND=DOT_KIND,
-                TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
+                TOKENS_M=TOKENS_M, IS_PARTIAL=False, SCALES_GIVEN=PREFETCH_SCALES,
             )  # fmt: skip
     for block_start in range(tail_start, end, BLOCK_N):
         running_max, running_sum, acc, num_bad = _attend_block_tl(
             block_start=block_start, end=end, running_max=running_max, running_sum=running_sum,
             acc=acc, num_bad=num_bad, full_pages=num_bad, full_k_scale=num_bad,  # unused
-            full_v_scale=num_bad, q=q, q_t=q_t, q_hi_t=q_hi_t, q_mid_t=q_mid_t, q_lo_t=q_lo_t,
-            score_scale=score_scale, qk_scale=qk_scale,
+            full_v_scale=num_bad, q=q, q_t=q_t, qk_scale=qk_scale,
             seq=seq, kv_head=kv_head, k_cache_ptr=k_head_ptr, v_cache_ptr=v_head_ptr,
             k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
             block_tables_ptr=block_tables_ptr, num_pages=num_pages, max_pages=max_pages,
             stride_bt=stride_bt, NUM_KV_HEADS=NUM_KV_HEADS, HEAD_DIM=HEAD_DIM,
             PAGE_SIZE=PAGE_SIZE, TOKEN_STRIDE=TOKEN_STRIDE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, Q_FP8=Q_FP8, IS_PARTIAL=True,
+            IS_FP8=IS_FP8, DOT_KIND=DOT_KIND, TOKENS_M=TOKENS_M, IS_PARTIAL=True,
             SCALES_GIVEN=False,
         )  # fmt: skip
 
@@ -522,9 +464,7 @@ class DotTuning:
     K q^T with the tokens as the MMA's M side. `max_registers`: a per-thread register cap,
     0 for none. `prefetch_pages`: fp8 full blocks load their page ids a block ahead;
     `prefetch_scales`: page ids two blocks ahead and the scales one, overriding
-    `prefetch_pages`. `q_fp8` (fp8 pages) splits q into three e4m3 parts so that QK^T is
-    an fp8 product on the K tile as stored; on the GPU it measured 3-7x the error of the
-    exact q for at most 4% of speed, so it is off by default.
+    `prefetch_pages`.
     """
 
     dot_dtype: torch.dtype | None = None
@@ -536,7 +476,6 @@ class DotTuning:
     max_registers: int | None = None
     prefetch_pages: bool | None = None
     prefetch_scales: bool | None = None
-    q_fp8: bool = False
 
 
 def paged_decode_attention(
@@ -590,12 +529,7 @@ def paged_decode_attention(
         max_context_len = int(context_lens.max())
     is_fp8 = k_cache.dtype == FP8_DTYPE
     if is_fp8:
-        q = rotate_queries(q)  # into the basis fp8 pools keep K in (kv_quant)
-    if tuning.q_fp8:
-        # fp8 pools hold K as int8 codes, which an e4m3 MMA cannot take as stored.
-        raise ValueError("q_fp8 multiplies e4m3 K pages as stored; no pool holds them")
-    if is_fp8 and not _converts_e4m3(q.device):
-        raise ValueError("fp8 KV pages need a GPU with e4m3 conversions (sm_89 or newer)")
+        q = rotate(q)  # into the basis fp8 pools keep rows in (kv_quant); merge_splits rotates back
     tile = decode_tile_config(is_fp8, head_dim)
     block_n = _given(tuning.block_n, tile.block_n)
     target_programs = tuning.target_programs
@@ -651,7 +585,6 @@ def paged_decode_attention(
         CHECK_OWNER=check_owner,
         DOT_KIND=_DOT_KINDS[dot_dtype],
         TOKENS_M=_given(tuning.tokens_m, tile.tokens_m),
-        Q_FP8=tuning.q_fp8,
         PREFETCH_PAGES=_given(tuning.prefetch_pages, tile.prefetch_pages),
         PREFETCH_SCALES=_given(tuning.prefetch_scales, tile.prefetch_scales),
         HELD_BLOCK=_HELD_BLOCK,
@@ -661,7 +594,7 @@ def paged_decode_attention(
         num_stages=_given(tuning.num_stages, tile.num_stages),
         **({"maxnreg": max_registers} if max_registers else {}),
     )
-    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early)
+    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early, rotate=is_fp8)
     return out, violations
 
 
@@ -677,9 +610,9 @@ _CHECK_BLOCK = 256
 def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     """The operand dtype of the two matrix products when the caller names none.
 
-    fp8 pages: fp16 on the GPU (e4m3 -> fp16 is one instruction per two values on
-    sm_90, and fp16 holds every e4m3 value and q's bf16 values of ordinary range; it
-    measured 1.2x faster than bf16 operands on an H200, docs/benchmarks.md).
+    fp8 pages: fp16 on the GPU (fp16 holds every int8 code exactly, and q's bf16
+    values of ordinary range; it measured 1.2x faster than bf16 operands on an H200,
+    docs/benchmarks.md).
     16-bit pages: q's dtype when the pages have it. Else, and always off the GPU
     (the Triton interpreter's 16-bit dot is wrong), fp32. Probabilities are rounded
     to it too, as flash attention does.
@@ -693,12 +626,6 @@ def default_dot_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 def _given(option: _T | None, default: _T) -> _T:
     return default if option is None else option
-
-
-@functools.cache
-def _converts_e4m3(device: torch.device) -> bool:
-    """Whether the kernel's e4m3 conversions run here: sm_89 or newer, or the interpreter."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.cache

@@ -23,10 +23,12 @@ S % 16 == 0), all mma.sync.m16n8k16 with fp32 sums:
                      pi(n) and pi(n) + 2 of the half, pi(n) = 4 (n // 2) + n % 2, so a
                      lane loads D / 4 bytes of two tokens (16-byte loads), and the scores
                      it gets back are those of tokens 4t .. 4t + 3.
-    O^T += V^T P^T   A = V^T: rows are the lane's D / 8 dims, k its tokens 4t .. 4t + 3
-                     (paired two tokens a register by PRMT, converted in registers);
+    O^T += V^T P^T   A = V^T as stored (int8 codes of the rotated rows, kv_quant): rows
+                     are the lane's D / 8 dims, k its tokens 4t .. 4t + 3 (paired two
+                     tokens a register by PRMT, converted in registers as K is);
                      B = P exactly as the QK^T product left it (no shuffle), so O^T's
-                     columns are heads and every accumulator register is used.
+                     columns are heads and every accumulator register is used. O stays
+                     in the rotated basis; the merge rotates each output row back.
 
 Element j of a lane is register j of a [128] tensor (element e = 32 j + lane, the
 layout Triton gives a one-warp [128] tensor): in scores and probabilities, token 4t + j
@@ -65,7 +67,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides, rotate_queries
+from gpu_node.cache.kv_quant import FP8_DTYPE, pool_strides, rotate
 from gpu_node.kernels.combine import maximum_tl
 from gpu_node.kernels.launch import launches_early
 from gpu_node.kernels.paged_attention import mma_asm as asm
@@ -881,7 +883,7 @@ def paged_decode_attention_mma(
         )
     if k_scale is None or v_scale is None:  # validate_decode_inputs refused this already
         raise ValueError("fp8 pages need k_scale and v_scale")
-    q = rotate_queries(q)  # into the basis the pages keep K in (kv_quant)
+    q = rotate(q)  # into the basis the pages keep rows in (kv_quant); the merge rotates back
     batch, num_heads, _ = q.shape
     out = torch.empty_like(q)
     violations = torch.empty(batch, dtype=torch.bool, device=q.device)  # merge_splits sets all
@@ -982,7 +984,7 @@ def paged_decode_attention_mma(
         num_stages=1,
         **({"maxnreg": max_registers} if max_registers else {}),
     )
-    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early)
+    merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, early, rotate=True)
     return out, violations
 
 

@@ -154,7 +154,8 @@ Q_QUADS_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 4)
 
 def _pv_asm(head_dim: int, mtile: int) -> str:
     """O^T[dims of m-tile mtile] += V^T P^T for one half: fp16 m16n8k16, the lane's V
-    bytes of tokens 4t .. 4t + 3 paired two tokens a register and converted in place.
+    bytes (int8 codes) of tokens 4t .. 4t + 3 paired two tokens a register and converted
+    in place, as the QK block converts K.
 
     Inputs: the P pairs (P_F16's output), the lane's V words (tokens 4t .. 4t + 3, D / 32
     words each, four per tensor), the accumulator. Row g of the tile is the lane's dim
@@ -168,16 +169,22 @@ def _pv_asm(head_dim: int, mtile: int) -> str:
     return "\n".join(
         [
             "{",
-            ".reg .b32 x01, x23, a0, a1, a2, a3;",
-            ".reg .b16 l, h;",
+            ".reg .b32 x01, x23, a0, a1, a2, a3, bias;",
+            "mov.b32 bias, 0x64806480;",  # (1152, 1152) in fp16
             f"prmt.b32 x01, {v[0]}, {v[1]}, {select:#x};",
             f"prmt.b32 x23, {v[2]}, {v[3]}, {select:#x};",
-            "mov.b32 {l, h}, x01;",
-            "cvt.rn.f16x2.e4m3x2 a0, l;",
-            "cvt.rn.f16x2.e4m3x2 a1, h;",
-            "mov.b32 {l, h}, x23;",
-            "cvt.rn.f16x2.e4m3x2 a2, l;",
-            "cvt.rn.f16x2.e4m3x2 a3, h;",
+            # int8 codes -> fp16 exactly, as in the QK block: a0 = (token 0, token 1) of
+            # the first dim, a1 of the second; a2, a3 tokens 2 and 3
+            "xor.b32 x01, x01, 0x80808080;",
+            "xor.b32 x23, x23, 0x80808080;",
+            "prmt.b32 a0, x01, 0x64646464, 0x4140;",
+            "prmt.b32 a1, x01, 0x64646464, 0x4342;",
+            "prmt.b32 a2, x23, 0x64646464, 0x4140;",
+            "prmt.b32 a3, x23, 0x64646464, 0x4342;",
+            "sub.rn.f16x2 a0, a0, bias;",
+            "sub.rn.f16x2 a1, a1, bias;",
+            "sub.rn.f16x2 a2, a2, bias;",
+            "sub.rn.f16x2 a3, a3, bias;",
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
             f"{{a0, a1, a2, a3}}, {{$4, $5}}, {{${acc}, ${acc + 1}, ${acc + 2}, ${acc + 3}}};",
             "}",
@@ -232,8 +239,7 @@ def _load_k(head_dim: int, row: int, guarded: bool = True) -> str:
 def _load_v(head_dim: int, row: int, guarded: bool = True) -> str:
     """V of the lane's tokens tok .. tok + 3: its D / 8 bytes of each (D / 32 words).
     Outputs D / 32 tensors, four words each in token order; a token not loaded leaves
-    zeros (its probability is 0, and 0 * NaN bytes would be NaN). Unguarded: all four
-    are loaded."""
+    zeros (its probability is 0). Unguarded: all four are loaded."""
     words = head_dim // 32
     lines, (_, _, token, left) = _load_header(words)
     if guarded:

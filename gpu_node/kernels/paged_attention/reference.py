@@ -13,8 +13,7 @@ import torch
 
 from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
-    dequantize_fp8,
-    dequantize_keys,
+    dequantize_rows,
     scale_rows,
     scale_rows_at,
     validate_kv_layer,
@@ -85,7 +84,7 @@ def gather_kv(
         assert k_scale is not None and v_scale is not None  # validated by the caller
         k_e = scale_rows_at(k_scale, pages, offsets)
         v_e = scale_rows_at(v_scale, pages, offsets)
-        return dequantize_keys(k, k_e, dtype), dequantize_fp8(v, v_e, dtype)
+        return dequantize_rows(k, k_e, dtype), dequantize_rows(v, v_e, dtype)
     return k.to(dtype), v.to(dtype)
 
 
@@ -122,8 +121,8 @@ def paged_decode_attention_ref(
     v = v_cache[pages, offsets]
     if k_cache.dtype == FP8_DTYPE:
         assert k_scale is not None and v_scale is not None  # validated above
-        k = dequantize_keys(k, scale_rows(k_scale, slots), torch.float32)
-        v = dequantize_fp8(v, scale_rows(v_scale, slots), torch.float32)
+        k = dequantize_rows(k, scale_rows(k_scale, slots), torch.float32)
+        v = dequantize_rows(v, scale_rows(v_scale, slots), torch.float32)
     k, v = k.float(), v.float()
     q_groups = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, H, G, D]
     scores = torch.einsum("bhgd,blhd->bhgl", q_groups, k) * scale  # [B, H, G, L]

@@ -3,7 +3,8 @@
 A split kernel leaves, for each (sequence, query head, split), a running max, a sum of
 exponentials and an output sum; `merge_splits` weighs them into one output row per head
 (the log-sum-exp merge of flash-decoding) and folds the splits' ownership-violation flags
-into one flag per sequence.
+into one flag per sequence. Over fp8 pages the splits sum V rows as stored, in the
+Hadamard basis (kv_quant); the merge rotates each output row back, once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gpu_node.kernels.combine import add_tl, maximum_tl
+from gpu_node.kernels.kv_write.kernel import hadamard_tl
 from gpu_node.kernels.launch import releases_next
 
 
@@ -32,6 +34,7 @@ def _paged_decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROTATE: tl.constexpr,  # out = H_D out / D (BLOCK_D == HEAD_DIM, a power of two)
     WAIT_PRIOR: tl.constexpr,  # launched early (PDL): wait for the split kernel's writes
     RELEASE_NEXT: tl.constexpr,  # the next kernel may launch now (launch.py)
 ):
@@ -59,6 +62,9 @@ def _paged_decode_merge_kernel(
     weights = tl.exp2(part_max - global_max)  # [BLOCK_S]
     total = tl.reduce(part_sum * weights, 0, add_tl)
     out = tl.reduce(part_acc * weights[:, None], 0, add_tl) / tl.where(total == 0.0, 1.0, total)
+    if ROTATE:
+        rotated = hadamard_tl(tl.reshape(out, [1, BLOCK_D]), 1, BLOCK_D)
+        out = tl.reshape(rotated, [BLOCK_D]) * (1.0 / HEAD_DIM)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -91,13 +97,15 @@ def merge_splits(
     out: torch.Tensor,
     violations: torch.Tensor,
     early: bool = False,
+    rotate: bool = False,
 ) -> None:
     """Merge a split kernel's partials ([B, Q, N] max and sum, [B, Q, N, D] sums, [B, N]
     flags) into `out` [B, Q, D] and `violations` bool [B], in place (every element of
     both is written). `early` (sm_90+, right after the split kernel on the same stream):
     a programmatic dependent launch, so the merge grid is launched while the split
     kernel runs and waits on the device for its writes (griddepcontrol.wait) instead of
-    being launched after it ends."""
+    being launched after it ends. `rotate`: each output row is H_D row / D (sums of
+    fp8 pages' V rows, which are stored rotated; kv_quant)."""
     batch, num_heads, num_splits, head_dim = part_acc.shape
     _paged_decode_merge_kernel[(batch, num_heads)](
         part_max,
@@ -113,6 +121,7 @@ def merge_splits(
         NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        ROTATE=rotate,
         WAIT_PRIOR=early,
         RELEASE_NEXT=releases_next(out.device),
         num_warps=1 if num_splits * head_dim <= 4096 else 4,

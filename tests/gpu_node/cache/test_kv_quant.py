@@ -11,16 +11,13 @@ from gpu_node.cache.kv_cache import KVCache
 from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
     bytes_per_token,
-    dequantize_fp8,
-    dequantize_keys,
-    dequantize_rotated_keys,
+    dequantize_rotated,
+    dequantize_rows,
     hadamard,
     kv_torch_dtype,
     pages_for_budget,
-    quantize_fp8,
-    quantize_keys,
-    rotate_queries,
-    row_scale,
+    quantize_rows,
+    rotate,
     scale_shape,
     tokens_for_budget,
     validate_kv_layer,
@@ -70,46 +67,6 @@ def test_bad_arguments_raise_value_error(call, message):
         call()
 
 
-def test_row_scale_maps_the_row_max_onto_448():
-    amax = torch.tensor([448.0, 896.0, 1.0, 0.0, 1e-40, 3.0])
-    scale = row_scale(amax)
-    assert scale.dtype == torch.bfloat16
-    # 1 / 448 and 3 / 448 round to bf16; zero and denormal rows get the floor 2**-126.
-    expected = [1.0, 2.0, 0.002227783203125, 2.0**-126, 2.0**-126, 0.006683349609375]
-    assert scale.float().tolist() == expected
-
-
-def test_quantize_round_trips_representable_values_exactly():
-    # Every finite e4m3 value times a bf16 scale; each row's max is 448 * scale.
-    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
-    values = values[values.isfinite()].view(-1, 2)
-    values[:, 0] = 448.0  # pin each row's max so its scale is exactly the one below
-    row_scales = torch.tensor([2.0**-5, 0.75, 3.0]).repeat(values.shape[0] // 3 + 1)
-    row_scales = row_scales[: values.shape[0]]
-    x = values * row_scales[:, None]
-    q, scale = quantize_fp8(x)
-    assert torch.equal(scale.float(), row_scales)
-    assert torch.equal(dequantize_fp8(q, scale, torch.float32), x)
-
-
-def test_quantize_error_is_within_half_an_fp8_step():
-    torch.manual_seed(0)
-    x = torch.randn(64, 3, 64) * torch.logspace(-3, 3, 64).view(64, 1, 1)  # rows of every size
-    q, scale = quantize_fp8(x)
-    assert q.shape == (64, 3, 64) and scale.shape == (64, 3)
-    restored = dequantize_fp8(q, scale, torch.float32)
-    s = scale.float().unsqueeze(-1)
-    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 for normals; below 2**-6 * scale
-    # (subnormals) the step is 2**-9 * scale, so the absolute error is <= 2**-10 * scale.
-    bound = torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10)
-    assert bool(((restored - x).abs() <= bound).all())
-    # Each row's max comes back within bf16 rounding of the scale (2**-8), not a whole
-    # fp8 step: the loud elements keep full precision.
-    row_max = x.abs().amax(-1)
-    restored_max = restored.abs().amax(-1)
-    assert bool(((restored_max - row_max).abs() <= row_max * 2.0**-8).all())
-
-
 def test_validate_kv_layer_names_the_problem():
     cache = torch.zeros(4, 16, 3, 64, dtype=FP8_DTYPE)
     scale = torch.zeros(scale_shape(4, 16, 3), dtype=torch.bfloat16)
@@ -133,41 +90,83 @@ def test_hadamard_is_sylvesters_matrix_and_its_own_inverse_up_to_d():
     torch.testing.assert_close(hadamard(hadamard(x)) / 64, x)
 
 
-def test_quantize_keys_round_trips_representable_keys_exactly():
-    # Keys whose rotation is int8 codes (each row reaching 127) times a power-of-two scale.
+def test_quantize_rows_round_trips_representable_rows_exactly():
+    # Rows whose rotation is int8 codes (each row reaching 127) times a power-of-two scale.
     torch.manual_seed(0)
     codes = torch.randint(-127, 128, (6, 2, 64)).float()
     codes[..., 0] = 127.0
     scales = torch.tensor([2.0**-7, 1.0, 8.0]).repeat(4)[:12].view(6, 2)
-    keys = hadamard(codes * scales[..., None]) / 64  # exact: small integers, powers of two
-    stored, scale = quantize_keys(keys)
+    rows = hadamard(codes * scales[..., None]) / 64  # exact: small integers, powers of two
+    stored, scale = quantize_rows(rows)
     assert stored.dtype == FP8_DTYPE and scale.dtype == torch.bfloat16
     assert torch.equal(stored.view(torch.int8).float(), codes)
     assert torch.equal(scale.float(), scales)
-    assert torch.equal(dequantize_keys(stored, scale, torch.float32), keys)
+    assert torch.equal(dequantize_rows(stored, scale, torch.float32), rows)
+
+
+def test_quantize_rows_error_is_within_half_a_code_step():
+    torch.manual_seed(3)
+    x = torch.randn(64, 3, 64) * torch.logspace(-3, 3, 64).view(64, 1, 1)  # rows of every size
+    x[0] = 0.0  # an all-zero row: the floor scale, codes 0
+    stored, scale = quantize_rows(x)
+    assert stored.shape == (64, 3, 64) and scale.shape == (64, 3)
+    assert torch.equal(stored[0].view(torch.int8), torch.zeros(3, 64, dtype=torch.int8))
+    assert torch.equal(scale[0].float(), torch.full((3,), 2.0**-126))
+    y = hadamard(x)
+    codes = stored.view(torch.int8).float()
+    s = scale.float().unsqueeze(-1)
+    # Rotated: each value within half a step of its code, or saturated at +-127 where the
+    # bf16 scale rounded below amax / 127 (by at most 2**-8 of it).
+    err = (codes * s - y).abs()
+    assert bool((err <= s / 2 + y.abs() * 2.0**-8).all())
+    assert int(codes.abs().amax(-1).min()) == 0 and int(codes.abs().amax(-1)[1:].min()) >= 126
+    # Back in the row's basis the error spreads over all D dims: its norm is that of the
+    # rotated error over sqrt(D).
+    restored = dequantize_rows(stored, scale, torch.float32)
+    torch.testing.assert_close(
+        (restored - x).norm(dim=-1), err.norm(dim=-1) / 8, rtol=1e-4, atol=1e-30
+    )
 
 
 def test_rotated_queries_score_stored_keys_as_the_keys():
     torch.manual_seed(1)
     keys, q = torch.randn(7, 3, 64) * 5, torch.randn(7, 3, 64)
-    stored, scale = quantize_keys(keys)
-    direct = (q * dequantize_keys(stored, scale, torch.float32)).sum(-1)
-    rotated = (rotate_queries(q) * dequantize_rotated_keys(stored, scale, torch.float32)).sum(-1)
+    stored, scale = quantize_rows(keys)
+    direct = (q * dequantize_rows(stored, scale, torch.float32)).sum(-1)
+    rotated = (rotate(q) * dequantize_rotated(stored, scale, torch.float32)).sum(-1)
     torch.testing.assert_close(rotated, direct, atol=1e-4, rtol=1e-5)
 
 
-def test_rotated_int8_keys_keep_outlier_channels_better_than_e4m3():
-    """Keys with a few loud channels (SmolLM2's have |mean| up to 7x the spread): the
-    rotated int8 codes' error is a fraction of e4m3's on the same rows and scales."""
+def test_sums_of_stored_values_rotate_back_to_the_sums_of_the_values():
+    """sum_i p_i v_i = H_D (sum_i p_i H_D v_i) / D: the decode kernels sum V rows as stored
+    and the merge rotates the output once."""
+    torch.manual_seed(4)
+    values, p = torch.randn(40, 2, 128) * 3, torch.rand(40, 2).softmax(0)
+    stored, scale = quantize_rows(values)
+    direct = (p[..., None] * dequantize_rows(stored, scale, torch.float32)).sum(0)
+    summed = (p[..., None] * dequantize_rotated(stored, scale, torch.float32)).sum(0)
+    torch.testing.assert_close(rotate(summed), direct, atol=1e-5, rtol=1e-5)
+
+
+def e4m3_rows(x: torch.Tensor) -> torch.Tensor:
+    """x through e4m3 with a bf16 scale per row (max onto 448) and back."""
+    scale = (x.abs().amax(-1, keepdim=True) / 448.0).to(torch.bfloat16).float()
+    return (x / scale).clamp(-448.0, 448.0).to(FP8_DTYPE).float() * scale
+
+
+def test_rotated_int8_rows_beat_e4m3_on_keys_and_values():
+    """Keys with a few loud channels (SmolLM2's have |mean| up to 7x the spread) and plain
+    Gaussian values: the rotated int8 codes' error is a fraction of e4m3's, same bytes."""
     torch.manual_seed(2)
     keys = torch.randn(512, 3, 64)
     keys[..., 46] = keys[..., 46] * 2 - 13.5
     keys[..., 39] += 4.7
-    e4m3 = dequantize_fp8(*quantize_fp8(keys), torch.float32)
-    int8 = dequantize_keys(*quantize_keys(keys), torch.float32)
-    e4m3_error = float((e4m3 - keys).norm() / keys.norm())
-    int8_error = float((int8 - keys).norm() / keys.norm())
-    assert int8_error < e4m3_error / 3, (int8_error, e4m3_error)
+    values = torch.randn(512, 3, 64)
+    for rows, factor in ((keys, 3), (values, 2)):
+        int8 = dequantize_rows(*quantize_rows(rows), torch.float32)
+        e4m3_error = float((e4m3_rows(rows) - rows).norm() / rows.norm())
+        int8_error = float((int8 - rows).norm() / rows.norm())
+        assert int8_error < e4m3_error / factor, (int8_error, e4m3_error)
 
 
 def test_fp8_pools_refuse_head_dims_that_are_not_powers_of_two():

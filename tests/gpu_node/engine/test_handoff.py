@@ -157,7 +157,7 @@ def test_a_handoff_of_another_version_is_refused_by_name() -> None:
     import json
 
     head = json.dumps({"version": 1}).encode()
-    with pytest.raises(ValueError, match="handoff version 1, this node reads 2"):
+    with pytest.raises(ValueError, match="handoff version 1, this node reads 3"):
         KVHandoff.from_bytes(struct.pack("<I", len(head)) + head)
 
 

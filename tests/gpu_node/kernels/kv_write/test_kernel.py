@@ -8,10 +8,10 @@ import torch
 import gpu_node.kernels.kv_write.kernel as kv_write_module
 from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
-    dequantize_keys,
+    dequantize_rows,
     kv_pool,
     pool_strides,
-    quantize_keys,
+    quantize_rows,
     scale_shape,
 )
 from gpu_node.kernels.kv_write.reference import kv_write_ref
@@ -61,8 +61,8 @@ def as_bits(t):
 
 
 def hard_values(num_tokens, num_kv_heads, head_dim, dtype):
-    """K/V rows that stress the fp8 rounding: just below powers of two, subnormal-range
-    elements, an all-zero row, and row maxima from 1e-3 to 1e3."""
+    """K/V rows that stress the rounding: values just below powers of two and tiny ones,
+    an all-zero row, and row maxima from 1e-3 to 1e3."""
     torch.manual_seed(1)
     x = torch.randn(num_tokens, num_kv_heads, head_dim)
     x *= torch.logspace(-3, 3, num_tokens).view(-1, 1, 1)
@@ -74,12 +74,12 @@ def hard_values(num_tokens, num_kv_heads, head_dim, dtype):
 @interpreted
 def test_scales_are_stored_page_then_head_then_offset():
     """The [P, H, S] layout: token slot 2 * 16 + 5, head h -> k_scale[2, h, 5], nothing else."""
-    # A key along dim 0 rotates to a constant row (H_D's first column is all ones): its
-    # max maps onto 127 (K codes, scales 1, 2, 4); values' onto 448 (scales 0.5, 1, 2).
+    # A row along dim 0 rotates to a constant row (H_D's first column is all ones): its
+    # max maps onto code 127 (keys: scales 1, 2, 4; values: 0.5, 1, 2).
     key = torch.zeros(1, 3, 64)
     key[0, :, 0] = torch.tensor([127.0, 2 * 127.0, 4 * 127.0])
     value = torch.zeros(1, 3, 64)
-    value[0, :, 0] = torch.tensor([224.0, 448.0, 2 * 448.0])
+    value[0, :, 0] = torch.tensor([63.5, 127.0, 2 * 127.0])
     slot = torch.tensor([2 * PAGE_SIZE + 5])
     for write in (kv_write, kv_write_ref):
         k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 3, 64)
@@ -131,17 +131,19 @@ def test_kernel_equals_reference_bit_for_bit(cache_dtype, input_dtype, num_kv_he
 
 
 @interpreted
-def test_keys_are_int8_codes_of_the_rotated_row():
-    """K bytes are int8 codes of H_D k (kv_quant.quantize_keys), V bytes e4m3 values."""
+def test_keys_and_values_are_int8_codes_of_the_rotated_row():
+    """K and V bytes are int8 codes of H_D k and H_D v (kv_quant.quantize_rows)."""
     key = hard_values(4, 2, 64, torch.float32)
+    value = key.flip(0) * 3.0
     slots = torch.tensor([0, 1, 2, 3])
     k_cache, v_cache, k_scale, v_scale = make_cache(FP8_DTYPE, 2, 64)
-    kv_write(key, key, k_cache, v_cache, slots, OWNER, torch.full((4,), 7), k_scale, v_scale)
-    codes, scales = quantize_keys(key)
-    assert torch.equal(as_bits(k_cache[0, :4]), as_bits(codes))
-    assert torch.equal(k_scale[0, :, :4], scales.T)
-    restored = dequantize_keys(k_cache[0, :4], k_scale[0, :, :4].T, torch.float32)
-    assert float((restored - key).norm() / key.norm()) < 0.01
+    kv_write(key, value, k_cache, v_cache, slots, OWNER, torch.full((4,), 7), k_scale, v_scale)
+    for rows, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        codes, scales = quantize_rows(rows)
+        assert torch.equal(as_bits(cache[0, :4]), as_bits(codes))
+        assert torch.equal(scale[0, :, :4], scales.T)
+        restored = dequantize_rows(cache[0, :4], scale[0, :, :4].T, torch.float32)
+        assert float((restored - rows).norm() / rows.norm()) < 0.01
 
 
 @interpreted
@@ -304,8 +306,8 @@ def test_a_pool_in_another_memory_order_is_refused():
             )  # fmt: skip
 
 
-# The compiled kernel on a GPU: bit for bit its reference (fp8 pools' K rows as int8 codes
-# of the Hadamard-rotated row, V rows e4m3, both scales, in both memory orders).
+# The compiled kernel on a GPU: bit for bit its reference (fp8 pools' K and V rows as int8
+# codes of the Hadamard-rotated row, both scales, in both memory orders).
 
 GPU_NUM_PAGES = 8
 
@@ -362,13 +364,14 @@ def test_compiled_kernel_equals_reference_bit_for_bit(
     for got, want in zip(*results, strict=True):
         bits = (lambda t: t.view(torch.uint8)) if got.dtype == FP8_DTYPE else (lambda t: t)
         assert torch.equal(bits(got), bits(want))
-    if cache_dtype == FP8_DTYPE:  # and the keys come back close to what was written
-        _, k_cache, _, k_scale, _ = results[0]
+    if cache_dtype == FP8_DTYPE:  # and K and V come back close to what was written
+        _, k_cache, v_cache, k_scale, v_scale = results[0]
         written = slots >= 0
         pages, offsets = slots[written] // PAGE_SIZE, slots[written] % PAGE_SIZE
-        restored = dequantize_keys(
-            k_cache[pages, offsets], k_scale[pages, :, offsets], torch.float32
-        )
-        want = key[written].float()
-        error = (restored - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
-        assert float(error.max()) < 0.02
+        for rows, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+            restored = dequantize_rows(
+                cache[pages, offsets], scale[pages, :, offsets], torch.float32
+            )
+            want = rows[written].float()
+            error = (restored - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+            assert float(error.max()) < 0.02

@@ -11,14 +11,12 @@ import gpu_node.kernels.paged_attention.dot as paged_attention_module
 import gpu_node.kernels.paged_attention.split_merge as split_merge
 from gpu_node.cache.kv_quant import (
     FP8_DTYPE,
-    dequantize_fp8,
-    dequantize_keys,
+    dequantize_rows,
     hadamard,
     kv_pool,
     pool_strides,
-    quantize_fp8,
-    quantize_keys,
-    rotate_queries,
+    quantize_rows,
+    rotate,
     scale_shape,
 )
 from gpu_node.kernels.kv_write.reference import kv_write_ref
@@ -189,11 +187,11 @@ def test_kernel_matches_reference(
 
 def kernel_query(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """The query the kernel attends with: over fp8 pages it is rotated into the keys' basis
-    and rounded to q's dtype (kv_quant.rotate_queries); this rotates that one back in
+    and rounded to q's dtype (kv_quant.rotate); this rotates that one back in
     fp32 (H_D H_D = D I), so the reference sees what the kernel saw."""
     if cache_dtype != FP8_DTYPE:
         return q
-    return hadamard(rotate_queries(q).float())
+    return hadamard(rotate(q).float())
 
 
 def kernel_ref(batch: PagedBatch) -> torch.Tensor:
@@ -282,8 +280,8 @@ def test_reference_is_softmax_attention_over_the_written_tokens():
     ref, _ = paged_decode_attention_ref(*batch.args(), **batch.scales())
     for seq, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
         # What fp8 storage keeps of them: exactly quantize -> dequantize.
-        k = dequantize_keys(*quantize_keys(key), torch.float64).repeat_interleave(2, dim=1)
-        v = dequantize_fp8(*quantize_fp8(value), torch.float64).repeat_interleave(2, dim=1)
+        k = dequantize_rows(*quantize_rows(key), torch.float64).repeat_interleave(2, dim=1)
+        v = dequantize_rows(*quantize_rows(value), torch.float64).repeat_interleave(2, dim=1)
         q = batch.q[seq].double()  # [Q, D]
         probs = torch.softmax(torch.einsum("hd,lhd->hl", q, k) / 32**0.5, dim=-1)
         expected = torch.einsum("hl,lhd->hd", probs, v)
@@ -427,8 +425,8 @@ def test_gather_paged_kv_returns_the_sequence_in_order(cache_dtype):
     )
     assert k.shape == v.shape == (37, 2, 32)
     if cache_dtype == FP8_DTYPE:
-        expected_k = dequantize_keys(*quantize_keys(batch.keys[0]), torch.float32)
-        expected_v = dequantize_fp8(*quantize_fp8(batch.values[0]), torch.float32)
+        expected_k = dequantize_rows(*quantize_rows(batch.keys[0]), torch.float32)
+        expected_v = dequantize_rows(*quantize_rows(batch.values[0]), torch.float32)
     else:
         expected_k = batch.keys[0].to(cache_dtype).float()
         expected_v = batch.values[0].to(cache_dtype).float()
@@ -606,20 +604,18 @@ def test_tile_defaults_per_page_format():
     )
 
 
-def test_fp8_query_split_is_refused_and_a_pool_needs_pages():
+def test_a_pool_needs_pages():
     batch = build_batch(
         [5, 9], cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, num_heads=4,
         num_kv_heads=2, head_dim=32, page_size=16,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="q_fp8 multiplies e4m3 K pages"):
-        paged_decode_attention(*batch.args(), tuning=DotTuning(q_fp8=True))
     q, k_cache, v_cache, tables, lens, _, tags = batch.args()
     empty = k_cache[:0], v_cache[:0]
     with pytest.raises(ValueError, match="the KV cache has no pages"):
         paged_decode_attention(q, *empty, tables, lens, torch.zeros(0, dtype=torch.int64), tags)
 
 
-# Relative Frobenius error against the fp32 reference with 16-bit (or e4m3) MMA operands
+# Relative Frobenius error against the fp32 reference with 16-bit MMA operands
 # and bf16 outputs (2**-8 rounding); the same bound as benchmarks/bench_paged_attention.py.
 GPU_TOLERANCE = 8e-3
 
@@ -720,3 +716,7 @@ def test_merge_writes_every_flag_and_output():
     weights = torch.exp2(part_max - part_max.amax(dim=2, keepdim=True))
     want = (part_acc * weights[..., None]).sum(2) / (part_sum * weights).sum(2)[..., None]
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    # Over fp8 pages the sums are in the rows' rotated basis: each output row rotated back.
+    out.fill_(float("nan"))
+    split_merge.merge_splits(part_max, part_sum, part_acc, part_bad, out, violations, rotate=True)
+    torch.testing.assert_close(out, hadamard(want) / dim, atol=1e-6, rtol=1e-5)
