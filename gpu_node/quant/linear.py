@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from gpu_node.kernels import cpu as cpu_kernels
 from gpu_node.kernels.w4a16.reference import w4a16_matmul_ref
 from gpu_node.quant.int4 import (
     Int4Weight,
@@ -196,11 +197,24 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
                 y = w4a16_mma_matmul(x, self.weight_mma)
             else:
                 y = w4a16_kn_matmul(x, self.weight_kn)
+        elif self._takes_cpu_kernels(x):
+            rows = x.reshape(-1, self.in_features)
+            y = cpu_kernels.int4_matmul(rows, self.packed, self.scales, self.mins, self.group_size)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         elif _HAS_CPU_INT4:
             y = self._forward_cpu(x)
         else:
             return self.forward_ref(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _takes_cpu_kernels(self, x: torch.Tensor) -> bool:
+        """Decode-sized fp32 rows inside cpu_kernels.active(): the C GEMV (kernels/cpu)."""
+        return (
+            cpu_kernels.use_kernels(x)
+            and self.layout == "int4"
+            and self.group_size % cpu_kernels.BLOCK == 0
+            and x.numel() <= cpu_kernels.MAX_ROWS * self.in_features
+        )
 
     def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize, then an fp32 matmul: the arithmetic every path is checked against."""
