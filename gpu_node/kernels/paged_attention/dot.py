@@ -65,8 +65,23 @@ def _to_dot_tl(x, DOT_KIND: tl.constexpr):
 @triton.jit
 def _tile_to_dot_tl(x, IS_FP8: tl.constexpr, DOT_KIND: tl.constexpr):
     # A K or V tile as an MMA operand: fp8 pools hold int8 codes (kv_quant), which every
-    # dot dtype holds exactly.
-    if IS_FP8:  # noqa: SIM108 (a Triton constexpr branch)
+    # dot dtype holds exactly. To fp16, a plain cast is moved past the tile's shared-memory
+    # load into the operand layout, where Triton then reads the tile one byte at a time;
+    # as opaque PTX it stays in the load's own layout: per four codes a xor, two byte
+    # permutes under the exponent of 1024 (c + 128 -> the fp16 1152 + c) and two f16x2
+    # subtracts of 1152, as the mma kernel converts them (mma_asm).
+    if IS_FP8 and DOT_KIND == 2:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, bias; xor.b32 u, $2, 0x80808080; mov.b32 bias, 0x64806480;"
+            " prmt.b32 $0, u, 0x64646464, 0x4140; prmt.b32 $1, u, 0x64646464, 0x4342;"
+            " sub.rn.f16x2 $0, $0, bias; sub.rn.f16x2 $1, $1, bias; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,  # a pure op would be moved like the cast
+            pack=4,
+        )
+    elif IS_FP8:
         y = _to_dot_tl(x.to(tl.int8, bitcast=True), DOT_KIND)
     else:
         y = _to_dot_tl(x, DOT_KIND)

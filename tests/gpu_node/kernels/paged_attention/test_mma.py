@@ -9,6 +9,7 @@ operands line up with their constraints (the interpreter cannot run inline asm).
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import replace
@@ -699,3 +700,20 @@ def test_emulated_running_max_is_the_quads_and_the_running_value():
     want = torch.maximum(quad_max, running)
     for j in range(4):
         assert torch.equal(out[j], want)
+
+
+def test_emulated_dot_kernel_conversion_gives_the_codes():
+    """The tl.dot kernel's int8 -> fp16 PTX (its fp16 dots on a GPU), four codes a lane,
+    the extremes included: the low two codes in $0, the high two in $1."""
+    from gpu_node.kernels.paged_attention.dot import _tile_to_dot_tl
+
+    source = inspect.getsource(_tile_to_dot_tl.fn)  # jitted or interpreted
+    source = source.split("inline_asm_elementwise(")[1].split('"=r,=r,r"')[0]
+    text = "".join(re.findall(r'"([^"]*)"', source))
+    lines = text.replace("{", "{;").replace("}", ";}").split(";")
+    lines = "\n".join(x.strip() for x in lines if x.strip())
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.randint(-128, 128, (32, 4), generator=gen, dtype=torch.int8)
+    codes[0] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)
+    out = run_asm(lines, {2: _words(codes.view(FP8_DTYPE))[:, 0]}, outputs=2)
+    assert torch.equal(torch.cat([_f16_pairs(out[0]), _f16_pairs(out[1])], 1), codes.float())
