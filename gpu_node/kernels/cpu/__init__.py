@@ -2,8 +2,8 @@
 
 A decode step on a CPU reads every weight once for a handful of rows; torch's eager ops
 pay a dispatch each and read fp32 where the file holds 4 or 8 bits. `ops.c` holds the
-step's heavy parts in C: the INT4 and Q8_0 GEMVs (activations quantized to int8 a block
-of 32, llama.cpp's scheme, so one integer multiply-add covers 32 weights), paged
+step's heavy parts in C: the INT4 and Q8_0 GEMVs (activations quantized to int16 a block
+of 32, so integer multiply-adds do the work at a rounding finer than bf16's), paged
 attention reading fp32 pages in place, the KV write with its ownership check, and the
 norms, RoPE and activation fused.
 
@@ -38,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("ops.c")
-BLOCK = 32  # activations are quantized a block of this many values
+BLOCK = 32  # activations are quantized to int16 a block of this many values
 MAX_ROWS = 32  # rows a GEMV call takes (ops.c MAX_ROWS)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -47,7 +47,7 @@ _ARG_TYPES = {"p": _P, "l": _I, "i": ctypes.c_int, "f": _F}  # pointer, int64, i
 _SIGNATURES = {
     "es_has_avx2": ("", True),
     "es_set_threads": ("i", False),
-    "es_q8_rows": ("pllppp", False),
+    "es_quantize_rows": ("pllppp", False),
     "es_q4_gemv": ("pppllpppllp", False),
     "es_q8_gemv": ("ppllpplp", False),
     "es_paged_decode": ("plpplllplpppillllllfpp", False),
@@ -174,16 +174,16 @@ def _f32(*tensors: torch.Tensor) -> None:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x fp32 [M, K] -> (codes int8 [M, K], scales fp32 [M, K/32], scale * sum of codes
-    fp32 [M, K/32]): each block of 32 as int8 codes of its absolute max over 127."""
+    """x fp32 [M, K] -> (codes int16 [M, K], scales fp32 [M, K/32], scale * sum of codes
+    fp32 [M, K/32]): each block of 32 as int16 codes, its absolute max over 32767 a step."""
     _f32(x)
     m, k = x.shape
     _check(k % BLOCK == 0, f"K = {k} must be a multiple of {BLOCK}")
     x = x.contiguous()
-    q = torch.empty((m, k), dtype=torch.int8)
+    q = torch.empty((m, k), dtype=torch.int16)
     d = torch.empty((m, k // BLOCK), dtype=torch.float32)
     qd = torch.empty_like(d)
-    _lib().es_q8_rows(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), qd.data_ptr())
+    _lib().es_quantize_rows(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), qd.data_ptr())
     return q, d, qd
 
 

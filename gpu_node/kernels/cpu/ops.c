@@ -2,15 +2,16 @@
  * (gpu_node/kernels/cpu/__init__.py compiles and loads this file; without a compiler the
  * engine keeps its torch path).
  *
- *   es_q8_rows        activations -> int8 codes per block of 32, one fp32 scale a block
+ *   es_quantize_rows  activations -> int16 codes, one fp32 scale a block of 32
  *   es_q4_gemv        y = x W^T, W as INT4 groups (packed nibbles, fp16 scale and min)
  *   es_q8_gemv        y = x W^T, W as GGUF Q8_0 (int8 codes, fp16 scale per block of 32)
  *   es_paged_decode   one query a sequence over its pages, read in place (fp32 KV)
  *   es_kv_write       a step's K/V rows into their slots, refusing foreign pages
  *   es_rms_norm, es_add_rms_norm, es_rope, es_silu_mul   the small operations, fused
  *
- * The GEMVs take activations already quantized to int8 a block of 32 (the scheme of
- * llama.cpp's Q8 dot products): one integer multiply-add covers 32 weights.
+ * The GEMVs take activations already quantized to int16 a block of 32: integer
+ * multiply-adds (16 weights an instruction) at a rounding error of 1/65534 of the block's
+ * largest value, below bf16's (int8 codes, llama.cpp's scheme, cost the answers more).
  * All row loops split over the OpenMP threads torch itself uses.
  */
 #include <math.h>
@@ -60,18 +61,20 @@ int es_has_avx2(void) {
 
 void es_set_threads(int n) { omp_set_num_threads(n); }
 
-/* x fp32 [M, K] -> q int8 [M, K], d fp32 [M, K/32] (q * d ~ x), qd fp32 [M, K/32] = d * sum(q). */
-void es_q8_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *qd) {
+#define QMAX 32767.0f
+
+/* x fp32 [M, K] -> q int16 [M, K], d fp32 [M, K/32] (q * d ~ x), qd fp32 [M, K/32] = d * sum(q). */
+void es_quantize_rows(const float *x, int64_t M, int64_t K, int16_t *q, float *d, float *qd) {
     const int64_t nb = K / BLOCK;
     for (int64_t i = 0; i < M * nb; i++) {
         const float *xb = x + i * BLOCK;
         float amax = 0.0f;
         for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float scale = amax / QMAX, inv = amax > 0.0f ? QMAX / amax : 0.0f;
         int sum = 0;
         for (int j = 0; j < BLOCK; j++) {
             const int v = (int)nearbyintf(xb[j] * inv);
-            q[i * BLOCK + j] = (int8_t)v;
+            q[i * BLOCK + j] = (int16_t)v;
             sum += v;
         }
         d[i] = scale;
@@ -86,29 +89,44 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-/* sum over 32 lanes of u8 w times s8 x, as 8 int32 lanes turned float */
-static inline __m256 dot_u8s8(__m256i w, __m256i x) {
-    const __m256i p16 = _mm256_maddubs_epi16(w, x);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+/* 32 weights (w0: the first 16, w1: the last 16, as int16) times 32 int16 activations,
+ * as 8 float lanes of partial sums (each exact: below 2^24) */
+static inline __m256 dot_s16(__m256i w0, __m256i w1, const int16_t *x) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+}
+
+/* a Q4 block's 16 bytes (low nibbles weights 0..15, high ones 16..31) times 32 activations */
+static inline __m256 dot_q4(const uint8_t *w, const int16_t *x) {
+    const __m128i low = _mm_set1_epi8(0x0f), raw = _mm_loadu_si128((const __m128i *)w);
+    return dot_s16(_mm256_cvtepu8_epi16(_mm_and_si128(raw, low)),
+                   _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low)), x);
+}
+
+/* a Q8_0 block's 32 int8 weights times 32 activations */
+static inline __m256 dot_q8(const int8_t *w, const int16_t *x) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)w);
+    return dot_s16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw)),
+                   _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1)), x);
 }
 #endif
 
-static inline int dot_q4_scalar(const uint8_t *w, const int8_t *x) {
-    int s = 0;
+static inline int64_t dot_q4_scalar(const uint8_t *w, const int16_t *x) {
+    int64_t s = 0;
     for (int j = 0; j < 16; j++) s += (w[j] & 0x0f) * x[j] + (w[j] >> 4) * x[16 + j];
     return s;
 }
 
 /* y fp32 [M, N] = x W^T. W: packed uint8 [N, K/2] (each 32 weights: 16 bytes, the low
  * nibbles weights 0..15, the high ones 16..31), scales and mins fp16 [N, K/G]; weight =
- * code * scale + min. x given as es_q8_rows' q, d, qd. */
+ * code * scale + min. x given as es_quantize_rows' q, d, qd. */
 #ifdef ES_AVX2
 /* es_q4_gemv for one row of activations: accumulators in registers, two blocks a turn. */
-static void q4_gemv_row(const int8_t *q, const float *d, const float *qd, int64_t K,
+static void q4_gemv_row(const int16_t *q, const float *d, const float *qd, int64_t K,
                         const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
                         int64_t G, int64_t N, float *y) {
     const int64_t per = G / BLOCK, ng = K / G;
-    const __m128i low = _mm_set1_epi8(0x0f);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = packed + n * (K / 2);
@@ -120,11 +138,7 @@ static void q4_gemv_row(const int8_t *q, const float *d, const float *qd, int64_
             const float min = half_to_float(mins[n * ng + g]);
             for (int64_t c = 0; c < per; c++) acc_min += min * qd[g * per + c];
             for (int64_t c = 0; c < per; c++, b++) {
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
-                const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
-                                                   _mm_and_si128(raw, low));
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * BLOCK));
-                const __m256 p = dot_u8s8(w, x), s = _mm256_set1_ps(scale * d[b]);
+                const __m256 p = dot_q4(wrow + b * 16, q + b * BLOCK), s = _mm256_set1_ps(scale * d[b]);
                 if (b & 1) acc1 = _mm256_fmadd_ps(p, s, acc1);
                 else acc0 = _mm256_fmadd_ps(p, s, acc0);
             }
@@ -134,7 +148,7 @@ static void q4_gemv_row(const int8_t *q, const float *d, const float *qd, int64_
 }
 #endif
 
-void es_q4_gemv(const int8_t *q, const float *d, const float *qd, int64_t M, int64_t K,
+void es_q4_gemv(const int16_t *q, const float *d, const float *qd, int64_t M, int64_t K,
                 const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
                 int64_t G, int64_t N, float *y) {
     const int64_t nb = K / BLOCK, ng = K / G, per = G / BLOCK;
@@ -151,7 +165,6 @@ void es_q4_gemv(const int8_t *q, const float *d, const float *qd, int64_t M, int
 #ifdef ES_AVX2
         __m256 acc[MAX_ROWS];
         for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        const __m128i low = _mm_set1_epi8(0x0f);
 #else
         float acc[MAX_ROWS] = {0};
 #endif
@@ -160,21 +173,15 @@ void es_q4_gemv(const int8_t *q, const float *d, const float *qd, int64_t M, int
             const float min = half_to_float(mins[n * ng + g]);
             for (int64_t c = 0; c < per; c++) {
                 const int64_t b = g * per + c;
+                for (int64_t m = 0; m < M; m++) {
+                    const int16_t *x = q + (m * nb + b) * BLOCK;
 #ifdef ES_AVX2
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
-                const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
-                                                   _mm_and_si128(raw, low));
-                for (int64_t m = 0; m < M; m++) {
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(q + (m * nb + b) * BLOCK));
-                    acc[m] = _mm256_fmadd_ps(dot_u8s8(w, x), _mm256_set1_ps(scale * d[m * nb + b]), acc[m]);
-                    acc_min[m] += min * qd[m * nb + b];
-                }
+                    acc[m] = _mm256_fmadd_ps(dot_q4(wrow + b * 16, x), _mm256_set1_ps(scale * d[m * nb + b]), acc[m]);
 #else
-                for (int64_t m = 0; m < M; m++) {
-                    acc[m] += scale * d[m * nb + b] * (float)dot_q4_scalar(wrow + b * 16, q + (m * nb + b) * BLOCK);
+                    acc[m] += scale * d[m * nb + b] * (float)dot_q4_scalar(wrow + b * 16, x);
+#endif
                     acc_min[m] += min * qd[m * nb + b];
                 }
-#endif
             }
         }
         for (int64_t m = 0; m < M; m++) {
@@ -188,7 +195,7 @@ void es_q4_gemv(const int8_t *q, const float *d, const float *qd, int64_t M, int
 }
 
 /* y fp32 [M, N] = x W^T, W as Q8_0: codes int8 [N, K], scales fp16 [N, K/32]. */
-void es_q8_gemv(const int8_t *q, const float *d, int64_t M, int64_t K, const int8_t *codes,
+void es_q8_gemv(const int16_t *q, const float *d, int64_t M, int64_t K, const int8_t *codes,
                 const uint16_t *scales, int64_t N, float *y) {
     const int64_t nb = K / BLOCK;
 #pragma omp parallel for schedule(static)
@@ -199,20 +206,16 @@ void es_q8_gemv(const int8_t *q, const float *d, int64_t M, int64_t K, const int
         for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const float ws = half_to_float(scales[n * nb + b]);
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + b * BLOCK));
-            const __m256i wabs = _mm256_sign_epi8(w, w);
-            for (int64_t m = 0; m < M; m++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + (m * nb + b) * BLOCK));
-                acc[m] = _mm256_fmadd_ps(dot_u8s8(wabs, _mm256_sign_epi8(x, w)),
+            for (int64_t m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(dot_q8(wrow + b * BLOCK, q + (m * nb + b) * BLOCK),
                                          _mm256_set1_ps(ws * d[m * nb + b]), acc[m]);
-            }
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = hsum(acc[m]);
 #else
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                int s = 0;
+                int64_t s = 0;
                 for (int j = 0; j < BLOCK; j++) s += wrow[b * BLOCK + j] * q[(m * nb + b) * BLOCK + j];
                 acc += half_to_float(scales[n * nb + b]) * d[m * nb + b] * (float)s;
             }
@@ -400,8 +403,8 @@ typedef struct {
     const es_layer *layer;
 } es_model;
 
-static void q4_apply(const es_q4 *w, const float *x, int64_t M, int8_t *q, float *d, float *qd, float *y) {
-    es_q8_rows(x, M, w->k, q, d, qd);
+static void q4_apply(const es_q4 *w, const float *x, int64_t M, int16_t *q, float *d, float *qd, float *y) {
+    es_quantize_rows(x, M, w->k, q, d, qd);
     es_q4_gemv(q, d, qd, M, w->k, w->packed, w->scales, w->mins, w->group, w->n, y);
 }
 
@@ -420,7 +423,7 @@ int es_llama_decode(const es_model *m, float *x, int64_t B, const float *cos, co
     float *h = malloc(sizeof(float) * B * D), *wide = malloc(sizeof(float) * B * widest);
     float *attn = malloc(sizeof(float) * B * m->H * E), *act = malloc(sizeof(float) * B * F);
     float *tmp = malloc(sizeof(float) * B * D);
-    int8_t *q = malloc(B * kmax);
+    int16_t *q = malloc(sizeof(int16_t) * B * kmax);
     float *d = malloc(sizeof(float) * B * (kmax / BLOCK)), *qd = malloc(sizeof(float) * B * (kmax / BLOCK));
     uint8_t *refused = malloc(B);
     int32_t *foreign = malloc(sizeof(int32_t) * B);

@@ -23,14 +23,13 @@ def dequantized_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.float().view(*d.shape, 32) * d[..., None]).view(x.shape)
 
 
-def test_activations_are_int8_codes_of_each_blocks_absolute_max():
+def test_activations_are_int16_codes_of_each_blocks_absolute_max():
     x = torch.tensor([[*range(-16, 16), *[0.0] * 31, 254.0]])
     q, d, _ = ck.quantize_rows(x)
-    assert torch.equal(d, torch.tensor([[16.0, 254.0]]) / 127)
-    assert torch.equal(
-        q[0, :32], torch.round(x[0, :32] * (127 / torch.tensor(16.0))).to(torch.int8)
-    )
-    assert q[0, 32:].tolist() == [0] * 31 + [127]
+    assert torch.equal(d, torch.tensor([[16.0, 254.0]]) / 32767)
+    expected = torch.round(x[0, :32] * (32767 / torch.tensor(16.0))).to(torch.int16)
+    assert torch.equal(q[0, :32], expected)
+    assert q[0, 32:].tolist() == [0] * 31 + [32767]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
