@@ -97,18 +97,18 @@ static inline __m256 dot_s16(__m256i w0, __m256i w1, const int16_t *x) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
 }
 
-/* a Q4 block's 16 bytes (low nibbles weights 0..15, high ones 16..31) times 32 activations */
-static inline __m256 dot_q4(const uint8_t *w, const int16_t *x) {
+/* a Q4 block's 16 bytes (low nibbles weights 0..15, high ones 16..31) as int16 halves */
+static inline void unpack_q4(const uint8_t *w, __m256i *w0, __m256i *w1) {
     const __m128i low = _mm_set1_epi8(0x0f), raw = _mm_loadu_si128((const __m128i *)w);
-    return dot_s16(_mm256_cvtepu8_epi16(_mm_and_si128(raw, low)),
-                   _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low)), x);
+    *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+    *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
 }
 
-/* a Q8_0 block's 32 int8 weights times 32 activations */
-static inline __m256 dot_q8(const int8_t *w, const int16_t *x) {
+/* a Q8_0 block's 32 int8 weights as int16 halves */
+static inline void unpack_q8(const int8_t *w, __m256i *w0, __m256i *w1) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)w);
-    return dot_s16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw)),
-                   _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1)), x);
+    *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+    *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
 }
 #endif
 
@@ -138,7 +138,9 @@ static void q4_gemv_row(const int16_t *q, const float *d, const float *qd, int64
             const float min = half_to_float(mins[n * ng + g]);
             for (int64_t c = 0; c < per; c++) acc_min += min * qd[g * per + c];
             for (int64_t c = 0; c < per; c++, b++) {
-                const __m256 p = dot_q4(wrow + b * 16, q + b * BLOCK), s = _mm256_set1_ps(scale * d[b]);
+                __m256i w0, w1;
+                unpack_q4(wrow + b * 16, &w0, &w1);
+                const __m256 p = dot_s16(w0, w1, q + b * BLOCK), s = _mm256_set1_ps(scale * d[b]);
                 if (b & 1) acc1 = _mm256_fmadd_ps(p, s, acc1);
                 else acc0 = _mm256_fmadd_ps(p, s, acc0);
             }
@@ -173,10 +175,14 @@ void es_q4_gemv(const int16_t *q, const float *d, const float *qd, int64_t M, in
             const float min = half_to_float(mins[n * ng + g]);
             for (int64_t c = 0; c < per; c++) {
                 const int64_t b = g * per + c;
+#ifdef ES_AVX2
+                __m256i w0, w1;
+                unpack_q4(wrow + b * 16, &w0, &w1);
+#endif
                 for (int64_t m = 0; m < M; m++) {
                     const int16_t *x = q + (m * nb + b) * BLOCK;
 #ifdef ES_AVX2
-                    acc[m] = _mm256_fmadd_ps(dot_q4(wrow + b * 16, x), _mm256_set1_ps(scale * d[m * nb + b]), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(dot_s16(w0, w1, x), _mm256_set1_ps(scale * d[m * nb + b]), acc[m]);
 #else
                     acc[m] += scale * d[m * nb + b] * (float)dot_q4_scalar(wrow + b * 16, x);
 #endif
@@ -206,8 +212,10 @@ void es_q8_gemv(const int16_t *q, const float *d, int64_t M, int64_t K, const in
         for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const float ws = half_to_float(scales[n * nb + b]);
+            __m256i w0, w1;
+            unpack_q8(wrow + b * BLOCK, &w0, &w1);
             for (int64_t m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(dot_q8(wrow + b * BLOCK, q + (m * nb + b) * BLOCK),
+                acc[m] = _mm256_fmadd_ps(dot_s16(w0, w1, q + (m * nb + b) * BLOCK),
                                          _mm256_set1_ps(ws * d[m * nb + b]), acc[m]);
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = hsum(acc[m]);
