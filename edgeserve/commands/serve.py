@@ -1,4 +1,4 @@
-"""`edgeserve up | node | gateway`: start the service in one process or as a fleet."""
+"""`edgeserve up | node | gateway`: start the service on one machine or as a fleet."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from edgeserve.engine_options import (
     resolve_device,
     resolve_kv_dtype,
 )
+from edgeserve.node_process import NodeProcess, NodeSpec
 from edgeserve.servers import (
     BODY_DEADLINE,
     BODY_TIMEOUT,
@@ -48,6 +49,7 @@ from edgeserve.stores import (
     ledger_flag,
     redacted,
 )
+from edgeserve.threads import apply_environment
 from edgeserve.up_file import UpFile
 from edgeserve.wiring import gateway_stores
 
@@ -99,7 +101,7 @@ def _telemetry(service_name: str, *, access_log: bool = False) -> Any:
     return setup_telemetry(settings)
 
 
-async def _until_ready(service: NodeService, servers: list[uvicorn.Server]) -> bool:
+async def _until_ready(service: NodeService | NodeProcess, servers: list[uvicorn.Server]) -> bool:
     """Waits until the first request can be served: the model loaded, the node's capacity
     published where placement reads it, every server listening. False when the model
     failed to load (the reason is `service.load_error`)."""
@@ -130,7 +132,7 @@ def _ready_line(
 
 async def _serve_until_stopped(
     servers: list[uvicorn.Server],
-    service: NodeService,
+    service: NodeService | NodeProcess,
     on_ready: Callable[[float], Awaitable[None]],
 ) -> None:
     """Serves until a signal; `on_ready(seconds since start)` once the first request can be
@@ -295,7 +297,8 @@ def up(
     max_connections: int | None = MAX_CONNECTIONS,
     max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION,
 ) -> None:
-    """Gateway + one node in one process: ready in one command, no Redis needed.
+    """Gateway + one node, the node in a process of its own (edgeserve/node_process.py):
+    ready in one command, no Redis needed.
 
     With --redis-url the stores are shared through Redis and a billing worker runs in
     this process, moving the usage stream into the ledger. Its files (models, journal,
@@ -328,7 +331,6 @@ def up(
 
     async def main() -> None:
         from gateway.app import create_app
-        from gpu_node.server import NodeService, NodeSettings, create_node_app
 
         stores = await gateway_stores(
             redis_url, prefix, port, settings, local=redis_url is None, ledger=ledger,
@@ -337,28 +339,26 @@ def up(
         api_key = await stores.add_up_key(
             account_id, chosen_api_key, owner=f"{socket.gethostname()}-{port}"
         )
-        gateway_telemetry, node_telemetry = (
-            _telemetry("edgeserve-gateway", access_log=access_log),
-            _telemetry("edgeserve-node", access_log=access_log),
-        )
-        service = NodeService(
-            NodeSettings(node_id=f"{socket.gethostname()}-{node_port}", address=f"http://127.0.0.1:{node_port}",
-                         internal_token=internal_token),
-            stores.registry,
-            engine_factory=_engine_factory(
-                model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
-                engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
+        gateway_telemetry = _telemetry("edgeserve-gateway", access_log=access_log)
+        node = NodeProcess(
+            NodeSpec(
+                node_id=f"{socket.gethostname()}-{node_port}", internal_token=internal_token,
+                engine=dict(
+                    model=model, kv_dtype=kv_dtype, weights=weights, max_model_len=max_model_len,
+                    kv_memory_mb=kv_memory_mb, prefix_cache_blocks=prefix_cache_blocks,
+                    device=engine_device, cuda_graph_batch=cuda_graph_batch,
+                    activations=activations, cuda_graph_tokens=cuda_graph_tokens,
+                ),
+                limits=dataclasses.asdict(node_limits), port=node_port,
+                fd=node_sock[0].fileno(), embedding_model=encoder, access_log=access_log,
             ),
-            embedder_factory=None if encoder is None else _embedder_factory(encoder, engine_device),
+            stores.registry,
         )  # fmt: skip
         gateway_app = create_app(
             settings,
-            is_ready=lambda: service.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
+            is_ready=lambda: node.is_ready, telemetry=gateway_telemetry, **stores.app_kwargs(),
         )  # fmt: skip
-        servers = [
-            uvicorn_server(create_node_app(service, node_telemetry), node_sock, node_limits),
-            uvicorn_server(gateway_app, gateway_sock, limits),
-        ]
+        servers = [uvicorn_server(gateway_app, gateway_sock, limits)]
         url = f"http://{url_host(host)}:{port}"
         typer.echo(
             f"edgeserve is starting at {url} (the model loads in the background; 503 until "
@@ -386,12 +386,22 @@ def up(
             found_by.write()
             typer.echo(_ready_line(model, weights, engine_device, kv_dtype, url, seconds))
 
+        def on_node_exit(code: int) -> None:
+            typer.echo(f"error: the node process ended (exit code {code}); stopping", err=True)
+            for server in servers:
+                server.should_exit = True
+
+        node.start(on_exit=on_node_exit)
+        for sock in node_sock:  # the node process holds it now
+            sock.close()
         try:
-            await _serve_until_stopped(servers, service, on_ready)
+            await _serve_until_stopped(servers, node, on_ready)
         finally:
+            await node.stop()
             found_by.remove()
             gateway_telemetry.shutdown()  # flushes the spans still batched
-            node_telemetry.shutdown()
+        if node.has_exited:
+            raise typer.Exit(1)
 
     asyncio.run(main())
 
@@ -441,6 +451,7 @@ def node(
         check_node_id(node_id)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--node-id") from None
+    apply_environment(device)  # before torch loads: OpenMP reads it once
     engine_device = resolve_device(device)
     activations = resolve_activations(activations, weights, engine_device)
     kv_dtype = resolve_kv_dtype(kv_dtype, engine_device, activations)
