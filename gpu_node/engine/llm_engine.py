@@ -22,12 +22,13 @@ from gpu_node.config import EngineConfig
 from gpu_node.engine.decode_graphs import DecodeGraphs, capturable
 from gpu_node.engine.grammar import Grammar, GrammarCompiler, GrammarMasks, Matcher
 from gpu_node.engine.handoff import KVHandoff, KVSpec, export_rows, import_rows
-from gpu_node.engine.model_runner import ModelRunner
+from gpu_node.engine.model_runner import ModelRunner, StepBroadcast
 from gpu_node.engine.outputs import EngineEvent, EngineStats, RequestOutput, SampledLogprob
 from gpu_node.engine.prefix_cache import PrefixCache
 from gpu_node.engine.sampler import apply_penalties, draw
 from gpu_node.engine.step_graphs import StepGraphs
 from gpu_node.errors import InvalidRequestError, RequestTooLargeError
+from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import LlamaModel
 from gpu_node.models.tokenizer import ChatTokenizer
 from gpu_node.models.weights import Progress, activation_dtype, build_model
@@ -99,8 +100,36 @@ def choice_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
+def build_kv_cache(config: EngineConfig, mc: ModelConfig) -> KVCache:
+    """The KV pool `config` asks for, for a model of `mc` (a tensor-parallel rank's config:
+    its own KV heads, so every rank of a group gets the same number of pages)."""
+    page_bytes = bytes_per_page(
+        config.kv_dtype, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim
+    )
+    num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
+    return KVCache(
+        mc.num_layers,
+        num_pages,
+        config.page_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        config.kv_dtype,
+        config.device,
+    )
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: ChatTokenizer):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: ChatTokenizer,
+        step_broadcast: StepBroadcast | None = None,
+    ):
+        """`step_broadcast`: under tensor parallelism (rank 0 of a group, `model` its shard),
+        what sends each step's inputs to the other ranks (gpu_node/parallel/step.py); the
+        steps then run eagerly, without the prefix cache, KV handoffs nor n > 1, which
+        would move KV within rank 0's pool alone."""
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -109,19 +138,8 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        page_bytes = bytes_per_page(
-            config.kv_dtype, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim
-        )
-        num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
-        self.kv_cache = KVCache(
-            mc.num_layers,
-            num_pages,
-            config.page_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.kv_dtype,
-            config.device,
-        )
+        self.kv_cache = build_kv_cache(config, mc)
+        num_pages = self.kv_cache.num_pages
         computes_in = model.embed_tokens.weight.dtype
         if config.activations != "auto":
             wanted = activation_dtype(config.weights, config.device, config.activations)
@@ -138,13 +156,15 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, config.page_size, config.device, window)
         self.prefix_cache = (
             PrefixCache(self.kv_cache, config.prefix_cache_blocks)
-            if config.prefix_cache_blocks and window is None
+            if config.prefix_cache_blocks and window is None and step_broadcast is None
             else None
         )
         if config.prefix_cache_blocks and window is not None:
             # A prompt's leading pages are released as it prefills: none is left to keep at
             # its end, and admission takes no pages for a cached prefix to be copied into.
             log.info("prefix caching is off: this model's pages past its window are released")
+        elif config.prefix_cache_blocks and step_broadcast is not None:
+            log.info("prefix caching is off under tensor parallelism")
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -162,7 +182,8 @@ class LLMEngine:
             self.block_manager.page_column_host,
             config.check_integrity,
         )
-        records = self._records_graphs()
+        self.runner.broadcast = step_broadcast
+        records = self._records_graphs() and step_broadcast is None
         self.runner.graphs = self._decode_graphs(config) if records else None
         self.runner.step_graphs = self._step_graphs(config) if records else None
         self.num_integrity_violations = 0
@@ -234,6 +255,10 @@ class LLMEngine:
         logits and start from a copy of its prompt's KV.
         """
         self.validate(request_id, prompt_token_ids, params)
+        if self.runner.broadcast is not None and (prefill_only or handoff is not None or n > 1):
+            raise InvalidRequestError(
+                "KV handoffs and n > 1 are not served under tensor parallelism"
+            )
         if n > 1:
             taken = [choice_id(request_id, i) for i in range(1, n)]
             if any(c in self._requests for c in taken):

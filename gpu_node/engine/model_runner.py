@@ -4,6 +4,7 @@ ownership, returns logits and the sequences the kernels flagged."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,6 +21,19 @@ from gpu_node.engine.step_graphs import StepGraphs
 from gpu_node.models.llama import LlamaModel
 from scheduler.block_manager import sequence_tag
 from scheduler.scheduler import ScheduledChunk
+
+
+class StepBroadcast(Protocol):
+    """Sends a step's inputs to the other ranks of a tensor-parallel group, which run the
+    same forward on their shards (gpu_node/parallel/step.py StepSender)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: StepMetadata,
+        logits_indices: torch.Tensor,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,9 @@ class ModelRunner:
         # (set by the engine on a GPU).
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
+        # Under tensor parallelism (rank 0), what sends each step to the other ranks; such
+        # steps run eagerly, never from the graphs (set by the engine).
+        self.broadcast: StepBroadcast | None = None
         self.check_owner = check_owner
         self.kv_cache = kv_cache
         self.page_owner = page_owner
@@ -200,6 +217,8 @@ class ModelRunner:
         ids, pos, metadata = self.prepare(chunks, t)
         ends = np.cumsum(metadata.query_lens) - 1
         logits_indices = torch.from_numpy(ends[completing]).to(self.device)
+        if self.broadcast is not None:  # the other ranks run this step on their shards too
+            self.broadcast(ids, pos, metadata, logits_indices)
         attention = PagedAttention(
             self.kv_cache, metadata, self.scale, self.check_owner, self.windows
         )
