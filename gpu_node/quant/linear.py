@@ -287,7 +287,7 @@ class ModelBytes:
     packed: int  # INT4 codes
     scales: int
     mins: int
-    unquantized: int  # everything else: embeddings, norms, router, skipped linears
+    unquantized: int  # everything else: embeddings, norms, router, skipped linears, Q8_0 heads
 
     @property
     def total(self) -> int:
@@ -295,19 +295,22 @@ class ModelBytes:
 
 
 def model_bytes(model: nn.Module) -> ModelBytes:
-    """Counts the parameters and buffers of `model` by kind."""
+    """Counts the parameters and buffers of `model` by kind: the INT4 modules' buffers by
+    their names, everything else (a Q8_0 head's codes and scales too) as unquantized."""
     seen: set[tuple[int, int, torch.device]] = set()  # storage, offset, device
     sizes = dict.fromkeys((*INT4_BUFFERS, "unquantized"), 0)
-    tensors = [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-    for name, tensor in tensors:
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tensor.device)
-        if key in seen:
-            continue
-        seen.add(key)
-        last = name.rsplit(".", 1)[-1]
-        kind = next((k for k in INT4_BUFFERS if last == k or last.endswith(f"_{k}")), "unquantized")
-        sizes[kind] += tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        is_int4 = isinstance(module, KeepsInt4Dtypes)
+        tensors = [
+            *module.named_parameters(recurse=False, remove_duplicate=False),
+            *module.named_buffers(recurse=False, remove_duplicate=False),
+        ]
+        for name, tensor in tensors:
+            key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tensor.device)
+            if key in seen:
+                continue
+            seen.add(key)
+            kinds = INT4_BUFFERS if is_int4 else ()
+            kind = next((k for k in kinds if name == k or name.endswith(f"_{k}")), "unquantized")
+            sizes[kind] += tensor.numel() * tensor.element_size()
     return ModelBytes(**sizes)

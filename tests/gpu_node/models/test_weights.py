@@ -11,6 +11,7 @@ from gpu_node.engine.llm_engine import LLMEngine
 from gpu_node.models.gguf_loader import GGUFModel
 from gpu_node.models.weights import activation_dtype, build_model, load_llama
 from gpu_node.quant.linear import Int4Linear, model_bytes
+from gpu_node.quant.q8 import Q8Linear
 from scheduler.sequence import SamplingParams
 from tests.gpu_node.helpers import prompt_logits
 
@@ -23,10 +24,12 @@ def int4_parts(smollm2_path):
 def test_int4_model_holds_q4_1_blocks_not_floats(int4_parts):
     model, _ = int4_parts
     linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    assert len(linears) == 30 * 7  # q, k, v, o, gate, up, down in every layer
-    assert not any(
-        isinstance(m, torch.nn.Linear) and m is not model.lm_head for m in model.modules()
-    )
+    # readied for the CPU kernels: q|k|v, o, gate|up and down in every layer
+    assert len(linears) == 30 * 4 and model.cpu_kernels
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # the output head: the file's Q8_0 blocks of the tied embedding, 34 bytes a 32 weights
+    assert isinstance(model.lm_head, Q8Linear)
+    assert model.lm_head.codes.numel() + 2 * model.lm_head.scales.numel() == 30_081_024
     sizes = model_bytes(model)
     # 106,168,320 weights in 210 Q4_1 matrices: 4 bits each + an fp16 scale and min per 32
     assert (sizes.packed, sizes.scales, sizes.mins) == (53_084_160, 6_635_520, 6_635_520)
@@ -42,19 +45,22 @@ def test_int4_answers_paris_and_tracks_the_dequantized_model(int4_parts, smollm2
     assert tokenizer.decode(out["q"]) == "The capital of France is Paris."
     reference = LLMEngine(EngineConfig(model="smollm2", num_pages=64), smollm2_parts[0], tokenizer)
     fp32 = prompt_logits(reference, ids)
-    # torch's CPU int4 kernel: bf16 activations and bf16 scale/zero. Measured on three
-    # prompts: max |diff| 1.39 on logits reaching 38, and the same argmax everywhere.
+    # A prompt's projections run torch's CPU int4 kernel (bf16 activations and bf16
+    # scale/zero), the head the C GEMV. Measured on three prompts: max |diff| 1.39 on
+    # logits reaching 38, and the same argmax everywhere.
     fast = prompt_logits(engine, ids)
     assert (fast - fp32).abs().max().item() < 2.0
     assert torch.equal(fast.argmax(-1), fp32.argmax(-1))
-    # The reference arithmetic (dequantize, fp32 matmul) is the fp32 model exactly:
-    # Q4_1 blocks import without loss.
+    # The reference arithmetic (dequantize, fp32 matmul; the head's Q8_0 blocks likewise
+    # outside the C kernels) is the fp32 model exactly: Q4_1 blocks import without loss.
     linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    model.cpu_kernels = False
     for linear in linears:
         linear.forward = linear.forward_ref
     try:
         exact = prompt_logits(engine, ids)
     finally:
+        model.cpu_kernels = True
         for linear in linears:
             del linear.forward
     assert (exact - fp32).abs().max().item() < 1e-4
