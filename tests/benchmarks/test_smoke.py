@@ -30,6 +30,7 @@ SCRIPTS = (
     "bench_paged_attention.py",
     "bench_prefix_cache.py",
     "bench_w4a16.py",
+    "cpu_accuracy.py",
     "kv_accuracy.py",
     "tune_w4a16_mma.py",
 )
