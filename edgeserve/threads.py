@@ -2,12 +2,12 @@
 process, `edgeserve node`), chosen from the machine (figures: docs/benchmarks.md, "CPU
 against llama.cpp").
 
-On the CPU the engine computes on every core but one, and the event loops (the node's, and
-`up`'s gateway in its own process) run on the core left over. Were the compute on every core,
-a loop that wakes for a token would wait for a core, and a loop descheduled while it holds
-the interpreter lock stalls the engine thread as well; torch's OpenMP workers, spinning
-between two parallel regions, make that wait long. On a GPU the CPU threads have little to
-do and keep torch's defaults.
+On the CPU the engine computes on every core, and its OpenMP workers wait passively (they
+sleep at the end of a parallel region instead of spinning). Spinning workers hold every
+core between two regions: an event loop that wakes for a token (the node's, or `up`'s
+gateway in its own process) then waits for a core, and the barrier of the next region
+waits for the worker the loop displaced. On a loaded machine that stalls each region for a
+scheduler slice. On a GPU the CPU threads have little to do and keep torch's defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def thread_environment(device: str, num_cores: int | None = None) -> dict[str, s
     if device == "cuda":
         return {}
     num_cores = usable_cores() if num_cores is None else num_cores
-    return {"OMP_NUM_THREADS": str(max(1, num_cores - 1))}
+    return {"OMP_NUM_THREADS": str(num_cores), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def apply_environment(device: str) -> None:

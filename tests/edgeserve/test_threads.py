@@ -12,13 +12,12 @@ from edgeserve.threads import apply_environment, thread_environment
 @pytest.mark.parametrize(
     ("device", "num_cores", "expected"),
     [
-        ("cpu", 1, {"OMP_NUM_THREADS": "1"}),
-        ("cpu", 2, {"OMP_NUM_THREADS": "1"}),
-        ("auto", 16, {"OMP_NUM_THREADS": "15"}),
+        ("cpu", 2, {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}),
+        ("auto", 16, {"OMP_NUM_THREADS": "16", "OMP_WAIT_POLICY": "PASSIVE"}),
         ("cuda", 2, {}),
     ],
 )
-def test_the_compute_leaves_one_core_to_the_event_loops(
+def test_the_compute_takes_every_core_and_its_workers_wait_passively(
     device: str, num_cores: int, expected: dict[str, str]
 ) -> None:
     assert thread_environment(device, num_cores) == expected
@@ -26,6 +25,7 @@ def test_the_compute_leaves_one_core_to_the_event_loops(
 
 def test_a_variable_the_user_set_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("edgeserve.threads.usable_cores", lambda: 2)
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     apply_environment("cpu")
-    assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["OMP_NUM_THREADS"]) == ("ACTIVE", "2")
