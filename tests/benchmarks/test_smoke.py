@@ -21,6 +21,7 @@ SCRIPTS = (
     "bench_admission.py",
     "bench_billing.py",
     "bench_checkpoints.py",
+    "bench_cpu_llamacpp.py",
     "bench_embeddings.py",
     "bench_engine.py",
     "bench_gateway.py",
