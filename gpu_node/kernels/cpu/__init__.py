@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("ops.c")
 BLOCK = 32  # activations are quantized to int16 a block of this many values
-MAX_ROWS = 32  # rows a GEMV call takes (ops.c MAX_ROWS)
+MAX_ROWS = 64  # rows a GEMV call takes (ops.c MAX_ROWS)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARG_TYPES = {"p": _P, "l": _I, "i": ctypes.c_int, "f": _F}  # pointer, int64, int, float

@@ -25,7 +25,7 @@
 #endif
 
 #define BLOCK 32
-#define MAX_ROWS 32 /* activations rows a GEMV call takes (decode batches) */
+#define MAX_ROWS 64 /* activations rows a GEMV call takes (decode batches) */
 
 static inline float half_to_float(uint16_t h) {
 #ifdef ES_AVX2

@@ -48,8 +48,9 @@ def test_inside_the_kernels_rows_past_one_call_are_split_and_joined():
     x = torch.randn(cpu_kernels.MAX_ROWS + 5, 64)
     with cpu_kernels.active():
         y = linear(x)
-    parts = [cpu_kernels.q8_matmul(x[:32], linear.codes, linear.scales)]
-    parts.append(cpu_kernels.q8_matmul(x[32:], linear.codes, linear.scales))
+    rows = cpu_kernels.MAX_ROWS
+    parts = [cpu_kernels.q8_matmul(x[:rows], linear.codes, linear.scales)]
+    parts.append(cpu_kernels.q8_matmul(x[rows:], linear.codes, linear.scales))
     assert torch.equal(y, torch.cat(parts))
     exact = x @ linear.dequantized().t()
     assert ((y - exact).norm() / exact.norm()).item() < 1e-4  # int16 activations' rounding
