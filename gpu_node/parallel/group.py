@@ -40,6 +40,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ParallelGroup:
+    """This process's place in the group it joined, and the groups its collectives use."""
+
     rank: int
     world_size: int
     device: torch.device

@@ -101,10 +101,10 @@ def shard_llama(
             f"cannot shard {model.config.architecture} across {world_size} ranks: "
             + "; ".join(problems)
         )
-    config = model.config
-    model.cpu_kernels = False  # the C decode plan covers whole models only
     if world_size == 1:
         return model
+    config = model.config
+    model.cpu_kernels = False  # the C decode plan covers whole models only
     for layer in model.layers:
         _shard_attention(layer.self_attn, config, rank, world_size, group)
         _shard_mlp(layer.mlp, config, rank, world_size, group)
