@@ -56,8 +56,8 @@ class StepMetadata:
 
 def gathering_chunks(query_lens: Sequence[int], uses_kernels: bool) -> list[int]:
     """The chunks whose attention reads their context out of the pool (`KVCache.gather`):
-    every chunk on the CPU; on a GPU the chunks of more than one token (the decode
-    kernel reads the pages of the rest itself)."""
+    every chunk, or with `uses_kernels` (a decode kernel reads the pages of one-query
+    chunks itself: the GPU's, or the C loop on a CPU) the chunks of more than one token."""
     return [i for i, n in enumerate(query_lens) if n > 1 or not uses_kernels]
 
 
@@ -134,11 +134,8 @@ class PagedAttention:
             if metadata.context_lens_device is not None
             else torch.tensor(metadata.context_lens, dtype=torch.int32, device=kv_cache.device)
         )
-        self._decode_rows = (
-            _DecodeRows.of(metadata, self._context_lens)
-            if kv_cache.uses_kernels and not metadata.is_decode
-            else None
-        )
+        # A mixed step's decode rows, where a kernel reads their pages (built on first use).
+        self._decode_rows: _DecodeRows | None = None
         self._attend_chunk = attend_fused if kv_cache.uses_kernels else attend_ref
         # Per gathering chunk, once a step (on first use): its query rows, its context's
         # pages and offsets.
@@ -204,40 +201,56 @@ class PagedAttention:
         window = self._windows.get(layer)
         if window is not None:
             return self._attend_window(layer, q, window, out)
-        if in_c and md.is_decode:  # pages read in place
-            decoded, foreign = cpu_kernels.paged_decode_attention(
-                q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
-                md.page_owner, md.seq_tags, self.scale, self.check_owner,
-            )  # fmt: skip
-            self._foreign.append(foreign)
-            return decoded if out is None else out.copy_(decoded)
-        if kv.uses_kernels and md.is_decode:
-            decoded, foreign = paged_decode_attention(
-                q, kv.k_cache[layer], kv.v_cache[layer], md.block_tables, self._context_lens,
-                md.page_owner, md.seq_tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],
-                max_context_len=md.max_context_len or max(md.context_lens),
-                check_owner=self.check_owner,
-            )  # fmt: skip
+        # One-query rows read their pages in place: the GPU's kernels, or the C loop on a
+        # CPU (so a row's answer is the same in a decode step and in a mixed one).
+        reads_pages = kv.uses_kernels or in_c
+        if reads_pages and md.is_decode:
+            max_len = md.max_context_len or max(md.context_lens)
+            decoded, foreign = self._decode(
+                layer, q, md.block_tables, self._context_lens, md.seq_tags, max_len, in_c
+            )
             self._foreign.append(foreign)
             return decoded if out is None else out.copy_(decoded)
         out = torch.empty_like(q) if out is None else out
-        rows = self._decode_rows
-        if rows is not None:
-            decoded, foreign = paged_decode_attention(
-                q.index_select(0, rows.rows), kv.k_cache[layer], kv.v_cache[layer], rows.tables,
-                rows.context_lens, md.page_owner, rows.tags, self.scale, kv.k_scale[layer],
-                kv.v_scale[layer], max_context_len=rows.max_context_len,
-                check_owner=self.check_owner,
+        if reads_pages and self._decode_rows is None:
+            self._decode_rows = _DecodeRows.of(md, self._context_lens)
+        if reads_pages and (rows := self._decode_rows) is not None:
+            decoded, foreign = self._decode(
+                layer, q.index_select(0, rows.rows), rows.tables, rows.context_lens, rows.tags,
+                rows.max_context_len, in_c,
             )  # fmt: skip
             out.index_copy_(0, rows.rows, decoded)
             self._foreign.append(foreign)
         if self._gathers is None:
-            chunks = gathering_chunks(md.query_lens, kv.uses_kernels)
+            chunks = gathering_chunks(md.query_lens, reads_pages)
             self._gathers = self._gathers_of(chunks, md.context_index) if chunks else []
         for start, end, pages, offsets in self._gathers:  # the rest: gathered chunks
             keys, values = kv.gather(layer, pages, offsets, q.dtype)  # [L, K, E]
             out[start:end] = self._attend_chunk(q[start:end], keys, values, self.scale)
         return out
+
+    def _decode(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        tags: torch.Tensor,
+        max_context_len: int,
+        in_c: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query a sequence over its pages, read in place: (out, foreign pages)."""
+        kv = self.kv_cache
+        if in_c:
+            return cpu_kernels.paged_decode_attention(
+                q, kv.k_cache[layer], kv.v_cache[layer], tables, context_lens,
+                self.metadata.page_owner, tags, self.scale, self.check_owner,
+            )  # fmt: skip
+        return paged_decode_attention(
+            q, kv.k_cache[layer], kv.v_cache[layer], tables, context_lens,
+            self.metadata.page_owner, tags, self.scale, kv.k_scale[layer], kv.v_scale[layer],
+            max_context_len=max_context_len, check_owner=self.check_owner,
+        )  # fmt: skip
 
     def decode_in_c(
         self,

@@ -198,9 +198,7 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
             else:
                 y = w4a16_kn_matmul(x, self.weight_kn)
         elif self._takes_cpu_kernels(x):
-            rows = x.reshape(-1, self.in_features)
-            y = cpu_kernels.int4_matmul(rows, self.packed, self.scales, self.mins, self.group_size)
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            y = self._forward_c(x)
         elif _HAS_CPU_INT4:
             y = self._forward_cpu(x)
         else:
@@ -208,13 +206,25 @@ class Int4Linear(KeepsInt4Dtypes, nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _takes_cpu_kernels(self, x: torch.Tensor) -> bool:
-        """Decode-sized fp32 rows inside cpu_kernels.active(): the C GEMV (kernels/cpu)."""
+        """fp32 rows inside cpu_kernels.active(): the C GEMV (kernels/cpu)."""
         return (
             cpu_kernels.use_kernels(x)
             and self.layout == "int4"
             and self.group_size % cpu_kernels.BLOCK == 0
-            and x.numel() <= cpu_kernels.MAX_ROWS * self.in_features
+            and x.numel() > 0
         )
+
+    def _forward_c(self, x: torch.Tensor) -> torch.Tensor:
+        """The C GEMV over every row, MAX_ROWS a call: each row's answer the same whatever
+        rows share its step."""
+        rows, step = x.reshape(-1, self.in_features), cpu_kernels.MAX_ROWS
+        weight = (self.packed, self.scales, self.mins, self.group_size)
+        parts = [
+            cpu_kernels.int4_matmul(rows[i : i + step], *weight)
+            for i in range(0, rows.shape[0], step)
+        ]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_ref(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize, then an fp32 matmul: the arithmetic every path is checked against."""

@@ -122,7 +122,9 @@ static inline int64_t dot_q4_scalar(const uint8_t *w, const int16_t *x) {
  * nibbles weights 0..15, the high ones 16..31), scales and mins fp16 [N, K/G]; weight =
  * code * scale + min. x given as es_quantize_rows' q, d, qd. */
 #ifdef ES_AVX2
-/* es_q4_gemv for one row of activations: accumulators in registers, two blocks a turn. */
+/* es_q4_gemv for one row of activations, the accumulator in a register; the same
+ * additions in the same order as the rows of a batch (a row's answer is the same alone
+ * or batched). */
 static void q4_gemv_row(const int16_t *q, const float *d, const float *qd, int64_t K,
                         const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
                         int64_t G, int64_t N, float *y) {
@@ -130,22 +132,20 @@ static void q4_gemv_row(const int16_t *q, const float *d, const float *qd, int64
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = packed + n * (K / 2);
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256 acc = _mm256_setzero_ps();
         float acc_min = 0.0f;
-        int64_t b = 0;
         for (int64_t g = 0; g < ng; g++) {
             const float scale = half_to_float(scales[n * ng + g]);
             const float min = half_to_float(mins[n * ng + g]);
-            for (int64_t c = 0; c < per; c++) acc_min += min * qd[g * per + c];
-            for (int64_t c = 0; c < per; c++, b++) {
+            for (int64_t c = 0; c < per; c++) {
+                const int64_t b = g * per + c;
                 __m256i w0, w1;
                 unpack_q4(wrow + b * 16, &w0, &w1);
-                const __m256 p = dot_s16(w0, w1, q + b * BLOCK), s = _mm256_set1_ps(scale * d[b]);
-                if (b & 1) acc1 = _mm256_fmadd_ps(p, s, acc1);
-                else acc0 = _mm256_fmadd_ps(p, s, acc0);
+                acc = _mm256_fmadd_ps(dot_s16(w0, w1, q + b * BLOCK), _mm256_set1_ps(scale * d[b]), acc);
+                acc_min += min * qd[b];
             }
         }
-        y[n] = hsum(_mm256_add_ps(acc0, acc1)) + acc_min;
+        y[n] = hsum(acc) + acc_min;
     }
 }
 #endif

@@ -57,6 +57,21 @@ def test_q8_gemv_is_the_dot_of_dequantized_weights_and_activations(rows):
     torch.testing.assert_close(y, dequantized_rows(x) @ weight.t(), rtol=1e-5, atol=1e-4)
 
 
+def test_a_rows_product_is_the_same_alone_or_in_a_batch():
+    torch.manual_seed(5)
+    w = quantize_int4(torch.randn(96, 128), 32)
+    codes = torch.randint(-127, 128, (96, 128), dtype=torch.int8)
+    scales = (torch.rand(96, 4) / 50).half()
+    x = torch.randn(7, 128)
+    batched = ck.int4_matmul(x, w.packed, w.scales, w.mins, 32)
+    head = ck.q8_matmul(x, codes, scales)
+    for i in range(7):
+        assert torch.equal(
+            ck.int4_matmul(x[i : i + 1], w.packed, w.scales, w.mins, 32), batched[i : i + 1]
+        )
+        assert torch.equal(ck.q8_matmul(x[i : i + 1], codes, scales), head[i : i + 1])
+
+
 def test_gemvs_refuse_more_rows_than_they_take():
     w = quantize_int4(torch.randn(8, 32), 32)
     with pytest.raises(ValueError, match="at most 64"):
@@ -162,7 +177,7 @@ def test_without_a_compiler_there_is_no_library_and_a_clear_reason(tmp_path, mon
         ck.build()
 
 
-def seeded_cpu_engine(whole_step: bool):
+def seeded_cpu_engine(whole_step: bool, **overrides):
     """A 3-layer seeded llama, INT4 g32, readied for the kernels; fp32 pages on the CPU.
     `whole_step` False: the per-operation kernels alone (no LlamaDecodePlan)."""
     from gpu_node.config import EngineConfig
@@ -181,7 +196,9 @@ def seeded_cpu_engine(whole_step: bool):
     use_cpu_kernels(model)
     if not whole_step:
         model._c_plan = False
-    config = EngineConfig(model="seeded", device="cpu", kv_dtype="fp32", num_pages=48)
+    config = EngineConfig(
+        **{"model": "seeded", "device": "cpu", "kv_dtype": "fp32", "num_pages": 48, **overrides}
+    )
     return LLMEngine(config, model, StubTokenizer())
 
 
@@ -223,3 +240,46 @@ def test_the_decode_plan_covers_llama_layers_and_declines_the_rest():
     assert plan is not None and plan.dims["F"] == 256
     shape = dataclasses.replace(engine.model.config, qk_norm=True)
     assert ck.LlamaDecodePlan.for_model(seeded_llama(shape)) is None  # fp32 linears, q/k norms
+
+
+def logits_by_request(engine):
+    """Every logits row the sampler sees, by request, as the engine runs."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    sample = engine._mask
+
+    def capture(chunks, logits):
+        sample(chunks, logits)
+        sampled = [c for c in chunks if c.completes_sequence]
+        for chunk, row in zip(sampled, logits, strict=True):
+            rows.setdefault(chunk.seq.request_id, []).append(row.clone())
+
+    engine._mask = capture
+    return rows
+
+
+def test_a_requests_logits_do_not_depend_on_what_runs_beside_it():
+    """Decode steps, mixed steps (decode rows beside a prompt) and steps of one request
+    run every decode row and every projection through the same C code: a request's logits
+    are the same bits alone and among others joining mid-run. (A prompt split into other
+    chunks attends in other shapes: not compared here.)"""
+    from scheduler.sequence import SamplingParams
+
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(9 + 17 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine = seeded_cpu_engine(True)
+    alone = logits_by_request(engine)
+    for i, ids in enumerate(prompts):
+        engine.generate({str(i): ids}, params)
+    engine = seeded_cpu_engine(True)
+    together = logits_by_request(engine)
+    for step in range(200):
+        if step % 2 == 0 and step // 2 < len(prompts):
+            engine.add_request(str(step // 2), prompts[step // 2], params)
+        engine.step()
+        if step > 2 * len(prompts) and not engine.has_unfinished():
+            break
+    assert sorted(together) == sorted(alone) == ["0", "1", "2", "3"]
+    for request, rows in alone.items():
+        assert len(together[request]) == len(rows) == 10
+        for a, b in zip(rows, together[request], strict=True):
+            assert torch.equal(a, b)
