@@ -75,6 +75,7 @@ def tensor_parallel(world_size, phases, tokenizer, prompts, params, meanwhile):
     rank on its shard of what `build()` returns there (the same model); and what
     `meanwhile()` returns, called while those processes start."""
     from gpu_node.engine.llm_engine import LLMEngine
+    from gpu_node.errors import InvalidRequestError
     from gpu_node.parallel.group import ParallelConfig, destroy_parallel, init_parallel
     from gpu_node.parallel.step import StepSender
     from tests.conftest import free_port
@@ -102,6 +103,9 @@ def tensor_parallel(world_size, phases, tokenizer, prompts, params, meanwhile):
         sender = StepSender(group)
         for shard, (_, _, config) in zip(shards, phases, strict=True):
             engine = LLMEngine(config, shard, tokenizer, step_broadcast=sender)
+            # what would move KV within rank 0's pool alone is refused, changing nothing
+            with pytest.raises(InvalidRequestError, match="not served under tensor parallelism"):
+                engine.add_request("n", next(iter(prompts.values())), params, n=2)
             steps = record_logits(engine.runner)
             results.append((engine.generate(prompts, params), steps))
             sender.stop()
