@@ -176,8 +176,8 @@ class NodeProcess:
 
 def main() -> None:
     """The node process: reads its spec on stdin, serves until SIGTERM or its parent goes."""
-    from edgeserve.commands.serve import _embedder_factory, _engine_factory, _telemetry
     from edgeserve.connections import ConnectionLimits
+    from edgeserve.loading import _embedder_factory, _engine_factory, _telemetry
     from edgeserve.servers import run_servers, uvicorn_server
 
     spec = NodeSpec.from_json(sys.stdin.readline())
