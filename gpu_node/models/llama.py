@@ -366,7 +366,7 @@ class LlamaModel(nn.Module):
         """A decode step's layers as one C call (kernels/cpu LlamaDecodePlan) where the plan
         covers this model and the attention backend takes it; x updated in place."""
         if self._c_plan is None:
-            self._c_plan = cpu_kernels.LlamaDecodePlan.for_model(self) or False
+            self._c_plan = c_decode_plan(self) or False
         decode_in_c = getattr(attention, "decode_in_c", None)
         if not self._c_plan or decode_in_c is None or not cpu_kernels.use_kernels(x):
             return False
@@ -384,6 +384,44 @@ class LlamaModel(nn.Module):
         logits = self.lm_head(self.norm(hidden)).float()  # [N, V]
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def c_decode_plan(model: LlamaModel) -> cpu_kernels.LlamaDecodePlan | None:
+    """The C decode step of `model` (kernels/cpu LlamaDecodePlan) where it covers every
+    layer: llama's own decoder layers (no q/k norms, a silu MLP) whose q/k/v and gate/up
+    are each one INT4 linear without bias (fuse_projections), groups a multiple of 32,
+    fp32 norms, RoPE over whole heads without an attention factor; else None."""
+    from gpu_node.quant.linear import Int4Linear
+
+    config = model.config
+    if config.rope_head_dim != config.head_dim or model.rope.attention_factor != 1.0:
+        return None
+    layers = []
+    for layer in model.layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_norm is not None or mlp.act != "silu":
+            return None
+        parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for part in parts:
+            if not (
+                type(part) is Int4Linear
+                and part.bias is None
+                and part.layout == "int4"
+                and part.group_size % cpu_kernels.BLOCK == 0
+            ):
+                return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return None
+        layers.append((*(w.detach() for w in norms), *parts))
+    dims = {
+        "D": config.hidden_size, "H": config.num_heads, "KH": config.num_kv_heads,
+        "E": config.head_dim, "F": config.intermediate_size, "eps": config.rms_norm_eps,
+        "interleaved": int(config.rope_interleaved),
+    }  # fmt: skip
+    return cpu_kernels.LlamaDecodePlan(layers, dims)
 
 
 def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:

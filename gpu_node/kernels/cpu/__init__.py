@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -396,12 +397,14 @@ class LlamaDecodePlan:
     layer's norm, fused q/k/v GEMV, RoPE, KV write, paged attention, output GEMV, fused
     gate/up GEMV, activation and down GEMV, with the arithmetic of the kernels above.
 
-    `for_model` builds it for the layers it covers: llama's own decoder layers (RMSNorm,
-    no q/k norms, silu MLP) whose q/k/v and gate/up are each one INT4 linear without bias
-    (llama.fuse_projections) with groups of a multiple of 32. The caller runs it only
-    where no layer's window cuts a context (attention.PagedAttention.decode_in_c). The plan holds pointers into the model's buffers, which stay where they are."""
+    `layers`: per layer (attention norm weight, MLP norm weight, q|k|v, o, gate|up, down),
+    each projection an INT4 linear in Int4Weight's layout without bias (its `packed`,
+    `scales`, `mins`, `group_size`, `out_features`, `in_features`; llama.py `c_decode_plan`
+    picks the layers this covers). `dims`: D, H, KH, E, F, eps, interleaved. The caller
+    runs it only where no layer's window cuts a context (attention.PagedAttention
+    .decode_in_c). The plan holds pointers into the model's buffers, which stay put."""
 
-    def __init__(self, layers: list[tuple[torch.Tensor, ...]], dims: dict[str, float]):
+    def __init__(self, layers: list[tuple[Any, ...]], dims: dict[str, float]):
         self._tensors = layers  # kept alive: the structs point into them
         self._layers = (_Layer * len(layers))()
         for i, (attn_norm, mlp_norm, *projections) in enumerate(layers):
@@ -414,42 +417,6 @@ class LlamaDecodePlan:
                 ))  # fmt: skip
         self.dims = dims
         self._pools: tuple[int, ...] = ()
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module) -> LlamaDecodePlan | None:
-        """The plan of `model` (a llama.LlamaModel), or None where some layer is not covered."""
-        from gpu_node.models.llama import LlamaDecoderLayer, LlamaMLP
-        from gpu_node.quant.linear import Int4Linear
-
-        config = model.config
-        if config.rope_head_dim != config.head_dim or model.rope.attention_factor != 1.0:
-            return None
-        layers = []
-        for layer in model.layers:
-            if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
-                return None
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or mlp.act != "silu":
-                return None
-            for p in parts:
-                if not (
-                    type(p) is Int4Linear
-                    and p.bias is None
-                    and p.layout == "int4"
-                    and p.group_size % BLOCK == 0
-                ):
-                    return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
-                return None
-            layers.append((*(w.detach() for w in norms), *parts))
-        dims = {
-            "D": config.hidden_size, "H": config.num_heads, "KH": config.num_kv_heads,
-            "E": config.head_dim, "F": config.intermediate_size, "eps": config.rms_norm_eps,
-            "interleaved": int(config.rope_interleaved),
-        }  # fmt: skip
-        return cls(layers, dims)
 
     def run(
         self,

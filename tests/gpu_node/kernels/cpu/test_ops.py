@@ -233,13 +233,14 @@ def test_a_decode_step_in_one_call_equals_the_per_operation_kernels_bit_for_bit(
 
 
 def test_the_decode_plan_covers_llama_layers_and_declines_the_rest():
+    from gpu_node.models.llama import c_decode_plan
     from gpu_node.models.weights import seeded_llama
 
     engine = seeded_cpu_engine(True)
-    plan = ck.LlamaDecodePlan.for_model(engine.model)
+    plan = c_decode_plan(engine.model)
     assert plan is not None and plan.dims["F"] == 256
     shape = dataclasses.replace(engine.model.config, qk_norm=True)
-    assert ck.LlamaDecodePlan.for_model(seeded_llama(shape)) is None  # fp32 linears, q/k norms
+    assert c_decode_plan(seeded_llama(shape)) is None  # fp32 linears, q/k norms
 
 
 def logits_by_request(engine):
