@@ -8,8 +8,8 @@ attention reading fp32 pages in place, the KV write with its ownership check, an
 norms, RoPE and activation fused.
 
 The library is built with the machine's C compiler and its own instruction set
-(`-march=native`) into the user cache (`EDGESERVE_CACHE_DIR`, else ~/.cache/edgeserve),
-keyed by the source and the machine, at install (`python -m gpu_node.kernels.cpu`) or on
+(`-march=native`) into `$EDGESERVE_HOME/cpu-kernels` (else the user's cache dir, where
+models go too), keyed by the source and the machine, at install (`python -m gpu_node.kernels.cpu`) or on
 first use. Without a compiler, or with `EDGESERVE_CPU_KERNELS=0`, `library()` is None
 and the engine keeps its torch path. Calls release the GIL (ctypes does), and the C
 loops share torch's OpenMP runtime and thread count.
@@ -61,9 +61,19 @@ _SIGNATURES = {
 }
 
 
+def _user_cache() -> Path:
+    try:
+        from platformdirs import user_cache_dir
+    except ImportError:  # a GPU machine's bare environment: the CPU kernels are not used there
+        return Path.home() / ".cache" / "edgeserve"
+    return Path(user_cache_dir("edgeserve"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("EDGESERVE_CACHE_DIR") or Path.home() / ".cache" / "edgeserve"
-    return Path(root) / "cpu-kernels"
+    """Where this machine's build goes: `$EDGESERVE_HOME/cpu-kernels`, else the user's cache
+    dir (the model store's rule: gpu_node/models/model_store.py `edgeserve_home`)."""
+    home = os.environ.get("EDGESERVE_HOME")
+    return (Path(home).expanduser() if home else _user_cache()) / "cpu-kernels"
 
 
 def compiler() -> str | None:
@@ -100,6 +110,10 @@ def build(cc: str | None = None) -> Path:
     path = library_path(cc)
     if path.exists():
         return path
+    # A build install.sh left in the user's cache serves a home elsewhere too (read only).
+    installed = _user_cache() / "cpu-kernels" / path.name
+    if installed.exists():
+        return installed
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name

@@ -161,16 +161,27 @@ def test_use_kernels_only_inside_active():
     assert not ck.use_kernels(x)
 
 
-def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGESERVE_CACHE_DIR", str(tmp_path))
+def test_the_library_is_built_once_per_source_and_machine_in_the_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))  # nothing installed
     path = ck.build()
-    assert path.parent == tmp_path / "cpu-kernels" and path.exists()
+    assert path.parent == tmp_path / "home" / "cpu-kernels" and path.exists()
     stamp = path.stat().st_mtime_ns
     assert ck.build() == path and path.stat().st_mtime_ns == stamp
 
 
+def test_a_home_elsewhere_uses_the_build_install_left_in_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    monkeypatch.delenv("EDGESERVE_HOME", raising=False)
+    installed = ck.build()
+    assert installed.is_relative_to(tmp_path / "user-cache")
+    monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path / "home"))
+    assert ck.build() == installed and not (tmp_path / "home").exists()
+
+
 def test_without_a_compiler_there_is_no_library_and_a_clear_reason(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGESERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(RuntimeError, match="no C compiler"):
