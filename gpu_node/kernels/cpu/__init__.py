@@ -46,7 +46,6 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARG_TYPES = {"p": _P, "l": _I, "i": ctypes.c_int, "f": _F}  # pointer, int64, int, float
 # Each function's arguments, a letter each, and whether it returns an int.
 _SIGNATURES = {
-    "es_has_avx2": ("", True),
     "es_set_threads": ("i", False),
     "es_quantize_rows": ("pllppp", False),
     "es_q4_gemv": ("pppllpppllp", False),

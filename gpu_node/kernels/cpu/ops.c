@@ -51,14 +51,6 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-int es_has_avx2(void) {
-#ifdef ES_AVX2
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 void es_set_threads(int n) { omp_set_num_threads(n); }
 
 #define QMAX 32767.0f
