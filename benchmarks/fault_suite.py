@@ -20,7 +20,7 @@ strikes and is mended:
 Then it waits for the worker to drain (and for the orphan grace), reads the ledger, and
 judges every request by what its client saw:
 
-    lost         the client got a 2xx or a token, and the ledger has no row
+    lost         the client read a token or a whole answer, and the ledger has no row
     double       a row bills more output than the node could produce (max_tokens), or a
                  billed row of a request whose client got nothing (an error, no answer,
                  or an id no client saw)
@@ -348,6 +348,12 @@ class Outcome:
     def got_something(self) -> bool:
         return self.num_chunks > 0 or (self.status is not None and 200 <= self.status < 300)
 
+    @property
+    def got_output(self) -> bool:
+        """A token, or a whole answer: a stream whose gateway died after its status line and
+        before its start record is billed nothing (docs/billing.md), nothing read either."""
+        return self.num_chunks > 0 or self.is_done
+
 
 class Load:
     """Clients that send requests back to back until told to stop (or a deadline)."""
@@ -589,7 +595,7 @@ def judge(o: Outcome, row: UsageEvent | None, f: Figures, in_fault: bool) -> Non
     is_billed = row is not None and row.status in BILLED_STATUSES
     if row is not None:
         o.row = {name: getattr(row, name) for name in ROW_FIELDS}
-    if o.got_something and row is None:
+    if o.got_output and row is None:
         f.lost += 1
     # More than the node could produce, or billed for nothing the client got.
     if (row is not None and row.output_tokens > o.max_tokens) or (
@@ -634,7 +640,7 @@ def phase_of(when: float, phases: list[Phase]) -> Phase:
 
 def is_drained(fleet: Fleet, ledger: Ledger, expected: list[str]) -> bool:
     """The stream read and acknowledged, the journals replayed, no stream's start open,
-    every request a client got something of billed."""
+    every request a client read output of billed."""
     if any(not Journal(path).is_empty() for path in fleet.journals()):
         return False
     client = redis.Redis.from_url(fleet.redis_url, socket_timeout=2.0)
@@ -707,7 +713,7 @@ async def run(cfg: Config, fleet: Fleet) -> dict[str, Any]:
             task.cancel()
     ledger = open_ledger(fleet.database_url)
     try:
-        expected = [o.request_id for o in load.outcomes if o.got_something and o.request_id]
+        expected = [o.request_id for o in load.outcomes if o.got_output and o.request_id]
         drain_deadline = time.monotonic() + cfg.drain_s
         drain_began = time.monotonic()
         while not is_drained(fleet, ledger, expected) and time.monotonic() < drain_deadline:

@@ -5,7 +5,7 @@ Three kinds, all keyed by the request id:
 
     kind    says                                          written by
     end     the request's usage as its client got it      the gateway, when the request ends
-    start   its first byte is about to reach the client   the gateway, before a stream's first byte
+    start   its client has the status line                the gateway, before a stream's first token
     node    what the node computed and sent toward it     the node, when the request ends there
 
 An `end` is what the ledger bills. A `start` whose `end` never comes (its gateway died

@@ -1,6 +1,6 @@
 """Open requests: what the ledger keeps of a request between its start and its end.
 
-A stream's `start` (the gateway's, before the first byte) and its node's record (when it
+A stream's `start` (the gateway's, once the status line is out) and its node's record (when it
 ends there) open the request in `usage_open`; its `end` closes it. A request whose
 gateway died never gets its end:
 

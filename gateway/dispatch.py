@@ -124,15 +124,13 @@ class Dispatcher:
         if upstream.client_left:
             await upstream.close()  # billed as cancelled, its admission given back
             raise ClientClosedError(LEFT_BEFORE_ANSWER)
-        if job.stream:
-            # A whole answer needs no start record: its end is recorded before its first
-            # byte goes out.
-            try:
-                await self._meter.record_start(upstream)
-            except BaseException:
-                await asyncio.shield(upstream.close())
-                raise
         return upstream
+
+    async def record_start(self, upstream: Upstream) -> None:
+        """A stream's durable start record: sent once its client has the status line, before
+        the first token (docs/billing.md). A whole answer needs none: its end is recorded
+        before its first byte goes out."""
+        await self._meter.record_start(upstream)
 
     async def embed(
         self, job: EmbeddingJob, receive: Receive | None = None

@@ -2,8 +2,9 @@
 
     Meter.admit         the job's estimated tokens reserved with admission (RPM / TPM /
                         concurrency); a refusal is the client's error, with its limit headers
-    Meter.record_start  a stream's durable start record, before its first byte: should the
-                        gateway die mid-answer, billing completes it from this and the node's
+    Meter.record_start  a stream's durable start record, once its client has the status
+                        line and before the first token: should the gateway die mid-answer,
+                        billing completes it from this and the node's
     Meter.settle        once, at the end: the trace's token counts, the admission given back
                         at the tokens used, and the usage event
 
@@ -95,7 +96,8 @@ def billed_usage(upstream: Upstream) -> BilledUsage:
 
 
 def start_event(upstream: Upstream) -> UsageEvent:
-    """The start record of a stream: written before its first byte reaches the client."""
+    """The start record of a stream: written once its client has the status line, before
+    the first token."""
     job = upstream.job
     return UsageEvent(
         request_id=job.request_id,

@@ -10,17 +10,20 @@ Each dialect supplies a `StreamRenderer` that turns events into SSE bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, InternalError, UpstreamError
 from gateway.json_body import json_bytes
 from gateway.upstream import ChoiceEnd, Finished, TextChunk, Upstream, until_client_leaves
 
 # The request scope's state key under which a stream that failed after its 200 leaves its
 # error (gateway/dashboard/recent.py lists it).
 STREAM_FAILURE = "stream_failure"
+
+log = logging.getLogger(__name__)
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -74,6 +77,15 @@ class RelayResponse:
 
     async def _relay(self, send: Send, gone: asyncio.Event) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        # Billed from here: the client holds the status line and its request id, so a
+        # gateway that dies from now on leaves a bill its client can name (docs/billing.md).
+        try:
+            await self.upstream.record_start()
+        except Exception:  # neither the usage stream nor the journal took it
+            log.exception("recording the start of %s failed", self.upstream.job.request_id)
+            self.failure = InternalError("The answer could not be metered; try again.")
+            await send({"type": "http.response.body", "body": self.renderer.error(self.failure)})
+            return
 
         async def body(data: bytes) -> bool:
             """Sends; True when the bytes went to a client still connected.

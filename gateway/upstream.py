@@ -261,6 +261,10 @@ class Upstream:
         await self._response.aclose()
         await self._dispatcher.finish(self)
 
+    async def record_start(self) -> None:
+        """Records this stream's start for billing (`Dispatcher.record_start`)."""
+        await self._dispatcher.record_start(self)
+
     def mark_delivered(self, num_tokens: int) -> None:
         """Counts tokens whose text reached the client (billed if the request is cancelled)."""
         self.num_delivered_tokens += num_tokens

@@ -98,8 +98,8 @@ def test_a_cancelled_stream_bills_exactly_the_tokens_its_client_received(
     assert event.output_tokens == prefixes[text]
     assert prefixes[text] < MAX_TOKENS  # it really was cut short
     assert event.input_tokens == len(engine.tokenizer.encode(PROMPT))
-    # Its start, recorded before the first byte: what billing would complete had the
-    # gateway died instead.
+    # Its start, recorded once the status line was out: what billing would complete had
+    # the gateway died instead.
     (start,) = [e for e in stack.sink.starts if e.request_id == request_id]
     assert (start.kind, start.status, start.node_id) == ("start", "cancelled", "node-1")
     assert (start.input_tokens, start.output_tokens) == (event.input_tokens, 0)
