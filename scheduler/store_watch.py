@@ -97,6 +97,8 @@ class StoreWatch:
         it, or without trying while it is away and no probe is due (unless `force`)."""
         if self._away_since is not None and not force and self._monotonic() < self._next_probe:
             raise StoreAway("the shared store is away", was_sent=False)
+        task = asyncio.current_task()
+        num_cancels = 0 if task is None else task.cancelling()
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await make()
@@ -104,6 +106,11 @@ class StoreWatch:
             if isinstance(exc, RedisError) and not is_store_unavailable(exc):
                 raise  # asked wrongly: a fault of ours, not an outage
             self.failed()
+            # A cancel that met our timeout inside redis-py can come out as a connection
+            # error: the task's cancel count still says so, and the cancel must stand, or a
+            # background loop being stopped runs on.
+            if task is not None and task.cancelling() > num_cancels:
+                raise asyncio.CancelledError from exc
             raise StoreAway(f"the shared store did not serve: {exc!r}", was_sent=True) from exc
         self._succeeded()
         return result

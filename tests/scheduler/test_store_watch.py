@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 
 from scheduler.store_watch import StoreAway, StoreWatch
@@ -96,3 +100,41 @@ async def test_readonly_is_an_outage() -> None:
     with pytest.raises(StoreAway):
         await watch.call(readonly)
     assert watch.is_away
+
+
+async def test_a_cancel_the_client_turns_into_a_connection_error_still_cancels() -> None:
+    """redis-py can answer a cancel that meets a timeout with ConnectionError: the call
+    must end the cancelled task anyway (a stopped renewal loop would run on forever)."""
+    watch = StoreWatch(timeout_s=5.0)
+    entered = asyncio.Event()
+
+    async def swallowing() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise RedisConnectionError("Connection closed by server.") from None
+
+    is_stopped = False
+
+    async def loop() -> None:
+        while not is_stopped:  # what a background loop does with StoreAway: go on
+            with contextlib.suppress(StoreAway):
+                await watch.call(swallowing)
+
+    task = asyncio.create_task(loop())
+    await entered.wait()
+    task.cancel()
+    await asyncio.wait({task}, timeout=2.0)
+    is_stopped = True  # so that a failing run ends too
+    if not task.done():
+        task.cancel()
+    assert task.cancelled()
+    assert watch.is_away  # the failed call still counts as one
+
+
+async def test_a_timeout_alone_is_an_outage_not_a_cancel() -> None:
+    watch = StoreWatch(timeout_s=0.05)
+    with pytest.raises(StoreAway):
+        await watch.call(lambda: asyncio.sleep(1))
+    assert asyncio.current_task().cancelling() == 0
