@@ -50,6 +50,7 @@ def _engine_factory(
     cuda_graph_batch: int | None = None,
     activations: str = "auto",
     cuda_graph_tokens: int | None = None,
+    tensor_parallel: int = 1,
 ) -> Any:
     def load() -> Any:
         from gpu_node.config import EngineConfig
@@ -69,6 +70,7 @@ def _engine_factory(
         if kv_memory_mb is not None:
             options["kv_memory_bytes"] = kv_memory_mb * 1024 * 1024
         options["prefix_cache_blocks"] = prefix_cache_blocks
+        options["tensor_parallel"] = tensor_parallel
         return AsyncEngine.from_config(EngineConfig(**options))
 
     return load

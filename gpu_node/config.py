@@ -49,6 +49,8 @@ class EngineConfig:
     # tokens replay CUDA graphs piece by piece, attention run eagerly between the pieces
     # (gpu_node/engine/step_graphs.py); 0: never. Capped at max_num_batched_tokens.
     cuda_graph_tokens: int = 2048
+    # Ranks the model is split across (gpu_node/parallel/): one process and one GPU each.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,6 +71,8 @@ class EngineConfig:
                 f"activations fp16 takes int4 weights (they run the fp16 W4A16 kernels); "
                 f"{self.weights} weights compute in their own dtype: use activations auto"
             )
+        if self.tensor_parallel < 1:
+            problems.append(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.page_size <= 0 or self.page_size % 8:
             problems.append(f"page_size must be a positive multiple of 8, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:

@@ -354,6 +354,9 @@ def node(
     cuda_graph_batch: int | None = CUDA_GRAPH_BATCH,
     cuda_graph_tokens: int | None = CUDA_GRAPH_TOKENS,
     role: str = typer.Option("mixed", help="mixed | prefill | decode"),
+    tensor_parallel: int = typer.Option(
+        1, min=1, help="split the model across this many GPUs (one process each; the CPU: gloo)"
+    ),
     heartbeat_s: float = typer.Option(1.0),
     ttl_s: float = typer.Option(3.0),
     header_timeout_s: float = HEADER_TIMEOUT,
@@ -372,6 +375,12 @@ def node(
 
     if role not in ROLES:
         raise typer.BadParameter(f"must be one of {', '.join(ROLES)}", param_hint="--role")
+    if tensor_parallel > 1 and role != "mixed":
+        raise typer.BadParameter(
+            f"a {role} node hands KV over, which is not served under tensor parallelism: "
+            "run it with --role mixed",
+            param_hint="--tensor-parallel",
+        )
     node_id = f"{socket.gethostname()}-{port}" if node_id is None else node_id
     try:
         check_node_id(node_id)
@@ -410,7 +419,7 @@ def node(
             RedisCapacityRegistry(client, prefix),
             engine_factory=_engine_factory(
                 model, kv_dtype, weights, max_model_len, kv_memory_mb, prefix_cache_blocks,
-                engine_device, cuda_graph_batch, activations, cuda_graph_tokens,
+                engine_device, cuda_graph_batch, activations, cuda_graph_tokens, tensor_parallel,
             ),
             embedder_factory=None if encoder is None else _embedder_factory(encoder, engine_device),
             usage_sink=usage_sink,

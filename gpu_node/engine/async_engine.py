@@ -96,6 +96,8 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()
 
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its last step."""

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from scheduler.sequence import (
     Sequence,
     SequenceStatus,
 )
+
+if TYPE_CHECKING:
+    from gpu_node.parallel.launch import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +199,8 @@ class LLMEngine:
         self._masks = GrammarMasks(mc.vocab_size)
         self._choices: dict[str, list[str]] = {}  # a request's choice ids (n > 1)
         self._parent_of: dict[str, str] = {}  # a choice's request
+        # The group from_config started, under tensor parallelism (gpu_node/parallel/launch.py)
+        self.parallel: TensorParallelGroup | None = None
 
     def _records_graphs(self) -> bool:
         """Whether CUDA graphs may record this engine's steps: on a GPU, for a model whose
@@ -222,11 +228,29 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: Progress | None = None) -> LLMEngine:
-        """Loads the model named by `config.model` (raises ModelNotFoundError)."""
+        """Loads the model named by `config.model` (raises ModelNotFoundError); with
+        `config.tensor_parallel` > 1, this process's shard, the other ranks spawned."""
+        if config.tensor_parallel > 1:
+            from gpu_node.parallel.launch import start_tensor_parallel
+
+            model, tokenizer, group = start_tensor_parallel(config)
+            try:
+                engine = cls(config, model, tokenizer, step_broadcast=group.sender)
+            except BaseException:
+                group.stop()
+                raise
+            engine.parallel = group
+            return engine
         model, tokenizer = build_model(
             config.model, config.weights, config.device, progress, config.activations
         )
         return cls(config, model, tokenizer)
+
+    def close(self) -> None:
+        """Stops what the engine started beside it (a tensor-parallel group's other ranks);
+        call it once its steps are over. Idempotent."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
     # -- requests --------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ from torch import nn
 from gpu_node.cache.kv_quant import DTYPE_NAMES, KV_DTYPES
 from gpu_node.config import ACTIVATIONS
 from gpu_node.errors import ModelNotFoundError
-from gpu_node.kernels import cpu as cpu_kernels
 from gpu_node.kernels import launch
+from gpu_node.kernels.cpu import available as kernels_built
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.gemma3 import GGUF_LAYER_NAMES as GEMMA3_GGUF_LAYER_NAMES
 from gpu_node.models.gemma3 import model_class
@@ -153,9 +153,12 @@ def build_model(
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
     activations: str = "auto",
+    cpu_kernels: bool = True,
 ) -> tuple[LlamaModel, ChatTokenizer]:
     """The model and tokenizer a node serves, in the weight format asked for, computing in
-    activation_dtype(weights, device, activations).
+    activation_dtype(weights, device, activations). `cpu_kernels`: an INT4 model on the
+    CPU readied for the C decode kernels where they are built (use_cpu_kernels); off for a
+    model to be sharded, whose fused modules they would not know.
 
     `moe-small` borrows SmolLM2's tokenizer (its own weights are dummies).
     """
@@ -186,7 +189,7 @@ def build_model(
         tokenizer = ChatTokenizer(gguf)
     if on_gpu:
         return fuse_projections(loaded), tokenizer
-    if weights == "int4" and dtype == torch.float32 and cpu_kernels.available():
+    if cpu_kernels and weights == "int4" and dtype == torch.float32 and kernels_built():
         use_cpu_kernels(loaded, gguf)
     return loaded, tokenizer
 

@@ -85,6 +85,17 @@ def test_node_refuses_a_role_it_does_not_know() -> None:
     )
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_refuses_tensor_parallelism_for_a_role_that_hands_kv_over(role: str) -> None:
+    args = ["node", "--internal-token", INTERNAL_TOKEN, "--role", role, "--tensor-parallel", "2"]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 2
+    assert (
+        f"Invalid value for --tensor-parallel: a {role} node hands KV over, which is not "
+        "served under tensor parallelism: run it with --role mixed"
+    ) in _stderr(result)
+
+
 @pytest.mark.parametrize("node_id", ["", "node 1", "n" * 257, "a{b}"])
 def test_node_refuses_an_id_billing_could_not_store(node_id: str) -> None:
     # Every usage event names its node; billing dead-letters an id past 256 characters.
