@@ -17,6 +17,31 @@ from scheduler.sequence import SamplingParams
 from tests.json_schemas import PERSON
 
 PERSON_SPEC = GrammarSpec(kind="json_schema", value=json.dumps(PERSON))
+
+
+@pytest.fixture(scope="module")
+def served_model(smollm2_path):
+    """The model as `edgeserve up` serves it on a CPU (INT4, the C decode kernels where they
+    are built): what a grammar holds is the sampler's business, and these long sampled
+    answers run several times faster than on the fp32 reference path."""
+    from gpu_node.models.weights import build_model
+
+    model, _ = build_model(str(smollm2_path), "int4", "cpu")
+    return model
+
+
+@pytest.fixture
+def make_engine(served_model, smollm2_parts):
+    from gpu_node.config import EngineConfig
+    from gpu_node.engine.llm_engine import LLMEngine
+
+    _, tokenizer = smollm2_parts
+
+    def make(**overrides) -> LLMEngine:
+        config = EngineConfig(**{"model": "smollm2", "num_pages": 128, **overrides})
+        return LLMEngine(config, served_model, tokenizer)
+
+    return make
 ASK = "Describe a made-up person as JSON with name, age, role, address and pets."
 
 
