@@ -150,3 +150,54 @@ class VocabParallelHead(nn.Module):
         parts = [torch.empty_like(y) for _ in range(self.world_size)]
         dist.all_gather(parts, y.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank `rank`'s experts [start, end) of a stack of `num_experts`: ceil(E / N) each, the
+    last fewer (vocab_range's rule)."""
+    return vocab_range(num_experts, rank, world_size)
+
+
+class ExpertParallelMoe(nn.Module):
+    """One MoE block under expert parallelism: the router on every rank (each sees every
+    token's whole routing), this rank's experts [start, end) of the stack (shared experts
+    folded into it are experts like any other), the shared experts that are not folded split
+    as a column- then row-parallel MLP, and one all-reduce summing the ranks' parts.
+
+    A token's slots that route to another rank's experts point at this rank's first expert
+    with weight 0, so every kernel takes the routing as it is ([T, K]): exact, since the
+    experts' outputs are summed in fp32 and a zero weight adds nothing."""
+
+    def __init__(
+        self,
+        mlp: nn.Module,
+        experts: nn.Module,
+        start: int,
+        end: int,
+        shared: nn.Module | None,
+        group: dist.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        self.config = mlp.config
+        self.router = mlp.router
+        self.num_always_on = mlp.num_always_on
+        self.experts = experts
+        self.start, self.end = start, end
+        self.shared = shared
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        from gpu_node.models.moe_routing import Routing
+
+        routing = self.router(x, self.num_always_on)
+        ids = routing.topk_ids
+        is_local = (ids >= self.start) & (ids < self.end)
+        local = Routing(
+            torch.where(is_local, ids - self.start, 0),
+            torch.where(is_local, routing.topk_weights, 0.0),
+        )
+        y = self.experts(x, local)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        dist.all_reduce(y, group=self.group)
+        return y

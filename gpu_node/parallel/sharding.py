@@ -9,7 +9,10 @@ Rank r of N keeps, per layer:
     gate/up_proj column-parallel: F/N rows each
     down_proj    row-parallel over those F/N columns, then all-reduce
 
-and the embedding and the head vocabulary-parallel (layers.py). Fused projections
+and the embedding and the head vocabulary-parallel (layers.py). An MoE block is expert-
+parallel instead (ExpertParallelMoe): the router on every rank, rank r's experts of the
+stack [r E/N, (r+1) E/N) (rounded up; shared experts folded into the stack count as
+experts), unfolded shared experts column- then row-parallel, one all-reduce. Fused projections
 (`fuse_projections`) are sharded part by part. Weights are plain or INT4 (`Int4Linear`,
 whose row-parallel columns must not cut a quantization group).
 
@@ -22,19 +25,24 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from gpu_node.models.moe import Int4MoeExperts, MoeExperts, MoeMLP, SharedExperts
 from gpu_node.parallel.layers import (
+    ExpertParallelMoe,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    expert_range,
     take_columns,
     take_rows,
     vocab_range,
 )
+from gpu_node.quant.int4 import Int4Weight
 from gpu_node.quant.linear import Int4Linear
 
 
@@ -46,7 +54,8 @@ def shard_problems(model: LlamaModel, world_size: int) -> list[str]:
         problems.append(f"{config.num_heads} query heads do not divide by {world_size} ranks")
     if config.num_kv_heads % world_size:
         problems.append(f"{config.num_kv_heads} KV heads do not divide by {world_size} ranks")
-    if config.intermediate_size % world_size:
+    has_dense_mlp = any(isinstance(getattr(la, "mlp", None), LlamaMLP) for la in model.layers)
+    if has_dense_mlp and config.intermediate_size % world_size:
         problems.append(
             f"the MLP's {config.intermediate_size} features do not divide by {world_size} ranks"
         )
@@ -59,16 +68,18 @@ def shard_problems(model: LlamaModel, world_size: int) -> list[str]:
     mlp_width = config.intermediate_size // world_size
     for i, layer in enumerate(model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP):
+        if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP | MoeMLP):
             problems.append(
                 f"layer {i} is a {type(attn).__name__} and a {type(mlp).__name__}: only "
-                f"LlamaAttention and LlamaMLP layers are sharded"
+                f"LlamaAttention with a LlamaMLP or a MoeMLP is sharded"
             )
             continue
-        for name, module, width in (
-            ("o_proj", attn.o_proj, heads_width),
-            ("down_proj", mlp.down_proj, mlp_width),
-        ):
+        checked = [("o_proj", attn.o_proj, heads_width)]
+        if isinstance(mlp, MoeMLP):
+            problems += _moe_problems(i, mlp, world_size)
+        else:
+            checked.append(("down_proj", mlp.down_proj, mlp_width))
+        for name, module, width in checked:
             if isinstance(module, Int4Linear) and width % module.group_size:
                 problems.append(
                     f"layer {i}'s {name}: {width} columns a rank cut its INT4 groups of "
@@ -79,6 +90,33 @@ def shard_problems(model: LlamaModel, world_size: int) -> list[str]:
     if not isinstance(model.lm_head, nn.Linear | Int4Linear):
         problems.append(f"lm_head is a {type(model.lm_head).__name__}, not sharded")
     return problems
+
+
+def _moe_problems(i: int, mlp: MoeMLP, world_size: int) -> list[str]:
+    problems = []
+    if not isinstance(mlp.experts, MoeExperts | Int4MoeExperts):
+        problems.append(f"layer {i}'s experts are a {type(mlp.experts).__name__}, not sharded")
+        return problems
+    num_experts = (
+        mlp.experts.w13.shape[0]
+        if isinstance(mlp.experts, MoeExperts)
+        else (mlp.experts.w13_shape[0])
+    )
+    if expert_range(num_experts, world_size - 1, world_size)[0] >= num_experts:
+        problems.append(f"layer {i}'s {num_experts} experts leave rank {world_size - 1} none")
+    if mlp.shared is not None:
+        inner = mlp.shared.gate_proj.weight.shape[0]
+        if inner % world_size:
+            problems.append(
+                f"layer {i}'s shared experts' {inner} features do not divide by {world_size} ranks"
+            )
+        if any(not isinstance(p, nn.Linear) for p in _shared_projections(mlp.shared)):
+            problems.append(f"layer {i}'s shared experts are not plain linears, not sharded")
+    return problems
+
+
+def _shared_projections(shared: SharedExperts) -> tuple[nn.Module, nn.Module, nn.Module]:
+    return shared.gate_proj, shared.up_proj, shared.down_proj
 
 
 def shard_llama(
@@ -107,7 +145,10 @@ def shard_llama(
     model.cpu_kernels = False  # the C decode plan covers whole models only
     for layer in model.layers:
         _shard_attention(layer.self_attn, config, rank, world_size, group)
-        _shard_mlp(layer.mlp, config, rank, world_size, group)
+        if isinstance(layer.mlp, MoeMLP):
+            layer.mlp = _shard_moe(layer.mlp, rank, world_size, group)
+        else:
+            _shard_mlp(layer.mlp, config, rank, world_size, group)
     _shard_vocabulary(model, rank, world_size, group)
     model.config = _rank_config(config, world_size)
     return model
@@ -163,6 +204,43 @@ def _shard_mlp(
         mlp.gate_proj = take_rows(mlp.gate_proj, [rows])
         mlp.up_proj = take_rows(mlp.up_proj, [rows])
     mlp.down_proj = _row_parallel(mlp.down_proj, *rows, group)
+
+
+def _shard_moe(
+    mlp: MoeMLP, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> ExpertParallelMoe:
+    experts = mlp.experts
+    if isinstance(experts, Int4MoeExperts):
+        experts.use_int4_layout()  # slicing takes Int4Weight's rows of whole experts
+        w13, w2 = experts.weights()
+        start, end = expert_range(w13.shape[0], rank, world_size)
+        local: torch.nn.Module = Int4MoeExperts(
+            _experts_of(w13, start, end), _experts_of(w2, start, end)
+        )
+    else:
+        assert isinstance(experts, MoeExperts)
+        start, end = expert_range(experts.w13.shape[0], rank, world_size)
+        local = MoeExperts(
+            experts.w13.detach()[start:end].clone(), experts.w2.detach()[start:end].clone()
+        )
+    shared = None
+    if mlp.shared is not None:
+        gate, up, down = _shared_projections(mlp.shared)
+        inner = gate.weight.shape[0] // world_size
+        rows = (rank * inner, (rank + 1) * inner)
+        shared = SharedExperts(
+            gate.weight.detach()[rows[0] : rows[1]],
+            up.weight.detach()[rows[0] : rows[1]],
+            down.weight.detach()[:, rows[0] : rows[1]],
+        )  # its partial sum joins the experts' in the block's one all-reduce
+    return ExpertParallelMoe(mlp, local, start, end, shared, group)
+
+
+def _experts_of(w: Int4Weight, start: int, end: int) -> Int4Weight:
+    return Int4Weight(
+        w.packed[start:end].clone(), w.scales[start:end].clone(), w.mins[start:end].clone(),
+        (end - start, *w.shape[1:]), w.group_size,
+    )  # fmt: skip
 
 
 def _row_parallel(

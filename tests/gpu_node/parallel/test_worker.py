@@ -214,3 +214,53 @@ def test_smollm2_under_tensor_parallelism_3_matches_one_process(
         lambda: single_process(model, config, tokenizer, prompts, params),
     )  # fmt: skip
     assert_matches(parallel, single, 1e-3)
+
+
+def tiny_moe(fold: bool):
+    """moe-small (8 experts, top-2, one shared expert) on 4 layers, seeded: its shared expert
+    folded into the expert stack (as moe_model builds it), or kept as its own MLP."""
+    from gpu_node.models.moe import MOE_CONFIGS, MoeMLP
+    from gpu_node.models.weights import moe_model
+
+    model = moe_model("moe-small", seed=3)
+    if not fold:
+        for i, layer in enumerate(model.layers):
+            layer.mlp = MoeMLP.dummy(MOE_CONFIGS["moe-small"], seed=3000 + i, dtype=torch.float32)
+    return model
+
+
+@pytest.mark.slow
+def test_a_tiny_moe_under_expert_parallelism_matches_one_process():
+    """Attention split by heads, the experts by rank (the folded stack of 9 as 5 + 4; the
+    unfolded 8 as 4 + 4 with the shared expert column- then row-parallel), on 2 ranks."""
+    from gpu_node.parallel.layers import ExpertParallelMoe
+    from scheduler.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    config = engine_config(model="moe-small")
+    tokenizer = StubTokenizer()
+    builds = [functools.partial(tiny_moe, fold=True), functools.partial(tiny_moe, fold=False)]
+    models = [build() for build in builds]
+    shard = shard_of(models[0], 0, 2)
+    assert isinstance(shard.layers[0].mlp, ExpertParallelMoe)
+    assert (shard.layers[0].mlp.start, shard.layers[0].mlp.end) == (0, 5)
+    parallel, single = tensor_parallel(
+        2, [(m, b, config) for m, b in zip(models, builds, strict=True)],
+        tokenizer, PROMPTS, params,
+        lambda: [single_process(m, config, tokenizer, PROMPTS, params) for m in models],
+    )  # fmt: skip
+    for result, ref in zip(parallel, single, strict=True):
+        assert_matches(result, ref, 1e-4)
+
+
+def test_a_moe_whose_experts_leave_a_rank_none_is_refused():
+    import dataclasses
+
+    from gpu_node.models.moe import MOE_CONFIGS, MoeMLP
+    from gpu_node.models.weights import MOE_SMALL, seeded_llama
+    from gpu_node.parallel.sharding import shard_problems
+
+    model = seeded_llama(dataclasses.replace(MOE_SMALL, num_layers=1, num_kv_heads=4))
+    model.layers[0].mlp = MoeMLP.dummy(MOE_CONFIGS["moe-small"], seed=1, dtype=torch.float32)
+    model.layers[0].mlp.fold_shared_experts()  # 9 experts: 3 a rank, the fourth none
+    assert shard_problems(model, 4) == ["layer 0's 9 experts leave rank 3 none"]
