@@ -33,6 +33,8 @@ writing sequence does not own.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gpu_node.cache.kv_quant import (
@@ -46,6 +48,10 @@ from gpu_node.cache.kv_quant import (
 from gpu_node.kernels.kv_write.kernel import kv_write
 from gpu_node.kernels.kv_write.reference import kv_write_ref
 from gpu_node.kernels.paged_attention.reference import gather_kv
+
+if TYPE_CHECKING:
+    from gpu_node.config import EngineConfig
+    from gpu_node.models.config import ModelConfig
 
 HEAD_MAJOR = True  # the pools' memory order (layout above)
 
@@ -136,3 +142,21 @@ class KVCache:
             self.k_scale[layer],
             self.v_scale[layer],
         )
+
+
+def build_kv_cache(config: EngineConfig, mc: ModelConfig) -> KVCache:
+    """The KV pool `config` asks for, for a model of `mc` (a tensor-parallel rank's config:
+    its own KV heads, so every rank of a group gets the same number of pages)."""
+    page_bytes = bytes_per_page(
+        config.kv_dtype, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim
+    )
+    num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
+    return KVCache(
+        mc.num_layers,
+        num_pages,
+        config.page_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        config.kv_dtype,
+        config.device,
+    )

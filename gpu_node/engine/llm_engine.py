@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.window import Window
-from gpu_node.cache.kv_cache import KVCache, bytes_per_page
+from gpu_node.cache.kv_cache import build_kv_cache
 from gpu_node.cache.kv_quant import DTYPE_NAMES
 from gpu_node.config import EngineConfig
 from gpu_node.engine.decode_graphs import DecodeGraphs, capturable
@@ -29,7 +29,6 @@ from gpu_node.engine.prefix_cache import PrefixCache
 from gpu_node.engine.sampler import apply_penalties, draw
 from gpu_node.engine.step_graphs import StepGraphs
 from gpu_node.errors import InvalidRequestError, RequestTooLargeError
-from gpu_node.models.config import ModelConfig
 from gpu_node.models.llama import LlamaModel
 from gpu_node.models.tokenizer import ChatTokenizer
 from gpu_node.models.weights import Progress, activation_dtype, build_model
@@ -102,24 +101,6 @@ class _Fork:
 def choice_id(request_id: str, index: int) -> str:
     """The engine's id of choice `index` of a request with n > 1 (choice 0: its own)."""
     return request_id if index == 0 else f"{request_id}#{index}"
-
-
-def build_kv_cache(config: EngineConfig, mc: ModelConfig) -> KVCache:
-    """The KV pool `config` asks for, for a model of `mc` (a tensor-parallel rank's config:
-    its own KV heads, so every rank of a group gets the same number of pages)."""
-    page_bytes = bytes_per_page(
-        config.kv_dtype, mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim
-    )
-    num_pages = config.num_pages or max(1, config.kv_memory_bytes // page_bytes)
-    return KVCache(
-        mc.num_layers,
-        num_pages,
-        config.page_size,
-        mc.num_kv_heads,
-        mc.head_dim,
-        config.kv_dtype,
-        config.device,
-    )
 
 
 class LLMEngine:

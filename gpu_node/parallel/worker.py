@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from gpu_node.cache.kv_cache import build_kv_cache
 from gpu_node.config import EngineConfig
 from gpu_node.engine.attention import PagedAttention
-from gpu_node.engine.llm_engine import build_kv_cache
 from gpu_node.models.llama import LlamaModel
 from gpu_node.parallel.group import ParallelGroup
 from gpu_node.parallel.step import StepReceiver

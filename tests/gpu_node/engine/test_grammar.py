@@ -42,6 +42,8 @@ def make_engine(served_model, smollm2_parts):
         return LLMEngine(config, served_model, tokenizer)
 
     return make
+
+
 ASK = "Describe a made-up person as JSON with name, age, role, address and pets."
 
 
