@@ -89,9 +89,9 @@ class KVHandoff:
             named += [("k_scale", self.k_scale), ("v_scale", self.v_scale)]
         return named
 
-    def to_bytes(self) -> bytes:
-        tensors = self._tensors()
-        header = {
+    def header(self) -> dict:
+        """Everything but the rows, as JSON-ready values: the wire format's header."""
+        return {
             "version": VERSION,
             "spec": self.spec.__dict__,
             "prompt_token_ids": list(self.prompt_token_ids),
@@ -111,41 +111,38 @@ class KVHandoff:
             ),
             "tensors": [
                 {"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)}
-                for name, t in tensors
+                for name, t in self._tensors()
             ],
         }
-        head = json.dumps(header, separators=(",", ":")).encode()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The rows, in the header's order."""
+        return [t for _, t in self._tensors()]
+
+    def to_bytes(self) -> bytes:
+        head = json.dumps(self.header(), separators=(",", ":")).encode()
         head += b" " * (-(4 + len(head)) % 8)  # the rows start 8-byte aligned
-        arrays = [t.detach().cpu().contiguous().view(torch.uint8).numpy() for _, t in tensors]
+        arrays = [t.detach().cpu().contiguous().view(torch.uint8).numpy() for t in self.tensors()]
         # join reads the arrays' buffers in place: the rows are copied once
         return b"".join([struct.pack("<I", len(head)), head, *(a.reshape(-1).data for a in arrays)])
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> KVHandoff:
-        """Parses `to_bytes`' output; ValueError, saying what is wrong, on anything else."""
+    @staticmethod
+    def tensor_layout(header: dict) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, shape) of each tensor a header announces; ValueError on a bad one."""
         try:
-            (size,) = struct.unpack_from("<I", data)
-            header = json.loads(data[4 : 4 + size])
+            return [
+                (str(e["name"]), _DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"]))
+                for e in header["tensors"]
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a KV handoff: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def from_parts(cls, header: dict, tensors: dict[str, torch.Tensor]) -> KVHandoff:
+        """A handoff from its header and its named tensors; ValueError on anything else."""
+        try:
             if header["version"] != VERSION:
                 raise ValueError(f"handoff version {header['version']}, this node reads {VERSION}")
-            spec = KVSpec(**header["spec"])
-            offset = 4 + size
-            buffer = bytearray(data)  # one copy, which the tensors then share
-            tensors: dict[str, torch.Tensor] = {}
-            for entry in header["tensors"]:
-                dtype, shape = _DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
-                count = torch.Size(shape).numel() * dtype.itemsize
-                if offset + count > len(buffer):
-                    raise ValueError(f"tensor {entry['name']!r} is cut short")
-                raw = (
-                    torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset)
-                    if count
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-                tensors[entry["name"]] = raw.view(dtype).reshape(shape)
-                offset += count
-            if offset != len(data):
-                raise ValueError(f"{len(data) - offset} bytes past the last tensor")
             state = header["generator_state"]
             first_logprob = None
             if (entry := header.get("first_logprob")) is not None:
@@ -155,7 +152,7 @@ class KVHandoff:
                     tuple((int(t), float(lp)) for t, lp in entry[1]),
                 )
             return cls(
-                spec=spec,
+                spec=KVSpec(**header["spec"]),
                 prompt_token_ids=tuple(int(t) for t in header["prompt_token_ids"]),
                 first_token=int(header["first_token"]),
                 generator_state=None if state is None else base64.b64decode(state),
@@ -165,8 +162,38 @@ class KVHandoff:
                 v_scale=tensors.get("v_scale"),
                 first_logprob=first_logprob,
             )
-        except (struct.error, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise ValueError(f"not a KV handoff: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVHandoff:
+        """Parses `to_bytes`' output; ValueError, saying what is wrong, on anything else."""
+        try:
+            (size,) = struct.unpack_from("<I", data)
+            header = json.loads(data[4 : 4 + size])
+        except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a KV handoff: {type(exc).__name__}: {exc}") from None
+        if not isinstance(header, dict):
+            raise ValueError("not a KV handoff: its header is not an object")
+        if header.get("version") != VERSION:  # before the layout, which versions may change
+            return cls.from_parts(header, {})
+        offset = 4 + size
+        buffer = bytearray(data)  # one copy, which the tensors then share
+        tensors: dict[str, torch.Tensor] = {}
+        for name, dtype, shape in cls.tensor_layout(header):
+            count = torch.Size(shape).numel() * dtype.itemsize
+            if offset + count > len(buffer):
+                raise ValueError(f"tensor {name!r} is cut short")
+            raw = (
+                torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset)
+                if count
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            tensors[name] = raw.view(dtype).reshape(shape)
+            offset += count
+        if offset != len(data):
+            raise ValueError(f"{len(data) - offset} bytes past the last tensor")
+        return cls.from_parts(header, tensors)
 
     def problems(self, spec: KVSpec, prompt_token_ids: list[int]) -> list[str]:
         """Why a pool of `spec` cannot take this handoff for that prompt (none: it can)."""
