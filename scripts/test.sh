@@ -18,8 +18,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 eval "$(bash scripts/services.sh)"
 export REDIS_URL DATABASE_URL
-# One pytest worker a core, at most four (most tests are single-threaded Python:
-# the Triton interpreter, the servers); `-n 0` among the arguments runs in one process.
-workers=${EDGESERVE_TEST_WORKERS:-$(nproc)}
+# One pytest worker a core and one more, at most four: most tests are single-threaded
+# Python (the Triton interpreter, the servers), and many wait on real processes, servers
+# and timeouts, which another worker's computing fills; `-n 0` runs in one process.
+workers=${EDGESERVE_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 if [ "$workers" -gt 4 ]; then workers=4; fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal "$@"
