@@ -21,6 +21,7 @@ export REDIS_URL DATABASE_URL
 # One pytest worker a core and one more, at most four: most tests are single-threaded
 # Python (the Triton interpreter, the servers), and many wait on real processes, servers
 # and timeouts, which another worker's computing fills; `-n 0` runs in one process.
+# Whole files to a worker, the longest first (tests/conftest.py, LONGEST_FIRST).
 workers=${EDGESERVE_TEST_WORKERS:-$(( $(nproc) + 1 ))}
 if [ "$workers" -gt 4 ]; then workers=4; fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"

@@ -51,6 +51,36 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SESSION_ENV] = (env, data_home)
 
 
+# The longest files, longest first: scripts/test.sh hands whole files to the workers
+# (--dist loadfile, so a module's fixtures load once) in collection order, and a long file
+# handed out last would run on alone at the end.
+LONGEST_FIRST = (
+    "tests/benchmarks/test_smoke.py",
+    "tests/integration/test_gateway_billing.py",
+    "tests/gpu_node/models/test_gemma3.py",
+    "tests/gpu_node/engine/test_llm_engine.py",
+    "tests/integration/test_structured_outputs.py",
+    "tests/gpu_node/engine/test_model_runner.py",
+    "tests/gpu_node/engine/test_grammar.py",
+    "tests/integration/test_batch.py",
+    "tests/gpu_node/cache/test_kv_quant.py",
+    "tests/gpu_node/models/test_hf_checkpoint.py",
+    "tests/integration/test_up.py",
+    "tests/integration/test_first_run.py",
+    "tests/gpu_node/parallel/test_worker.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+
+    items.sort(key=key)  # stable: the rest keep their order
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if (session_env := config.stash.get(_SESSION_ENV, None)) is not None:
         env, data_home = session_env
