@@ -129,7 +129,7 @@ class Dispatcher:
     async def record_start(self, upstream: Upstream) -> None:
         """A stream's durable start record: sent once its client has the status line, before
         the first token (docs/billing.md). A whole answer needs none: its end is recorded
-        before its first byte goes out."""
+        between its status line and its body (gateway.http.SettlingJSON)."""
         await self._meter.record_start(upstream)
 
     async def embed(

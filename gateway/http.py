@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.catalog import CatalogModel, ModelCatalog
 from gateway.dispatch import Dispatcher
@@ -32,6 +34,9 @@ from gateway.errors import (
 from gateway.json_body import BodyTooLargeError, json_bytes, load_json, read_body
 from gateway.keys import KeyStore
 from gateway.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from gateway.upstream import Upstream
 
 LEFT_MID_BODY = "the client closed the connection before its request body arrived"
 
@@ -73,6 +78,33 @@ class JSONBytes(Response):
 
     def render(self, content: Any) -> bytes:
         return json_bytes(content)
+
+
+class SettlingJSON(JSONBytes):
+    """A whole answer whose upstream is still open: the status line (with the request id)
+    goes out, then the upstream closes (its end recorded for billing), then the body. A
+    gateway that dies in between leaves a bill its client can name (docs/billing.md)."""
+
+    def __init__(self, content: Any, upstream: Upstream, headers: dict[str, str]) -> None:
+        super().__init__(content, headers=headers)
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await asyncio.shield(self.upstream.close())
+        await send({"type": "http.response.body", "body": self.body})
+
+
+async def settled(upstream: Upstream, build: Callable[[], Any]) -> SettlingJSON:
+    """`build()`'s JSON as a SettlingJSON of `upstream` (collected with keep_open); should
+    building fail, the upstream is closed before the error goes on."""
+    try:
+        return SettlingJSON(build(), upstream, upstream.headers)
+    except BaseException:
+        await asyncio.shield(upstream.close())
+        raise
 
 
 def error_response(error: GatewayError, dialect: Dialect) -> Response:

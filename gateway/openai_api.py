@@ -25,6 +25,7 @@ from gateway.http import (
     require_ready,
     resolve_model,
     session_id_of,
+    settled,
 )
 from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
 from gateway.metering import estimate_tokens
@@ -36,7 +37,7 @@ from gateway.schemas import (
     check_generation_model,
 )
 from gateway.tool_calls import CallStart, Content, Piece, ToolCallReader
-from gateway.upstream import Choice, ChoiceEnd, Finished, TextChunk, Upstream, collect
+from gateway.upstream import Choice, ChoiceEnd, Finished, TextChunk, collect
 
 
 def usage(finished: Finished) -> dict[str, Any]:
@@ -283,10 +284,9 @@ def _answer(
     model: str,
     choices: list[dict[str, Any]],
     finished: Finished,
-    upstream: Upstream,
-) -> Response:
+) -> dict[str, Any]:
     """A non-streamed completion: its choices and the usage."""
-    result = {
+    return {
         "id": completion_id,
         "object": object_name,
         "created": int(time.time()),
@@ -294,7 +294,6 @@ def _answer(
         "choices": choices,
         "usage": usage(finished),
     }
-    return JSONBytes(result, headers=upstream.headers)
 
 
 def chat_message(choice: Choice, request_id: str, index: int, reads_tools: bool) -> dict[str, Any]:
@@ -346,9 +345,15 @@ async def chat_completions(request: Request) -> Response:
             reads_tools=body.offers_tools, has_logprobs=bool(body.logprobs),
         )  # fmt: skip
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    choices, finished = await collect(upstream, request.receive)
-    answers = [chat_message(c, request_id, i, body.offers_tools) for i, c in enumerate(choices)]
-    return _answer("chat.completion", completion_id, model, answers, finished, upstream)
+    choices, finished = await collect(upstream, request.receive, keep_open=True)
+    return await settled(
+        upstream,
+        lambda: _answer(
+            "chat.completion", completion_id, model,
+            [chat_message(c, request_id, i, body.offers_tools) for i, c in enumerate(choices)],
+            finished,
+        ),
+    )  # fmt: skip
 
 
 @endpoint("openai")
@@ -366,17 +371,21 @@ async def completions(request: Request) -> Response:
             has_logprobs=body.logprobs is not None,
         )  # fmt: skip
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    choices, finished = await collect(upstream, request.receive)
-    answers = [
-        {
-            "index": i,
-            "text": c.text,
-            "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
-            "finish_reason": finish_reason(c.finish_reason),
-        }
-        for i, c in enumerate(choices)
-    ]
-    return _answer("text_completion", completion_id, model, answers, finished, upstream)
+    choices, finished = await collect(upstream, request.receive, keep_open=True)
+
+    def answer() -> dict[str, Any]:
+        answers = [
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs),
+                "finish_reason": finish_reason(c.finish_reason),
+            }
+            for i, c in enumerate(choices)
+        ]
+        return _answer("text_completion", completion_id, model, answers, finished)
+
+    return await settled(upstream, answer)
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

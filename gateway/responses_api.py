@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError, error_body
-from gateway.http import JSONBytes, endpoint, gateway_of, request_id_of
+from gateway.http import endpoint, gateway_of, request_id_of, settled
 from gateway.json_body import json_bytes
 from gateway.openai_api import open_generation
 from gateway.relay import RelayResponse
@@ -253,14 +253,18 @@ async def create_response(request: Request) -> Response:
     if body.stream:
         stream = ResponsesStream(response, body.offers_tools)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    (choice,), finished = await collect(upstream, request.receive)
-    text = choice.text
-    if body.offers_tools:
-        reader = ToolCallReader()
-        pieces = reader.feed(choice.text) + reader.finish()
-        text = "".join(p.text for p in pieces if isinstance(p, Content))
-        calls = zip(reader.names, reader.arguments, strict=True)
-        response.output += [response.call_item(i, n, a) for i, (n, a) in enumerate(calls)]
-    if text or not response.output:
-        response.output.insert(0, response.message_item(text))
-    return JSONBytes(response.object(_status(finished), finished), headers=upstream.headers)
+    (choice,), finished = await collect(upstream, request.receive, keep_open=True)
+
+    def answer() -> dict[str, Any]:
+        text = choice.text
+        if body.offers_tools:
+            reader = ToolCallReader()
+            pieces = reader.feed(choice.text) + reader.finish()
+            text = "".join(p.text for p in pieces if isinstance(p, Content))
+            calls = zip(reader.names, reader.arguments, strict=True)
+            response.output += [response.call_item(i, n, a) for i, (n, a) in enumerate(calls)]
+        if text or not response.output:
+            response.output.insert(0, response.message_item(text))
+        return response.object(_status(finished), finished)
+
+    return await settled(upstream, answer)

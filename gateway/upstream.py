@@ -339,12 +339,15 @@ async def until_client_leaves(
     work: Coroutine[Any, Any, T],
     receive: Receive,
     gone: asyncio.Event | None = None,
+    *,
+    keep_open: bool = False,
 ) -> asyncio.Future[T]:
     """Runs `work` (answering the client from `upstream`) against the client leaving,
-    whichever ends first ending the other, then always closes the upstream, which cancels
-    the request on the node when it did not finish. Returns the work's future: cancelled
-    when the client left first, else done with its result or exception. `gone` is set the
-    moment the client leaves (the stream relay checks it between sends)."""
+    whichever ends first ending the other, then closes the upstream, which cancels the
+    request on the node when it did not finish (with `keep_open`, not when the work
+    succeeded: its caller closes it). Returns the work's future: cancelled when the client
+    left first, else done with its result or exception. `gone` is set the moment the
+    client leaves (the stream relay checks it between sends)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_for_disconnect(receive, gone))
     try:
@@ -353,8 +356,10 @@ async def until_client_leaves(
         for future in (task, watch):
             future.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
-        # Cleanup must run even if this task is being cancelled (server shutdown).
-        await asyncio.shield(upstream.close())
+        succeeded = task.done() and not task.cancelled() and task.exception() is None
+        if not (keep_open and succeeded):
+            # Cleanup must run even if this task is being cancelled (server shutdown).
+            await asyncio.shield(upstream.close())
     return task
 
 
@@ -367,10 +372,13 @@ class Choice:
     finish_reason: str = ""
 
 
-async def collect(upstream: Upstream, receive: Receive) -> tuple[list[Choice], Finished]:
+async def collect(
+    upstream: Upstream, receive: Receive, *, keep_open: bool = False
+) -> tuple[list[Choice], Finished]:
     """Read a whole generation (non-streaming answers): its choices, in order, and its
-    end; always closes the upstream. A node that fails midway is replaced once by another
-    (`Upstream.restart`).
+    end; closes the upstream, but for a whole answer read with `keep_open`, which its
+    caller closes once the client has the status line (`SettlingJSON`). A node that fails
+    midway is replaced once by another (`Upstream.restart`).
 
     `receive` is the client's ASGI channel, its body already read. A client that leaves
     before the answer is whole ends the generation there: it is billed as cancelled, with
@@ -401,7 +409,7 @@ async def collect(upstream: Upstream, receive: Receive) -> tuple[list[Choice], F
                 choice.finish_reason = finished.reason_of(i)
             return choices, finished
 
-    reading = await until_client_leaves(upstream, read(), receive)
+    reading = await until_client_leaves(upstream, read(), receive, keep_open=keep_open)
     if reading.cancelled():
         raise ClientClosedError("the client closed the connection before the answer was whole")
     return reading.result()

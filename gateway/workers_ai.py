@@ -34,6 +34,7 @@ from gateway.http import (
     require_ready,
     resolve_model,
     session_id_of,
+    settled,
     validation_error,
 )
 from gateway.jobs import EmbeddingJob, GenerationJob, estimate_input_tokens
@@ -45,7 +46,7 @@ from gateway.schemas import (
     WorkersAITextRequest,
 )
 from gateway.tool_calls import CallStart, Content, ToolCallReader
-from gateway.upstream import ChoiceEnd, Finished, TextChunk, collect
+from gateway.upstream import ChoiceEnd, Finished, TextChunk, Upstream, collect
 
 BATCH_FULL_RETRY_S = 30.0  # a full batch queue drains at the pace of low-priority work
 
@@ -126,13 +127,13 @@ async def run_model(request: Request) -> Response:
         )
         stream = WorkersAIStream(body.offers_tools)
         return RelayResponse(upstream, stream, upstream.headers)  # type: ignore[return-value]
-    result, headers = await generate(
+    result, upstream = await generate(
         gateway_of(request),
         _generation_job(request_id_of(request), account_id, model, body, request),
         body.offers_tools,
         request.receive,
     )
-    return JSONBytes(envelope(result), headers=headers)
+    return await settled(upstream, lambda: envelope(result))
 
 
 def _generation_job(
@@ -158,18 +159,23 @@ def _generation_job(
 
 async def generate(
     gateway: Gateway, job: GenerationJob, offers_tools: bool, receive: Receive
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """A whole generation's `result` (response, tool calls, usage) and admission's headers."""
+) -> tuple[dict[str, Any], Upstream]:
+    """A whole generation's `result` (response, tool calls, usage) and its upstream, left
+    open: the caller closes it (`settled`, for a client)."""
     upstream = await gateway.dispatcher.open(job, receive)
-    (choice,), finished = await collect(upstream, receive)
-    result: dict[str, Any] = {"response": choice.text}
-    if offers_tools:
-        reader = ToolCallReader()
-        pieces = reader.feed(choice.text) + reader.finish()
-        result["response"] = "".join(p.text for p in pieces if isinstance(p, Content))
-        if reader.names:
-            result["tool_calls"] = tool_calls(reader)
-    return result | {"usage": usage(finished)}, upstream.headers
+    (choice,), finished = await collect(upstream, receive, keep_open=True)
+    try:
+        result: dict[str, Any] = {"response": choice.text}
+        if offers_tools:
+            reader = ToolCallReader()
+            pieces = reader.feed(choice.text) + reader.finish()
+            result["response"] = "".join(p.text for p in pieces if isinstance(p, Content))
+            if reader.names:
+                result["tool_calls"] = tool_calls(reader)
+    except BaseException:
+        await asyncio.shield(upstream.close())
+        raise
+    return result | {"usage": usage(finished)}, upstream
 
 
 async def _batch(request: Request, account_id: str, model: CatalogModel) -> Response:
@@ -220,7 +226,8 @@ def batch_runner(gateway: Gateway) -> Runner:
             raise validation_error(exc) from None
         body.check_supported()
         job = _generation_job(request.request_id, request.account_id, model, body)
-        result, _ = await generate(gateway, job, body.offers_tools, _no_client)
+        result, upstream = await generate(gateway, job, body.offers_tools, _no_client)
+        await asyncio.shield(upstream.close())  # no client: its end is recorded at once
         return result
 
     return run
