@@ -400,16 +400,17 @@ class Load:
             if is_stream:
                 await self._stream(http, url, body, headers, o, leave_after)
             else:
-                response = await http.post(url, json=body, headers=headers)
-                o.status, o.request_id = (
-                    response.status_code,
-                    response.headers.get("x-request-id", ""),
-                )
+                # The status line and request id as they arrive, before the body: a gateway
+                # that dies between them has sent a bill's id its client holds.
+                async with http.stream("POST", url, json=body, headers=headers) as response:
+                    o.status = response.status_code
+                    o.request_id = response.headers.get("x-request-id", "")
+                    data = await response.aread()
                 if response.status_code == 200:
-                    o.usage_output = int(response.json()["usage"]["completion_tokens"])
+                    o.usage_output = int(json.loads(data)["usage"]["completion_tokens"])
                     o.is_done = True
                 else:
-                    o.error = response.text[:160]
+                    o.error = data.decode(errors="replace")[:160]
         except httpx.ConnectError:
             o.error = "refused"
         except (httpx.HTTPError, ValueError, KeyError) as exc:
