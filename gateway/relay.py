@@ -64,8 +64,10 @@ class RelayResponse:
             *((k.lower().encode(), v.encode()) for k, v in headers.items()),
         ]
         self.failure: GatewayError | None = None  # the error that ended the stream
+        self._state: dict[str, object] = {}  # the request scope's state, once called
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._state = scope.setdefault("state", {})
         gone = asyncio.Event()
         # Whichever ends first ends the other: a finished stream, or a client gone.
         relay = await until_client_leaves(self.upstream, self._relay(send, gone), receive, gone)
@@ -75,6 +77,12 @@ class RelayResponse:
         if error is not None and not isinstance(error, OSError):  # OSError: a send to a gone client
             raise error
 
+    def _fail(self, error: GatewayError) -> None:
+        """The error that ends the stream, where the recent errors read it before the stream's
+        last bytes go out."""
+        self.failure = error
+        self._state[STREAM_FAILURE] = error
+
     async def _relay(self, send: Send, gone: asyncio.Event) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         # Billed from here: the client holds the status line and its request id, so a
@@ -83,8 +91,9 @@ class RelayResponse:
             await self.upstream.record_start()
         except Exception:  # neither the usage stream nor the journal took it
             log.exception("recording the start of %s failed", self.upstream.job.request_id)
-            self.failure = InternalError("The answer could not be metered; try again.")
-            await send({"type": "http.response.body", "body": self.renderer.error(self.failure)})
+            unmetered = InternalError("The answer could not be metered; try again.")
+            self._fail(unmetered)
+            await send({"type": "http.response.body", "body": self.renderer.error(unmetered)})
             return
 
         async def body(data: bytes) -> bool:
@@ -115,6 +124,6 @@ class RelayResponse:
                     await body(self.renderer.finish(event))
         except UpstreamError as exc:
             # After the first byte the status is sent: the failure travels as an event.
-            self.failure = exc
+            self._fail(exc)
             await body(self.renderer.error(exc))
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -117,11 +117,11 @@ class RecentErrorsMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-            elif message["type"] == "http.response.body" and status >= 500:
-                if len(body) < MAX_BODY_BYTES:
+            elif message["type"] == "http.response.body":
+                if status >= 500 and len(body) < MAX_BODY_BYTES:
                     body.extend(message.get("body", b"")[: MAX_BODY_BYTES - len(body)])
                 if not message.get("more_body", False):
-                    record()
+                    record()  # before the last bytes: a client that has its answer finds it
             await send(message)
 
         try:
