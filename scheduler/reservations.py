@@ -281,12 +281,15 @@ class RedisReservations:
             self._task = None
 
     async def _renew_forever(self) -> None:
+        task = asyncio.current_task()
         while True:
             await asyncio.sleep(self._renew_s)
             try:
                 await self.renew()
             except Exception:  # a fault of ours must not end the renewals of live requests
                 log.exception("renewing the node reservations failed")
+            if task is not None and task.cancelling():  # a cancel a Redis call absorbed
+                raise asyncio.CancelledError
 
 
 class LocalReservations:

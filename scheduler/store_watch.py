@@ -113,6 +113,8 @@ class StoreWatch:
                 raise asyncio.CancelledError from exc
             raise StoreAway(f"the shared store did not serve: {exc!r}", was_sent=True) from exc
         self._succeeded()
+        if task is not None and task.cancelling() > num_cancels:
+            raise asyncio.CancelledError  # a cancel redis-py absorbed (it retried, and got through)
         return result
 
     def failed(self) -> None:
