@@ -71,8 +71,6 @@ class RelayResponse:
         gone = asyncio.Event()
         # Whichever ends first ends the other: a finished stream, or a client gone.
         relay = await until_client_leaves(self.upstream, self._relay(send, gone), receive, gone)
-        if self.failure is not None:  # for the recent errors, which see a 200
-            scope.setdefault("state", {})[STREAM_FAILURE] = self.failure
         error = None if relay.cancelled() else relay.exception()
         if error is not None and not isinstance(error, OSError):  # OSError: a send to a gone client
             raise error
